@@ -1,0 +1,414 @@
+"""The engine's settings: one frozen, typed, validated record, with units in every field name.
+
+Primitives: ``EngineConfig`` (the record, its defaults and their reasons, validation) and its loaders
+``EngineConfig.from_dict`` / ``from_toml`` / ``from_env`` / ``load`` (defaults < TOML < environment <
+overrides), plus ``parse_size`` ("256MiB" -> 268435456). Pure and synchronous; safe on any thread.
+
+Every error is a ``ValueError`` that names the field (or the environment variable / TOML file it came
+from) and the offending value, like ``kvtier.policy``'s constructors: a bad setting is a bad argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+__all__ = ["EngineConfig", "parse_size"]
+
+_KiB = 1 << 10
+_MiB = 1 << 20
+_GiB = 1 << 30
+
+HOST_EVICTION_POLICIES: Tuple[str, ...] = ("lru", "arc")
+DEVICE_KINDS: Tuple[str, ...] = ("cpu", "cuda")
+
+# zstd's regular levels. Negative ("fast") levels are left out: the byte-plane codec tunes its own
+# level-1 parameters and a faster level buys nothing against a disk at ~0.5 GB/s.
+_COMPRESSION_LEVEL_RANGE = (1, 22)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one ``OffloadEngine``. Construct directly, or through a loader.
+
+    Sizes are bytes (``*_bytes``), durations seconds (``*_s``), ratios fractions in [0, 1]
+    (``*_fraction``). The defaults below are the single place defaults live; each says why.
+    """
+
+    # No disk tier unless asked: a cache directory is a deployment decision (NVMe, not NFS; 0700).
+    cache_dir: Optional[str] = None
+    # 256 MiB of slab: enough for a few requests' chunks at 256 KiB - 4 MiB each, small enough to
+    # preallocate and pre-fault at start (~0.25 s at the measured 1.1 GB/s first touch). Split
+    # across groups by the engine.
+    host_capacity_bytes: int = 256 * _MiB
+    # LRU: the cheapest policy and the right one for prefix reuse that decays with age; ARC is for
+    # workloads that mix a hot system prompt with one-off scans.
+    host_eviction_policy: str = "lru"
+    # None = bounded only by the LMDB map (which grows); set it to share the disk with others.
+    disk_capacity_bytes: Optional[int] = None
+    # Initial LMDB map: 1 GiB of address space costs nothing until written, and the map grows on
+    # MapFullError, so this only sets how often the first growths happen.
+    lmdb_map_size_bytes: int = 1 * _GiB
+    # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
+    # is not keeping up and waiting would only move the stall into the serving process.
+    store_queue_max_chunks: int = 4096
+    # 64 MiB per LMDB write transaction: measured to reach disk speed (230-310 MB/s) while one
+    # transaction per 256 KiB value reaches only ~130 MB/s.
+    spill_batch_max_bytes: int = 64 * _MiB
+    # Caps a batch of small chunks so one transaction never holds the writer for thousands of puts.
+    spill_batch_max_chunks: int = 256
+    # Write-behind spill on: without it a host slot is the only copy and eviction loses it.
+    spill_enabled: bool = True
+    # 30 s: a 64 MiB batch takes ~0.25 s on the measured disk; 100x that is a broken tier, not a slow
+    # one, and the operation is rolled back as a miss.
+    tier_timeout_s: float = 30.0
+    # Level 1: ~650 MB/s, faster than the disk, so compression raises logical spill bandwidth;
+    # higher levels cost CPU and gain little on KV bytes.
+    compression_level: int = 1
+    # Keep a compressed payload only if it saves 10%: below that, decompression costs more read time
+    # than the bytes save.
+    compression_min_savings_fraction: float = 0.10
+    compression_enabled: bool = True
+    # Pause at 90% used: leaves room for the allocator's own fragmentation before an OOM.
+    pressure_high_watermark_fraction: float = 0.90
+    # Resume at 80%: a 10-point band so a signal hovering at one watermark does not flap.
+    pressure_low_watermark_fraction: float = 0.80
+    # 1 s: an NVML query is ~12 us, so polling costs nothing, and memory pressure builds over
+    # seconds, not microseconds.
+    pressure_poll_interval_s: float = 1.0
+    # LMDB's reader_check() clears slots of dead processes; 30 s bounds how long a crashed reader
+    # can pin old pages (and so grow the file).
+    reader_check_interval_s: float = 30.0
+    # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
+    device_kind: str = "cpu"
+
+    def __post_init__(self) -> None:
+        # A path object is welcome; store its str so the record stays plain and hashable.
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            if isinstance(self.cache_dir, os.PathLike):
+                object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        # Ints are fine where floats are expected (TOML `timeout = 30`); store floats.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        self._validate()
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, str):
+                raise ValueError(f"cache_dir must be a str path or None, got {self.cache_dir!r}")
+            if not self.cache_dir:
+                raise ValueError("cache_dir must be a non-empty path or None, got ''")
+            if "\x00" in self.cache_dir:
+                raise ValueError(f"cache_dir must not contain NUL, got {self.cache_dir!r}")
+
+        _require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        _require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
+        if self.disk_capacity_bytes is not None:
+            _require_int("disk_capacity_bytes", self.disk_capacity_bytes, 1)
+            if self.cache_dir is None:
+                # A capacity for a disk tier that does not exist is a mistake, not a no-op.
+                raise ValueError(
+                    f"disk_capacity_bytes={self.disk_capacity_bytes!r} needs cache_dir "
+                    "(no cache_dir means no disk tier)"
+                )
+        _require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, 1)
+        _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
+        _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
+        _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
+        _require_bool("spill_enabled", self.spill_enabled)
+        _require_seconds("tier_timeout_s", self.tier_timeout_s)
+        lo, hi = _COMPRESSION_LEVEL_RANGE
+        _require_int("compression_level", self.compression_level, lo)
+        if self.compression_level > hi:
+            raise ValueError(
+                f"compression_level must be in [{lo}, {hi}], got {self.compression_level!r}"
+            )
+        _require_fraction(
+            "compression_min_savings_fraction", self.compression_min_savings_fraction, upper_open=True
+        )
+        _require_bool("compression_enabled", self.compression_enabled)
+        _require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
+        _require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
+        if not self.pressure_low_watermark_fraction < self.pressure_high_watermark_fraction:
+            raise ValueError(
+                "pressure_low_watermark_fraction must be < pressure_high_watermark_fraction "
+                "(the band between them is the hysteresis), got "
+                f"low={self.pressure_low_watermark_fraction!r}, "
+                f"high={self.pressure_high_watermark_fraction!r}"
+            )
+        _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
+        _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
+        _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+
+    # -- conversions and loaders ----------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        """The valid setting names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every field as a plain value (``from_dict(c.to_dict()) == c``)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
+        """Build from a mapping of field names to values; missing fields take their defaults.
+
+        Strings are coerced: ints (``"4096"``, ``"4_096"``), floats, bools (``true/false``,
+        ``1/0``, ``yes/no``, ``on/off``), sizes (``*_bytes``: an int or ``"256MiB"``, ``"1GiB"``,
+        ``"64 MB"``). ``cache_dir`` / ``disk_capacity_bytes`` accept ``None``. An unknown key raises
+        ``ValueError`` listing the valid ones.
+        """
+        return cls(**cls._coerce_mapping(data, source=None))
+
+    @classmethod
+    def from_toml(cls, path: Union[str, "os.PathLike[str]"]) -> "EngineConfig":
+        """Build from a TOML file whose top-level keys are field names (see ``from_dict``)."""
+        return cls.from_dict(_read_toml(path))
+
+    @classmethod
+    def from_env(
+        cls, environ: Optional[Mapping[str, str]] = None, prefix: str = "KVTIER_"
+    ) -> "EngineConfig":
+        """Build from ``{prefix}{FIELD_NAME_UPPER}`` variables (``KVTIER_HOST_CAPACITY_BYTES=1GiB``).
+
+        ``environ`` defaults to ``os.environ``. Other variables with the prefix are ignored: the
+        prefix is shared with tools (``KVTIER_LOG``...) and a stray one must not stop a server.
+        An empty ``KVTIER_CACHE_DIR`` / ``KVTIER_DISK_CAPACITY_BYTES`` means ``None``.
+        """
+        return cls(**cls._coerce_mapping(_env_settings(environ, prefix), source="env"))
+
+    @classmethod
+    def load(
+        cls,
+        path: Union[str, "os.PathLike[str]", None] = None,
+        overrides: Optional[Mapping[str, Any]] = None,
+        environ: Optional[Mapping[str, str]] = None,
+        prefix: str = "KVTIER_",
+    ) -> "EngineConfig":
+        """Merge, later winning: defaults < TOML file at ``path`` < environment < ``overrides``.
+
+        ``environ=None`` reads ``os.environ``; pass ``{}`` to ignore the environment. Each layer is
+        coerced and checked for unknown keys on its own, so an error names where the value came from;
+        validation of the merged result (e.g. low < high watermark) happens once at the end.
+        """
+        merged: Dict[str, Any] = {}
+        if path is not None:
+            merged.update(cls._coerce_mapping(_read_toml(path), source=os.fspath(path)))
+        merged.update(cls._coerce_mapping(_env_settings(environ, prefix), source="env"))
+        if overrides:
+            merged.update(cls._coerce_mapping(overrides, source=None))
+        return cls(**merged)
+
+    @classmethod
+    def _coerce_mapping(cls, data: Mapping[str, Any], source: Optional[str]) -> Dict[str, Any]:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"settings must be a mapping, got {type(data).__name__}")
+        valid = cls.field_names()
+        unknown = sorted(str(k) for k in data if k not in valid)
+        if unknown:
+            where = f" in {source}" if source else ""
+            raise ValueError(
+                f"unknown setting(s){where}: {', '.join(unknown)}; valid: {', '.join(valid)}"
+            )
+        return {name: _coerce(name, value, source) for name, value in data.items()}
+
+
+# -- field kinds and coercion --------------------------------------------------------------------
+
+_SIZE_FIELDS = frozenset(
+    {
+        "host_capacity_bytes",
+        "disk_capacity_bytes",
+        "lmdb_map_size_bytes",
+        "spill_batch_max_bytes",
+    }
+)
+_INT_FIELDS = frozenset({"store_queue_max_chunks", "spill_batch_max_chunks", "compression_level"})
+_FLOAT_FIELDS = frozenset(
+    {
+        "tier_timeout_s",
+        "compression_min_savings_fraction",
+        "pressure_high_watermark_fraction",
+        "pressure_low_watermark_fraction",
+        "pressure_poll_interval_s",
+        "reader_check_interval_s",
+    }
+)
+_BOOL_FIELDS = frozenset({"spill_enabled", "compression_enabled"})
+_OPTIONAL_FIELDS = frozenset({"cache_dir", "disk_capacity_bytes"})
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+# Binary units are what memory and slabs are sized in; decimal ones are accepted because disk
+# vendors and `df -H` speak them, and silently reading "64MB" as MiB would be a 5% surprise.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": _KiB,
+    "kib": _KiB,
+    "m": _MiB,
+    "mib": _MiB,
+    "g": _GiB,
+    "gib": _GiB,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: Union[str, int], name: str = "size") -> int:
+    """Bytes from an int or a string: ``"4096"``, ``"256MiB"``, ``"1.5GiB"``, ``"64 MB"``.
+
+    Binary suffixes (``KiB``/``MiB``/``GiB``/``TiB``, or bare ``K``/``M``/``G``/``T``) are powers of
+    1024; ``kB``/``MB``/``GB``/``TB`` are powers of 1000. Case-insensitive. The result must be a whole,
+    non-negative number of bytes.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be an int or a size string like '256MiB', got {text!r}")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"{name} must be a size like 268435456, '256MiB', '1GiB' or '64MB', got {text!r}"
+        )
+    number = Fraction(match.group(1).replace("_", "").rstrip(".") or "0")
+    total = number * _SIZE_UNITS[unit]
+    if total.denominator != 1:
+        raise ValueError(f"{name} must be a whole number of bytes, got {text!r} = {float(total)}")
+    return int(total)
+
+
+def _coerce(name: str, value: Any, source: Optional[str]) -> Any:
+    """Turn a loader's value (often a string) into the field's type; validation comes later."""
+    if source is None:
+        label = name
+    elif source == "env":
+        label = f"{name} (from environment)"
+    else:
+        label = f"{name} (from {source})"
+    if value is None:
+        return None
+    if name in _OPTIONAL_FIELDS and isinstance(value, str) and value.strip() == "":
+        return None
+    if name in _SIZE_FIELDS:
+        if isinstance(value, str) and name in _OPTIONAL_FIELDS and value.strip().lower() == "none":
+            return None
+        return parse_size(value, label)
+    if name in _INT_FIELDS:
+        if isinstance(value, str):
+            try:
+                return int(value.strip(), 10)
+            except ValueError:
+                raise ValueError(f"{label} must be an int, got {value!r}") from None
+        return value
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise ValueError(f"{label} must be a number, got {value!r}") from None
+        return value
+    if name in _BOOL_FIELDS:
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE:
+                return True
+            if word in _FALSE:
+                return False
+            raise ValueError(
+                f"{label} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}"
+            )
+        return value
+    return value
+
+
+# -- field checks (ValueError naming field and value) --------------------------------------------
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; `True` bytes is always a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _require_float(name: str, value: object) -> float:
+    if not isinstance(value, float) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return value
+
+
+def _require_seconds(name: str, value: object) -> None:
+    seconds = _require_float(name, value)
+    if not (0.0 < seconds < math.inf):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+
+
+def _require_fraction(name: str, value: object, upper_open: bool = False) -> None:
+    fraction = _require_float(name, value)
+    if upper_open:
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    elif not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def _require_choice(name: str, value: object, choices: Tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
+    env = os.environ if environ is None else environ
+    found: Dict[str, str] = {}
+    for name in EngineConfig.field_names():
+        key = prefix + name.upper()
+        if key in env:
+            found[name] = env[key]
+    return found
+
+
+def _read_toml(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - only on 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ValueError(
+                f"cannot read {os.fspath(path)!r}: TOML needs Python >= 3.11 (tomllib) or the "
+                "'tomli' package on Python 3.10"
+            ) from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: {exc}") from exc

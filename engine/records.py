@@ -1,0 +1,130 @@
+"""The engine's bookkeeping types: per-chunk entries, store handles, load results, events.
+
+Primitives: ``HostState``, ``ChunkEntry``, ``StoreHandle``, ``LoadResult``, ``ChunkEvent``,
+``RequestKeys``. All of them are touched only on the engine's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult", "ChunkEvent", "RequestKeys"]
+
+
+class HostState(enum.Enum):
+    """Where a chunk that has a host slot stands. A chunk only on disk has no entry at all."""
+
+    PENDING = "pending"  # device -> host copy in flight into `slot`
+    READY = "ready"  # bytes in `slot` are valid
+    LOADING = "loading"  # disk -> host read in flight into `slot`
+
+
+@dataclass(eq=False)
+class ChunkEntry:
+    """One chunk with a host slot. ``pins`` counts readers and writers of the slot; a pinned slot
+    is never evicted or released. ``generation`` changes whenever an in-flight operation is
+    abandoned (timeout, close), so its late completion is recognised and discarded."""
+
+    key: bytes
+    group_index: int
+    chunk_index: int
+    state: HostState
+    slot: int
+    pins: int = 0
+    generation: int = 0
+    spilling: bool = False
+    dead: bool = False  # removed from the index; the slot is released when the last pin goes
+    # Resolves when the in-flight copy ends: None when READY, else the failure reason.
+    ready: Optional[asyncio.Future] = None
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """A chunk appeared in or left a tier: what a router tracking prefix locations consumes."""
+
+    kind: str  # "stored" | "removed"
+    key: bytes
+    group_index: int
+    tier: str  # "host" | "disk"
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What one store did: chunks scheduled per group, chunks skipped because already stored or in
+    flight, chunks dropped with the reason, and whether every scheduled chunk reached the disk."""
+
+    scheduled: Tuple[Tuple[int, int], ...]
+    skipped: Tuple[Tuple[int, int], ...]
+    dropped: Tuple[Tuple[int, int], ...]
+    drop_reason: Optional[str]
+    durable: bool
+
+
+class StoreHandle:
+    """Returned at once by ``OffloadEngine.store``. Two moments, separately:
+
+    - ``wait_released()``: the device -> host copy finished; the serving process may reuse the
+      device blocks now (never before).
+    - ``wait_durable()``: every scheduled chunk is on disk (``True``), or some could not be
+      (``False``: no disk tier, spill failed or the chunk was dropped).
+
+    ``await handle`` waits for both and returns a ``StoreResult``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, scheduled, skipped, dropped, drop_reason):
+        self.scheduled: Tuple[Tuple[int, int], ...] = tuple(scheduled)
+        self.skipped: Tuple[Tuple[int, int], ...] = tuple(skipped)
+        self.dropped: Tuple[Tuple[int, int], ...] = tuple(dropped)
+        self.drop_reason: Optional[str] = drop_reason
+        self._released: asyncio.Future = loop.create_future()
+        self._durable: asyncio.Future = loop.create_future()
+
+    async def wait_released(self) -> None:
+        """Wait until the device blocks may be reused. Cancelling the wait does not stop the copy."""
+        await asyncio.shield(self._released)
+
+    async def wait_durable(self) -> bool:
+        """Wait until the scheduled chunks are on disk; ``False`` when some will never be.
+        Cancelling the wait does not stop the spill."""
+        return await asyncio.shield(self._durable)
+
+    @property
+    def released(self) -> bool:
+        return self._released.done()
+
+    async def _wait(self) -> StoreResult:
+        await self.wait_released()
+        durable = await self.wait_durable()
+        return StoreResult(self.scheduled, self.skipped, self.dropped, self.drop_reason, durable)
+
+    def __await__(self):
+        return self._wait().__await__()
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one load did. ``ok`` is False when any needed chunk could not be read (the serving
+    process then recomputes); ``reason`` says why ("missing", "corrupt", "timeout", "host_full")."""
+
+    hit_tokens: int
+    ok: bool
+    loaded: Tuple[Tuple[int, int], ...]  # (group, logical block) written to the device
+    chunks_from_disk: int = 0
+    chunks_from_host: int = 0
+    reason: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """A request's chunk keys per group, computed once and reused by lookup, load and store."""
+
+    keys: Tuple[Tuple[bytes, ...], ...]
+    num_tokens: int
+    salt_bound: bool = False
+
+    def key(self, group_index: int, chunk_index: int) -> Optional[bytes]:
+        group_keys = self.keys[group_index]
+        return group_keys[chunk_index] if 0 <= chunk_index < len(group_keys) else None

@@ -1,0 +1,276 @@
+"""Eviction policies for the host slab pool: small objects chosen by name.
+
+Primitives: ``EvictionPolicy`` (the five-method interface), ``LRUPolicy``, ``ARCPolicy``,
+``make_eviction_policy(name, capacity)`` (the registry; an unknown name lists the valid ones) and
+``eviction_policy_names()``. Pure bookkeeping over slot numbers: no I/O, no torch. Not thread-safe:
+the host pool calls its policy only from the engine's event-loop thread.
+
+A policy tracks the *occupied* slots of one pool. It never decides on its own that a slot may go:
+``evictable_victims`` asks the pool, per candidate, whether that slot is evictable right now (ready,
+unpinned, flagged by its owner), so pins and states live in one place (the pool) and cannot drift.
+
+Shape of the interface after vLLM's offloading policies (``vllm/v1/kv_offload/cpu/policies``):
+insert / touch / remove / pick victims all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple, Type
+
+__all__ = [
+    "EvictionPolicy",
+    "LRUPolicy",
+    "ARCPolicy",
+    "make_eviction_policy",
+    "eviction_policy_names",
+]
+
+IsEvictable = Callable[[int], bool]
+
+
+class EvictionPolicy(abc.ABC):
+    """Which occupied slot goes first when the pool needs room.
+
+    ``insert(slot, key)`` when a slot gets new content, ``touch(slot)`` when it is read or hit,
+    ``remove(slot)`` when the owner frees it (no history is kept for a removed slot),
+    ``evictable_victims(n, is_evictable)`` to choose ``n`` slots to drop, in policy order, among the
+    slots for which ``is_evictable(slot)`` is true. The victims are forgotten (ARC remembers their
+    keys in its ghost lists). Fewer than ``n`` candidates: ``None``, and nothing changes.
+
+    ``key`` identifies the *content* (the owner's chunk id), not the slot: a slot is reused for other
+    content right after eviction, so only a content key can tell that a chunk came back (ARC's ghost
+    hits). Policies without history ignore it.
+    """
+
+    name: str = "policy"
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+
+    @abc.abstractmethod
+    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+        """Track ``slot`` as holding new content (most recently used). Already tracked: ValueError."""
+
+    @abc.abstractmethod
+    def touch(self, slot: int) -> None:
+        """Record an access to ``slot``. Untracked slot: KeyError."""
+
+    @abc.abstractmethod
+    def remove(self, slot: int) -> None:
+        """Stop tracking ``slot`` (freed by its owner, not evicted). Untracked slot: KeyError."""
+
+    @abc.abstractmethod
+    def evictable_victims(self, n: int, is_evictable: IsEvictable) -> Optional[List[int]]:
+        """Choose and forget ``n`` victims in policy order; ``None`` (and no change) if fewer exist."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked (occupied) slots."""
+
+    @abc.abstractmethod
+    def __contains__(self, slot: object) -> bool:
+        """Whether ``slot`` is tracked."""
+
+
+def _check_count(n: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first. One ordered dict: O(1) insert/touch/remove; choosing victims walks
+    from the cold end past pinned or unready slots, so it costs the number of slots it skips."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        # Oldest first; the value is unused (OrderedDict is the O(1) move-to-end list).
+        self._order: "OrderedDict[int, None]" = OrderedDict()
+
+    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+        if slot in self._order:
+            raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
+        self._order[slot] = None
+
+    def touch(self, slot: int) -> None:
+        self._order.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        del self._order[slot]
+
+    def evictable_victims(self, n: int, is_evictable: IsEvictable) -> Optional[List[int]]:
+        _check_count(n)
+        victims: List[int] = []
+        if n == 0:
+            return victims
+        for slot in self._order:
+            if is_evictable(slot):
+                victims.append(slot)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for slot in victims:
+            del self._order[slot]
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._order
+
+    def order(self) -> List[int]:
+        """Tracked slots, coldest first (for tests and self-checks)."""
+        return list(self._order)
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) over slots.
+
+    ``T1`` holds slots whose content was seen once (recency), ``T2`` content seen at least twice
+    (frequency: touched after insertion, or re-inserted after a recent eviction). ``B1``/``B2`` are
+    ghost lists of the *keys* of content recently evicted from ``T1``/``T2``. A re-inserted key found
+    in ``B1`` means ``T1`` was too small: the target size ``p`` of ``T1`` grows; found in ``B2``, it
+    shrinks. Victims come from ``T1`` while ``|T1| > p``, else from ``T2``, so a one-pass scan of
+    new chunks (stored once, never loaded) cannot flush chunks that are hit repeatedly, which LRU
+    does.
+
+    Adaptation to kvtier: a victim must be evictable (the pool decides); if the preferred list has
+    no evictable slot, the other list gives one, so pins never make allocation fail while some slot
+    could go. Content inserted without a key has no ghost history.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._t1: "OrderedDict[int, None]" = OrderedDict()
+        self._t2: "OrderedDict[int, None]" = OrderedDict()
+        self._b1: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._b2: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._keys: Dict[int, Optional[Hashable]] = {}
+        # Target size of T1, in slots; a float because the ARC step |B2|/|B1| is fractional.
+        self._p = 0.0
+
+    @property
+    def target_t1_size(self) -> float:
+        """ARC's adaptive ``p``: how many slots recency (T1) should get."""
+        return self._p
+
+    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+        if slot in self._keys:
+            raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
+        if key is not None and key in self._b1:
+            self._p = min(float(self.capacity), self._p + max(1.0, len(self._b2) / len(self._b1)))
+            del self._b1[key]
+            self._t2[slot] = None
+        elif key is not None and key in self._b2:
+            self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
+            del self._b2[key]
+            self._t2[slot] = None
+        else:
+            self._t1[slot] = None
+        self._keys[slot] = key
+
+    def touch(self, slot: int) -> None:
+        if slot in self._t1:
+            del self._t1[slot]
+            self._t2[slot] = None
+        else:
+            self._t2.move_to_end(slot)  # KeyError when untracked, as documented
+
+    def remove(self, slot: int) -> None:
+        del self._keys[slot]
+        if slot in self._t1:
+            del self._t1[slot]
+        else:
+            del self._t2[slot]
+
+    def evictable_victims(self, n: int, is_evictable: IsEvictable) -> Optional[List[int]]:
+        _check_count(n)
+        if n == 0:
+            return []
+        # Plan first, mutate after: all or nothing. Candidates are generated lazily, so the common
+        # case (cold ends evictable) inspects about n slots.
+        t1_candidates: Iterator[int] = (s for s in self._t1 if is_evictable(s))
+        t2_candidates: Iterator[int] = (s for s in self._t2 if is_evictable(s))
+        next_t1 = next(t1_candidates, None)
+        next_t2 = next(t2_candidates, None)
+        plan: List[Tuple[int, bool]] = []  # (slot, came from T1)
+        taken_t1 = 0
+        while len(plan) < n:
+            t1_size = len(self._t1) - taken_t1
+            prefer_t1 = t1_size >= 1 and t1_size > self._p
+            if next_t1 is not None and (prefer_t1 or next_t2 is None):
+                plan.append((next_t1, True))
+                taken_t1 += 1
+                next_t1 = next(t1_candidates, None)
+            elif next_t2 is not None:
+                plan.append((next_t2, False))
+                next_t2 = next(t2_candidates, None)
+            else:
+                return None
+        for slot, from_t1 in plan:
+            key = self._keys.pop(slot)
+            if from_t1:
+                del self._t1[slot]
+                ghosts = self._b1
+            else:
+                del self._t2[slot]
+                ghosts = self._b2
+            if key is not None:
+                ghosts.pop(key, None)
+                ghosts[key] = None
+        self._trim_ghosts()
+        return [slot for slot, _ in plan]
+
+    def _trim_ghosts(self) -> None:
+        # ARC's bounds: |T1| + |B1| <= c and the directory |T1|+|T2|+|B1|+|B2| <= 2c; the oldest
+        # ghosts go first.
+        while self._b1 and len(self._t1) + len(self._b1) > self.capacity:
+            self._b1.popitem(last=False)
+        while len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self.capacity:
+            (self._b2 or self._b1).popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._keys
+
+    def lists(self) -> Dict[str, list]:
+        """Snapshot of T1, T2 (slots) and B1, B2 (keys), coldest first (for tests and self-checks)."""
+        return {
+            "t1": list(self._t1),
+            "t2": list(self._t2),
+            "b1": list(self._b1),
+            "b2": list(self._b2),
+        }
+
+
+_REGISTRY: Dict[str, Type[EvictionPolicy]] = {
+    LRUPolicy.name: LRUPolicy,
+    ARCPolicy.name: ARCPolicy,
+}
+
+
+def eviction_policy_names() -> Tuple[str, ...]:
+    """The names ``make_eviction_policy`` accepts, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
+    """A new policy for a pool of ``capacity`` slots. Unknown ``name``: ValueError listing the valid
+    names."""
+    try:
+        cls = _REGISTRY[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(repr(n) for n in eviction_policy_names())
+        raise ValueError(f"unknown eviction policy {name!r}; valid names: {valid}") from None
+    return cls(capacity)

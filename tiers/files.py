@@ -1,0 +1,915 @@
+"""The file tier: one file per chunk, for shared filesystems (NFS, Lustre) where LMDB must not go.
+
+Primitives, and the thread each runs on:
+
+- ``FileTier.open`` (classmethod, event loop): checks or creates the root directory (0700), then
+  scans the tree on the tier's I/O pool (one hop) to rebuild the index and remove stale temp files.
+- ``put_many`` / ``get_many_into`` / ``delete_many`` / ``contains_many`` / ``list_keys`` /
+  ``check`` / ``close`` (async, event loop) and ``statistics`` / ``path_for`` (sync, event loop).
+  The index (key -> size, last access, in LRU order) and every counter are touched only on the
+  event-loop thread, so they need no lock.
+- The tier's own ``ThreadPoolExecutor`` (``kvtier-files-*``, ``io_threads`` workers) runs every
+  blocking call: the aiofiles file operations (open, write, flush, read, close, replace, remove:
+  aiofiles is handed this executor), ``os.fsync`` of files and directories, ``mkdir``, the scan at
+  open, and the record codec (``encode_record``/``decode_record``; zstd and the checksums release
+  the GIL). The codec runs one hop per slice of a batch (about 8 MiB of records per slice), never
+  one hop per chunk: an executor round trip costs ~100 us, about what a 64 KiB chunk takes to encode.
+
+On-disk layout (``root`` is 0700 and owned by the current user)::
+
+    root/ab/cd/<hex key>.kvr                  one record (tiers.record format)
+    root/ab/cd/.<hex key>.<host>-<pid>-<nonce>.tmp   a write in flight, or left by a crash
+    root/quarantine/<hex key>.<nonce>.kvr     records that failed to decode, kept for inspection
+
+``ab`` and ``cd`` are the first two bytes of ``xxh3_64(key)``: two levels of 256 directories, so a
+million records leave about 15 entries per leaf directory, and keys that are not uniformly
+distributed (tests, foreign producers) still spread evenly.
+
+A write goes to a temp file in the record's own directory (``O_EXCL``, mode 0600), is flushed and
+``fsync``-ed, then ``os.replace``-d over the final name; the leaf directory is ``fsync``-ed after
+the renames so the new names survive a power cut (a completed ``put_many`` is durable), and a newly
+created directory is ``fsync``-ed into its parent once. A reader therefore sees the old record, the
+new one, or none, never a partial file.
+
+Sharing a root between processes: each process keeps its own index, built at open. Records another
+process writes later are not seen until the next open, and capacity is enforced per process. Temp
+files are removed at open only when their writer is provably gone (same host, dead pid) or they are
+older than ``stale_temp_s``, so opening a root never breaks another live writer's rename.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+)
+
+import aiofiles
+import aiofiles.os
+import xxhash
+
+from ..policy.errors import (
+    ClosedError,
+    CorruptRecordError,
+    TierFullError,
+    TierIOError,
+    UnsafeDirectoryError,
+)
+from .base import ChunkMeta, ChunkTier, GetItem, PutItem
+from .record import CodecConfig, decode_record, encode_record
+
+__all__ = ["FileTier", "RECORD_SUFFIX", "TEMP_SUFFIX", "QUARANTINE_DIR"]
+
+RECORD_SUFFIX = ".kvr"
+TEMP_SUFFIX = ".tmp"
+QUARANTINE_DIR = "quarantine"
+
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+# A key becomes a file name of 2 * len(key) hex digits plus a temp suffix of ~60 bytes; 100 bytes of
+# key stays well inside NAME_MAX (255) on every filesystem we target.
+_MAX_KEY_BYTES = 100
+# Slice size for codec hops: large enough that the ~100 us hop is noise, small enough that a batch
+# of 4 MiB chunks still spreads over several worker threads.
+_CODEC_SLICE_BYTES = 8 << 20
+# Below this many raw bytes in a whole get batch, decoding on the loop is cheaper than a hop.
+_INLINE_DECODE_BYTES = 256 << 10
+# A record is its header plus a payload never larger than the raw bytes (the codec keeps the
+# compressed form only when it is smaller), so a read is capped at raw size + this much; a file that
+# grew beyond that cannot be a valid record for the buffer and must not make us allocate its size.
+_MAX_RECORD_OVERHEAD = 1 << 20
+# Quarantine keeps evidence, but a disk that corrupts everything must not fill the root with it.
+_QUARANTINE_MAX_FILES = 256
+
+_HEX2 = re.compile(r"^[0-9a-f]{2}$")
+_TEMP_NAME = re.compile(r"^\.([0-9a-f]+)\.(.+)-(\d+)-([0-9a-f]+)\.tmp$")
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Entry:
+    """Index entry; the OrderedDict position is the LRU order, ``last_access`` is for humans."""
+
+    __slots__ = ("size", "last_access")
+    size: int
+    last_access: float
+
+
+def _fanout(key: bytes) -> Tuple[str, str]:
+    digest = xxhash.xxh3_64_digest(key)
+    return f"{digest[0]:02x}", f"{digest[1]:02x}"
+
+
+def _map_os_error(exc: OSError, what: str) -> TierIOError:
+    """``ENOSPC``/``EDQUOT`` -> ``TierFullError``, anything else -> ``TierIOError`` (caller chains)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFullError(f"file tier: no space left while {what}: {exc}")
+    return TierIOError(f"file tier: I/O error while {what}: {exc}")
+
+
+def _private_opener(path: str, flags: int) -> int:
+    # 0600 from the start: a record must never be readable by others, not even for a moment.
+    return os.open(path, flags, _FILE_MODE)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _slices(sizes: Sequence[int], target: int) -> List[range]:
+    """Consecutive index ranges of about ``target`` bytes each (at least one item per range)."""
+    out: List[range] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= target:
+            out.append(range(start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+def _check_root_safe(root: Path) -> None:
+    st = os.stat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(f"file tier root {root} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            f"file tier root {root} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeDirectoryError(
+            f"file tier root {root} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+            "anyone could plant or swap records"
+        )
+
+
+@dataclass
+class _ScanResult:
+    entries: List[Tuple[bytes, int, float]]  # key, size, last access
+    dirs: Set[Tuple[str, str]]
+    temps_removed: int
+    quarantined_files: int
+    created: bool
+
+
+def _scan_tree(root: Path, stale_temp_s: float, create: bool) -> _ScanResult:
+    """Runs on an I/O thread: prepare ``root`` and list what it holds."""
+    created = False
+    if create and not root.exists():
+        os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
+        # makedirs' mode is filtered by the umask; the contract is 0700 exactly.
+        os.chmod(root, _DIR_MODE)
+        _fsync_dir(str(root.parent))
+        created = True
+    _check_root_safe(root)
+    qdir = root / QUARANTINE_DIR
+    if not qdir.exists():
+        os.mkdir(qdir, _DIR_MODE)
+        _fsync_dir(str(root))
+    quarantined = sum(1 for _ in os.scandir(qdir))
+
+    now = time.time()
+    entries: List[Tuple[bytes, int, float]] = []
+    dirs: Set[Tuple[str, str]] = set()
+    temps_removed = 0
+    with os.scandir(root) as level1:
+        for d1 in level1:
+            if not (_HEX2.match(d1.name) and d1.is_dir(follow_symlinks=False)):
+                continue
+            with os.scandir(d1.path) as level2:
+                for d2 in level2:
+                    if not (_HEX2.match(d2.name) and d2.is_dir(follow_symlinks=False)):
+                        continue
+                    dirs.add((d1.name, d2.name))
+                    with os.scandir(d2.path) as leaf:
+                        for e in leaf:
+                            name = e.name
+                            if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+                                if _temp_is_stale(e, now, stale_temp_s):
+                                    try:
+                                        os.unlink(e.path)
+                                        temps_removed += 1
+                                    except FileNotFoundError:
+                                        pass  # its writer renamed or removed it meanwhile
+                                continue
+                            if not name.endswith(RECORD_SUFFIX):
+                                continue  # not ours: leave it alone
+                            try:
+                                key = bytes.fromhex(name[: -len(RECORD_SUFFIX)])
+                            except ValueError:
+                                continue
+                            if not key or _fanout(key) != (d1.name, d2.name):
+                                continue  # misplaced: path_for() would never find it
+                            st = e.stat(follow_symlinks=False)
+                            if not stat.S_ISREG(st.st_mode):
+                                continue  # a symlink or device under our root is never served
+                            entries.append((key, st.st_size, max(st.st_atime, st.st_mtime)))
+    # Oldest first, so the OrderedDict built from it is in LRU order. atime is only as good as the
+    # mount's atime policy (relatime updates it on the first read after a write), which is enough
+    # to order a restart; the live order is kept in memory.
+    entries.sort(key=lambda t: t[2])
+    return _ScanResult(entries, dirs, temps_removed, quarantined, created)
+
+
+def _temp_is_stale(entry: "os.DirEntry[str]", now: float, stale_temp_s: float) -> bool:
+    m = _TEMP_NAME.match(entry.name)
+    if m is not None and m.group(2) == _HOST:
+        pid = int(m.group(3))
+        if pid != os.getpid() and not _pid_alive(pid):
+            return True  # its writer on this host is gone: the rename can never happen
+    try:
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return False
+    # Another host's writer (shared filesystem) or a live one: only an old file is surely abandoned.
+    return age > stale_temp_s
+
+
+def _encode_slice(
+    items: Sequence[Tuple[bytes, ChunkMeta, memoryview]], codec: CodecConfig
+) -> List[bytes]:
+    """Runs on an I/O thread."""
+    return [encode_record(key, meta, raw, codec) for key, meta, raw in items]
+
+
+def _decode_slice(
+    items: Sequence[Tuple[bytes, bytes, memoryview]],
+) -> List[Union[ChunkMeta, CorruptRecordError]]:
+    """Runs on an I/O thread (or on the loop for small batches). Decodes into the callers' buffers."""
+    out: List[Union[ChunkMeta, CorruptRecordError]] = []
+    for key, data, buf in items:
+        try:
+            meta, _ = decode_record(key, data, buf, max_raw_bytes=buf.nbytes)
+        except CorruptRecordError as exc:
+            out.append(exc)
+            continue
+        out.append(meta)
+    return out
+
+
+async def _wait_through_cancel(fut: "asyncio.Future[Any]") -> None:
+    """Wait for ``fut`` even if the waiting task is cancelled again meanwhile."""
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:
+            return
+
+
+class FileTier(ChunkTier):
+    """Chunk records as files under ``root``; see the module docstring for layout and threads.
+
+    Build with ``await FileTier.open(root, capacity_bytes=..., codec=...)``; use from one event loop.
+    ``capacity_bytes`` bounds the sum of record file sizes (encoded bytes); ``None`` means only the
+    filesystem bounds it. Least-recently-read records are evicted before a batch would exceed it.
+    """
+
+    name = "files"
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("use 'await FileTier.open(root, ...)'")
+
+    @classmethod
+    async def open(
+        cls,
+        root: Union[str, "os.PathLike[str]"],
+        capacity_bytes: Optional[int] = None,
+        codec: Optional[CodecConfig] = None,
+        *,
+        io_threads: int = 8,
+        stale_temp_s: float = 600.0,
+    ) -> "FileTier":
+        """Open (creating it 0700 if absent) the tier at ``root`` and rebuild its index by scanning.
+
+        Raises ``UnsafeDirectoryError`` for a root that is world-writable or owned by another uid,
+        ``TierIOError`` when the scan fails. ``io_threads`` is the size of the tier's own pool (the
+        disk wants several I/Os in flight); ``stale_temp_s`` is the age beyond which a temp file
+        of an unknown writer counts as abandoned. If ``capacity_bytes`` is below what the root
+        already holds, the least recently used records are evicted now.
+
+        Cancelling it: the scan thread runs to its end (it may already have removed stale temps);
+        no tier is returned and its thread pool is shut down.
+        """
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+                raise TypeError(f"capacity_bytes must be an int or None, not {capacity_bytes!r}")
+            if capacity_bytes <= 0:
+                raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if stale_temp_s < 0:
+            raise ValueError(f"stale_temp_s must be >= 0, got {stale_temp_s}")
+        self = object.__new__(cls)
+        self._root = Path(os.fspath(root)).absolute()
+        self._capacity = capacity_bytes
+        self._codec = codec if codec is not None else CodecConfig()
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-files")
+        self._loop = asyncio.get_running_loop()
+        self._index: "OrderedDict[bytes, _Entry]" = OrderedDict()
+        self._used = 0  # sum of index sizes
+        self._reserved = 0  # net growth of admitted batches not landed yet
+        self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
+        self._dirs: Set[Tuple[str, str]] = set()  # leaf directories known to exist
+        self._tasks: Set["asyncio.Task[Any]"] = set()
+        self._ops = 0  # public calls in flight (close waits for them)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
+        self._temp_tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._temp_seq = count()
+        self._quarantined_files = 0
+        self._stats: Dict[str, int] = dict(
+            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, evictions=0, errors=0,
+            deletes=0, temps_removed=0,
+        )
+        self._degraded = False
+        try:
+            try:
+                scan = await self._loop.run_in_executor(
+                    self._io, _scan_tree, self._root, stale_temp_s, True
+                )
+            except OSError as exc:
+                raise _map_os_error(exc, f"opening {self._root}") from exc
+            self._dirs = scan.dirs
+            self._quarantined_files = scan.quarantined_files
+            self._stats["temps_removed"] = scan.temps_removed
+            for key, size, atime in scan.entries:
+                self._index[key] = _Entry(size, atime)
+                self._used += size
+            if self._capacity is not None and self._used > self._capacity:
+                victims = self._pick_victims(self._used - self._capacity)
+                await self._remove_files(victims)
+        except BaseException:
+            self._closed = True
+            self._io.shutdown(wait=False)
+            raise
+        return self
+
+    # ----------------------------------------------------------------------------- public, sync
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return self._capacity
+
+    def path_for(self, key: bytes) -> Path:
+        """Where ``key``'s record lives (whether or not it exists)."""
+        self._check_key(key)
+        d1, d2 = _fanout(key)
+        return self._root / d1 / d2 / (key.hex() + RECORD_SUFFIX)
+
+    def statistics(self) -> Dict[str, float]:
+        """records, bytes (encoded, on disk), capacity_bytes (0 = unbounded), puts/gets/hits/misses
+        (items), put_batches, corrupt (records that failed decode), evictions, deletes, errors
+        (failed batches and failed per-file operations), temps_removed (at open), quarantined_files,
+        degraded (1 after a failed write until a write succeeds)."""
+        out: Dict[str, float] = {k: float(v) for k, v in self._stats.items()}
+        out["records"] = float(len(self._index))
+        out["bytes"] = float(self._used)
+        out["capacity_bytes"] = float(self._capacity or 0)
+        out["quarantined_files"] = float(self._quarantined_files)
+        out["degraded"] = 1.0 if self._degraded else 0.0
+        return out
+
+    # ---------------------------------------------------------------------------- public, async
+
+    async def put_many(self, items: Sequence[PutItem]) -> None:
+        """Encode and store a batch; durable when it returns. All or nothing: on error no item of
+        the batch is visible (a key the batch overwrote may then be absent: the old file was
+        already replaced). ``TierFullError`` when the batch exceeds ``capacity_bytes`` or the
+        filesystem is full (``__cause__`` is the ``OSError``), ``TierIOError`` for other I/O errors.
+        Duplicate keys in one batch: the last one wins.
+
+        Cancelling it: the batch runs on as a tier task and still lands all or nothing (``close``
+        waits for it); the call does not return before the encoder has finished reading the raw
+        buffers, so the caller may reuse them as soon as it returns, cancelled or not. A process
+        killed mid-batch may leave temp files, which the next ``open`` removes; each rename either
+        happened or did not.
+        """
+        self._check_open()
+        batch = self._validate_puts(items)
+        if not batch:
+            return
+        encoded: "asyncio.Future[None]" = self._loop.create_future()
+        task = self._spawn(self._put_batch(batch, encoded))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The contract lets the caller reuse its buffers once we return; an encoder thread
+            # may still be reading them, so hold the return until it is done.
+            await _wait_through_cancel(encoded)
+            raise
+
+    async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
+        """Read and decode each record into its buffer (which must have exactly the chunk's raw
+        size). Per item the record's ``ChunkMeta``, or ``None`` on a miss: not in the index, gone
+        from disk, unreadable (counted in ``errors``), or corrupt (moved to ``quarantine/``,
+        dropped from the index, counted in ``corrupt``; its bytes are never returned). A hit makes
+        the record most recently used.
+
+        Cancelling it: reads and decodes already handed to the I/O threads still finish, into the
+        buffers; keep them reserved until the tier is done with them (the engine pins the slots and
+        discards the late result). A corrupt record seen before the cancel may stay in place, to be
+        caught again on its next read.
+        """
+        self._check_open()
+        checked: List[Tuple[bytes, memoryview]] = []
+        for key, buf in items:
+            self._check_key(key)
+            view = buf if isinstance(buf, memoryview) else memoryview(buf)
+            if view.readonly:
+                raise TypeError("get_many_into needs writable buffers")
+            checked.append((key, view))
+        results: List[Optional[ChunkMeta]] = [None] * len(checked)
+        wanted = [i for i, (key, _) in enumerate(checked) if key in self._index]
+        self._stats["gets"] += len(checked)
+        if not wanted:
+            self._stats["misses"] += len(checked)
+            return results
+        async with self._operation():
+            reads = await asyncio.gather(
+                *(self._read_file(checked[i][0], checked[i][1].nbytes) for i in wanted)
+            )
+            found = [(i, data) for i, data in zip(wanted, reads) if data is not None]
+            jobs = [(checked[i][0], data, checked[i][1]) for i, data in found]
+            decoded = await self._run_codec(
+                _decode_slice, jobs, [buf.nbytes for _, _, buf in jobs], _INLINE_DECODE_BYTES
+            )
+            corrupt: List[bytes] = []
+            now = time.time()
+            for (i, _), outcome in zip(found, decoded):
+                key = checked[i][0]
+                if isinstance(outcome, CorruptRecordError):
+                    corrupt.append(key)
+                    continue
+                results[i] = outcome
+                entry = self._index.get(key)
+                if entry is not None:
+                    entry.last_access = now
+                    self._index.move_to_end(key)
+            if corrupt:
+                self._stats["corrupt"] += len(corrupt)
+                await self._quarantine(corrupt)
+        hits = sum(1 for r in results if r is not None)
+        self._stats["hits"] += hits
+        self._stats["misses"] += len(checked) - hits
+        return results
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove records; returns how many were in the index. They are misses from the moment of
+        the call. Cancelling it: the removals run on as a tier task (``close`` waits for them)."""
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        victims: List[Tuple[bytes, int]] = []
+        for key in dict.fromkeys(keys):
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.size
+                victims.append((key, entry.size))
+        self._stats["deletes"] += len(victims)
+        if victims:
+            await asyncio.shield(self._spawn(self._remove_files(victims)))
+        return len(victims)
+
+    async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
+        """Which keys are in the index (no disk access, no checksum). Cancelling it: no effect."""
+        self._check_open()
+        return [key in self._index for key in keys]
+
+    async def list_keys(self) -> List[bytes]:
+        """Every key in the index, least recently used first. Cancelling it: no effect."""
+        self._check_open()
+        return list(self._index)
+
+    async def check(self) -> List[str]:
+        """Reconcile the index with the files (a self-check for tests and tools): rescans the tree
+        on an I/O thread and returns one line per disagreement (empty when consistent). Batches in
+        flight are waited for first. Cancelling it: the scan thread finishes; nothing changes."""
+        self._check_open()
+        async with self._operation():
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            scan = await self._loop.run_in_executor(
+                self._io, _scan_tree, self._root, float("inf"), False
+            )
+        problems: List[str] = []
+        on_disk = {key: size for key, size, _ in scan.entries}
+        for key, entry in self._index.items():
+            if key not in on_disk:
+                problems.append(f"indexed but missing on disk: {key.hex()}")
+            elif on_disk[key] != entry.size:
+                problems.append(
+                    f"size differs for {key.hex()}: index {entry.size}, disk {on_disk[key]}"
+                )
+        for key in on_disk.keys() - self._index.keys():
+            problems.append(f"on disk but not indexed: {key.hex()}")
+        if self._used != sum(e.size for e in self._index.values()):
+            problems.append("byte count out of step with the index")
+        if self._capacity is not None and self._used > self._capacity:
+            problems.append(f"over capacity: {self._used} > {self._capacity}")
+        return problems
+
+    async def close(self) -> None:
+        """Wait for batches and calls in flight, then release the thread pool. Safe to call twice;
+        every later call raises ``ClosedError``.
+
+        Cancelling it: the tier stays closed to new calls; batches in flight still finish on their
+        own, and a second ``close`` waits for them.
+        """
+        self._closed = True
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._idle.wait()
+        # Threads still running work of cancelled reads finish on their own; nothing awaits them.
+        self._io.shutdown(wait=False)
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"file tier at {self._root} is closed")
+
+    @staticmethod
+    def _check_key(key: bytes) -> None:
+        if not isinstance(key, bytes):
+            raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
+        if not 0 < len(key) <= _MAX_KEY_BYTES:
+            raise ValueError(f"chunk key length must be 1..{_MAX_KEY_BYTES}, got {len(key)}")
+
+    def _validate_puts(self, items: Sequence[PutItem]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
+        batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
+        for item in items:
+            key, meta, raw = item
+            self._check_key(key)
+            if not isinstance(meta, ChunkMeta):
+                raise TypeError(f"expected ChunkMeta, not {type(meta).__name__}")
+            batch.pop(key, None)  # last one wins, and keeps its position
+            batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
+        return list(batch.values())
+
+    def _spawn(self, coro: Awaitable[_T]) -> "asyncio.Task[_T]":
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _operation(self) -> "_Operation":
+        return _Operation(self)
+
+    async def _run_codec(
+        self,
+        fn: Callable[[Sequence[Any]], List[Any]],
+        jobs: Sequence[Any],
+        sizes: Sequence[int],
+        inline_below: int,
+    ) -> List[Any]:
+        if not jobs:
+            return []
+        if sum(sizes) < inline_below:
+            return fn(jobs)
+        parts = await asyncio.gather(
+            *(
+                self._loop.run_in_executor(self._io, fn, [jobs[i] for i in r])
+                for r in _slices(sizes, _CODEC_SLICE_BYTES)
+            )
+        )
+        return [x for part in parts for x in part]
+
+    # puts --------------------------------------------------------------------------------------
+
+    async def _put_batch(
+        self, batch: List[Tuple[bytes, ChunkMeta, memoryview]], encoded: "asyncio.Future[None]"
+    ) -> None:
+        try:
+            codec = self._codec
+            records: List[bytes] = await self._run_codec(
+                lambda part: _encode_slice(part, codec),
+                batch,
+                [raw.nbytes for _, _, raw in batch],
+                0,  # encoding always leaves the loop: zstd of even a small batch is not free
+            )
+        finally:
+            if not encoded.done():
+                encoded.set_result(None)
+        keys = [key for key, _, _ in batch]
+        new_bytes = sum(len(r) for r in records)
+        if self._capacity is not None and new_bytes > self._capacity:
+            self._stats["errors"] += 1
+            raise TierFullError(
+                f"file tier: a batch of {new_bytes} encoded bytes exceeds the capacity of "
+                f"{self._capacity} bytes"
+            )
+        for key in keys:
+            self._writing[key] = self._writing.get(key, 0) + 1
+        try:
+            reservation = await self._admit(keys, new_bytes)
+            try:
+                await self._write_batch(list(zip(keys, records)))
+            finally:
+                self._reserved -= reservation
+        except TierIOError:
+            self._stats["errors"] += 1
+            self._degraded = True
+            raise
+        finally:
+            for key in keys:
+                n = self._writing[key] - 1
+                if n:
+                    self._writing[key] = n
+                else:
+                    del self._writing[key]
+        self._degraded = False
+        self._stats["puts"] += len(batch)
+        self._stats["put_batches"] += 1
+
+    async def _admit(self, keys: Sequence[bytes], new_bytes: int) -> int:
+        """Reserve room for a batch, evicting LRU records first; returns the reservation."""
+        replaced = sum(self._index[k].size for k in keys if k in self._index)
+        growth = max(0, new_bytes - replaced)
+        if self._capacity is not None:
+            excess = self._used + self._reserved + growth - self._capacity
+            if excess > 0:
+                victims = self._pick_victims(excess)
+                # Reserve before awaiting, so a concurrent batch sees the room as taken.
+                self._reserved += growth
+                try:
+                    await self._remove_files(victims)
+                except BaseException:
+                    self._reserved -= growth
+                    raise
+                return growth
+        self._reserved += growth
+        return growth
+
+    def _pick_victims(self, excess: int) -> List[Tuple[bytes, int]]:
+        """Drop least-recently-used records (not being written) from the index until ``excess``
+        bytes are freed; all or nothing: raises ``TierFullError`` and changes nothing otherwise."""
+        victims: List[Tuple[bytes, int]] = []
+        freed = 0
+        for key, entry in self._index.items():  # oldest first
+            if freed >= excess:
+                break
+            if key in self._writing:
+                continue
+            victims.append((key, entry.size))
+            freed += entry.size
+        if freed < excess:
+            raise TierFullError(
+                f"file tier: cannot free {excess} bytes under the capacity of {self._capacity} "
+                "bytes: the rest is being written"
+            )
+        for key, size in victims:
+            del self._index[key]
+            self._used -= size
+        self._stats["evictions"] += len(victims)
+        return victims
+
+    async def _remove_files(self, victims: Sequence[Tuple[bytes, int]]) -> None:
+        """Unlink records already dropped from the index. A failure leaves an orphan file that the
+        next open indexes again (still a valid record), so it is counted, not raised."""
+        outcomes = await asyncio.gather(
+            *(aiofiles.os.remove(self.path_for(key), executor=self._io) for key, _ in victims),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, FileNotFoundError):
+                continue
+            if isinstance(outcome, OSError):
+                self._stats["errors"] += 1
+            elif isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _ensure_dirs(self, dirs: Iterable[Tuple[str, str]]) -> None:
+        missing = [d for d in dict.fromkeys(dirs) if d not in self._dirs]
+        if not missing:
+            return
+        await self._loop.run_in_executor(self._io, self._make_dirs, missing)
+        self._dirs.update(missing)
+
+    def _make_dirs(self, dirs: Sequence[Tuple[str, str]]) -> None:
+        """Runs on an I/O thread: create leaf directories, fsync each new entry into its parent so
+        a record renamed into it cannot vanish with the directory after a power cut."""
+        synced: Set[str] = set()
+        for d1, d2 in dirs:
+            p1 = self._root / d1
+            try:
+                os.mkdir(p1, _DIR_MODE)
+                synced.add(str(self._root))
+            except FileExistsError:
+                pass
+            try:
+                os.mkdir(p1 / d2, _DIR_MODE)
+                synced.add(str(p1))
+            except FileExistsError:
+                pass
+        for path in synced:
+            _fsync_dir(path)
+
+    def _temp_path(self, key: bytes) -> str:
+        d1, d2 = _fanout(key)
+        name = f".{key.hex()}.{self._temp_tag}{next(self._temp_seq):x}{TEMP_SUFFIX}"
+        return os.path.join(self._root, d1, d2, name)
+
+    async def _write_temp(self, tmp: str, record: bytes) -> None:
+        # "xb" is O_CREAT|O_EXCL: a name collision (another process, a reused nonce) fails loudly
+        # instead of two writers interleaving into one file.
+        async with aiofiles.open(tmp, "xb", opener=_private_opener, executor=self._io) as f:
+            await f.write(record)
+            await f.flush()
+            await self._loop.run_in_executor(self._io, os.fsync, f.fileno())
+
+    async def _write_batch(self, entries: Sequence[Tuple[bytes, bytes]]) -> None:
+        """Phase 1 writes and fsyncs every temp file; only when all succeeded, phase 2 renames them
+        and fsyncs their directories. A full disk (the usual failure) thus fails in phase 1, before
+        any reader could see a record of the batch."""
+        try:
+            await self._ensure_dirs(_fanout(key) for key, _ in entries)
+        except OSError as exc:
+            raise _map_os_error(exc, "creating directories") from exc
+        temps = [self._temp_path(key) for key, _ in entries]
+        finals = [str(self.path_for(key)) for key, _ in entries]
+        renamed: List[int] = []
+        try:
+            outcomes = await asyncio.gather(
+                *(self._write_temp(tmp, rec) for tmp, (_, rec) in zip(temps, entries)),
+                return_exceptions=True,
+            )
+            self._raise_first(outcomes, "writing records")
+            outcomes = await asyncio.gather(
+                *(aiofiles.os.replace(t, f, executor=self._io) for t, f in zip(temps, finals)),
+                return_exceptions=True,
+            )
+            renamed = [i for i, o in enumerate(outcomes) if o is None]
+            self._raise_first(outcomes, "renaming records")
+            leaf_dirs = dict.fromkeys(os.path.dirname(f) for f in finals)
+            outcomes = await asyncio.gather(
+                *(self._loop.run_in_executor(self._io, _fsync_dir, d) for d in leaf_dirs),
+                return_exceptions=True,
+            )
+            self._raise_first(outcomes, "syncing directories")
+        except BaseException:
+            await self._rollback(entries, temps, finals, renamed)
+            raise
+        now = time.time()
+        for key, rec in entries:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._used -= old.size
+            self._index[key] = _Entry(len(rec), now)
+            self._used += len(rec)
+
+    @staticmethod
+    def _raise_first(outcomes: Sequence[Any], what: str) -> None:
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if not errors:
+            return
+        # Prefer "full" as the reason: it is the one the caller can act on (free space, retry).
+        for exc in errors:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _map_os_error(exc, what) from exc
+        for exc in errors:
+            if isinstance(exc, OSError):
+                raise _map_os_error(exc, what) from exc
+        raise errors[0]
+
+    async def _rollback(
+        self,
+        entries: Sequence[Tuple[bytes, bytes]],
+        temps: Sequence[str],
+        finals: Sequence[str],
+        renamed: Sequence[int],
+    ) -> None:
+        """Undo a failed batch: remove its renamed records and its temp files. Shielded from
+        cancellation so the undo itself is not cut short; what still escapes is a temp file or an
+        orphan record, both handled by the next open."""
+        for i in renamed:
+            old = self._index.pop(entries[i][0], None)  # its old file was replaced: gone
+            if old is not None:
+                self._used -= old.size
+        doomed = [finals[i] for i in renamed] + [t for i, t in enumerate(temps) if i not in renamed]
+
+        async def undo() -> None:
+            await asyncio.gather(
+                *(aiofiles.os.remove(p, executor=self._io) for p in doomed),
+                return_exceptions=True,
+            )
+
+        await _wait_through_cancel(asyncio.ensure_future(undo()))
+
+    # gets --------------------------------------------------------------------------------------
+
+    async def _read_file(self, key: bytes, raw_size: int) -> Optional[bytes]:
+        try:
+            async with aiofiles.open(self.path_for(key), "rb", executor=self._io) as f:
+                return await f.read(raw_size + _MAX_RECORD_OVERHEAD)
+        except FileNotFoundError:
+            # Evicted or deleted by us since the index lookup, or removed from outside.
+            entry = self._index.pop(key, None)
+            if entry is not None and key not in self._writing:
+                self._used -= entry.size
+            elif entry is not None:
+                self._index[key] = entry
+            return None
+        except OSError:
+            # A read error is a miss for the caller (the chunk is recomputed) but must be visible.
+            self._stats["errors"] += 1
+            return None
+
+    async def _quarantine(self, keys: Sequence[bytes]) -> None:
+        """Move corrupt records out of the tree (or delete them once the quarantine is full) and
+        drop them from the index, so they are never read again."""
+        moves: List[Tuple[str, Optional[str]]] = []
+        for key in keys:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.size
+            src = str(self.path_for(key))
+            if self._quarantined_files < _QUARANTINE_MAX_FILES:
+                self._quarantined_files += 1
+                dst = str(
+                    self._root / QUARANTINE_DIR / f"{key.hex()}.{secrets.token_hex(4)}{RECORD_SUFFIX}"
+                )
+                moves.append((src, dst))
+            else:
+                moves.append((src, None))
+        outcomes = await asyncio.gather(
+            *(
+                aiofiles.os.replace(src, dst, executor=self._io)
+                if dst is not None
+                else aiofiles.os.remove(src, executor=self._io)
+                for src, dst in moves
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, OSError) and not isinstance(outcome, FileNotFoundError):
+                self._stats["errors"] += 1
+
+
+class _Operation:
+    """Counts a public call in flight so that ``close`` can wait for it."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: FileTier) -> None:
+        self._tier = tier
+
+    async def __aenter__(self) -> None:
+        tier = self._tier
+        tier._ops += 1
+        tier._idle.clear()
+
+    async def __aexit__(self, *exc: object) -> None:
+        tier = self._tier
+        tier._ops -= 1
+        if tier._ops == 0:
+            tier._idle.set()

@@ -1,0 +1,341 @@
+"""The host tier: one preallocated, pre-faulted slab of fixed-size slots (one slot = one chunk).
+
+Primitives: ``HostSlabPool`` (slots, pins, owner tags, eviction), ``Allocation`` (what ``allocate``
+returns), ``SlotStateError`` (a slot used against its state). The engine makes one pool per KV-cache
+group, since chunk sizes differ per group.
+
+Why a slab: allocating host memory per chunk is 5-20x slower than reusing a slot (first touch runs at
+~1 GB/s, pinning costs a driver call), so the whole capacity is allocated, page-locked on CUDA
+(``DeviceBackend.host_buffer``) and written once at construction; the hot path only moves integers.
+
+Threads: not thread-safe, by design. Every method runs on the engine's event-loop thread, where all
+chunk-state transitions happen; worker threads receive ``view(slot)`` tensors and copy into or out of
+them, while the slot is pinned, and report back through the loop. ``close`` runs on the loop too.
+
+"Cannot allocate" is a value (``None``), never an exception: it is the normal answer under pressure.
+Eviction is atomic: either ``allocate(n)`` gets all ``n`` slots (evicting what it must) or nothing
+changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Optional, Tuple
+
+import torch
+
+from kvtier.policy import ClosedError, KvtierError
+
+from .device import DeviceBackend
+from .eviction import EvictionPolicy, make_eviction_policy
+
+__all__ = ["HostSlabPool", "Allocation", "SlotStateError"]
+
+
+class SlotStateError(KvtierError, RuntimeError):
+    """A slot was used against its state: released or viewed while free, released while pinned,
+    unpinned more often than pinned. Always a bug in the caller's bookkeeping."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Slots handed out by ``HostSlabPool.allocate``.
+
+    ``slots``: the new slots, each unpinned, not evictable, owner ``None``. ``evicted``: ``(slot,
+    owner tag)`` for every slot whose content was dropped to make room, in eviction order, so the
+    caller can mark those chunks as no longer on the host. An evicted slot may be among ``slots``.
+    """
+
+    slots: List[int]
+    evicted: List[Tuple[int, object]] = field(default_factory=list)
+
+
+def _release_slab(backend: DeviceBackend, slab: torch.Tensor) -> None:
+    # Runs from close() or from a GC finalizer; at interpreter exit CUDA may already be torn down,
+    # and a failing unregister must not turn into an exception in a finalizer.
+    try:
+        backend.release_host_buffer(slab)
+    except Exception:  # noqa: BLE001 - best effort during teardown
+        pass
+
+
+class HostSlabPool:
+    """Fixed-size slots in one host slab, with pins, owner tags and LRU/ARC eviction.
+
+    ``HostSlabPool(slot_bytes, num_slots, device_kind="cpu"|"cuda", eviction="lru"|"arc")``.
+    A slot is *free* (on the free list) or *allocated*. An allocated slot can be evicted by a later
+    ``allocate`` only when its owner marked it evictable (``mark_evictable(slot, True)``: its chunk is
+    READY and may be dropped) and no pin holds it. Pins are reference counts taken while a copy reads
+    or writes the slot. ``touch`` reports an access to the eviction policy.
+
+    Not thread-safe (see the module docstring): call every method from the event-loop thread.
+    """
+
+    def __init__(
+        self,
+        slot_bytes: int,
+        num_slots: int,
+        *,
+        device_kind: str = "cpu",
+        eviction: str = "lru",
+    ) -> None:
+        for name, value in (("slot_bytes", slot_bytes), ("num_slots", num_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # Policy first: a bad name must fail before gigabytes are allocated and faulted in.
+        self._policy: EvictionPolicy = make_eviction_policy(eviction, num_slots)
+        self._backend = DeviceBackend(device_kind)
+        self._slot_bytes = slot_bytes
+        self._num_slots = num_slots
+        slab = self._backend.host_buffer(slot_bytes * num_slots)
+        self._slab: Optional[torch.Tensor] = slab
+        # Unpin even if close() is never called; holds the slab until then, which is the point.
+        self._finalizer = weakref.finalize(self, _release_slab, self._backend, slab)
+
+        # Stack of free slots: O(1) pop/push, and LIFO reuses the most recently freed (cache-warm)
+        # slot. Reversed so the first allocations get slots 0, 1, 2... (readable tests and dumps).
+        self._free: List[int] = list(range(num_slots - 1, -1, -1))
+        self._allocated: List[bool] = [False] * num_slots
+        self._pins: List[int] = [0] * num_slots
+        self._evictable_flag: List[bool] = [False] * num_slots
+        self._owners: List[object] = [None] * num_slots
+        # Slots that could be evicted right now; lets allocate() fail in O(1) when nothing can go.
+        self._num_evictable = 0
+        self._counters: Dict[str, int] = {
+            "allocations": 0,
+            "allocated_slots": 0,
+            "allocation_failures": 0,
+            "evictions": 0,
+            "releases": 0,
+        }
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Allocated slots that an ``allocate`` could evict right now."""
+        return self._num_evictable
+
+    @property
+    def eviction_policy(self) -> str:
+        return self._policy.name
+
+    @property
+    def device_kind(self) -> str:
+        return self._backend.kind
+
+    @property
+    def closed(self) -> bool:
+        return self._slab is None
+
+    # -- internal helpers ----------------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._num_slots:
+            raise ValueError(f"slot must be an int in [0, {self._num_slots}), got {slot!r}")
+
+    def _check_allocated(self, slot: int, action: str) -> None:
+        self._check_slot(slot)
+        if not self._allocated[slot]:
+            raise SlotStateError(f"cannot {action} slot {slot}: it is free (not allocated)")
+
+    def _can_evict(self, slot: int) -> bool:
+        return self._allocated[slot] and self._evictable_flag[slot] and self._pins[slot] == 0
+
+    def _reset(self, slot: int) -> None:
+        self._allocated[slot] = False
+        self._pins[slot] = 0
+        self._evictable_flag[slot] = False
+        self._owners[slot] = None
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate(self, n: int = 1) -> Optional[Allocation]:
+        """``n`` slots, or ``None`` when even evicting every evictable slot would not free enough
+        (then nothing changed). Free slots are used first; the rest come from victims the eviction
+        policy picks among evictable slots, reported in ``Allocation.evicted``."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if self._slab is None:
+            raise ClosedError("host slab pool is closed")
+        shortfall = n - len(self._free)
+        evicted: List[Tuple[int, object]] = []
+        if shortfall > 0:
+            victims = None
+            if shortfall <= self._num_evictable:
+                victims = self._policy.evictable_victims(shortfall, self._can_evict)
+            if victims is None:
+                self._counters["allocation_failures"] += 1
+                return None
+            for slot in victims:
+                evicted.append((slot, self._owners[slot]))
+                self._num_evictable -= 1
+                self._reset(slot)
+                self._free.append(slot)
+            self._counters["evictions"] += len(victims)
+        slots = [self._free.pop() for _ in range(n)]
+        for slot in slots:
+            self._allocated[slot] = True
+            self._policy.insert(slot)
+        self._counters["allocations"] += 1
+        self._counters["allocated_slots"] += n
+        return Allocation(slots=slots, evicted=evicted)
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back to the free list (its content is dropped, without an eviction report).
+        Releasing a free or pinned slot raises ``SlotStateError``."""
+        self._check_allocated(slot, "release")
+        if self._pins[slot]:
+            raise SlotStateError(
+                f"cannot release slot {slot}: pinned {self._pins[slot]} time(s); a copy may still "
+                "read or write it (unpin first)"
+            )
+        if self._can_evict(slot):
+            self._num_evictable -= 1
+        self._policy.remove(slot)
+        self._reset(slot)
+        self._free.append(slot)
+        self._counters["releases"] += 1
+
+    # -- per-slot state ------------------------------------------------------------------------
+
+    def set_owner(self, slot: int, tag: Hashable) -> None:
+        """Record who holds ``slot`` (the engine's chunk id); reported back if the slot is evicted.
+
+        A new owner means new content: the policy sees it as a fresh insertion (most recently used),
+        and ARC uses the tag to recognise content it evicted recently (ghost hit).
+        """
+        self._check_allocated(slot, "set the owner of")
+        if self._owners[slot] == tag:
+            return
+        self._owners[slot] = tag
+        self._policy.remove(slot)
+        self._policy.insert(slot, key=tag)
+
+    def owner(self, slot: int) -> object:
+        self._check_allocated(slot, "read the owner of")
+        return self._owners[slot]
+
+    def mark_evictable(self, slot: int, evictable: bool = True) -> None:
+        """Whether the owner allows dropping ``slot``'s content (its chunk is READY and either safely
+        elsewhere or worth losing). Pins still protect it while held."""
+        self._check_allocated(slot, "mark")
+        before = self._can_evict(slot)
+        self._evictable_flag[slot] = bool(evictable)
+        self._num_evictable += self._can_evict(slot) - before
+
+    def pin(self, slot: int) -> None:
+        """Take a reference: the slot cannot be evicted or released until a matching ``unpin``."""
+        self._check_allocated(slot, "pin")
+        if self._can_evict(slot):
+            self._num_evictable -= 1
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        self._check_allocated(slot, "unpin")
+        if self._pins[slot] == 0:
+            raise SlotStateError(f"cannot unpin slot {slot}: it is not pinned (unpin without pin)")
+        self._pins[slot] -= 1
+        if self._can_evict(slot):
+            self._num_evictable += 1
+
+    def pin_count(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._pins[slot]
+
+    def touch(self, slot: int) -> None:
+        """Report an access (a hit or a load) to the eviction policy."""
+        self._check_allocated(slot, "touch")
+        self._policy.touch(slot)
+
+    # -- bytes ---------------------------------------------------------------------------------
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot's bytes: a ``uint8`` slice of the slab (no copy). Valid while the slot stays
+        allocated to the caller; hand it to a worker only while the slot is pinned."""
+        if self._slab is None:
+            raise ClosedError("host slab pool is closed")
+        self._check_allocated(slot, "view")
+        start = slot * self._slot_bytes
+        return self._slab[start : start + self._slot_bytes]
+
+    def buffer(self, slot: int) -> memoryview:
+        """The slot's bytes as a writable ``memoryview`` (no copy), for tiers that take buffers."""
+        return memoryview(self.view(slot).numpy())
+
+    # -- lifecycle and introspection -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Unpin and drop the slab. Safe to call twice. Views handed out stay readable (plain
+        memory) but are no longer page-locked."""
+        if self._slab is None:
+            return
+        self._slab = None
+        self._finalizer()
+
+    def __enter__(self) -> "HostSlabPool":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def statistics(self) -> Dict[str, float]:
+        """Counters and gauges: slots, free, used, pinned, evictable, allocations, failures,
+        evictions, releases, bytes."""
+        used = self._num_slots - len(self._free)
+        pinned = sum(1 for p in self._pins if p)
+        stats: Dict[str, float] = {
+            "slots": self._num_slots,
+            "slot_bytes": self._slot_bytes,
+            "capacity_bytes": self._num_slots * self._slot_bytes,
+            "free_slots": len(self._free),
+            "used_slots": used,
+            "pinned_slots": pinned,
+            "evictable_slots": self._num_evictable,
+            "page_locked": 1 if self._backend.is_cuda else 0,
+        }
+        stats.update(self._counters)
+        return stats
+
+    def check(self) -> None:
+        """Reconcile the free list, slot flags, evictable count and policy; raise ``SlotStateError``
+        on any disagreement. O(num_slots): for test teardown and stress self-checks."""
+        problems: List[str] = []
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("free list holds a slot twice")
+        evictable = 0
+        for slot in range(self._num_slots):
+            if self._allocated[slot] == (slot in free):
+                problems.append(f"slot {slot}: allocated={self._allocated[slot]} but on free list="
+                                f"{slot in free}")
+            if self._allocated[slot] != (slot in self._policy):
+                problems.append(f"slot {slot}: allocated={self._allocated[slot]} but tracked by "
+                                f"policy={slot in self._policy}")
+            if not self._allocated[slot] and (self._pins[slot] or self._owners[slot] is not None):
+                problems.append(f"slot {slot}: free but pinned or owned")
+            evictable += self._can_evict(slot)
+        if evictable != self._num_evictable:
+            problems.append(f"evictable count {self._num_evictable} != actual {evictable}")
+        if problems:
+            raise SlotStateError("host pool self-check failed: " + "; ".join(problems))
+
+    def __repr__(self) -> str:
+        return (
+            f"HostSlabPool(slot_bytes={self._slot_bytes}, num_slots={self._num_slots}, "
+            f"device_kind={self.device_kind!r}, eviction={self.eviction_policy!r}, "
+            f"free={len(self._free)})"
+        )
