@@ -127,8 +127,8 @@ class EngineConfig:
         _require_bool("spill_enabled", self.spill_enabled)
         _require_seconds("tier_timeout_s", self.tier_timeout_s)
         lo, hi = _COMPRESSION_LEVEL_RANGE
-        _require_int("compression_level", self.compression_level, lo)
-        if self.compression_level > hi:
+        _require_int("compression_level", self.compression_level, None)
+        if not lo <= self.compression_level <= hi:
             raise ValueError(
                 f"compression_level must be in [{lo}, {hi}], got {self.compression_level!r}"
             )
@@ -343,11 +343,11 @@ def _coerce(name: str, value: Any, source: Optional[str]) -> Any:
 # -- field checks (ValueError naming field and value) --------------------------------------------
 
 
-def _require_int(name: str, value: object, minimum: int) -> None:
+def _require_int(name: str, value: object, minimum: Optional[int]) -> None:
     # bool is an int subclass; `True` bytes is always a mistake.
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         bound = "positive" if minimum == 1 else f">= {minimum}"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 

@@ -589,6 +589,7 @@ class OffloadEngine:
         if max_tokens is None:
             max_tokens = max(0, keys.num_tokens - 1)
         hit = longest_hit(self.layout, max_tokens, self._state(keys))
+        self.metrics.lookup()
         if hit is None:
             self.metrics.miss("pending")
         elif hit == 0:
@@ -952,16 +953,18 @@ class OffloadEngine:
             for gi, pool in enumerate(self._pools):
                 stats = pool.statistics()
                 used = sum(1 for g, _ in owned if g == gi)
-                if stats.get("num_slots", 0) - stats.get("num_free", 0) != used:
-                    problems.append(
-                        f"group {gi}: pool has {stats.get('num_slots', 0) - stats.get('num_free', 0)} slots "
-                        f"in use but {used} entries"
-                    )
-                if stats.get("pinned_slots", 0) != 0:
+                if stats["used_slots"] != used:
+                    problems.append(f"group {gi}: pool has {stats['used_slots']} slots in use but {used} entries")
+                if stats["pinned_slots"] != 0:
                     problems.append(f"group {gi}: {stats.get('pinned_slots')} slots pinned while idle")
             if self._inflight_stores != 0:
                 problems.append(f"{self._inflight_stores} stores in flight while idle")
             if self._busy_blocks:
                 problems.append(f"{len(self._busy_blocks)} device blocks still fenced while idle")
+        for gi, pool in enumerate(self._pools):
+            try:
+                pool.check()
+            except KvtierError as exc:
+                problems.append(f"group {gi} host pool: {exc}")
         if problems:
             raise EngineInvariantError("; ".join(problems))

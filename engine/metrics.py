@@ -48,6 +48,8 @@ MISS_REASONS: Tuple[str, ...] = (
     "corrupt",  # a record failed its checksum or did not parse; it was quarantined
     "timeout",  # a tier did not answer within tier_timeout_s; the load was rolled back
     "tier_error",  # a tier raised (I/O error underneath)
+    "copy_error",  # the device <-> host copy of a needed chunk failed
+    "host_full",  # no host slot could be freed to promote a disk chunk into
     "cancelled",  # the caller cancelled the load
     "closed",  # the engine shut down during the load
 )
@@ -56,9 +58,13 @@ DROP_REASONS: Tuple[str, ...] = (
     "queue_full",  # store_queue_max_chunks reached
     "pressure",  # the pressure monitor says high
     "host_full",  # no host slot could be freed (all pinned or in flight)
+    "copy_error",  # the device -> host copy failed
     "tier_error",  # the disk tier failed the write
+    "evicted",  # a host chunk was evicted before it reached disk: its store is lost
+    "pressure_prefetch",  # a prefetch (disk -> host promotion) refused under memory pressure
     "closed",  # the engine shut down with the store still queued
 )
+# Drops count chunks whose store (or promotion) was given up; the names above are the only labels.
 # From ~100 us (a host copy of a small chunk, one executor hop) to 30 s (tier_timeout_s's default).
 LATENCY_BUCKETS_S: Tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,

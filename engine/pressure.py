@@ -222,7 +222,8 @@ class LatencyEwma:
             if self._average_s is None:
                 self._average_s = float(seconds)
             else:
-                self._average_s += self.alpha * (seconds - self._decayed(now))
+                decayed = self._decayed(now)
+                self._average_s = decayed + self.alpha * (seconds - decayed)
             self._last_observed = now
             self._count += 1
 
@@ -247,11 +248,15 @@ class LatencyEwma:
         """Observations so far."""
         return self._count
 
-    def __call__(self) -> float:
+    def fraction(self) -> float:
+        """The pressure reading: ``average_s / high_latency_s`` clipped to [0, 1]; 0.0 before any
+        write. Calling the object does the same, so either can serve as a source."""
         average = self.average_s
         if average is None:
             return 0.0
         return min(1.0, average / self.high_latency_s)
+
+    __call__ = fraction
 
     def __repr__(self) -> str:
         return f"LatencyEwma(alpha={self.alpha}, high_latency_s={self.high_latency_s})"
@@ -462,6 +467,10 @@ class PressureMonitor:
             new = HIGH  # inside the band: stay paused until every known source is at or below low
         else:
             new = NORMAL
+        if new == UNKNOWN and not self._all_unknown_logged:
+            # Said once per monitor, whether or not the state changed (it starts "unknown").
+            self._all_unknown_logged = True
+            logger.warning("no source gives a memory-pressure reading; running as under normal pressure")
         if new == old:
             return new
 
@@ -492,12 +501,7 @@ class PressureMonitor:
                 self.low_fraction,
             )
         elif new == UNKNOWN:
-            level = logging.DEBUG if self._all_unknown_logged else logging.WARNING
-            self._all_unknown_logged = True
-            logger.log(
-                level,
-                "no source gives a memory-pressure reading; running as under normal pressure",
-            )
+            logger.debug("memory pressure unknown after %s: running as under normal pressure", old)
 
     # -- background polling ----------------------------------------------------------------------
 

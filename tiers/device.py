@@ -8,14 +8,19 @@ Primitives:
 - ``DeviceKVView``: per group, the layer tensors whose first dimension is the device block index.
   ``gather``/``gather_many`` copy a chunk's blocks (all layers, layer-major) into host ``uint8``
   slots; ``scatter``/``scatter_many`` copy host slots into device blocks (``None`` skips a block).
+  They return a ``CopyHandle`` as soon as the copies are queued. ``gather_many_groups`` /
+  ``scatter_many_groups`` take items of several groups and by default block until done.
 - ``CopyHandle``: completion of one enqueued batch: ``done()`` polls, ``wait()`` blocks,
   ``wait_on_stream()`` orders a CUDA stream after the copy without blocking the host.
 
-Threads: ``gather*``/``scatter*`` enqueue copies on the calling thread and are not thread-safe (the
-copy streams are shared): call them from one thread at a time, the engine's event-loop thread or its
-one copy thread. On CUDA they return as soon as the copies are queued. On CPU the copies run inline
-on the calling thread and the handle is already done. ``CopyHandle.wait()`` blocks and belongs on a
-worker thread; ``done()`` is cheap and safe on the event loop.
+Threads: the view holds no mutable Python state, and torch's current-stream context is per thread,
+so calls may come from any thread. The intended use is the engine's: one copy thread per direction
+(device->host, host->device), each call validating its whole batch and then queueing it. Two threads
+queueing in the same direction share that direction's stream: still correct, but each batch's event
+then also waits for the other's copies. On CUDA the queueing returns at once; ``CopyHandle.wait()``
+(and the blocking ``*_many_groups``) block their thread in ``event.synchronize()``, so they belong
+on a worker thread; ``done()`` is cheap and safe on the event loop. On CPU the copies run inline on
+the calling thread and every handle is already done.
 """
 
 from __future__ import annotations
@@ -60,10 +65,16 @@ class DeviceBackend:
                 raise DeviceError(
                     f"device {str(dev)!r} requested but torch.cuda.is_available() is False "
                     f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}): no usable "
-                    "GPU or driver is visible to this process; use device 'cpu' or fix the GPU setup"
+                    "GPU or driver is visible to this process; use device 'cpu' or fix the GPU "
+                    "setup"
                 )
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
+            elif dev.index >= torch.cuda.device_count():
+                raise DeviceError(
+                    f"device {str(dev)!r} requested but only {torch.cuda.device_count()} CUDA "
+                    "device(s) are visible (check CUDA_VISIBLE_DEVICES)"
+                )
         elif dev.type != "cpu":
             raise DeviceError(
                 f"unsupported device {str(dev)!r}: kvtier copies between host memory and 'cpu' or "
@@ -146,7 +157,7 @@ class DeviceBackend:
         return torch.cuda.stream(stream)
 
     def wait_stream(self, stream: Optional["torch.cuda.Stream"], other: Any) -> None:
-        """Make ``stream`` wait (on the GPU, host not blocked) for work queued on ``other`` so far."""
+        """Make ``stream`` wait (on the GPU, host not blocked) for the work queued on ``other``."""
         if stream is not None and other is not None:
             stream.wait_stream(other)
 
@@ -172,8 +183,8 @@ class CopyHandle:
     Keeps the tensors of the batch alive until the copy is known complete. On CPU it is done at
     creation. ``done()`` never blocks (event loop); ``wait()`` blocks until the copies finished (a
     worker thread); ``wait_on_stream(stream)`` makes a CUDA stream (default: the calling thread's
-    current stream) wait for the copies without blocking the host: the serving process calls it after
-    a load so its forward pass reads the restored blocks.
+    current stream) wait for the copies without blocking the host: the serving process calls it
+    after a load so its forward pass reads the restored blocks.
     """
 
     __slots__ = ("_event", "_keepalive", "_backend")
@@ -234,8 +245,13 @@ class _GroupTensors:
 # (position in the chunk, first device block, number of consecutive blocks)
 _Run = Tuple[int, int, int]
 
-GatherItem = Tuple[Sequence[int], torch.Tensor]
-ScatterItem = Tuple[torch.Tensor, Sequence[Optional[int]]]
+GatherItem = Tuple[Sequence[int], torch.Tensor]  # (block_ids, out)
+ScatterItem = Tuple[torch.Tensor, Sequence[Optional[int]]]  # (src, block_ids)
+GroupGatherItem = Tuple[int, Sequence[int], torch.Tensor]  # (group_index, block_ids, out)
+# (group_index, src, block_ids)
+GroupScatterItem = Tuple[int, torch.Tensor, Sequence[Optional[int]]]
+# (group, runs, host slot seen as the chunk's dtype and shape, the caller's host tensor)
+_Plan = Tuple[_GroupTensors, List[_Run], torch.Tensor, torch.Tensor]
 
 
 class DeviceKVView:
@@ -244,12 +260,12 @@ class DeviceKVView:
     ``kv_caches[g]`` is the list of layer tensors of group ``g`` of ``layout``; each has the device
     block index as its first dimension and, within a group, the same per-block shape, dtype, block
     count and device (strides may differ: a permuted K/V tensor copies correctly, just in more
-    pieces). A chunk of group ``g`` is ``layout.groups[g].blocks_per_chunk`` blocks; its host form is
-    ``chunk_nbytes(g)`` bytes laid out as ``chunk_shape(g) = (num_layers, blocks_per_chunk,
+    pieces). A chunk of group ``g`` is ``layout.groups[g].blocks_per_chunk`` blocks; its host form
+    is ``chunk_nbytes(g)`` bytes laid out as ``chunk_shape(g) = (num_layers, blocks_per_chunk,
     *block_shape)`` in the group's dtype (layer-major, so one layer's blocks are contiguous).
 
-    All tensors must live on one cpu or cuda device. Errors (``DeviceError``) name the group, and the
-    layer or block at fault. See the module docstring for threads; ``compute_stream`` arguments
+    All tensors must live on one cpu or cuda device. Errors (``DeviceError``) name the group, and
+    the layer or block at fault. See the module docstring for threads; ``compute_stream`` arguments
     default to the calling thread's current stream.
     """
 
@@ -372,7 +388,7 @@ class DeviceKVView:
         return self._group(group_index).dtype
 
     def chunk_shape(self, group_index: int) -> Tuple[int, ...]:
-        """``(num_layers, blocks_per_chunk, *block_shape)``: the logical shape of a chunk's bytes."""
+        """``(num_layers, blocks_per_chunk, *block_shape)``: logical shape of a chunk's bytes."""
         return self._group(group_index).chunk_shape
 
     def num_blocks(self, group_index: int) -> int:
@@ -381,6 +397,10 @@ class DeviceKVView:
 
     def num_layers(self, group_index: int) -> int:
         return len(self._group(group_index).layers)
+
+    def device_index(self) -> Optional[int]:
+        """The CUDA device index the KV tensors live on (for NVML); ``None`` on CPU."""
+        return self.device.index if self.backend.is_cuda else None
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -437,14 +457,18 @@ class DeviceKVView:
                 runs.append((pos, block, 1))
         return runs
 
-    def _typed_slot(self, gi: int, group: _GroupTensors, slot: torch.Tensor, what: str) -> torch.Tensor:
+    def _typed_slot(
+        self, gi: int, group: _GroupTensors, slot: torch.Tensor, what: str
+    ) -> torch.Tensor:
         """The host slot seen as the chunk's dtype and shape (a view, no copy)."""
         if not isinstance(slot, torch.Tensor):
             raise DeviceError(f"group {gi}: {what} must be a tensor, got {type(slot).__name__}")
         if slot.dtype != torch.uint8:
             raise DeviceError(f"group {gi}: {what} must have dtype torch.uint8, got {slot.dtype}")
         if slot.device.type != "cpu":
-            raise DeviceError(f"group {gi}: {what} must be in host memory, got device {slot.device}")
+            raise DeviceError(
+                f"group {gi}: {what} must be in host memory, got device {slot.device}"
+            )
         if slot.numel() != group.chunk_nbytes:
             raise DeviceError(
                 f"group {gi}: {what} holds {slot.numel()} bytes but a chunk is "
@@ -471,8 +495,8 @@ class DeviceKVView:
         compute_stream: Optional["torch.cuda.Stream"] = None,
     ) -> CopyHandle:
         """Copy the blocks ``block_ids`` (all layers) of one chunk into the host slot ``out``
-        (``uint8``, ``chunk_nbytes`` bytes), layer-major. On CUDA the copy waits, on the GPU, for the
-        work queued so far on ``compute_stream`` (it may still be writing these blocks)."""
+        (``uint8``, ``chunk_nbytes`` bytes), layer-major. On CUDA the copy waits, on the GPU, for
+        the work queued so far on ``compute_stream`` (it may still be writing these blocks)."""
         return self.gather_many(group_index, [(block_ids, out)], compute_stream=compute_stream)
 
     def gather_many(
@@ -484,17 +508,36 @@ class DeviceKVView:
     ) -> CopyHandle:
         """``gather`` for a batch of chunks of one group: every item is validated before any copy is
         queued, and the batch completes under one event."""
-        gi = group_index
-        group = self._group(gi)
-        plans: List[Tuple[List[_Run], torch.Tensor]] = []
-        keepalive: List[torch.Tensor] = []
-        for index, (block_ids, out) in enumerate(items):
+        return self.gather_many_groups(
+            [(group_index, block_ids, out) for block_ids, out in items],
+            compute_stream=compute_stream,
+            wait=False,
+        )
+
+    def gather_many_groups(
+        self,
+        items: Sequence[GroupGatherItem],
+        *,
+        compute_stream: Optional["torch.cuda.Stream"] = None,
+        wait: bool = True,
+    ) -> CopyHandle:
+        """``gather`` for ``(group_index, block_ids, out)`` items of any groups: one validation
+        pass, one stream sync, one event. By default blocks until the copies finished: it is meant
+        for the engine's copy thread. On CUDA that thread's current stream is usually the default
+        stream, so pass the serving process's ``compute_stream`` if it computes on another one.
+        ``wait=False`` returns the pending handle instead."""
+        plans: List[_Plan] = []
+        for index, item in enumerate(items):
+            gi, block_ids, out = item
+            group = self._group(gi)
             # Duplicates across chunks of a gather are harmless reads; checked per chunk only.
             runs = self._runs(gi, group, block_ids, allow_none=False, seen={})
             typed = self._typed_slot(gi, group, out, f"out (item {index})")
-            plans.append((runs, typed))
-            keepalive.append(out)
-        return self._enqueue(group, plans, keepalive, self._d2h_stream, compute_stream, to_host=True)
+            plans.append((group, runs, typed, out))
+        handle = self._enqueue(plans, self._d2h_stream, compute_stream, to_host=True)
+        if wait:
+            handle.wait()
+        return handle
 
     def scatter(
         self,
@@ -508,7 +551,7 @@ class DeviceKVView:
         block id skips that block of the chunk (a sliding-window block the consumer never restores);
         its device block is not written. On CUDA the copy waits, on the GPU, for the work queued so
         far on ``compute_stream`` (it may still read the blocks' previous contents); call
-        ``handle.wait_on_stream()`` before the forward pass that reads them."""
+        ``handle.wait_on_stream()`` (or ``wait()``) before the forward pass that reads them."""
         return self.scatter_many(group_index, [(src, block_ids)], compute_stream=compute_stream)
 
     def scatter_many(
@@ -521,23 +564,38 @@ class DeviceKVView:
         """``scatter`` for a batch of chunks of one group, validated in full before any copy is
         queued; one event for the batch. A device block written twice in one batch is an error (the
         result would depend on copy order)."""
-        gi = group_index
-        group = self._group(gi)
-        plans: List[Tuple[List[_Run], torch.Tensor]] = []
-        keepalive: List[torch.Tensor] = []
-        seen: Dict[int, int] = {}
-        for index, (src, block_ids) in enumerate(items):
-            runs = self._runs(gi, group, block_ids, allow_none=True, seen=seen)
+        return self.scatter_many_groups(
+            [(group_index, src, block_ids) for src, block_ids in items],
+            compute_stream=compute_stream,
+            wait=False,
+        )
+
+    def scatter_many_groups(
+        self,
+        items: Sequence[GroupScatterItem],
+        *,
+        compute_stream: Optional["torch.cuda.Stream"] = None,
+        wait: bool = True,
+    ) -> CopyHandle:
+        """``scatter`` for ``(group_index, src, block_ids)`` items of any groups, validated in full
+        before any copy is queued; one event. Blocks until done unless ``wait=False`` (see
+        ``gather_many_groups``)."""
+        plans: List[_Plan] = []
+        seen: Dict[int, Dict[int, int]] = {}
+        for index, item in enumerate(items):
+            gi, src, block_ids = item
+            group = self._group(gi)
+            runs = self._runs(gi, group, block_ids, allow_none=True, seen=seen.setdefault(gi, {}))
             typed = self._typed_slot(gi, group, src, f"src (item {index})")
-            plans.append((runs, typed))
-            keepalive.append(src)
-        return self._enqueue(group, plans, keepalive, self._h2d_stream, compute_stream, to_host=False)
+            plans.append((group, runs, typed, src))
+        handle = self._enqueue(plans, self._h2d_stream, compute_stream, to_host=False)
+        if wait:
+            handle.wait()
+        return handle
 
     def _enqueue(
         self,
-        group: _GroupTensors,
-        plans: List[Tuple[List[_Run], torch.Tensor]],
-        keepalive: List[torch.Tensor],
+        plans: List[_Plan],
         stream: Optional["torch.cuda.Stream"],
         compute_stream: Optional["torch.cuda.Stream"],
         to_host: bool,
@@ -552,7 +610,7 @@ class DeviceKVView:
         backend.wait_stream(stream, compute_stream)
         non_blocking = backend.non_blocking
         with backend.stream_scope(stream):
-            for runs, typed in plans:
+            for group, runs, typed, _ in plans:
                 for li, layer in enumerate(group.layers):
                     host_layer = typed[li]
                     for pos, block, length in runs:
@@ -563,4 +621,4 @@ class DeviceKVView:
                         else:
                             device_part.copy_(host_part, non_blocking=non_blocking)
             event = backend.record_event(stream)
-        return CopyHandle(backend, event, keepalive)
+        return CopyHandle(backend, event, [host for _, _, _, host in plans])

@@ -39,9 +39,9 @@ class EvictionPolicy(abc.ABC):
     slots for which ``is_evictable(slot)`` is true. The victims are forgotten (ARC remembers their
     keys in its ghost lists). Fewer than ``n`` candidates: ``None``, and nothing changes.
 
-    ``key`` identifies the *content* (the owner's chunk id), not the slot: a slot is reused for other
-    content right after eviction, so only a content key can tell that a chunk came back (ARC's ghost
-    hits). Policies without history ignore it.
+    ``key`` identifies the *content* (the owner's chunk id), not the slot: a slot is reused for
+    other content right after eviction, so only a content key can tell that a chunk came back
+    (ARC's ghost hits). Policies without history ignore it.
     """
 
     name: str = "policy"
@@ -53,7 +53,7 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
-        """Track ``slot`` as holding new content (most recently used). Already tracked: ValueError."""
+        """Track ``slot`` as new content, most recently used. Already tracked: ValueError."""
 
     @abc.abstractmethod
     def touch(self, slot: int) -> None:
@@ -65,7 +65,7 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def evictable_victims(self, n: int, is_evictable: IsEvictable) -> Optional[List[int]]:
-        """Choose and forget ``n`` victims in policy order; ``None`` (and no change) if fewer exist."""
+        """Choose and forget ``n`` victims in policy order; ``None`` (no change) if fewer exist."""
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -134,12 +134,12 @@ class ARCPolicy(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) over slots.
 
     ``T1`` holds slots whose content was seen once (recency), ``T2`` content seen at least twice
-    (frequency: touched after insertion, or re-inserted after a recent eviction). ``B1``/``B2`` are
-    ghost lists of the *keys* of content recently evicted from ``T1``/``T2``. A re-inserted key found
-    in ``B1`` means ``T1`` was too small: the target size ``p`` of ``T1`` grows; found in ``B2``, it
-    shrinks. Victims come from ``T1`` while ``|T1| > p``, else from ``T2``, so a one-pass scan of
-    new chunks (stored once, never loaded) cannot flush chunks that are hit repeatedly, which LRU
-    does.
+    (frequency: touched after insertion, or re-inserted after a recent eviction). ``B1``/``B2``
+    are ghost lists of the *keys* of content recently evicted from ``T1``/``T2``. A re-inserted key
+    found in ``B1`` means ``T1`` was too small: the target size ``p`` of ``T1`` grows; found in
+    ``B2``, it shrinks. Victims come from ``T1`` while ``|T1| > p``, else from ``T2``, so a one-pass
+    scan of new chunks (stored once, never loaded) cannot flush chunks that are hit repeatedly,
+    which LRU does.
 
     Adaptation to kvtier: a victim must be evictable (the pool decides); if the preferred list has
     no evictable slot, the other list gives one, so pins never make allocation fail while some slot
@@ -245,7 +245,7 @@ class ARCPolicy(EvictionPolicy):
         return slot in self._keys
 
     def lists(self) -> Dict[str, list]:
-        """Snapshot of T1, T2 (slots) and B1, B2 (keys), coldest first (for tests and self-checks)."""
+        """Snapshot of T1, T2 (slots) and B1, B2 (keys), coldest first (tests, self-checks)."""
         return {
             "t1": list(self._t1),
             "t2": list(self._t2),

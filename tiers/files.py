@@ -12,8 +12,10 @@ Primitives, and the thread each runs on:
   blocking call: the aiofiles file operations (open, write, flush, read, close, replace, remove:
   aiofiles is handed this executor), ``os.fsync`` of files and directories, ``mkdir``, the scan at
   open, and the record codec (``encode_record``/``decode_record``; zstd and the checksums release
-  the GIL). The codec runs one hop per slice of a batch (about 8 MiB of records per slice), never
-  one hop per chunk: an executor round trip costs ~100 us, about what a 64 KiB chunk takes to encode.
+  the GIL). The codec runs one hop per slice of a batch (about 8 MiB of raw bytes per slice, so a
+  batch of big chunks still uses several cores), never one hop per small chunk: an executor round
+  trip costs ~100 us, about what a 64 KiB chunk takes to encode. A get batch under 256 KiB in all
+  decodes on the loop, where the hop would cost more than the decode.
 
 On-disk layout (``root`` is 0700 and owned by the current user)::
 
@@ -58,7 +60,6 @@ from typing import (
     Callable,
     Dict,
     Iterable,
-    Iterator,
     List,
     Optional,
     Sequence,
@@ -80,7 +81,13 @@ from ..policy.errors import (
     UnsafeDirectoryError,
 )
 from .base import ChunkMeta, ChunkTier, GetItem, PutItem
-from .record import CodecConfig, decode_record, encode_record
+from .record import (
+    CodecConfig,
+    RecordMetaMismatchError,
+    RecordSizeMismatchError,
+    decode_record,
+    encode_record,
+)
 
 __all__ = ["FileTier", "RECORD_SUFFIX", "TEMP_SUFFIX", "QUARANTINE_DIR"]
 
@@ -110,6 +117,7 @@ _TEMP_NAME = re.compile(r"^\.([0-9a-f]+)\.(.+)-(\d+)-([0-9a-f]+)\.tmp$")
 _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 
 _T = TypeVar("_T")
+_OPEN_TOKEN = object()
 
 
 @dataclass
@@ -195,7 +203,9 @@ class _ScanResult:
 
 
 def _scan_tree(root: Path, stale_temp_s: float, create: bool) -> _ScanResult:
-    """Runs on an I/O thread: prepare ``root`` and list what it holds."""
+    """Runs on an I/O thread: prepare ``root`` and list what it holds. With ``create`` (open) it
+    also creates what is missing and removes stale temp files; without it (``check``) it only
+    reads."""
     created = False
     if create and not root.exists():
         os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
@@ -205,10 +215,10 @@ def _scan_tree(root: Path, stale_temp_s: float, create: bool) -> _ScanResult:
         created = True
     _check_root_safe(root)
     qdir = root / QUARANTINE_DIR
-    if not qdir.exists():
+    if create and not qdir.exists():
         os.mkdir(qdir, _DIR_MODE)
         _fsync_dir(str(root))
-    quarantined = sum(1 for _ in os.scandir(qdir))
+    quarantined = sum(1 for _ in os.scandir(qdir)) if qdir.exists() else 0
 
     now = time.time()
     entries: List[Tuple[bytes, int, float]] = []
@@ -227,7 +237,7 @@ def _scan_tree(root: Path, stale_temp_s: float, create: bool) -> _ScanResult:
                         for e in leaf:
                             name = e.name
                             if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-                                if _temp_is_stale(e, now, stale_temp_s):
+                                if create and _temp_is_stale(e, now, stale_temp_s):
                                     try:
                                         os.unlink(e.path)
                                         temps_removed += 1
@@ -274,14 +284,29 @@ def _encode_slice(
     return [encode_record(key, meta, raw, codec) for key, meta, raw in items]
 
 
+class _Mismatch:
+    """An intact record that does not fit the request (buffer size): a miss, but not corruption,
+    so the record stays in place for callers that ask correctly."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 def _decode_slice(
     items: Sequence[Tuple[bytes, bytes, memoryview]],
-) -> List[Union[ChunkMeta, CorruptRecordError]]:
-    """Runs on an I/O thread (or on the loop for small batches). Decodes into the callers' buffers."""
-    out: List[Union[ChunkMeta, CorruptRecordError]] = []
+) -> List[Union[ChunkMeta, CorruptRecordError, _Mismatch]]:
+    """Runs on an I/O thread (or on the loop for small batches). Decodes into the callers' buffers;
+    the data is already in memory and the output is the caller's, so nothing here allocates the
+    chunk's size and no ``max_raw_bytes`` cap is needed."""
+    out: List[Union[ChunkMeta, CorruptRecordError, _Mismatch]] = []
     for key, data, buf in items:
         try:
-            meta, _ = decode_record(key, data, buf, max_raw_bytes=buf.nbytes)
+            meta, _ = decode_record(key, data, buf)
+        except (RecordSizeMismatchError, RecordMetaMismatchError) as exc:
+            out.append(_Mismatch(str(exc)))
+            continue
         except CorruptRecordError as exc:
             out.append(exc)
             continue
@@ -310,8 +335,42 @@ class FileTier(ChunkTier):
 
     name = "files"
 
-    def __init__(self, *_: Any, **__: Any) -> None:
-        raise TypeError("use 'await FileTier.open(root, ...)'")
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: Optional[int],
+        codec: CodecConfig,
+        io_threads: int,
+        _token: object = None,
+    ) -> None:
+        if _token is not _OPEN_TOKEN:
+            # An unscanned tier would serve an empty index over a full directory.
+            raise TypeError("use 'await FileTier.open(root, ...)'")
+        self._root = root
+        self._capacity = capacity_bytes
+        self._codec = codec
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-files")
+        self._loop = asyncio.get_running_loop()
+        self._index: "OrderedDict[bytes, _Entry]" = OrderedDict()
+        self._used = 0  # sum of index sizes
+        self._reserved = 0  # net growth of admitted batches not landed yet
+        self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
+        self._dirs: Set[Tuple[str, str]] = set()  # leaf directories known to exist
+        self._dir_pending: Dict[Tuple[str, str], "asyncio.Future[None]"] = {}
+        self._tasks: Set["asyncio.Task[Any]"] = set()
+        self._ops = 0  # public calls in flight (close waits for them)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
+        self._temp_tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._temp_seq = count()
+        self._quarantined_files = 0
+        self._stats: Dict[str, int] = dict(
+            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, evictions=0, errors=0,
+            deletes=0, temps_removed=0, mismatches=0,
+        )
+        self._degraded = False
 
     @classmethod
     async def open(
@@ -343,31 +402,13 @@ class FileTier(ChunkTier):
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if stale_temp_s < 0:
             raise ValueError(f"stale_temp_s must be >= 0, got {stale_temp_s}")
-        self = object.__new__(cls)
-        self._root = Path(os.fspath(root)).absolute()
-        self._capacity = capacity_bytes
-        self._codec = codec if codec is not None else CodecConfig()
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-files")
-        self._loop = asyncio.get_running_loop()
-        self._index: "OrderedDict[bytes, _Entry]" = OrderedDict()
-        self._used = 0  # sum of index sizes
-        self._reserved = 0  # net growth of admitted batches not landed yet
-        self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
-        self._dirs: Set[Tuple[str, str]] = set()  # leaf directories known to exist
-        self._tasks: Set["asyncio.Task[Any]"] = set()
-        self._ops = 0  # public calls in flight (close waits for them)
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closed = False
-        # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
-        self._temp_tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._temp_seq = count()
-        self._quarantined_files = 0
-        self._stats: Dict[str, int] = dict(
-            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, evictions=0, errors=0,
-            deletes=0, temps_removed=0,
+        self = cls(
+            Path(os.fspath(root)).absolute(),
+            capacity_bytes,
+            codec if codec is not None else CodecConfig(),
+            io_threads,
+            _OPEN_TOKEN,
         )
-        self._degraded = False
         try:
             try:
                 scan = await self._loop.run_in_executor(
@@ -409,8 +450,9 @@ class FileTier(ChunkTier):
     def statistics(self) -> Dict[str, float]:
         """records, bytes (encoded, on disk), capacity_bytes (0 = unbounded), puts/gets/hits/misses
         (items), put_batches, corrupt (records that failed decode), evictions, deletes, errors
-        (failed batches and failed per-file operations), temps_removed (at open), quarantined_files,
-        degraded (1 after a failed write until a write succeeds)."""
+        (failed batches and failed per-file operations), mismatches (intact records whose raw
+        size differs from the caller's buffer: misses, left in place), temps_removed (at open),
+        quarantined_files, degraded (1 after a failed write until a write succeeds)."""
         out: Dict[str, float] = {k: float(v) for k, v in self._stats.items()}
         out["records"] = float(len(self._index))
         out["bytes"] = float(self._used)
@@ -439,7 +481,13 @@ class FileTier(ChunkTier):
         if not batch:
             return
         encoded: "asyncio.Future[None]" = self._loop.create_future()
+        keys = [key for key, _, _ in batch]
+        # In flight from this moment: eviction, deletes and quarantine keep off these names until
+        # the batch has landed or rolled back. Unmarked by a done callback, which runs even if the
+        # task is cancelled before it ever started.
+        self._mark_writing(keys)
         task = self._spawn(self._put_batch(batch, encoded))
+        task.add_done_callback(lambda _: self._unmark_writing(keys))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -452,8 +500,9 @@ class FileTier(ChunkTier):
         """Read and decode each record into its buffer (which must have exactly the chunk's raw
         size). Per item the record's ``ChunkMeta``, or ``None`` on a miss: not in the index, gone
         from disk, unreadable (counted in ``errors``), or corrupt (moved to ``quarantine/``,
-        dropped from the index, counted in ``corrupt``; its bytes are never returned). A hit makes
-        the record most recently used.
+        dropped from the index, counted in ``corrupt``; its bytes are never returned), or intact
+        but of another raw size than the buffer (counted in ``mismatches``, left in place). A hit
+        makes the record most recently used. Keys missing from the index cost no disk access.
 
         Cancelling it: reads and decodes already handed to the I/O threads still finish, into the
         buffers; keep them reserved until the tier is done with them (the engine pins the slots and
@@ -465,8 +514,8 @@ class FileTier(ChunkTier):
         for key, buf in items:
             self._check_key(key)
             view = buf if isinstance(buf, memoryview) else memoryview(buf)
-            if view.readonly:
-                raise TypeError("get_many_into needs writable buffers")
+            if view.readonly or not view.c_contiguous:
+                raise TypeError("get_many_into needs writable, C-contiguous buffers")
             checked.append((key, view))
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
         wanted = [i for i, (key, _) in enumerate(checked) if key in self._index]
@@ -476,7 +525,7 @@ class FileTier(ChunkTier):
             return results
         async with self._operation():
             reads = await asyncio.gather(
-                *(self._read_file(checked[i][0], checked[i][1].nbytes) for i in wanted)
+                *(self._read_file(checked[i][0], self._read_limit(checked[i])) for i in wanted)
             )
             found = [(i, data) for i, data in zip(wanted, reads) if data is not None]
             jobs = [(checked[i][0], data, checked[i][1]) for i, data in found]
@@ -490,12 +539,16 @@ class FileTier(ChunkTier):
                 if isinstance(outcome, CorruptRecordError):
                     corrupt.append(key)
                     continue
+                if isinstance(outcome, _Mismatch):
+                    self._stats["mismatches"] += 1
+                    continue
                 results[i] = outcome
                 entry = self._index.get(key)
                 if entry is not None:
                     entry.last_access = now
                     self._index.move_to_end(key)
             if corrupt:
+                corrupt = list(dict.fromkeys(corrupt))  # one key asked twice is one bad file
                 self._stats["corrupt"] += len(corrupt)
                 await self._quarantine(corrupt)
         hits = sum(1 for r in results if r is not None)
@@ -504,11 +557,17 @@ class FileTier(ChunkTier):
         return results
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Remove records; returns how many were in the index. They are misses from the moment of
-        the call. Cancelling it: the removals run on as a tier task (``close`` waits for them)."""
+        """Remove records; returns how many were in the index. A key with a put in flight is
+        deleted after that put lands. The records are misses from the moment the call returns.
+        Cancelling it: before the index changed, nothing is deleted; after, the removals run on
+        as a tier task (``close`` waits for them)."""
         self._check_open()
         for key in keys:
             self._check_key(key)
+        while any(key in self._writing for key in keys):
+            # Unlinking a name whose put is in flight could remove the new file after its rename
+            # and leave the index pointing at nothing; the delete is ordered after the put.
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         victims: List[Tuple[bytes, int]] = []
         for key in dict.fromkeys(keys):
             entry = self._index.pop(key, None)
@@ -599,8 +658,15 @@ class FileTier(ChunkTier):
     def _spawn(self, coro: Awaitable[_T]) -> "asyncio.Task[_T]":
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: "asyncio.Task[Any]") -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            # Marks the exception retrieved: a caller cancelled before the failure has already
+            # left, and the failure is counted in statistics() instead of logged at exit.
+            task.exception()
 
     def _operation(self) -> "_Operation":
         return _Operation(self)
@@ -629,6 +695,9 @@ class FileTier(ChunkTier):
     async def _put_batch(
         self, batch: List[Tuple[bytes, ChunkMeta, memoryview]], encoded: "asyncio.Future[None]"
     ) -> None:
+        """The body of ``put_many``, run as a tier task. Its keys are in ``_writing`` from the call
+        until this task is done (``put_many`` marks them, the task's done callback unmarks)."""
+        keys = [key for key, _, _ in batch]
         try:
             codec = self._codec
             records: List[bytes] = await self._run_codec(
@@ -640,7 +709,6 @@ class FileTier(ChunkTier):
         finally:
             if not encoded.done():
                 encoded.set_result(None)
-        keys = [key for key, _, _ in batch]
         new_bytes = sum(len(r) for r in records)
         if self._capacity is not None and new_bytes > self._capacity:
             self._stats["errors"] += 1
@@ -648,28 +716,32 @@ class FileTier(ChunkTier):
                 f"file tier: a batch of {new_bytes} encoded bytes exceeds the capacity of "
                 f"{self._capacity} bytes"
             )
-        for key in keys:
-            self._writing[key] = self._writing.get(key, 0) + 1
         try:
             reservation = await self._admit(keys, new_bytes)
             try:
                 await self._write_batch(list(zip(keys, records)))
             finally:
                 self._reserved -= reservation
-        except TierIOError:
+        except TierIOError as exc:
             self._stats["errors"] += 1
-            self._degraded = True
+            # "Degraded" means the filesystem failed us; a capacity refusal says nothing about it.
+            self._degraded = isinstance(exc.__cause__, OSError)
             raise
-        finally:
-            for key in keys:
-                n = self._writing[key] - 1
-                if n:
-                    self._writing[key] = n
-                else:
-                    del self._writing[key]
         self._degraded = False
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
+
+    def _mark_writing(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._writing[key] = self._writing.get(key, 0) + 1
+
+    def _unmark_writing(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            n = self._writing[key] - 1
+            if n:
+                self._writing[key] = n
+            else:
+                del self._writing[key]
 
     async def _admit(self, keys: Sequence[bytes], new_bytes: int) -> int:
         """Reserve room for a batch, evicting LRU records first; returns the reservation."""
@@ -729,11 +801,29 @@ class FileTier(ChunkTier):
                 raise outcome
 
     async def _ensure_dirs(self, dirs: Iterable[Tuple[str, str]]) -> None:
+        """Create missing leaf directories, one hop per batch. Single-flight per directory: a
+        second batch needing the same directory waits for the first one's parent fsync instead of
+        renaming into a directory whose own entry may not be durable yet."""
         missing = [d for d in dict.fromkeys(dirs) if d not in self._dirs]
         if not missing:
             return
-        await self._loop.run_in_executor(self._io, self._make_dirs, missing)
-        self._dirs.update(missing)
+        waits = {id(f): f for f in (self._dir_pending.get(d) for d in missing) if f is not None}
+        mine = [d for d in missing if d not in self._dir_pending]
+        if mine:
+            fut = self._loop.run_in_executor(self._io, self._make_dirs, mine)
+            for d in mine:
+                self._dir_pending[d] = fut
+
+            def settle(f: "asyncio.Future[None]", mine: List[Tuple[str, str]] = mine) -> None:
+                for d in mine:
+                    self._dir_pending.pop(d, None)
+                if not f.cancelled() and f.exception() is None:
+                    self._dirs.update(mine)
+
+            fut.add_done_callback(settle)
+            waits[id(fut)] = fut
+        # Shielded: one waiter's cancellation must not cancel the creation others wait for.
+        await asyncio.gather(*(asyncio.shield(f) for f in waits.values()))
 
     def _make_dirs(self, dirs: Sequence[Tuple[str, str]]) -> None:
         """Runs on an I/O thread: create leaf directories, fsync each new entry into its parent so
@@ -783,6 +873,10 @@ class FileTier(ChunkTier):
                 *(self._write_temp(tmp, rec) for tmp, (_, rec) in zip(temps, entries)),
                 return_exceptions=True,
             )
+            for (key, _), o in zip(entries, outcomes):
+                if isinstance(o, FileNotFoundError):
+                    # The leaf directory was removed from outside: recreate it on the next put.
+                    self._dirs.discard(_fanout(key))
             self._raise_first(outcomes, "writing records")
             outcomes = await asyncio.gather(
                 *(aiofiles.os.replace(t, f, executor=self._io) for t, f in zip(temps, finals)),
@@ -847,17 +941,22 @@ class FileTier(ChunkTier):
 
     # gets --------------------------------------------------------------------------------------
 
-    async def _read_file(self, key: bytes, raw_size: int) -> Optional[bytes]:
+    def _read_limit(self, item: Tuple[bytes, memoryview]) -> int:
+        # The index size lets an intact record of the wrong size be read whole (then reported as a
+        # mismatch, not quarantined as truncated); the buffer bound caps a file grown from outside.
+        entry = self._index.get(item[0])
+        return max(entry.size if entry is not None else 0, item[1].nbytes + _MAX_RECORD_OVERHEAD)
+
+    async def _read_file(self, key: bytes, limit: int) -> Optional[bytes]:
         try:
             async with aiofiles.open(self.path_for(key), "rb", executor=self._io) as f:
-                return await f.read(raw_size + _MAX_RECORD_OVERHEAD)
+                return await f.read(limit)
         except FileNotFoundError:
             # Evicted or deleted by us since the index lookup, or removed from outside.
-            entry = self._index.pop(key, None)
-            if entry is not None and key not in self._writing:
-                self._used -= entry.size
-            elif entry is not None:
-                self._index[key] = entry
+            if key not in self._writing:
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry.size
             return None
         except OSError:
             # A read error is a miss for the caller (the chunk is recomputed) but must be visible.
@@ -869,15 +968,18 @@ class FileTier(ChunkTier):
         drop them from the index, so they are never read again."""
         moves: List[Tuple[str, Optional[str]]] = []
         for key in keys:
+            if key in self._writing:
+                # A fresh record is being renamed over the bad one; moving the path now could
+                # take the good file instead. The next read of a still-bad file catches it.
+                continue
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._used -= entry.size
             src = str(self.path_for(key))
             if self._quarantined_files < _QUARANTINE_MAX_FILES:
                 self._quarantined_files += 1
-                dst = str(
-                    self._root / QUARANTINE_DIR / f"{key.hex()}.{secrets.token_hex(4)}{RECORD_SUFFIX}"
-                )
+                name = f"{key.hex()}.{secrets.token_hex(4)}{RECORD_SUFFIX}"
+                dst = str(self._root / QUARANTINE_DIR / name)
                 moves.append((src, dst))
             else:
                 moves.append((src, None))

@@ -4,13 +4,14 @@ Primitives: ``HostSlabPool`` (slots, pins, owner tags, eviction), ``Allocation``
 returns), ``SlotStateError`` (a slot used against its state). The engine makes one pool per KV-cache
 group, since chunk sizes differ per group.
 
-Why a slab: allocating host memory per chunk is 5-20x slower than reusing a slot (first touch runs at
-~1 GB/s, pinning costs a driver call), so the whole capacity is allocated, page-locked on CUDA
+Why a slab: allocating host memory per chunk is 5-20x slower than reusing a slot (first touch runs
+at ~1 GB/s, pinning costs a driver call), so the whole capacity is allocated, page-locked on CUDA
 (``DeviceBackend.host_buffer``) and written once at construction; the hot path only moves integers.
 
-Threads: not thread-safe, by design. Every method runs on the engine's event-loop thread, where all
-chunk-state transitions happen; worker threads receive ``view(slot)`` tensors and copy into or out of
-them, while the slot is pinned, and report back through the loop. ``close`` runs on the loop too.
+Threads: not thread-safe, by design. Every method runs on the engine's event-loop thread, where
+all chunk-state transitions happen; worker threads receive ``view(slot)`` tensors and copy into or
+out of them, while the slot is pinned, and report back through the loop. ``close`` runs on the
+loop too.
 
 "Cannot allocate" is a value (``None``), never an exception: it is the normal answer under pressure.
 Eviction is atomic: either ``allocate(n)`` gets all ``n`` slots (evicting what it must) or nothing
@@ -65,9 +66,9 @@ class HostSlabPool:
 
     ``HostSlabPool(slot_bytes, num_slots, device_kind="cpu"|"cuda", eviction="lru"|"arc")``.
     A slot is *free* (on the free list) or *allocated*. An allocated slot can be evicted by a later
-    ``allocate`` only when its owner marked it evictable (``mark_evictable(slot, True)``: its chunk is
-    READY and may be dropped) and no pin holds it. Pins are reference counts taken while a copy reads
-    or writes the slot. ``touch`` reports an access to the eviction policy.
+    ``allocate`` only when its owner marked it evictable (``mark_evictable(slot, True)``: its chunk
+    is READY and may be dropped) and no pin holds it. Pins are reference counts taken while a copy
+    reads or writes the slot. ``touch`` reports an access to the eviction policy.
 
     Not thread-safe (see the module docstring): call every method from the event-loop thread.
     """
@@ -100,8 +101,10 @@ class HostSlabPool:
         self._pins: List[int] = [0] * num_slots
         self._evictable_flag: List[bool] = [False] * num_slots
         self._owners: List[object] = [None] * num_slots
+        self._keys: List[Optional[Hashable]] = [None] * num_slots  # content keys for the policy
         # Slots that could be evicted right now; lets allocate() fail in O(1) when nothing can go.
         self._num_evictable = 0
+        self._num_pinned = 0  # slots with at least one pin; keeps statistics() O(1)
         self._counters: Dict[str, int] = {
             "allocations": 0,
             "allocated_slots": 0,
@@ -134,6 +137,11 @@ class HostSlabPool:
         return self._policy.name
 
     @property
+    def policy(self) -> EvictionPolicy:
+        """The policy object, for introspection (its methods are the pool's to call)."""
+        return self._policy
+
+    @property
     def device_kind(self) -> str:
         return self._backend.kind
 
@@ -160,6 +168,7 @@ class HostSlabPool:
         self._pins[slot] = 0
         self._evictable_flag[slot] = False
         self._owners[slot] = None
+        self._keys[slot] = None
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -212,26 +221,36 @@ class HostSlabPool:
 
     # -- per-slot state ------------------------------------------------------------------------
 
-    def set_owner(self, slot: int, tag: Hashable) -> None:
-        """Record who holds ``slot`` (the engine's chunk id); reported back if the slot is evicted.
+    def set_owner(self, slot: int, tag: object, *, key: Optional[Hashable] = None) -> None:
+        """Record who holds ``slot`` (the engine's chunk entry); reported back if it is evicted.
 
-        A new owner means new content: the policy sees it as a fresh insertion (most recently used),
-        and ARC uses the tag to recognise content it evicted recently (ghost hit).
+        A new owner means new content: the policy sees a fresh insertion (most recently used).
+        ``key`` names the content for the policy's history (ARC's ghost lists recognise a chunk
+        that comes back soon after eviction): pass the chunk key. Without it the tag serves when
+        hashable; an object hashed by identity never matches a later one, so ARC then adapts only
+        through touches.
         """
         self._check_allocated(slot, "set the owner of")
-        if self._owners[slot] == tag:
+        if key is None:
+            try:
+                hash(tag)
+                key = tag  # type: ignore[assignment]
+            except TypeError:
+                key = None
+        if self._owners[slot] is tag and self._keys[slot] == key:
             return
         self._owners[slot] = tag
+        self._keys[slot] = key
         self._policy.remove(slot)
-        self._policy.insert(slot, key=tag)
+        self._policy.insert(slot, key=key)
 
     def owner(self, slot: int) -> object:
         self._check_allocated(slot, "read the owner of")
         return self._owners[slot]
 
     def mark_evictable(self, slot: int, evictable: bool = True) -> None:
-        """Whether the owner allows dropping ``slot``'s content (its chunk is READY and either safely
-        elsewhere or worth losing). Pins still protect it while held."""
+        """Whether the owner allows dropping ``slot``'s content (its chunk is READY and either
+        safely elsewhere or worth losing). Pins still protect it while held."""
         self._check_allocated(slot, "mark")
         before = self._can_evict(slot)
         self._evictable_flag[slot] = bool(evictable)
@@ -242,6 +261,8 @@ class HostSlabPool:
         self._check_allocated(slot, "pin")
         if self._can_evict(slot):
             self._num_evictable -= 1
+        if self._pins[slot] == 0:
+            self._num_pinned += 1
         self._pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
@@ -249,6 +270,8 @@ class HostSlabPool:
         if self._pins[slot] == 0:
             raise SlotStateError(f"cannot unpin slot {slot}: it is not pinned (unpin without pin)")
         self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._num_pinned -= 1
         if self._can_evict(slot):
             self._num_evictable += 1
 
@@ -280,7 +303,8 @@ class HostSlabPool:
 
     def close(self) -> None:
         """Unpin and drop the slab. Safe to call twice. Views handed out stay readable (plain
-        memory) but are no longer page-locked."""
+        memory) but are no longer page-locked. Call it only once no copy uses a slot (no pins):
+        on CUDA, unregistering memory that a DMA still targets is undefined behaviour."""
         if self._slab is None:
             return
         self._slab = None
@@ -296,14 +320,13 @@ class HostSlabPool:
         """Counters and gauges: slots, free, used, pinned, evictable, allocations, failures,
         evictions, releases, bytes."""
         used = self._num_slots - len(self._free)
-        pinned = sum(1 for p in self._pins if p)
         stats: Dict[str, float] = {
             "slots": self._num_slots,
             "slot_bytes": self._slot_bytes,
             "capacity_bytes": self._num_slots * self._slot_bytes,
             "free_slots": len(self._free),
             "used_slots": used,
-            "pinned_slots": pinned,
+            "pinned_slots": self._num_pinned,
             "evictable_slots": self._num_evictable,
             "page_locked": 1 if self._backend.is_cuda else 0,
         }
@@ -330,6 +353,9 @@ class HostSlabPool:
             evictable += self._can_evict(slot)
         if evictable != self._num_evictable:
             problems.append(f"evictable count {self._num_evictable} != actual {evictable}")
+        pinned = sum(1 for pins in self._pins if pins)
+        if pinned != self._num_pinned:
+            problems.append(f"pinned count {self._num_pinned} != actual {pinned}")
         if problems:
             raise SlotStateError("host pool self-check failed: " + "; ".join(problems))
 

@@ -1,0 +1,290 @@
+"""Device view: bitwise gather -> host slot -> scatter round trips, and every DeviceError.
+
+Runs the CPU path of the same code the CUDA path uses (no GPU on the test machines): the copies are
+plain and every handle is done at once.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import pytest
+import torch
+
+from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView
+from kvtier.tiers.host import HostSlabPool
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+def random_layers(
+    num_layers: int, num_blocks: int, block_shape: Tuple[int, ...], dtype: torch.dtype, seed: int
+) -> List[torch.Tensor]:
+    """Layer tensors with arbitrary bit patterns (NaN payloads, denormals, -0 included): built as
+    random bytes and reinterpreted, so a lossy copy anywhere shows up as a byte difference."""
+    generator = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layers = []
+    for _ in range(num_layers):
+        raw = torch.randint(
+            0, 256, (num_blocks, *block_shape[:-1], block_shape[-1] * itemsize),
+            dtype=torch.uint8, generator=generator,
+        )
+        layers.append(raw.view(dtype))
+    return layers
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def layout_of(*blocks_per_chunk: int) -> ModelLayout:
+    groups = tuple(AttentionGroup(block_size=16, blocks_per_chunk=p) for p in blocks_per_chunk)
+    return ModelLayout(groups)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+@pytest.mark.parametrize(
+    "block_shape", [(3, 5, 7), (1, 9), (13,)], ids=lambda s: "x".join(map(str, s))
+)
+def test_gather_scatter_round_trip_is_bitwise(
+    dtype: torch.dtype, blocks_per_chunk: int, block_shape: Tuple[int, ...]
+) -> None:
+    num_layers, num_blocks = 3, 11
+    layout = layout_of(blocks_per_chunk)
+    src_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=1)
+    dst_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=2)
+    dst_before = [as_bytes(t).clone() for t in dst_layers]
+    src = DeviceKVView(layout, [src_layers])
+    dst = DeviceKVView(layout, [dst_layers])
+
+    nbytes = src.chunk_nbytes(0)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_elems = 1
+    for d in block_shape:
+        block_elems *= d
+    assert nbytes == num_layers * blocks_per_chunk * block_elems * itemsize
+    assert src.chunk_shape(0) == (num_layers, blocks_per_chunk, *block_shape)
+    assert src.chunk_dtype(0) == dtype and src.num_blocks(0) == num_blocks
+
+    # Non-contiguous, unordered source blocks; a consecutive run in the middle of the destination.
+    src_ids = [9, 2, 5][:blocks_per_chunk]
+    dst_ids = [4, 5, 0][:blocks_per_chunk]
+    with HostSlabPool(nbytes, 2) as pool:
+        (slot,) = pool.allocate().slots
+        handle = src.gather(0, src_ids, pool.view(slot))
+        assert isinstance(handle, CopyHandle) and handle.done()
+        handle.wait()
+
+        # The slot is layer-major: layer 0's blocks, then layer 1's, ...
+        expected = torch.cat([as_bytes(layer[src_ids]).reshape(-1) for layer in src_layers])
+        assert torch.equal(pool.view(slot), expected)
+
+        dst.scatter(0, pool.view(slot), dst_ids).wait()
+    for layer_index, (s, d) in enumerate(zip(src_layers, dst_layers)):
+        for s_id, d_id in zip(src_ids, dst_ids):
+            assert torch.equal(as_bytes(d[d_id]), as_bytes(s[s_id])), (layer_index, d_id)
+        untouched = [b for b in range(num_blocks) if b not in dst_ids]
+        assert torch.equal(as_bytes(d[untouched]), dst_before[layer_index][untouched])
+
+
+def test_none_block_ids_are_skipped() -> None:
+    layout = layout_of(4)
+    src_layers = random_layers(2, 8, (4, 6), torch.bfloat16, seed=3)
+    dst_layers = [torch.zeros_like(t) for t in src_layers]
+    src, dst = DeviceKVView(layout, [src_layers]), DeviceKVView(layout, [dst_layers])
+    slot = torch.empty(src.chunk_nbytes(0), dtype=torch.uint8)
+    src.gather(0, [0, 1, 2, 3], slot)
+    # A sliding-window consumer restores only the last two blocks of the chunk.
+    dst.scatter(0, slot, [None, None, 6, 7])
+    for s, d in zip(src_layers, dst_layers):
+        assert torch.equal(as_bytes(d[6:8]), as_bytes(s[2:4]))
+        assert int(as_bytes(d[:6]).count_nonzero()) == 0
+    # All None: nothing is written at all.
+    before = [as_bytes(d).clone() for d in dst_layers]
+    dst.scatter(0, slot, [None] * 4).wait()
+    assert all(torch.equal(as_bytes(d), b) for d, b in zip(dst_layers, before))
+
+
+def test_batches_and_groups() -> None:
+    # Two groups with different chunk geometry and dtype; batch variants move several chunks.
+    layout = layout_of(2, 1)
+    g0 = random_layers(4, 10, (2, 3), torch.float16, seed=4)
+    g1 = random_layers(2, 6, (5,), torch.float32, seed=5)
+    view = DeviceKVView(layout, [g0, g1])
+    assert view.num_groups == 2 and view.num_layers(0) == 4 and view.num_layers(1) == 2
+    assert view.chunk_nbytes(0) == 4 * 2 * 6 * 2 and view.chunk_nbytes(1) == 2 * 1 * 5 * 4
+    slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
+    chunks = [[0, 1], [7, 3], [3, 4]]  # the same block in two chunks of one gather is fine
+    assert view.gather_many(0, list(zip(chunks, slots))).done()
+    targets = [[9, 8], [2, None], [5, 6]]
+    view.scatter_many(0, list(zip(slots, targets))).wait()
+    # Scattered bytes equal the gathered copies (the gathered slots are the ground truth).
+    for slot, target in zip(slots, targets):
+        typed = slot.view(torch.float16).view(view.chunk_shape(0))
+        for layer_index, layer in enumerate(g0):
+            for pos, block in enumerate(target):
+                if block is not None:
+                    assert torch.equal(as_bytes(layer[block]), as_bytes(typed[layer_index, pos]))
+    slot1 = torch.empty(view.chunk_nbytes(1), dtype=torch.uint8)
+    view.gather(1, [5], slot1)
+    assert torch.equal(slot1, torch.cat([as_bytes(layer[5]).reshape(-1) for layer in g1]))
+
+
+def test_batches_across_groups() -> None:
+    # The engine's copy threads move chunks of every group in one call that blocks until done.
+    layout = layout_of(2, 1)
+    g0 = random_layers(2, 6, (3, 2), torch.bfloat16, seed=10)
+    g1 = random_layers(3, 5, (4,), torch.float8_e4m3fn, seed=11)
+    view = DeviceKVView(layout, [g0, g1])
+    assert view.device_index() is None  # CPU
+    a = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
+    b = torch.empty(view.chunk_nbytes(1), dtype=torch.uint8)
+    c = torch.empty(view.chunk_nbytes(1), dtype=torch.uint8)
+    handle = view.gather_many_groups([(0, [4, 1], a), (1, [2], b), (1, [0], c)])
+    assert handle.done()
+    assert torch.equal(a, torch.cat([as_bytes(t[[4, 1]]).reshape(-1) for t in g0]))
+    assert torch.equal(b, torch.cat([as_bytes(t[2]).reshape(-1) for t in g1]))
+    expected = [as_bytes(t).clone() for t in g0 + g1]
+    # Block 3 in both groups is fine: different tensors. Swap g1's blocks 0 and 2 via the slots.
+    view.scatter_many_groups([(0, a, [None, 3]), (1, b, [0]), (1, c, [2])])
+    for t, before in zip(g0, expected[:2]):
+        assert torch.equal(as_bytes(t[3]), before[1])
+    assert all(torch.equal(as_bytes(t[0]), before[2]) for t, before in zip(g1, expected[2:]))
+    assert all(torch.equal(as_bytes(t[2]), before[0]) for t, before in zip(g1, expected[2:]))
+    with pytest.raises(DeviceError, match="group 1: block id 0 .* appears twice"):
+        view.scatter_many_groups([(1, b, [0]), (0, a, [0, 1]), (1, c, [0])])
+    with pytest.raises(DeviceError, match=r"group 1: out \(item 1\) holds"):
+        view.gather_many_groups([(0, [0, 1], a), (1, [0], a)])
+
+
+def test_strided_layers_copy_exactly() -> None:
+    # vLLM's flash-attention cache is [2, num_blocks, ...]; a permuted view puts blocks first but
+    # is not contiguous. The copy must still be exact.
+    layout = layout_of(2)
+    base = random_layers(2, 2, (7, 4, 3), torch.bfloat16, seed=6)  # [2(K/V), 7 blocks, 4, 3]
+    layers = [t.permute(1, 0, 2, 3) for t in base]
+    assert not layers[0].is_contiguous()
+    view = DeviceKVView(layout, [layers])
+    slot = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
+    view.gather(0, [6, 1], slot)
+    expected = torch.cat([as_bytes(layer[[6, 1]]).reshape(-1) for layer in layers])
+    assert torch.equal(slot, expected)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def view() -> DeviceKVView:
+    return DeviceKVView(layout_of(2), [random_layers(2, 8, (3, 4), torch.float16, seed=7)])
+
+
+def test_bad_block_ids(view: DeviceKVView) -> None:
+    slot = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
+    expected = r"group 0: block id 8 \(block_ids\[1\]\) out of range \[0, 8\)"
+    with pytest.raises(DeviceError, match=expected):
+        view.gather(0, [0, 8], slot)
+    with pytest.raises(DeviceError, match=r"group 0: block id -1 \(block_ids\[0\]\) out of range"):
+        view.scatter(0, slot, [-1, 2])
+    expected = r"group 0: a chunk has 2 block\(s\), got 3 block id\(s\)"
+    with pytest.raises(DeviceError, match=expected):
+        view.gather(0, [0, 1, 2], slot)
+    with pytest.raises(DeviceError, match=r"group 0: block_ids\[1\] = 'x' is not an int"):
+        view.gather(0, [0, "x"], slot)
+    expected = r"group 0: block_ids\[0\] is None; gather needs every block"
+    with pytest.raises(DeviceError, match=expected):
+        view.gather(0, [None, 1], slot)
+    with pytest.raises(DeviceError, match="group 0: block id 3 .* appears twice"):
+        view.scatter_many(0, [(slot, [2, 3]), (slot, [3, 4])])
+    with pytest.raises(DeviceError, match=r"group index 1 out of range \[0, 1\)"):
+        view.gather(1, [0, 1], slot)
+
+
+def test_bad_block_ids_queue_nothing() -> None:
+    # A batch is validated in full before any copy: a bad second item leaves the first unwritten.
+    layers = random_layers(2, 8, (3, 4), torch.float16, seed=7)
+    view = DeviceKVView(layout_of(2), [layers])
+    before = [as_bytes(t).clone() for t in layers]
+    slot = torch.zeros(view.chunk_nbytes(0), dtype=torch.uint8)
+    with pytest.raises(DeviceError, match="block id 99"):
+        view.scatter_many(0, [(slot, [0, 1]), (slot, [2, 99])])
+    assert all(torch.equal(as_bytes(t), b) for t, b in zip(layers, before))
+
+
+def test_wrong_out_buffer(view: DeviceKVView) -> None:
+    nbytes = view.chunk_nbytes(0)
+    expected = rf"group 0: out \(item 0\) holds {nbytes - 1} bytes but a chunk is {nbytes} bytes"
+    with pytest.raises(DeviceError, match=expected):
+        view.gather(0, [0, 1], torch.empty(nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(DeviceError, match=r"group 0: src \(item 0\) holds 3 bytes"):
+        view.scatter(0, torch.empty(3, dtype=torch.uint8), [0, 1])
+    with pytest.raises(DeviceError, match="must have dtype torch.uint8, got torch.float16"):
+        view.gather(0, [0, 1], torch.empty(nbytes // 2, dtype=torch.float16))
+    with pytest.raises(DeviceError, match="must be contiguous"):
+        view.gather(0, [0, 1], torch.empty(2 * nbytes, dtype=torch.uint8)[::2])
+    expected = r"cannot be viewed as torch.float16 \(misaligned start\?\)"
+    with pytest.raises(DeviceError, match=expected):
+        view.gather(0, [0, 1], torch.empty(nbytes + 1, dtype=torch.uint8)[1:])
+
+
+def test_mismatched_layers() -> None:
+    layout = layout_of(1)
+    good = random_layers(1, 4, (2, 3), torch.float16, seed=8)[0]
+    expected = r"group 0, layer 1: per-block shape \(2, 4\) differs from layer 0's \(2, 3\)"
+    with pytest.raises(DeviceError, match=expected):
+        DeviceKVView(layout, [[good, torch.zeros(4, 2, 4, dtype=torch.float16)]])
+    expected = "group 0, layer 2: dtype torch.bfloat16 differs from layer 0's torch.float16"
+    with pytest.raises(DeviceError, match=expected):
+        DeviceKVView(layout, [[good, good, torch.zeros(4, 2, 3, dtype=torch.bfloat16)]])
+    with pytest.raises(DeviceError, match="group 0, layer 1: 5 blocks but layer 0 has 4"):
+        DeviceKVView(layout, [[good, torch.zeros(5, 2, 3, dtype=torch.float16)]])
+    expected = r"group 0, layer 0: shape \(4,\) has no per-block dimensions"
+    with pytest.raises(DeviceError, match=expected):
+        DeviceKVView(layout, [[torch.zeros(4)]])
+    with pytest.raises(DeviceError, match="group 0: no layer tensors"):
+        DeviceKVView(layout, [[]])
+    with pytest.raises(DeviceError, match="group 1, layer 0: tensor on meta but group 0 is on cpu"):
+        DeviceKVView(layout_of(1, 1), [[good], [torch.empty(4, 2, 3, device="meta")]])
+    with pytest.raises(DeviceError, match="unsupported device 'meta'"):
+        DeviceKVView(layout, [[torch.empty(4, 2, 3, device="meta")]])
+
+
+def test_wrong_group_count() -> None:
+    layers = random_layers(1, 4, (2,), torch.float32, seed=9)
+    with pytest.raises(DeviceError, match=r"kv_caches has 1 group\(s\) but the layout has 2"):
+        DeviceKVView(layout_of(1, 1), [layers])
+    with pytest.raises(DeviceError, match="kv_caches must be a sequence"):
+        DeviceKVView(layout_of(1), layers[0])  # a bare tensor instead of [[layer, ...]]
+
+
+def test_cuda_requested_without_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the missing-GPU path cannot be exercised")
+    expected = r"device 'cuda' requested but torch.cuda.is_available\(\) is False"
+    with pytest.raises(DeviceError, match=expected):
+        DeviceBackend("cuda")
+    with pytest.raises(DeviceError, match=r"'cuda:1' requested"):
+        DeviceBackend("cuda:1")
+
+
+def test_cpu_backend_is_the_same_code_path_with_no_ops() -> None:
+    backend = DeviceBackend("cpu")
+    assert backend.kind == "cpu" and not backend.non_blocking
+    stream = backend.new_stream()
+    assert stream is None and backend.current_stream() is None
+    backend.wait_stream(stream, backend.current_stream())
+    with backend.stream_scope(stream):
+        event = backend.record_event(stream)
+    handle = CopyHandle(backend, event)
+    assert handle.done()
+    handle.wait()
+    handle.wait_on_stream()
+    buffer = backend.host_buffer(10_000)
+    assert buffer.numel() == 10_000 and buffer.data_ptr() % 4096 == 0
+    assert int(buffer.count_nonzero()) == 0
+    backend.release_host_buffer(buffer)  # no-op on CPU
+    with pytest.raises(ValueError, match="nbytes must be a positive int"):
+        backend.host_buffer(0)

@@ -1,0 +1,213 @@
+"""The writer thread and the map lock of a database tier.
+
+Primitives:
+
+- ``WriterThread``: one dedicated thread that runs closures (``Job``) taken in order from a
+  ``queue.SimpleQueue``. A database whose write transactions must stay on the thread that began
+  them (LMDB) runs each whole transaction, begin to commit, inside one closure. Consecutive jobs that
+  share a ``group`` runner are handed to it together (group commit: one fsync for many batches).
+  Results go back through the job's ``done(result, exc)`` callback, called on the writer thread.
+- ``loop_callback(loop, fut)``: a ``done`` that resolves an asyncio future on its loop with
+  ``loop.call_soon_threadsafe``, guarded by ``fut.done()`` so a cancelled caller (or a closed loop)
+  never breaks the worker.
+- ``SharedExclusiveLock``: many holders of ``shared()`` (transactions) or one of ``exclusive()``
+  (remapping or closing the environment); waiting exclusive holders go first.
+
+Threads: ``WriterThread`` owns its thread; the lock is used from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
+
+from kvtier.policy.errors import ClosedError
+
+__all__ = ["Job", "WriterThread", "SharedExclusiveLock", "loop_callback", "Done"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Done = Callable[[Any, Optional[BaseException]], None]
+
+
+@dataclass
+class Job:
+    """A closure for the writer. ``group``, when set, runs a list of consecutive jobs with an equal
+    ``group`` and must call every job's ``done``; ``weight`` (bytes) bounds how much one group takes."""
+
+    fn: Callable[[], Any]
+    done: Done
+    group: Optional[Callable[[List["Job"]], None]] = None
+    weight: int = 0
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller, never kills the writer
+            _deliver(self.done, None, exc)
+        else:
+            _deliver(self.done, result, None)
+
+
+def _deliver(done: Done, result: Any, exc: Optional[BaseException]) -> None:
+    try:
+        done(result, exc)
+    except Exception:  # a broken callback must not stop the writer
+        log.exception("kvtier writer: completion callback failed")
+
+
+def loop_callback(loop: asyncio.AbstractEventLoop, fut: "asyncio.Future[Any]") -> Done:
+    """A ``done`` callback (any thread) that resolves ``fut`` on ``loop`` unless it is already done."""
+
+    def resolve(result: Any, exc: Optional[BaseException]) -> None:
+        if fut.done():  # the caller was cancelled: the result is dropped
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def done(result: Any, exc: Optional[BaseException]) -> None:
+        try:
+            loop.call_soon_threadsafe(resolve, result, exc)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    return done
+
+
+_STOP = object()
+
+
+class WriterThread:
+    """One thread running ``Job`` closures in submission order."""
+
+    def __init__(self, name: str, *, max_group_jobs: int = 256, max_group_weight: int = 64 << 20) -> None:
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._max_group_jobs = max_group_jobs
+        self._max_group_weight = max_group_weight
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> Optional[int]:
+        return self._thread.ident
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (any thread). Raises ``ClosedError`` once ``stop`` was called."""
+        with self._lock:
+            if self._stopped:
+                raise ClosedError("the tier's writer thread has stopped")
+            self._queue.put(job)
+
+    def submit_async(self, fn: Callable[[], T], **job_kw: Any) -> "asyncio.Future[T]":
+        """Queue ``fn`` and return a future of its result on the running loop (loop thread only)."""
+        loop = asyncio.get_running_loop()
+        fut: "asyncio.Future[T]" = loop.create_future()
+        self.submit(Job(fn, loop_callback(loop, fut), **job_kw))
+        return fut
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the writer and wait for it (blocking; for tools and the close path)."""
+        if threading.get_ident() == self._thread.ident:
+            return fn()
+        cf: "concurrent.futures.Future[T]" = concurrent.futures.Future()
+
+        def done(result: Any, exc: Optional[BaseException]) -> None:
+            if exc is not None:
+                cf.set_exception(exc)
+            else:
+                cf.set_result(result)
+
+        self.submit(Job(fn, done))
+        return cf.result()
+
+    def stop(self) -> None:
+        """Run every job queued so far, then end the thread and wait for it. Idempotent."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(_STOP)
+        if threading.get_ident() != self._thread.ident:
+            self._thread.join()
+
+    def _main(self) -> None:
+        held: Any = None
+        while True:
+            job = held if held is not None else self._queue.get()
+            held = None
+            if job is _STOP:
+                break
+            if job.group is None:
+                job.run()
+                continue
+            group = [job]
+            weight = job.weight
+            while len(group) < self._max_group_jobs and weight < self._max_group_weight:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is not _STOP and nxt.group is not None and nxt.group == job.group:
+                    group.append(nxt)
+                    weight += nxt.weight
+                else:
+                    held = nxt
+                    break
+            try:
+                job.group(group)
+            except BaseException as exc:  # noqa: BLE001 - the runner failed as a whole
+                log.exception("kvtier writer: group runner failed")
+                for j in group:
+                    _deliver(j.done, None, exc)
+        # Nothing can be queued after _STOP (submit refuses), so the queue is empty here.
+
+
+class SharedExclusiveLock:
+    """A readers-writer lock that prefers the exclusive side (so a remap is never starved)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

@@ -1,0 +1,130 @@
+"""kvtier's pytest plugin (registered under the ``pytest11`` entry point ``kvtier``).
+
+Fixtures for serving-process authors who test their integration asynchronously (pytest-asyncio):
+
+- ``kvtier_layout``: the layout the engine fixtures use (override it in your conftest).
+- ``kvtier_config``: the ``EngineConfig`` for them, over a temporary cache directory (override too).
+- ``kvtier_engine``: an entered ``OffloadEngine`` over that directory and CPU device tensors; closed
+  after the test, and its self-check (``engine.check()``) must pass at teardown.
+- ``kvtier_engine_factory``: ``await factory(**overrides)`` for more engines (same directory unless
+  ``config=`` says otherwise; ``disk_tier=``, ``pressure_sources=``, ``device=``), all closed after.
+- ``kvtier_scenario``: an ``OffloadScenario`` driving ``kvtier_engine``.
+- ``fake_nvml``: a scripted device-memory source; pass ``{"device_memory": fake_nvml}`` as
+  ``pressure_sources`` and ``fake_nvml.extend([...])`` to script a curve.
+- ``faulty_tier``: ``faulty_tier(inner, fail_at=N | fail_from=N | delay_s=... | corrupt_puts=True)``
+  wraps a tier (see ``kvtier.tools.faults.FaultyTier``).
+
+Async fixtures run on the test's event loop, so use them from ``@pytest.mark.asyncio`` tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    import pytest_asyncio
+except ImportError:  # pragma: no cover - the plugin must not break pytest runs without it
+    pytest_asyncio = None
+
+
+def _async_fixture(fn):
+    if pytest_asyncio is None:
+
+        @pytest.fixture
+        def unavailable():
+            pytest.skip("kvtier's async fixtures need pytest-asyncio (pip install kvtier[test])")
+
+        unavailable.__name__ = fn.__name__
+        return unavailable
+    return pytest_asyncio.fixture(fn)
+
+
+@pytest.fixture
+def kvtier_layout():
+    """Full attention (block 16) + sliding window (block 4, W 8, MTP extra 3): the seed layout."""
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT
+
+    return DEFAULT_TEST_LAYOUT
+
+
+@pytest.fixture
+def kvtier_config(tmp_path):
+    """A small engine config over ``tmp_path / "kvtier-cache"``: fast polls, small host pool."""
+    from kvtier.engine import EngineConfig
+
+    return EngineConfig(
+        cache_dir=str(tmp_path / "kvtier-cache"),
+        host_capacity_bytes=8 << 20,
+        lmdb_map_size_bytes=64 << 20,
+        pressure_poll_interval_s=0.05,
+        tier_timeout_s=5.0,
+    )
+
+
+@pytest.fixture
+def fake_nvml():
+    """A scripted device-memory source (fractions in [0, 1]; ``None`` means unknown)."""
+    from kvtier.engine.pressure import FakeNvml
+
+    return FakeNvml([0.0])
+
+
+@pytest.fixture
+def faulty_tier():
+    """Factory: ``faulty_tier(inner, **faults)`` -> ``FaultyTier``."""
+    from kvtier.tools.faults import FaultyTier
+
+    def make(inner, **faults):
+        return FaultyTier(inner, **faults)
+
+    return make
+
+
+@_async_fixture
+async def kvtier_engine_factory(kvtier_layout, kvtier_config):
+    """``await factory(config=None, device=None, **engine_kwargs)``: entered engines, closed and
+    self-checked after the test."""
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import make_cpu_device
+
+    engines = []
+
+    async def factory(config=None, device=None, layout=None, fingerprint=b"kvtier-test-model", **kwargs):
+        layout = layout or kvtier_layout
+        engine = OffloadEngine(
+            layout,
+            device or make_cpu_device(layout),
+            config or kvtier_config,
+            fingerprint=fingerprint,
+            **kwargs,
+        )
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield factory
+    problems = []
+    for engine in engines:
+        if not engine._closed:
+            await engine.flush()
+            try:
+                engine.check()
+            except Exception as exc:  # report every engine, then fail
+                problems.append(exc)
+            await engine.close()
+    if problems:
+        raise problems[0]
+
+
+@_async_fixture
+async def kvtier_engine(kvtier_engine_factory):
+    """An entered ``OffloadEngine`` on ``kvtier_layout`` / ``kvtier_config`` with CPU tensors."""
+    return await kvtier_engine_factory()
+
+
+@_async_fixture
+async def kvtier_scenario(kvtier_engine):
+    """An ``OffloadScenario`` over ``kvtier_engine``."""
+    from kvtier.tools.scenario import OffloadScenario
+
+    return OffloadScenario(kvtier_engine)

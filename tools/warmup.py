@@ -1,0 +1,370 @@
+"""Offline warmup: run a local transformers causal LM over a prompt corpus and fill the disk tier.
+
+Primitives:
+
+- ``run_warmup`` (async): load the model, read the prompts (JSONL, aiofiles), and for each prompt
+  capture every layer's K/V, write it into paged CPU/GPU blocks and ``store`` it through an
+  ``OffloadEngine`` on ``cache_dir``; ``flush`` at the end. Resumable: a prompt whose chunks are
+  all present is skipped without running the model.
+- ``model_fingerprint``: the layout fingerprint of a transformers model. A serving process calls
+  the same function with the same config, layout and dtype, so its keys equal warmup's.
+- ``read_prompts`` (async): the JSONL corpus as token-id lists.
+- ``WarmupSummary``: what a run did.
+
+Threads: everything engine-facing runs on the event-loop thread; model loading and each forward
+pass run in a worker thread (``asyncio.to_thread``), so the engine's spill task keeps writing the
+previous prompt's chunks while the next prompt is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import aiofiles
+import torch
+from tqdm.auto import tqdm
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.engine import OffloadEngine
+from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
+from kvtier.policy.plan import store_chunk_indices
+from kvtier.tiers.device import DeviceKVView
+
+from .hf_model import (
+    FULL_ATTENTION,
+    allocate_kv_blocks,
+    capture_kv,
+    kv_head_shape,
+    layer_types_from_config,
+    layout_from_config,
+    load_model,
+    parse_dtype,
+    text_config,
+    write_kv_to_blocks,
+)
+
+__all__ = ["WarmupSummary", "run_warmup", "model_fingerprint", "read_prompts"]
+
+logger = logging.getLogger("kvtier.warmup")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Config fields that describe how a model is run, not what it computes: two processes that differ
+# only here produce the same KV bytes, so they must not change the fingerprint. Fields starting
+# with "_" (transformers' private bookkeeping, the attention implementation) are ignored too.
+_RUNTIME_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "attn_implementation",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "architectures",
+    }
+)
+# A store dropped under pressure or a full queue is retried after a flush this many times before
+# the prompt is counted as dropped: warmup is offline, so waiting is fine, but not forever.
+_STORE_ATTEMPTS = 4
+
+
+@dataclass(frozen=True)
+class WarmupSummary:
+    """What one ``run_warmup`` did. ``chunks_stored``/``bytes_stored`` count chunks this run wrote
+    (chunks another prompt or an earlier run already stored are ``chunks_present``)."""
+
+    prompts: int
+    skipped: int  # already complete in the cache (resumed), or too short to fill one chunk
+    tokens: int  # tokens run through the model
+    chunks_stored: int
+    bytes_stored: int
+    seconds: float
+    chunks_present: int = 0
+    chunks_dropped: int = 0
+    chunks_not_durable: int = 0
+    fingerprint: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _config_tag(config: Any) -> str:
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    kept = {k: v for k, v in data.items() if not k.startswith("_") and k not in _RUNTIME_CONFIG_KEYS}
+    text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _model_name(config: Any) -> str:
+    name = str(getattr(config, "_name_or_path", "") or "")
+    # A local directory is named by its last component, so /models/x and /srv/x agree.
+    if name and os.path.isdir(name):
+        name = os.path.basename(os.path.normpath(name))
+    return name
+
+
+def model_fingerprint(
+    config: Any,
+    layout: ModelLayout,
+    dtype: Union[str, torch.dtype],
+    *,
+    weights_version: Optional[str] = None,
+) -> bytes:
+    """``layout_fingerprint`` of a transformers model: model type, dtype, per-group KV shapes
+    ``(layers, 2, kv_heads, head_dim)`` and a weights tag.
+
+    The default tag is the model's name (``config._name_or_path``, a local directory by its last
+    component) and a hash of the config without its runtime fields. The config cannot tell two
+    checkpoints of one architecture apart: for fine-tuned or re-trained weights pass
+    ``weights_version`` (a revision or checkpoint hash), the same in warmup and serving.
+    """
+    text = text_config(config)
+    dtype_name, _ = parse_dtype(dtype)
+    layer_types, _ = layer_types_from_config(text)
+    num_kv_heads, head_dim = kv_head_shape(text)
+    shapes = []
+    for group in layout.groups:
+        wanted = FULL_ATTENTION if group.sliding_window is None else "sliding_attention"
+        shapes.append((sum(1 for t in layer_types if t == wanted), 2, num_kv_heads, head_dim))
+    if weights_version is None:
+        weights_version = f"{_model_name(text)}#{_config_tag(text)}"
+    model = str(getattr(text, "model_type", None) or type(text).__name__)
+    return layout_fingerprint(layout, model=model, dtype=dtype_name, shapes=shapes, weights_version=weights_version)
+
+
+# ------------------------------------------------------------------ prompts
+
+
+async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None) -> List[List[int]]:
+    """Token ids of every prompt in a JSONL file: each non-blank line is an object with
+    ``"token_ids"`` (a list of non-negative ints) or ``"text"`` (tokenized with the tokenizer in
+    ``tokenizer_dir``, which must then hold one). Errors name the line."""
+    entries: List[Tuple[int, Any, Optional[str]]] = []
+    try:
+        async with aiofiles.open(os.fspath(path), "r", encoding="utf-8") as f:
+            number = 0
+            async for line in f:
+                number += 1
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{os.fspath(path)}:{number}: not JSON: {exc.msg}") from None
+                if not isinstance(record, dict) or ("token_ids" not in record and "text" not in record):
+                    raise ValueError(f"{os.fspath(path)}:{number}: expected an object with 'token_ids' or 'text'")
+                entries.append((number, record.get("token_ids"), record.get("text")))
+    except FileNotFoundError:
+        raise ValueError(f"prompts file {os.fspath(path)!r} does not exist") from None
+
+    tokenizer = None
+    if any(ids is None for _, ids, _ in entries):
+        tokenizer = _load_tokenizer(tokenizer_dir, path)
+    prompts: List[List[int]] = []
+    for number, ids, text in entries:
+        where = f"{os.fspath(path)}:{number}"
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: 'text' must be a string")
+            ids = tokenizer(text)["input_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints")
+        prompts.append(ids)
+    return prompts
+
+
+def _load_tokenizer(tokenizer_dir: Optional[PathLike], prompts_path: PathLike):
+    if tokenizer_dir is None:
+        raise ValueError(f"{os.fspath(prompts_path)} has 'text' prompts but no tokenizer directory was given")
+    from .hf_model import _require_transformers
+
+    transformers = _require_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{os.fspath(prompts_path)} has 'text' prompts but {os.fspath(tokenizer_dir)!r} holds no "
+            f"usable tokenizer ({exc}); give token_ids instead, or save the tokenizer next to the model"
+        ) from None
+
+
+# ------------------------------------------------------------------ resumability
+
+
+def _reachable_boundaries(layout: ModelLayout, num_tokens: int) -> List[int]:
+    """Boundaries a consumer of this prompt can hit, longest first (as the store mask counts them)."""
+    alignment = layout.alignment_tokens
+    boundaries = set(range(alignment, num_tokens + 1, alignment))
+    for group in layout.groups:
+        final = (num_tokens // group.block_size) * group.block_size
+        if final:
+            boundaries.add(final)
+    return sorted(boundaries, reverse=True)
+
+
+def _ideal_state(layout: ModelLayout, num_tokens: int):
+    stored = [set(store_chunk_indices(layout, g, num_tokens)) for g in range(len(layout.groups))]
+
+    def state(group_index: int, chunk_index: int) -> ChunkState:
+        return ChunkState.READY if chunk_index in stored[group_index] else ChunkState.MISSING
+
+    return state, sum(len(s) for s in stored)
+
+
+def _already_complete(engine: OffloadEngine, keys, layout: ModelLayout, num_tokens: int) -> bool:
+    """True when, at every boundary a consumer can reach, the engine already serves at least the hit
+    a complete store of this prompt would give. Checked longest boundary first, so a prompt never
+    seen before costs one lookup. ``lookup`` counts these probes in the engine's hit metrics."""
+    state, _ = _ideal_state(layout, num_tokens)
+    for boundary in _reachable_boundaries(layout, num_tokens):
+        expected = longest_hit(layout, boundary, state)
+        actual = engine.lookup(keys, max_tokens=boundary)
+        if actual is None or actual < expected:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------ the run
+
+
+def _host_capacity_for(view: DeviceKVView, layout: ModelLayout, max_tokens: int) -> int:
+    # The engine gives every group the same slot count (capacity // sum of chunk sizes); room for two
+    # prompts' chunks lets one prompt spill while the next one is stored.
+    chunks = max(cdiv(max_tokens, g.tokens_per_chunk) for g in layout.groups)
+    return 2 * chunks * sum(view.chunk_nbytes(g) for g in range(len(layout.groups)))
+
+
+async def _store(engine: OffloadEngine, keys, block_table, num_tokens: int):
+    """Store, retrying after a flush when the engine drops the chunks (pressure, full queue or host
+    pool): the device blocks are ours until the handle is released, so a retry reads the same bytes."""
+    handle = None
+    for attempt in range(_STORE_ATTEMPTS):
+        handle = engine.store(keys, block_table, num_tokens)
+        if not handle.dropped:
+            return handle
+        logger.info("store dropped (%s), attempt %d: flushing and retrying", handle.drop_reason, attempt + 1)
+        await engine.flush()
+        if handle.drop_reason == "pressure":
+            await asyncio.sleep(engine.config.pressure_poll_interval_s)
+    return handle
+
+
+async def run_warmup(
+    model_dir: PathLike,
+    prompts_path: PathLike,
+    cache_dir: PathLike,
+    *,
+    salt: Union[bytes, str, None] = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    block_size: int = 16,
+    blocks_per_chunk: int = 1,
+    extra_retained_tokens: int = 0,
+    progress: bool = True,
+    attn_implementation: Optional[str] = None,
+    weights_version: Optional[str] = None,
+    engine_config: Optional[EngineConfig] = None,
+) -> WarmupSummary:
+    """Fill ``cache_dir`` with the KV chunks of every prompt in ``prompts_path``.
+
+    The model is ``AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)``; its
+    layout comes from ``layout_from_config`` and its fingerprint from ``model_fingerprint`` (pass the
+    same ``weights_version``, ``salt``, block geometry and ``dtype`` in the serving process, and its
+    keys match). ``engine_config`` overrides the engine settings (its ``cache_dir`` is replaced by
+    ``cache_dir``); by default the host pool is sized to hold two prompts' chunks. A prompt whose
+    chunks are already all present is skipped; cancelling the run leaves every prompt stored so
+    far intact, and a rerun resumes.
+    """
+    started = time.perf_counter()
+    dtype_name, torch_dtype = parse_dtype(dtype)
+    prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
+    model = await asyncio.to_thread(
+        load_model, model_dir, device=device, dtype=torch_dtype, attn_implementation=attn_implementation
+    )
+    config = text_config(model.config)
+    vocab = getattr(config, "vocab_size", None)
+    for index, ids in enumerate(prompts):
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise ValueError(f"prompt {index + 1}: token id {max(ids)} is outside the vocabulary ({vocab})")
+    layout, layer_groups = layout_from_config(
+        config, block_size=block_size, blocks_per_chunk=blocks_per_chunk, extra_retained_tokens=extra_retained_tokens
+    )
+    fingerprint = model_fingerprint(config, layout, dtype_name, weights_version=weights_version)
+
+    max_tokens = max((len(ids) for ids in prompts), default=1) or 1
+    num_blocks = [cdiv(max_tokens, g.block_size) for g in layout.groups]
+    kv_caches = allocate_kv_blocks(config, layout, layer_groups, num_blocks, torch_dtype, device)
+    view = DeviceKVView(layout, kv_caches)
+    block_table = [list(range(n)) for n in num_blocks]
+    if engine_config is None:
+        capacity = max(EngineConfig().host_capacity_bytes, _host_capacity_for(view, layout, max_tokens))
+        engine_config = EngineConfig(
+            cache_dir=os.fspath(cache_dir),
+            host_capacity_bytes=capacity,
+            device_kind="cuda" if str(device).startswith("cuda") else "cpu",
+        )
+    else:
+        engine_config = dataclasses.replace(engine_config, cache_dir=os.fspath(cache_dir))
+
+    skipped = tokens = stored = stored_bytes = present = dropped = 0
+    handles = []
+    bar = tqdm(total=len(prompts), unit="prompt", desc="warmup", disable=not progress)
+    try:
+        async with OffloadEngine(layout, view, engine_config, fingerprint=fingerprint) as engine:
+            previous = None
+            for ids in prompts:
+                keys = engine.request_keys(ids, salt=salt)
+                _, wanted = _ideal_state(layout, len(ids))
+                if wanted == 0 or _already_complete(engine, keys, layout, len(ids)):
+                    skipped += 1
+                    bar.update(1)
+                    continue
+                kv = await asyncio.to_thread(capture_kv, model, ids)
+                if previous is not None:
+                    await previous.wait_released()  # the device blocks are reused below
+                write_kv_to_blocks(kv, kv_caches, layer_groups, block_table, len(ids))
+                del kv
+                handle = await _store(engine, keys, block_table, len(ids))
+                tokens += len(ids)
+                present += len(handle.skipped)
+                if handle.dropped:
+                    dropped += len(handle.dropped)
+                    logger.warning(
+                        "prompt of %d tokens: %d chunks dropped (%s)", len(ids), len(handle.dropped), handle.drop_reason
+                    )
+                else:
+                    stored += len(handle.scheduled)
+                    stored_bytes += sum(view.chunk_nbytes(g) for g, _ in handle.scheduled)
+                    handles.append(handle)
+                previous = handle
+                bar.update(1)
+                bar.set_postfix(tokens=tokens, chunks=stored, refresh=False)
+            await engine.flush()
+            durable = await asyncio.gather(*(h.wait_durable() for h in handles))
+            not_durable = sum(len(h.scheduled) for h, ok in zip(handles, durable) if not ok)
+    finally:
+        bar.close()
+    return WarmupSummary(
+        prompts=len(prompts),
+        skipped=skipped,
+        tokens=tokens,
+        chunks_stored=stored,
+        bytes_stored=stored_bytes,
+        seconds=time.perf_counter() - started,
+        chunks_present=present,
+        chunks_dropped=dropped,
+        chunks_not_durable=not_durable,
+        fingerprint=fingerprint.hex(),
+    )
