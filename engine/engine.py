@@ -551,15 +551,16 @@ class OffloadEngine:
             handle._durable.set_result(ok)
 
     async def flush(self) -> None:
-        """Wait until every store scheduled so far has finished its device copy and, with a disk
-        tier, its spill. Cancelling the wait stops nothing."""
+        """Wait until every operation started so far has finished: device copies of stores, their
+        spills (with a disk tier), loads and prefetch reads. Cancelling the wait stops nothing."""
+        self._check_started()
         while True:
-            self._check_started()
-            stores = [t for t in self._tasks if t.get_coro().__name__ == "_run_store"]
-            if stores:
-                await asyncio.gather(*stores, return_exceptions=True)
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
                 continue
-            if self._spill_task is not None and (self._spill_queue or not self._spill_idle.is_set()):
+            if self._spill_task is not None and not self._spill_task.done() and (
+                self._spill_queue or not self._spill_idle.is_set()
+            ):
                 self._spill_wakeup.set()
                 await self._spill_idle.wait()
                 continue
@@ -906,6 +907,16 @@ class OffloadEngine:
             )
 
     # ------------------------------------------------------------------ observability
+
+    @property
+    def pressure(self) -> Optional[PressureMonitor]:
+        """The memory-pressure monitor (``None`` before ``start``)."""
+        return self._pressure
+
+    @property
+    def disk_tier(self) -> Optional[ChunkTier]:
+        """The disk tier in use, if any."""
+        return self._disk
 
     def take_events(self) -> List[ChunkEvent]:
         """Stored/removed chunk events since the last call (key, group, tier), oldest first."""

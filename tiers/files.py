@@ -929,7 +929,8 @@ class FileTier(ChunkTier):
             old = self._index.pop(entries[i][0], None)  # its old file was replaced: gone
             if old is not None:
                 self._used -= old.size
-        doomed = [finals[i] for i in renamed] + [t for i, t in enumerate(temps) if i not in renamed]
+        done = set(renamed)
+        doomed = [finals[i] for i in renamed] + [t for i, t in enumerate(temps) if i not in done]
 
         async def undo() -> None:
             await asyncio.gather(

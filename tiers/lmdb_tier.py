@@ -86,6 +86,8 @@ _DB_META = b"meta"
 _ATIME = struct.Struct("<QQ")  # last access (time_ns), stored record bytes
 _MIN_MAP_SIZE = 1 << 20
 _ITER_BATCH = 256
+# Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
+_ACCESS_FLUSH_BACKLOG = 1 << 16
 
 # Process-wide: LMDB forbids opening one environment twice in a process (closing either would drop
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
@@ -480,6 +482,11 @@ class LmdbTier(ChunkTier):
             for (key, _), meta in zip(items, results):
                 if meta is not None:
                     self._accesses.append((key, now))
+            if len(self._accesses) > _ACCESS_FLUSH_BACKLOG and self._writer is not None:
+                try:
+                    self._writer.submit(Job(self._flush_accesses, _log_failure))
+                except ClosedError:
+                    pass
         if corrupt:
             for key, _, reason in corrupt:
                 log.warning("kvtier lmdb: corrupt record %s in %s: %s", key.hex(), self._path, reason)

@@ -73,6 +73,7 @@ _RUNTIME_CONFIG_KEYS = frozenset(
         "architectures",
     }
 )
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # A store dropped under pressure or a full queue is retried after a flush this many times before
 # the prompt is counted as dropped: warmup is offline, so waiting is fine, but not forever.
 _STORE_ATTEMPTS = 4
@@ -190,6 +191,15 @@ def _load_tokenizer(tokenizer_dir: Optional[PathLike], prompts_path: PathLike):
         raise ValueError(f"{os.fspath(prompts_path)} has 'text' prompts but no tokenizer directory was given")
     from .hf_model import _require_transformers
 
+    directory = os.fspath(tokenizer_dir)
+    # transformers 5 builds an empty tokenizer for a directory without tokenizer files (every word
+    # becomes <unk>), so the files are checked here rather than trusting from_pretrained.
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{os.fspath(prompts_path)} has 'text' prompts but {directory!r} holds no tokenizer "
+            f"(none of {', '.join(_TOKENIZER_FILES)}); give token_ids instead, or save the tokenizer "
+            "next to the model"
+        )
     transformers = _require_transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True)
@@ -289,6 +299,8 @@ async def run_warmup(
     """
     started = time.perf_counter()
     dtype_name, torch_dtype = parse_dtype(dtype)
+    if not os.path.isdir(os.fspath(model_dir)):
+        raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
     model = await asyncio.to_thread(
         load_model, model_dir, device=device, dtype=torch_dtype, attn_implementation=attn_implementation

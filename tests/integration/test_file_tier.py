@@ -194,25 +194,25 @@ async def test_every_flipped_byte_is_detected_quarantined_and_counted(
         assert pristine == encode_record(key_of(0), meta, raw_of(data), codec)
         header = read_header(pristine)
         assert header.codec == ("zstd-planes" if compress else "raw")
-        payload_start = len(pristine) - header.payload_length
-        n = len(pristine)
-        # One record per byte position (every prefix, header, checksum and payload byte), each
-        # under its own key and with position i of record i flipped. They are planted as files
-        # (no fsync, so the test stays fast) and picked up by the scan of the next open.
-        keys = [key_of(i, b"flip") for i in range(n)]
-        classes: Dict[str, int] = {"prefix": 0, "header": 0, "payload": 0}
-        for i, k in enumerate(keys):
-            b = bytearray(encode_record(k, meta, raw_of(data), codec))
-            b[i] ^= 0x01 if i % 2 else 0xFF
-            p = tier.path_for(k)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(bytes(b))
-            classes["prefix" if i < 10 else "header" if i < payload_start else "payload"] += 1
-        assert all(v > 0 for v in classes.values()), classes
-        # Truncated and extended records are corrupt too.
-        for k, mutate in [(key_of(1), lambda b: b[:-1]), (key_of(2), lambda b: b + b"\0")]:
-            tier.path_for(k).parent.mkdir(parents=True, exist_ok=True)
-            tier.path_for(k).write_bytes(mutate(encode_record(k, meta, raw_of(data), codec)))
+    payload_start = len(pristine) - header.payload_length
+    n = len(pristine)
+    # One record per byte position (every prefix, header, checksum and payload byte), each
+    # under its own key and with position i of record i flipped. They are planted as files
+    # (no fsync, so the test stays fast) and picked up by the scan of the next open.
+    keys = [key_of(i, b"flip") for i in range(n)]
+    classes: Dict[str, int] = {"prefix": 0, "header": 0, "payload": 0}
+    for i, k in enumerate(keys):
+        b = bytearray(encode_record(k, meta, raw_of(data), codec))
+        b[i] ^= 0x01 if i % 2 else 0xFF
+        p = tier.path_for(k)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(bytes(b))
+        classes["prefix" if i < 10 else "header" if i < payload_start else "payload"] += 1
+    assert all(v > 0 for v in classes.values()), classes
+    # Truncated and extended records are corrupt too.
+    for k, mutate in [(key_of(1), lambda b: b[:-1]), (key_of(2), lambda b: b + b"\0")]:
+        tier.path_for(k).parent.mkdir(parents=True, exist_ok=True)
+        tier.path_for(k).write_bytes(mutate(encode_record(k, meta, raw_of(data), codec)))
     bad = keys + [key_of(1), key_of(2)]
     async with opened(root, codec=codec) as tier:
         assert await tier.contains_many(bad) == [True] * len(bad)  # the scan does not decode

@@ -242,7 +242,11 @@ async def test_warmup_reports_bad_prompts(model_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         await run_warmup(model_dir, text_only, tmp_path / "c2", progress=False)
     with pytest.raises(ValueError, match="does not exist"):
-        await run_warmup(tmp_path / "no-model", bad_json, tmp_path / "c3", progress=False)
+        await run_warmup(tmp_path / "no-model", text_only, tmp_path / "c3", progress=False)
+    out_of_vocab = tmp_path / "oov.jsonl"
+    out_of_vocab.write_text('{"token_ids": [1, 500]}\n')
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await run_warmup(model_dir, out_of_vocab, tmp_path / "c4", progress=False)
 
 
 def test_layout_from_gemma3_config():
