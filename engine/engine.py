@@ -369,7 +369,7 @@ class OffloadEngine:
         for gi, chunk, key, blocks in jobs:
             slot = next(slot_iters[gi])
             entry = ChunkEntry(key, gi, chunk, HostState.PENDING, slot, ready=self._loop.create_future())
-            self._pools[gi].set_owner(slot, entry)
+            self._pools[gi].set_owner(slot, entry, key=entry.key)
             self._pin(entry)
             self._entries[key] = entry
             work.append((entry, entry.generation, blocks))
@@ -750,7 +750,7 @@ class OffloadEngine:
         for gi, chunk, key in wanted:
             slot = next(iters[gi])
             entry = ChunkEntry(key, gi, chunk, HostState.LOADING, slot, ready=self._loop.create_future())
-            self._pools[gi].set_owner(slot, entry)
+            self._pools[gi].set_owner(slot, entry, key=entry.key)
             self._pin(entry)  # the read's own pin: held until the worker reports
             self._entries[key] = entry
             entries.append(entry)

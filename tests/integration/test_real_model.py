@@ -71,11 +71,12 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _prompts():
+def _prompts(shared=PREFIX_TOKENS):
+    """The warmed prompt, and a consumer prompt sharing its first ``shared`` tokens."""
     generator = torch.Generator().manual_seed(7)
     prefix = torch.randint(3, 128, (PREFIX_TOKENS,), generator=generator).tolist()
-    suffix = torch.randint(3, 128, (EXTRA_TOKENS,), generator=generator).tolist()
-    return prefix, prefix + suffix
+    suffix = torch.randint(3, 128, (PREFIX_TOKENS + EXTRA_TOKENS - shared,), generator=generator).tolist()
+    return prefix, prefix[:shared] + suffix
 
 
 def _consumer_tables(layout, hit):
@@ -115,23 +116,35 @@ async def _restore(model_dir, cache_dir, layout, layer_groups, config, consumer_
     return hit, tables, kv_caches, result, stats
 
 
+# (blocks per chunk, MTP extra retained tokens R, tokens the consumer shares, expected hit)
+CASES = [
+    pytest.param(1, 0, PREFIX_TOKENS, PREFIX_TOKENS, id="p1-r0-aligned"),
+    pytest.param(2, 3, PREFIX_TOKENS, PREFIX_TOKENS, id="p2-r3-mtp"),
+    pytest.param(1, 0, 90, 80, id="p1-r0-shorter-shared-prefix"),
+]
+
+
 @pytest.mark.asyncio
-async def test_restored_window_decodes_like_a_full_recompute(model_dir, tmp_path):
+@pytest.mark.parametrize("blocks_per_chunk, extra_retained, shared, expected_hit", CASES)
+async def test_restored_window_decodes_like_a_full_recompute(
+    model_dir, tmp_path, blocks_per_chunk, extra_retained, shared, expected_hit
+):
     started = time.perf_counter()
-    prefix, consumer_ids = _prompts()
+    prefix, consumer_ids = _prompts(shared)
     prompts_path = tmp_path / "prompts.jsonl"
     prompts_path.write_text(json.dumps({"token_ids": prefix}) + "\n")
     cache_dir = tmp_path / "cache"
+    geometry = dict(block_size=BLOCK, blocks_per_chunk=blocks_per_chunk, extra_retained_tokens=extra_retained)
 
     summary = await run_warmup(
-        model_dir, prompts_path, cache_dir, progress=False, block_size=BLOCK, attn_implementation="eager"
+        model_dir, prompts_path, cache_dir, progress=False, attn_implementation="eager", **geometry
     )
     assert summary.prompts == 1 and summary.skipped == 0 and summary.tokens == PREFIX_TOKENS
     assert summary.chunks_stored > 0 and summary.chunks_dropped == 0 and summary.chunks_not_durable == 0
 
     # A rerun finds every chunk on disk and skips the prompt without running the model.
     again = await run_warmup(
-        model_dir, prompts_path, cache_dir, progress=False, block_size=BLOCK, attn_implementation="eager"
+        model_dir, prompts_path, cache_dir, progress=False, attn_implementation="eager", **geometry
     )
     assert again.skipped == 1 and again.tokens == 0 and again.chunks_stored == 0
     assert again.fingerprint == summary.fingerprint
@@ -139,17 +152,17 @@ async def test_restored_window_decodes_like_a_full_recompute(model_dir, tmp_path
     # The consumer: a new model object, a fresh engine on the same directory.
     model = load_model(model_dir, attn_implementation="eager")
     config = model.config
-    layout, layer_groups = layout_from_config(config, block_size=BLOCK)
+    layout, layer_groups = layout_from_config(config, **geometry)
     assert [g.sliding_window for g in layout.groups] == [None, WINDOW]
     hit, tables, kv_caches, result, stats = await _restore(
         model_dir, cache_dir, layout, layer_groups, config, consumer_ids
     )
-    assert hit == PREFIX_TOKENS
+    assert hit == expected_hit
     assert result.ok, result
     assert result.chunks_from_disk > 0 and result.chunks_from_host == 0  # nothing was on this host
     swa = layout.groups[1]
     start, end = retained_interval(swa, hit)
-    assert (start, end) == (hit - (WINDOW - 1), hit)
+    assert (start, end) == (hit - (WINDOW - 1 + extra_retained), hit)
     assert tables[1][: start // BLOCK] == [NULL_BLOCK] * (start // BLOCK)
 
     # Every restored block equals the producer's, bit for bit.
@@ -157,7 +170,7 @@ async def test_restored_window_decodes_like_a_full_recompute(model_dir, tmp_path
     producer_tables = [list(range(len(t))) for t in tables]
     producer_blocks = allocate_kv_blocks(config, layout, layer_groups, len(tables[0]), torch.float32, "cpu")
     write_kv_to_blocks(producer_kv, producer_blocks, layer_groups, producer_tables, hit)
-    restored = {(g, b) for g, b in result.loaded}
+    restored = set(result.loaded)
     expected_blocks = {(0, b) for b in range(hit // BLOCK)} | {(1, b) for b in range(start // BLOCK, hit // BLOCK)}
     assert restored == expected_blocks
     for g, logical in sorted(restored):
@@ -169,40 +182,71 @@ async def test_restored_window_decodes_like_a_full_recompute(model_dir, tmp_path
         first = 0 if layer in layer_groups[0] else start
         assert torch.equal(k[:, first:], pk[:, first:hit]) and torch.equal(v[:, first:], pv[:, first:hit])
 
-    # Decode from the restored blocks alone: sliding layers get junk before their window.
+    # Decode from the restored blocks alone: sliding layers get junk before their retained interval.
     reference = full_logits(model, consumer_ids)
     junk = torch.Generator().manual_seed(5)
     cache = build_cache_from_blocks(config, kv_caches, layer_groups, tables, layout, hit, generator=junk)
     logits = next_token_logits(model, cache, consumer_ids, hit)
     diff = (logits - reference).abs().max().item()
-    print(f"\nreal-model end-to-end: hit {hit} tokens, next-token logits max abs diff {diff:.3e} "
-          f"(tolerance {TOLERANCE}), logits std {reference.std().item():.3f}")
+    print(
+        f"\nreal-model end-to-end (p={blocks_per_chunk}, R={extra_retained}): hit {hit} tokens, next-token "
+        f"logits max abs diff {diff:.3e} (tolerance {TOLERANCE}), logits std {reference.std().item():.3f}"
+    )
     assert diff <= TOLERANCE
     assert reference.std().item() > 0.1  # the logits carry signal: a match is not trivial
 
-    # Negative control 1: the oldest retained block of the window replaced by junk -> logits move.
-    oldest = tables[1][start // BLOCK]
-    saved = [t[oldest].clone() for t in kv_caches[1]]
-    for tensor in kv_caches[1]:
-        tensor[oldest] = 1e4 * torch.randn(tensor[oldest].shape, generator=junk)
-    cache = build_cache_from_blocks(config, kv_caches, layer_groups, tables, layout, hit, generator=junk)
-    broken = (next_token_logits(model, cache, consumer_ids, hit) - reference).abs().max().item()
-    assert broken > 1e-2, broken
+    # Negative controls: the test can fail. The first position the next token attends to in a
+    # sliding layer is H - (W - 1) (the R older tokens are kept for MTP, not attended).
+    first_attended = hit - (WINDOW - 1)
+    logical = first_attended // BLOCK
+    block = tables[1][logical]
+    saved = [t[block].clone() for t in kv_caches[1]]
 
-    # Negative control 2, at the token: junk at the first retained position changes the logits,
-    # junk one position earlier (outside the window, inside the same block) does not.
-    offset = start % BLOCK
-    assert offset > 0
-    for position, should_change in ((offset, True), (offset - 1, False)):
-        for tensor, good in zip(kv_caches[1], saved):
-            tensor[oldest] = good
-            tensor[oldest, :, position] = 1e4 * torch.randn(tensor[oldest, :, position].shape, generator=junk)
+    def decode_moves() -> float:
         cache = build_cache_from_blocks(config, kv_caches, layer_groups, tables, layout, hit, generator=junk)
-        moved = (next_token_logits(model, cache, consumer_ids, hit) - reference).abs().max().item()
-        assert (moved > 1e-2) if should_change else (moved <= TOLERANCE), (position, moved)
+        return (next_token_logits(model, cache, consumer_ids, hit) - reference).abs().max().item()
+
+    # 1. One block less of the window: the block holding the first attended position is junk.
+    for tensor in kv_caches[1]:
+        tensor[block] = 1e4 * torch.randn(tensor[block].shape, generator=junk)
+    assert decode_moves() > 1e-2
+    # 2. At the token: junk at the first attended position moves the logits; junk one position
+    #    earlier (outside the window, inside the same block) does not.
+    offset = first_attended % BLOCK
+    assert offset > 0
+    for position, should_move in ((offset, True), (offset - 1, False)):
+        for tensor, good in zip(kv_caches[1], saved):
+            tensor[block] = good
+            tensor[block, :, position] = 1e4 * torch.randn(tensor[block, :, position].shape, generator=junk)
+        moved = decode_moves()
+        assert (moved > 1e-2) if should_move else (moved <= TOLERANCE), (position, moved)
 
     assert stats["chunks_on_disk"] >= summary.chunks_stored
     assert time.perf_counter() - started < 60
+
+
+@pytest.mark.asyncio
+async def test_warmup_resumes_a_grown_corpus(model_dir, tmp_path):
+    generator = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 128, (64,), generator=generator).tolist()
+    prompts = [system + torch.randint(3, 128, (n,), generator=generator).tolist() for n in (40, 20, 70)]
+    short = [5, 6, 7]  # shorter than one chunk: nothing to store
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps({"token_ids": ids}) + "\n" for ids in prompts[:2] + [short]))
+    cache_dir = tmp_path / "cache"
+
+    first = await run_warmup(model_dir, corpus, cache_dir, progress=False)
+    assert (first.prompts, first.skipped, first.tokens) == (3, 1, 104 + 84)
+    assert first.chunks_present > 0  # the second prompt found the shared system prompt's chunks
+
+    with corpus.open("a") as f:
+        f.write(json.dumps({"token_ids": prompts[2]}) + "\n")
+    second = await run_warmup(model_dir, corpus, cache_dir, progress=False)
+    assert (second.prompts, second.skipped, second.tokens) == (4, 3, 134)
+    assert second.chunks_stored > 0 and second.chunks_present > 0
+
+    third = await run_warmup(model_dir, corpus, cache_dir, progress=False)
+    assert (third.skipped, third.tokens, third.chunks_stored) == (4, 0, 0)
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,107 @@
+"""``kvtier inspect``, ``kvtier verify`` and ``kvtier gc`` over a cache directory's LMDB tier.
+
+Primitives: ``inspect_cache`` (records per group, bytes raw and stored, compression, age),
+``verify_cache`` (read and check every record), ``gc_cache`` (evict least-recently-used records down
+to a byte bound). All blocking: they open the tier synchronously, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from kvtier.policy import KvtierError
+from kvtier.tiers.lmdb_tier import LmdbTier
+
+__all__ = ["inspect_cache", "verify_cache", "gc_cache", "GroupReport", "InspectReport"]
+
+
+@dataclass
+class GroupReport:
+    records: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    compressed_records: int = 0
+    oldest_access_age_s: Optional[float] = None
+    newest_access_age_s: Optional[float] = None
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+@dataclass
+class InspectReport:
+    cache_dir: str
+    tier: str
+    records: int
+    raw_bytes: int
+    stored_bytes: int
+    unreadable_headers: int
+    file_bytes: int
+    groups: Dict[int, GroupReport] = field(default_factory=dict)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def to_dict(self) -> Dict[str, object]:
+        data = asdict(self)
+        data["compression_ratio"] = self.compression_ratio
+        data["groups"] = {
+            str(g): dict(asdict(report), compression_ratio=report.compression_ratio)
+            for g, report in sorted(self.groups.items())
+        }
+        return data
+
+
+def _require_cache(cache_dir: str) -> None:
+    if not os.path.isdir(cache_dir) or not os.path.exists(os.path.join(cache_dir, "data.mdb")):
+        raise FileNotFoundError(f"no kvtier cache at {cache_dir} (expected an LMDB data.mdb there)")
+
+
+def inspect_cache(cache_dir: str) -> InspectReport:
+    """Summarise every record of the LMDB tier at ``cache_dir`` (read-only)."""
+    _require_cache(cache_dir)
+    now_ns = time.time_ns()
+    with LmdbTier(cache_dir, readonly=True, map_size_bytes=1 << 20) as tier:
+        report = InspectReport(cache_dir, "lmdb", 0, 0, 0, 0, os.path.getsize(os.path.join(cache_dir, "data.mdb")))
+        for info in tier.iter_records():
+            report.records += 1
+            report.stored_bytes += info.stored_bytes
+            if info.header is None:
+                report.unreadable_headers += 1
+                continue
+            group = report.groups.setdefault(info.header.meta.group_index, GroupReport())
+            group.records += 1
+            group.raw_bytes += info.header.raw_length
+            group.stored_bytes += info.stored_bytes
+            report.raw_bytes += info.header.raw_length
+            if info.header.codec != "raw":
+                group.compressed_records += 1
+            if info.atime_ns:
+                age = max(0.0, (now_ns - info.atime_ns) / 1e9)
+                group.oldest_access_age_s = max(age, group.oldest_access_age_s or 0.0)
+                group.newest_access_age_s = age if group.newest_access_age_s is None else min(age, group.newest_access_age_s)
+    return report
+
+
+def verify_cache(cache_dir: str, *, quarantine: bool = True):
+    """Read and check every record; returns the tier's ``VerifyReport`` (bad ones listed)."""
+    _require_cache(cache_dir)
+    with LmdbTier(cache_dir, readonly=not quarantine, map_size_bytes=1 << 20) as tier:
+        return tier.verify(quarantine=quarantine)
+
+
+def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
+    """Evict least-recently-used records until stored bytes are at most ``max_bytes``."""
+    if max_bytes < 0:
+        raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
+    _require_cache(cache_dir)
+    with LmdbTier(cache_dir, map_size_bytes=1 << 20) as tier:
+        before = int(tier.statistics().get("bytes", 0))
+        evicted = tier.gc(max_bytes)
+        after = int(tier.statistics().get("bytes", 0))
+    return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after}
