@@ -302,14 +302,14 @@ def capture_kv(model, token_ids: Sequence[int]) -> List[LayerKV]:
     cache = _new_full_cache()
     model(input_ids=_token_tensor(token_ids, device), use_cache=True, **{_cache_kwarg(model): cache})
     num_layers = text_config(model.config).num_hidden_layers
-    layers = getattr(cache, "layers", None)
-    if layers is None or len(layers) != num_layers:
-        raise ValueError(
-            f"the model filled {0 if layers is None else len(layers)} cache layers, expected {num_layers}"
-        )
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    else:  # transformers 4.x keeps parallel lists
+        pairs = list(zip(cache.key_cache, cache.value_cache))
+    if len(pairs) != num_layers:
+        raise ValueError(f"the model filled {len(pairs)} cache layers, expected {num_layers}")
     kv: List[LayerKV] = []
-    for index, layer in enumerate(layers):
-        keys, values = layer.keys, layer.values
+    for index, (keys, values) in enumerate(pairs):
         if keys is None or keys.shape[-2] != len(token_ids):
             raise ValueError(
                 f"layer {index} cached {None if keys is None else keys.shape[-2]} positions, expected "

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import aiofiles
 import torch
@@ -40,6 +40,7 @@ from kvtier.tiers.device import DeviceKVView
 
 from .hf_model import (
     FULL_ATTENTION,
+    _require_transformers,
     allocate_kv_blocks,
     capture_kv,
     kv_head_shape,
@@ -189,8 +190,6 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
 def _load_tokenizer(tokenizer_dir: Optional[PathLike], prompts_path: PathLike):
     if tokenizer_dir is None:
         raise ValueError(f"{os.fspath(prompts_path)} has 'text' prompts but no tokenizer directory was given")
-    from .hf_model import _require_transformers
-
     directory = os.fspath(tokenizer_dir)
     # transformers 5 builds an empty tokenizer for a directory without tokenizer files (every word
     # becomes <unk>), so the files are checked here rather than trusting from_pretrained.
@@ -202,10 +201,10 @@ def _load_tokenizer(tokenizer_dir: Optional[PathLike], prompts_path: PathLike):
         )
     transformers = _require_transformers()
     try:
-        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(
-            f"{os.fspath(prompts_path)} has 'text' prompts but {os.fspath(tokenizer_dir)!r} holds no "
+            f"{os.fspath(prompts_path)} has 'text' prompts but {directory!r} holds no "
             f"usable tokenizer ({exc}); give token_ids instead, or save the tokenizer next to the model"
         ) from None
 
@@ -307,9 +306,15 @@ async def run_warmup(
     )
     config = text_config(model.config)
     vocab = getattr(config, "vocab_size", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
     for index, ids in enumerate(prompts):
         if vocab is not None and ids and max(ids) >= vocab:
             raise ValueError(f"prompt {index + 1}: token id {max(ids)} is outside the vocabulary ({vocab})")
+        if max_positions is not None and len(ids) > max_positions:
+            raise ValueError(
+                f"prompt {index + 1}: {len(ids)} tokens, more than the model's max_position_embeddings "
+                f"({max_positions})"
+            )
     layout, layer_groups = layout_from_config(
         config, block_size=block_size, blocks_per_chunk=blocks_per_chunk, extra_retained_tokens=extra_retained_tokens
     )

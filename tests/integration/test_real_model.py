@@ -10,6 +10,7 @@ and a wrong position in the window would show in the logits.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -247,6 +248,36 @@ async def test_warmup_resumes_a_grown_corpus(model_dir, tmp_path):
 
     third = await run_warmup(model_dir, corpus, cache_dir, progress=False)
     assert (third.skipped, third.tokens, third.chunks_stored) == (4, 0, 0)
+
+
+@pytest.mark.asyncio
+async def test_warmup_tokenizes_text_prompts(model_dir, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    with_tokenizer = tmp_path / "model"
+    shutil.copytree(model_dir, with_tokenizer)
+    words = [f"w{i}" for i in range(100)]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer.save_pretrained(with_tokenizer)
+    text = " ".join(words[i % 100] for i in range(40))
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text(json.dumps({"text": text}) + "\n")
+
+    summary = await run_warmup(with_tokenizer, corpus, tmp_path / "cache", progress=False)
+    ids = tokenizer(text)["input_ids"]
+    assert summary.tokens == len(ids) == 40 and summary.chunks_stored > 0
+    config = transformers.AutoConfig.from_pretrained(with_tokenizer)
+    layout, layer_groups = layout_from_config(config)
+    kv_caches = allocate_kv_blocks(config, layout, layer_groups, 8, torch.float32, "cpu")
+    async with OffloadEngine(
+        layout,
+        DeviceKVView(layout, kv_caches),
+        EngineConfig(cache_dir=str(tmp_path / "cache")),
+        fingerprint=model_fingerprint(config, layout, "float32"),
+    ) as engine:
+        assert engine.lookup(ids + [1]) == 32
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,115 @@
+"""The `kvtier` command as a user runs it: demo, inspect, verify, gc, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import lmdb
+import pytest
+
+from kvtier.tools.cli import main
+
+
+def run_cli(*args: str, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("demo") / "cache"
+    result = run_cli("demo", "--json", "--cache-dir", str(cache), "--producers", "6")
+    assert result.returncode == 0, result.stderr
+    return cache, json.loads(result.stdout)
+
+
+def test_demo_json_reports_a_verified_run(demo_cache):
+    _, summary = demo_cache
+    assert summary["verified"] is True
+    assert summary["failures"] == []
+    assert summary["requests"] == 18
+    assert summary["hit_tokens"] > 0
+    assert summary["stored_bytes"] > 0
+    assert 0.3 < summary["swa_bytes_saved_ratio"] < 1.0
+    assert summary["loaded_bytes_from_disk"] > 0
+
+
+def test_demo_default_prints_a_summary_and_removes_its_directory(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.cli", "demo", "--producers", "3"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "every loaded byte matched its producer" in result.stdout
+    assert "SWA coverage" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # the temporary cache directory is gone
+
+
+def test_inspect_lists_records_per_group(demo_cache, capsys):
+    cache, summary = demo_cache
+    assert main(["inspect", "--cache-dir", str(cache), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["groups"]) == {"0", "1"}
+    assert report["records"] == sum(g["records"] for g in report["groups"].values())
+    assert report["raw_bytes"] == summary["disk_stored_bytes"]
+    assert report["stored_bytes"] <= report["raw_bytes"] * 1.01
+    assert main(["inspect", "--cache-dir", str(cache)]) == 0
+    assert "group 1:" in capsys.readouterr().out
+
+
+def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo_cache, capsys):
+    import shutil
+
+    cache = tmp_path / "copy"
+    shutil.copytree(demo_cache[0], cache)
+    os.chmod(cache, 0o700)
+    assert main(["verify", "--cache-dir", str(cache)]) == 0
+    capsys.readouterr()
+    # Flip the last payload byte of two records through LMDB itself (a valid B-tree, bad records).
+    env = lmdb.open(str(cache), max_dbs=8, map_size=1 << 30)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True, db=chunks) as txn:
+        keys = [bytes(k) for k, _ in txn.cursor()][:2]
+        for key in keys:
+            value = bytearray(txn.get(key))
+            value[-1] ^= 0x5A
+            txn.put(key, bytes(value))
+    env.close()
+    assert main(["verify", "--cache-dir", str(cache), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(b["key"] for b in report["bad"]) == sorted(k.hex() for k in keys)
+    assert main(["verify", "--cache-dir", str(cache)]) == 0  # quarantined by the first run
+    capsys.readouterr()
+
+    assert main(["gc", "--cache-dir", str(cache), "--max-bytes", "1MiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bytes_after"] <= 1 << 20 < result["bytes_before"]
+    assert result["evicted_records"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "--cache-dir", "/nonexistent/kvtier"], "no kvtier cache at /nonexistent/kvtier"),
+        (["gc", "--cache-dir", "/nonexistent/kvtier", "--max-bytes", "1GiB"], "no kvtier cache"),
+        (["demo", "--producers", "0"], "--producers must be >= 1"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"kvtier: error: {result.stderr.strip().split('error: ', 1)[1]}"]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_subcommand_has_help():
+    for command in ["demo", "warmup", "inspect", "verify", "gc", "bench"]:
+        result = run_cli(command, "--help")
+        assert result.returncode == 0
+        assert f"usage: kvtier {command}" in result.stdout

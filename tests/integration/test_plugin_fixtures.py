@@ -1,0 +1,47 @@
+"""The pytest plugin's fixtures, used exactly as README shows a serving-process author."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.tools.faults import FaultyTier, InjectedFault
+
+
+@pytest.mark.asyncio
+async def test_my_scheduler_restores_the_window(kvtier_scenario):
+    prompt = kvtier_scenario.tokens(33)
+    await kvtier_scenario.produce(prompt, expect_stored={0: [0, 1], 1: [1, 2, 3, 5, 6, 7]})
+    await kvtier_scenario.consume(prompt + [1], expect_hit=32, expect_loaded={0: [0, 1], 1: [5, 6, 7]})
+
+
+@pytest.mark.asyncio
+async def test_scenario_expectations_can_fail(kvtier_scenario):
+    prompt = kvtier_scenario.tokens(33)
+    with pytest.raises(AssertionError, match="stored"):
+        await kvtier_scenario.produce(prompt, expect_stored={0: [0, 1], 1: [2, 3, 6, 7]})
+    with pytest.raises(AssertionError, match="lookup hit 32 != expected 16"):
+        await kvtier_scenario.consume(prompt + [1], expect_hit=16)
+
+
+@pytest.mark.asyncio
+async def test_back_off_under_pressure(kvtier_engine_factory, fake_nvml):
+    engine = await kvtier_engine_factory(pressure_sources={"device_memory": fake_nvml})
+    fake_nvml.set(0.95)
+    engine.pressure.poll_once()
+    handle = engine.store(list(range(33)), [[1, 2, 3], list(range(1, 10))])
+    assert handle.drop_reason == "pressure"
+    fake_nvml.set(0.5)
+    engine.pressure.poll_once()
+    handle = engine.store(list(range(33)), [[1, 2, 3], list(range(1, 10))])
+    assert handle.drop_reason is None
+    await handle
+
+
+@pytest.mark.asyncio
+async def test_faulty_tier_fails_the_nth_call_then_heals(kvtier_engine, faulty_tier):
+    tier = faulty_tier(kvtier_engine.disk_tier, fail_at=1)
+    assert isinstance(tier, FaultyTier)
+    with pytest.raises(InjectedFault, match="call 1"):
+        await tier.contains_many([b"k" * 32])
+    assert await tier.contains_many([b"k" * 32]) == [False]
+    assert tier.faults == 1
