@@ -263,6 +263,8 @@ async def _store(engine: OffloadEngine, keys, block_table, num_tokens: int):
         handle = engine.store(keys, block_table, num_tokens)
         if not handle.dropped:
             return handle
+        if attempt + 1 == _STORE_ATTEMPTS:
+            break
         logger.info("store dropped (%s), attempt %d: flushing and retrying", handle.drop_reason, attempt + 1)
         await engine.flush()
         if handle.drop_reason == "pressure":
@@ -293,8 +295,8 @@ async def run_warmup(
     same ``weights_version``, ``salt``, block geometry and ``dtype`` in the serving process, and its
     keys match). ``engine_config`` overrides the engine settings (its ``cache_dir`` is replaced by
     ``cache_dir``); by default the host pool is sized to hold two prompts' chunks. A prompt whose
-    chunks are already all present is skipped; cancelling the run leaves every prompt stored so
-    far intact, and a rerun resumes.
+    chunks are already all present is skipped without running the model, so an interrupted run is
+    resumed by running it again. Chunks dropped after every retry are counted, not raised.
     """
     started = time.perf_counter()
     dtype_name, torch_dtype = parse_dtype(dtype)
