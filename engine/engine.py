@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from kvtier.policy import (
     ChunkState,
@@ -102,7 +103,7 @@ class OffloadEngine:
         self._pools: List[HostSlabPool] = []
         self._entries: Dict[bytes, ChunkEntry] = {}
         self._on_disk: Set[bytes] = set()
-        self._spill_queue: List[ChunkEntry] = []
+        self._spill_queue: Deque[ChunkEntry] = deque()
         self._spill_wakeup: Optional[asyncio.Event] = None
         self._spill_task: Optional[asyncio.Task] = None
         self._spill_idle: Optional[asyncio.Event] = None
@@ -480,7 +481,7 @@ class OffloadEngine:
                     size = self.device.chunk_nbytes(entry.group_index)
                     if batch and batch_bytes + size > config.spill_batch_max_bytes:
                         break
-                    self._spill_queue.pop(0)
+                    self._spill_queue.popleft()
                     if entry.dead or entry.state is not HostState.READY or entry.key in self._on_disk:
                         continue
                     batch.append(entry)

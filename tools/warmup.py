@@ -99,6 +99,20 @@ class WarmupSummary:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def format(self) -> str:
+        """A few readable lines for the ``kvtier warmup`` command."""
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        lines = [
+            f"warmup: {self.prompts} prompts ({self.skipped} skipped: already cached or shorter than a chunk)",
+            f"  tokens run     {self.tokens} ({rate:,.0f} tokens/s over {self.seconds:.1f} s)",
+            f"  chunks stored  {self.chunks_stored} ({self.bytes_stored / 2**20:,.1f} MiB); "
+            f"already present {self.chunks_present}",
+        ]
+        if self.chunks_dropped or self.chunks_not_durable:
+            lines.append(f"  NOT stored     {self.chunks_dropped} dropped, {self.chunks_not_durable} not on disk")
+        lines.append(f"  fingerprint    {self.fingerprint[:16]}")
+        return "\n".join(lines)
+
 
 def _config_tag(config: Any) -> str:
     data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
@@ -255,6 +269,18 @@ def _host_capacity_for(view: DeviceKVView, layout: ModelLayout, max_tokens: int)
     return 2 * chunks * sum(view.chunk_nbytes(g) for g in range(len(layout.groups)))
 
 
+def _load_quietly(model_dir: PathLike, **kwargs: Any):
+    """``load_model`` without transformers' own progress bars (restored afterwards)."""
+    hf_logging = _require_transformers().utils.logging
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model(model_dir, **kwargs)
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 async def _store(engine: OffloadEngine, keys, block_table, num_tokens: int):
     """Store, retrying after a flush when the engine drops the chunks (pressure, full queue or host
     pool): the device blocks are ours until the handle is released, so a retry reads the same bytes."""
@@ -304,7 +330,11 @@ async def run_warmup(
         raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
     model = await asyncio.to_thread(
-        load_model, model_dir, device=device, dtype=torch_dtype, attn_implementation=attn_implementation
+        _load_quietly if not progress else load_model,
+        model_dir,
+        device=device,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
     )
     config = text_config(model.config)
     vocab = getattr(config, "vocab_size", None)
