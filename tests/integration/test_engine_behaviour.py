@@ -354,3 +354,26 @@ async def test_bad_arguments_raise_clear_errors(kvtier_engine_factory):
         await engine.load(list(range(33)), 64, [[1, 2, 3], list(range(9))])
     with pytest.raises(ValueError, match="no device block for logical block 7"):
         await engine.load(list(range(33)), 32, [[1, 2], [1] * 7])
+
+
+@pytest.mark.asyncio
+async def test_close_during_a_store_rolls_it_back(tmp_path):
+    engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(tmp_path), fingerprint=FINGERPRINT)
+    await engine.start()
+    scenario = OffloadScenario(engine)
+    gate = GateDevice(engine)
+    prompt = scenario.tokens(33)
+    handle = engine.store(prompt, scenario.allocate(33))
+    closing = asyncio.ensure_future(engine.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # the copy into the slots cannot be interrupted: close waits for it
+    gate.open()
+    await closing
+    result = await handle
+    assert result.durable is False
+    assert handle.released
+    assert engine.statistics()["chunks_by_state"] == {"pending": 0, "ready": 0, "loading": 0}
+    assert engine.statistics()["dropped"]["closed"] == 6
+    engine.check()
+    with pytest.raises(ClosedError):
+        engine.store(prompt, scenario.allocate(33))
