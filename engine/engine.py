@@ -348,7 +348,7 @@ class OffloadEngine:
         drop_reason = self._store_drop_reason(len(jobs))
         allocations: Dict[int, List[int]] = {}
         if drop_reason is None and jobs:
-            allocations = self._allocate_store_slots(jobs)
+            allocations = self._allocate_slots(g for g, _, _, _ in jobs)
             if allocations is None:
                 drop_reason = "host_full"
         if drop_reason is not None:
@@ -365,15 +365,8 @@ class OffloadEngine:
             handle._released.set_result(None)
             handle._durable.set_result(self._disk is not None)
             return handle
-        work = []
-        slot_iters = {g: iter(slots) for g, slots in allocations.items()}
-        for gi, chunk, key, blocks in jobs:
-            slot = next(slot_iters[gi])
-            entry = ChunkEntry(key, gi, chunk, HostState.PENDING, slot, ready=self._loop.create_future())
-            self._pools[gi].set_owner(slot, entry, key=entry.key)
-            self._pin(entry)
-            self._entries[key] = entry
-            work.append((entry, entry.generation, blocks))
+        entries = self._new_entries([(g, c, k) for g, c, k, _ in jobs], HostState.PENDING, allocations)
+        work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
         self._inflight_stores += len(work)
         if self._disk is not None:
             waiting = {entry.key for entry, _, _ in work}
@@ -393,21 +386,37 @@ class OffloadEngine:
             return "queue_full"
         return None
 
-    def _allocate_store_slots(self, jobs) -> Optional[Dict[int, List[int]]]:
+    def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
+        """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
+        groups; evicted chunks leave the index. ``None`` when the pools cannot make room."""
         needed: Dict[int, int] = {}
-        for gi, _, _, _ in jobs:
+        for gi in groups:
             needed[gi] = needed.get(gi, 0) + 1
         granted: Dict[int, List[int]] = {}
         for gi, count in needed.items():
             allocation = self._pools[gi].allocate(count)
             if allocation is None:
-                for g, slots in granted.items():  # all or nothing across groups
+                for g, slots in granted.items():
                     for slot in slots:
                         self._pools[g].release(slot)
                 return None
             self._evicted(gi, allocation.evicted)
             granted[gi] = list(allocation.slots)
         return granted
+
+    def _new_entries(self, wanted, state: HostState, slots: Dict[int, List[int]]) -> List[ChunkEntry]:
+        """Index an entry per (group, chunk, key) in ``wanted`` in the given slots, pinned once for
+        the copy that is about to fill them."""
+        iters = {g: iter(s) for g, s in slots.items()}
+        entries = []
+        for gi, chunk, key in wanted:
+            slot = next(iters[gi])
+            entry = ChunkEntry(key, gi, chunk, state, slot, ready=self._loop.create_future())
+            self._pools[gi].set_owner(slot, entry, key=key)
+            self._pin(entry)
+            self._entries[key] = entry
+            entries.append(entry)
+        return entries
 
     def _evicted(self, group_index: int, evicted: Sequence[Tuple[int, Any]]) -> None:
         for _slot, entry in evicted:
@@ -733,28 +742,11 @@ class OffloadEngine:
     def _start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:
         """Allocate slots and start one disk read for ``wanted`` (group, chunk, key) chunks; the
         read runs in an engine-owned task, so no caller's cancellation can cut it short."""
-        per_group: Dict[int, int] = {}
-        for gi, _, _ in wanted:
-            per_group[gi] = per_group.get(gi, 0) + 1
-        granted: Dict[int, List[int]] = {}
-        for gi, count in per_group.items():
-            allocation = self._pools[gi].allocate(count)
-            if allocation is None:
-                for g, slots in granted.items():
-                    for slot in slots:
-                        self._pools[g].release(slot)
-                return None
-            self._evicted(gi, allocation.evicted)
-            granted[gi] = list(allocation.slots)
-        iters = {g: iter(s) for g, s in granted.items()}
-        entries = []
-        for gi, chunk, key in wanted:
-            slot = next(iters[gi])
-            entry = ChunkEntry(key, gi, chunk, HostState.LOADING, slot, ready=self._loop.create_future())
-            self._pools[gi].set_owner(slot, entry, key=entry.key)
-            self._pin(entry)  # the read's own pin: held until the worker reports
-            self._entries[key] = entry
-            entries.append(entry)
+        slots = self._allocate_slots(g for g, _, _ in wanted)
+        if slots is None:
+            return None
+        # The read's own pin is held until the worker reports.
+        entries = self._new_entries(wanted, HostState.LOADING, slots)
         self._spawn(self._promote([(e, e.generation) for e in entries]))
         return entries
 
