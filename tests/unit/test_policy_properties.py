@@ -211,8 +211,16 @@ def test_longest_hit_equals_oracle(case):
     layout, max_tokens, tables = case
     state = table_state(tables)
     expected = o_longest_hit(layout.groups, max_tokens, state)
-    got = longest_hit(layout, max_tokens, state)
+    queries: List[Tuple[int, int]] = []
+
+    def counted(gi: int, c: int) -> ChunkState:
+        queries.append((gi, c))
+        return state(gi, c)
+
+    got = longest_hit(layout, max_tokens, counted)
     assert got == expected
+    # O(chunks): each chunk's state is read at most once per group.
+    assert len(queries) == len(set(queries))
     if got is not None:
         # Every returned hit has all its retained chunks READY, and it is a candidate boundary.
         assert got % o_granularity(layout.groups) == 0 and 0 <= got <= max_tokens

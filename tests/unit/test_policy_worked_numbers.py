@@ -78,9 +78,10 @@ def test_seed_example_r3_lookup_checks_chunks_1_2_3_and_hits_64():
     state = StateTable({0: ready({1, 2, 3})})  # chunk 0 was never stored: it is skipped
     assert longest_hit(layout, 64, state) == 64
     assert state.queried(0) == {1, 2, 3}
-    # Chunk 1 holds the 2 retained tokens 30, 31: without it the hit at 64 is gone.
+    # Chunk 1 holds the 2 retained tokens 30, 31: without it the hit at 64 is gone, and every
+    # shorter H needs chunk 0 or 1 too.
     state = StateTable({0: ready({2, 3})})
-    assert longest_hit(layout, 64, state) != 64
+    assert longest_hit(layout, 64, state) == 0
 
 
 def test_seed_example_r1_one_retained_token_asks_for_no_extra_chunk():
