@@ -84,6 +84,15 @@ class EngineConfig:
     # LMDB's reader_check() clears slots of dead processes; 30 s bounds how long a crashed reader
     # can pin old pages (and so grow the file).
     reader_check_interval_s: float = 30.0
+    # On: before LMDB maps the cache_dir's file, py-lmdb's offline verifier checks its B-tree (when
+    # no other process has it open). LMDB trusts its pages and can crash the whole serving process
+    # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
+    lmdb_verify_on_open: bool = True
+    # On: a cache_dir whose LMDB environment is damaged (not an LMDB file, truncated, tables that do
+    # not parse) is renamed aside to `<dir>.corrupt-<time>-<pid>` and recreated empty, so the
+    # serving process starts with a cold cache instead of failing. Off: start() raises
+    # CorruptCacheError and leaves the directory alone.
+    quarantine_corrupt_cache_dir: bool = True
     # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
     device_kind: str = "cpu"
 
@@ -136,6 +145,8 @@ class EngineConfig:
             "compression_min_savings_fraction", self.compression_min_savings_fraction, upper_open=True
         )
         _require_bool("compression_enabled", self.compression_enabled)
+        _require_bool("quarantine_corrupt_cache_dir", self.quarantine_corrupt_cache_dir)
+        _require_bool("lmdb_verify_on_open", self.lmdb_verify_on_open)
         _require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
         _require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
         if not self.pressure_low_watermark_fraction < self.pressure_high_watermark_fraction:
@@ -245,7 +256,9 @@ _FLOAT_FIELDS = frozenset(
         "reader_check_interval_s",
     }
 )
-_BOOL_FIELDS = frozenset({"spill_enabled", "compression_enabled"})
+_BOOL_FIELDS = frozenset(
+    {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open"}
+)
 _OPTIONAL_FIELDS = frozenset({"cache_dir", "disk_capacity_bytes"})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

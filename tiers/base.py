@@ -1,7 +1,7 @@
 """The contract every byte-holding tier below the host pool keeps (LMDB disk, file-per-chunk, remote).
 
 Primitives: ``ChunkMeta`` (what a record says about its chunk), ``ChunkTier`` (the async facade the
-engine drives). Methods are called from the event-loop thread; implementations do their blocking
+engine drives), ``IOHook`` (the fault-injection point under a tier's low-level operations). Methods are called from the event-loop thread; implementations do their blocking
 work on their own threads and hand results back with ``loop.call_soon_threadsafe``.
 """
 
@@ -11,7 +11,7 @@ import abc
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["ChunkMeta", "ChunkTier", "PutItem", "GetItem"]
+__all__ = ["ChunkMeta", "ChunkTier", "PutItem", "GetItem", "IOHook"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,26 @@ class ChunkMeta:
     chunk_index: int
     dtype: str
     shape: Tuple[int, ...]
+
+
+class IOHook:
+    """Called by a tier right before each of its low-level operations; the default does nothing.
+
+    The LMDB tier names its operations ``"put"`` (one record into a write transaction), ``"commit"``
+    and ``"read"`` (a read transaction); the file tier ``"mkdir"``, ``"open"``, ``"write"``,
+    ``"fsync"``, ``"rename"``, ``"fsync_dir"``, ``"read"`` and ``"remove"``. ``before(op)`` runs on
+    whichever thread is about to do the operation (the event loop, an I/O thread, the LMDB writer).
+    An exception raised there is, to the tier, that operation failing: the fault suite installs a
+    hook that raises the error the real call would raise (``kvtier.tools.faults.inject_io_faults``).
+    """
+
+    __slots__ = ()
+
+    def before(self, op: str) -> None:
+        return None
+
+
+NO_IO_HOOK = IOHook()
 
 
 # (key, meta, raw bytes of the chunk): the tier encodes and writes; the caller keeps the buffer alive

@@ -33,6 +33,10 @@ the renames so the new names survive a power cut (a completed ``put_many`` is du
 created directory is ``fsync``-ed into its parent once. A reader therefore sees the old record, the
 new one, or none, never a partial file.
 
+Fault injection: ``_io_hook`` (a ``tiers.base.IOHook``) is called right before every mkdir, open,
+write, fsync, rename, directory fsync, read and remove the tier does after ``open``; the fault
+suite makes it raise ``OSError`` as the real call would.
+
 Sharing a root between processes: each process keeps its own index, built at open. Records another
 process writes later are not seen until the next open, and capacity is enforced per process. Temp
 files are removed at open only when their writer is provably gone (same host, dead pid) or they are
@@ -80,7 +84,7 @@ from ..policy.errors import (
     TierIOError,
     UnsafeDirectoryError,
 )
-from .base import ChunkMeta, ChunkTier, GetItem, PutItem
+from .base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
 from .record import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -366,6 +370,7 @@ class FileTier(ChunkTier):
         self._temp_tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
         self._temp_seq = count()
         self._quarantined_files = 0
+        self._io_hook: IOHook = NO_IO_HOOK
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, evictions=0, errors=0,
             deletes=0, temps_removed=0, mismatches=0,
@@ -789,7 +794,7 @@ class FileTier(ChunkTier):
         """Unlink records already dropped from the index. A failure leaves an orphan file that the
         next open indexes again (still a valid record), so it is counted, not raised."""
         outcomes = await asyncio.gather(
-            *(aiofiles.os.remove(self.path_for(key), executor=self._io) for key, _ in victims),
+            *(self._remove(str(self.path_for(key))) for key, _ in victims),
             return_exceptions=True,
         )
         for outcome in outcomes:
@@ -829,19 +834,23 @@ class FileTier(ChunkTier):
         """Runs on an I/O thread: create leaf directories, fsync each new entry into its parent so
         a record renamed into it cannot vanish with the directory after a power cut."""
         synced: Set[str] = set()
+        hook = self._io_hook
         for d1, d2 in dirs:
             p1 = self._root / d1
             try:
+                hook.before("mkdir")
                 os.mkdir(p1, _DIR_MODE)
                 synced.add(str(self._root))
             except FileExistsError:
                 pass
             try:
+                hook.before("mkdir")
                 os.mkdir(p1 / d2, _DIR_MODE)
                 synced.add(str(p1))
             except FileExistsError:
                 pass
         for path in synced:
+            hook.before("fsync_dir")
             _fsync_dir(path)
 
     def _temp_path(self, key: bytes) -> str:
@@ -852,10 +861,25 @@ class FileTier(ChunkTier):
     async def _write_temp(self, tmp: str, record: bytes) -> None:
         # "xb" is O_CREAT|O_EXCL: a name collision (another process, a reused nonce) fails loudly
         # instead of two writers interleaving into one file.
+        self._io_hook.before("open")
         async with aiofiles.open(tmp, "xb", opener=_private_opener, executor=self._io) as f:
+            self._io_hook.before("write")
             await f.write(record)
             await f.flush()
+            self._io_hook.before("fsync")
             await self._loop.run_in_executor(self._io, os.fsync, f.fileno())
+
+    async def _replace(self, src: str, dst: str) -> None:
+        self._io_hook.before("rename")
+        await aiofiles.os.replace(src, dst, executor=self._io)
+
+    async def _remove(self, path: str) -> None:
+        self._io_hook.before("remove")
+        await aiofiles.os.remove(path, executor=self._io)
+
+    async def _sync_dir(self, path: str) -> None:
+        self._io_hook.before("fsync_dir")
+        await self._loop.run_in_executor(self._io, _fsync_dir, path)
 
     async def _write_batch(self, entries: Sequence[Tuple[bytes, bytes]]) -> None:
         """Phase 1 writes and fsyncs every temp file; only when all succeeded, phase 2 renames them
@@ -879,14 +903,14 @@ class FileTier(ChunkTier):
                     self._dirs.discard(_fanout(key))
             self._raise_first(outcomes, "writing records")
             outcomes = await asyncio.gather(
-                *(aiofiles.os.replace(t, f, executor=self._io) for t, f in zip(temps, finals)),
+                *(self._replace(t, f) for t, f in zip(temps, finals)),
                 return_exceptions=True,
             )
             renamed = [i for i, o in enumerate(outcomes) if o is None]
             self._raise_first(outcomes, "renaming records")
             leaf_dirs = dict.fromkeys(os.path.dirname(f) for f in finals)
             outcomes = await asyncio.gather(
-                *(self._loop.run_in_executor(self._io, _fsync_dir, d) for d in leaf_dirs),
+                *(self._sync_dir(d) for d in leaf_dirs),
                 return_exceptions=True,
             )
             self._raise_first(outcomes, "syncing directories")
@@ -934,7 +958,7 @@ class FileTier(ChunkTier):
 
         async def undo() -> None:
             await asyncio.gather(
-                *(aiofiles.os.remove(p, executor=self._io) for p in doomed),
+                *(self._remove(p) for p in doomed),
                 return_exceptions=True,
             )
 
@@ -950,6 +974,7 @@ class FileTier(ChunkTier):
 
     async def _read_file(self, key: bytes, limit: int) -> Optional[bytes]:
         try:
+            self._io_hook.before("read")
             async with aiofiles.open(self.path_for(key), "rb", executor=self._io) as f:
                 return await f.read(limit)
         except FileNotFoundError:
@@ -986,9 +1011,7 @@ class FileTier(ChunkTier):
                 moves.append((src, None))
         outcomes = await asyncio.gather(
             *(
-                aiofiles.os.replace(src, dst, executor=self._io)
-                if dst is not None
-                else aiofiles.os.remove(src, executor=self._io)
+                self._replace(src, dst) if dst is not None else self._remove(src)
                 for src, dst in moves
             ),
             return_exceptions=True,

@@ -27,6 +27,16 @@ Capacity (``capacity_bytes``) counts stored record bytes (``statistics()['bytes'
 is larger by LMDB's page rounding and free pages. A record that fails its checksum on a read is a
 miss: counted at once (``statistics()['corrupt']``) and moved to ``quarantine`` by the writer.
 
+A cache directory whose ``data.mdb`` is not an LMDB file, is truncated, or whose tables do not
+parse raises ``CorruptCacheError`` at open (a truncated file would otherwise make LMDB touch pages
+past the end of the file: SIGBUS). LMDB trusts its B-tree pages (no page checksums) and can crash
+the process (SIGSEGV, SIGBUS, an assertion's abort) walking damaged ones, so with
+``verify_structure=True`` the open first checks the whole file with py-lmdb's offline verifier
+(``lmdb.verify``, pure Python, never hands the bytes to liblmdb; ~10,000 records per second), when
+no other process has the environment open. ``quarantine_cache_dir`` renames a damaged directory
+aside so a fresh one can be made (the engine does both by default). ``_io_hook`` (a ``tiers.base.IOHook``) is
+called before every put, commit and read transaction: the fault suite makes it raise.
+
 One writing process per directory: other processes may open the same directory (``readonly=True``
 for pure readers) and LMDB keeps it consistent, but this process's LRU accounting only sees its own
 writes. A forked child must open its own tier: every call from another pid raises
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import struct
@@ -59,7 +70,7 @@ from kvtier.policy.errors import (
     TierIOError,
 )
 
-from .base import ChunkMeta, ChunkTier, GetItem, PutItem
+from .base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
 from .record import (
     CodecConfig,
     RecordHeader,
@@ -67,11 +78,12 @@ from .record import (
     decode_record,
     encode_record,
     read_header,
+    validate_record,
 )
 from .safedir import ensure_private_dir
 from .writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 
-__all__ = ["LmdbTier", "RecordInfo", "VerifyReport"]
+__all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +100,147 @@ _MIN_MAP_SIZE = 1 << 20
 _ITER_BATCH = 256
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
+# A put batch at least this large is encoded in parallel slices (one per read worker); below it the
+# extra pool hop (~100 us) costs more than the second core saves.
+_PARALLEL_ENCODE_BYTES = 1 << 20
+# LMDB's on-disk meta pages (64-bit builds, LMDB 0.9): pages 0 and 1 each hold a 16-byte page header
+# then MDB_meta: magic u32 | version u32 | address | mapsize | 2 x MDB_db (48 bytes; the first one's
+# md_pad is the page size) | last_pg | txnid.
+_MDB_MAGIC = 0xBEEFC0DE
+_MDB_DATA_VERSION = 1
+_META_MAGIC = struct.Struct("<II")  # at 16
+_META_PSIZE = struct.Struct("<I")  # at 40
+_META_TAIL = struct.Struct("<QQ")  # last_pg, txnid at 136
+# LMDB errors that mean "these bytes are not a sound LMDB environment", as opposed to a busy lock,
+# a permission or a full disk: they make the directory a candidate for quarantine.
+_CORRUPT_LMDB_ERRORS = (
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.BadTxnError,
+    lmdb.BadValsizeError,
+    lmdb.BadDbiError,
+    lmdb.IncompatibleError,
+    lmdb.PanicError,
+)
+
+
+class CorruptCacheError(TierIOError):
+    """The cache directory's LMDB environment is damaged (not an LMDB file, truncated, pages that do
+    not parse). Nothing in it can be trusted; ``quarantine_cache_dir`` moves it aside."""
+
+
+def _check_data_file(directory: Path) -> None:
+    """Refuse a ``data.mdb`` that LMDB would map and then read past its end (SIGBUS): a file shorter
+    than its meta pages or than the last page the newest meta page says is in use.
+
+    The meta pages are read before the size, so a live writer in another process (which only grows
+    the file, and writes the pages a meta page names before the meta page itself) is never taken for
+    truncation. Anything that is not even an LMDB header is left to LMDB, which names it.
+    """
+    path = directory / "data.mdb"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 * 1024 + 160)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 160:
+                if size == 0:
+                    return  # an empty file: LMDB initialises it as a new environment
+                raise CorruptCacheError(f"{path} is truncated: {size} bytes, not even one meta page")
+            magic, version = _META_MAGIC.unpack_from(head, 16)
+            if magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
+                return  # not an LMDB file at all, or another version: LMDB says which
+            (psize,) = _META_PSIZE.unpack_from(head, 40)
+            if psize < 512 or psize > 65536 or psize & (psize - 1):
+                raise CorruptCacheError(f"{path} has a corrupt meta page (page size {psize})")
+            f.seek(psize)
+            meta1 = f.read(160)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise TierIOError(f"cannot read {path}: {exc}") from exc
+    metas = [head[:160]]
+    if len(meta1) == 160:
+        metas.append(meta1)
+    newest: Optional[Tuple[int, int]] = None  # (txnid, last_pg)
+    for meta in metas:
+        magic, version = _META_MAGIC.unpack_from(meta, 16)
+        if magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
+            continue
+        last_pg, txnid = _META_TAIL.unpack_from(meta, 136)
+        if newest is None or txnid > newest[0]:
+            newest = (txnid, last_pg)
+    assert newest is not None  # meta page 0 passed the same check above
+    needed = max(2, newest[1] + 1) * psize
+    if size < needed:
+        raise CorruptCacheError(
+            f"{path} is truncated: {size} bytes, but its meta page uses {needed} "
+            f"(last page {newest[1]}, page size {psize})"
+        )
+
+
+def _verify_structure_at_rest(directory: Path) -> None:
+    """Check ``data.mdb`` with py-lmdb's offline verifier when no other process has the environment
+    open; raise ``CorruptCacheError`` listing what it found.
+
+    "No other process" is LMDB's own test: the exclusive lock on byte 0 of ``lock.mdb`` that every
+    opener tries first. It is held while the verifier reads, so an opener elsewhere waits for it (as
+    it would for any first opener). A live environment is not checked: another process may be
+    writing it, and it is being served, so it cannot be damaged in a way LMDB has not met already.
+    The caller must not have the environment open in this process (closing our descriptor drops
+    every fcntl lock this process holds on the file): ``_OPEN_DIRS`` guarantees it for tiers.
+    """
+    data = directory / "data.mdb"
+    if not data.exists():
+        return
+    try:
+        from lmdb import verify as lmdb_verify
+    except ImportError:  # py-lmdb before 3.0: no offline verifier
+        log.debug("kvtier lmdb: lmdb.verify unavailable, %s opened unverified", directory)
+        return
+    fd = -1
+    try:
+        fd = os.open(directory / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+        except OSError:
+            return  # open in another process: see the docstring
+        try:
+            problems = lmdb_verify.verify(str(directory))
+        except lmdb_verify.VerifyError:
+            return  # cannot even begin (not an LMDB file...): lmdb.open names it
+        except (OSError, ValueError, struct.error, IndexError) as exc:
+            problems = [f"the verifier stopped: {exc!r}"]
+    except OSError as exc:
+        log.debug("kvtier lmdb: cannot verify %s at rest (%s)", directory, exc)
+        return
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if problems:
+        shown = "; ".join(problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CorruptCacheError(f"the LMDB file {data} is damaged: {shown}{more}")
+
+
+def quarantine_cache_dir(path: PathLike) -> Path:
+    """Rename a damaged cache directory aside, to ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and
+    return the new path. Blocking. The directory is kept (mode unchanged) for inspection; nothing in
+    it is read again. Raises ``TierIOError`` when the rename fails."""
+    src = Path(os.fspath(path)).expanduser().absolute()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}")
+    n = 0
+    while dst.exists():
+        n += 1
+        dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}-{n}")
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        raise TierIOError(f"cannot move the damaged cache directory {src} aside: {exc}") from exc
+    log.error("kvtier lmdb: damaged cache directory %s moved aside to %s", src, dst)
+    return dst
 
 # Process-wide: LMDB forbids opening one environment twice in a process (closing either would drop
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
@@ -132,7 +285,9 @@ class LmdbTier(ChunkTier):
     Arguments (units in the names): ``capacity_bytes`` bounds stored record bytes (``None``: only
     the disk and ``max_map_size_bytes`` bound it); ``map_size_bytes`` is the initial map, grown by
     doubling up to ``max_map_size_bytes``; ``codec`` encodes records; ``read_workers`` threads read and
-    encode; ``readonly`` opens for reading only (writes raise ``TierIOError``).
+    encode; ``readonly`` opens for reading only (writes raise ``TierIOError``);
+    ``verify_structure`` checks the whole LMDB file with py-lmdb's offline verifier before LMDB
+    touches it, when no other process has it open (``CorruptCacheError`` if damaged).
     """
 
     name = "lmdb"
@@ -151,6 +306,7 @@ class LmdbTier(ChunkTier):
         readonly: bool = False,
         max_quarantine_records: int = 64,
         max_raw_bytes: int = 1 << 31,
+        verify_structure: bool = False,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -175,6 +331,7 @@ class LmdbTier(ChunkTier):
         self._readonly = bool(readonly)
         self._max_quarantine = max_quarantine_records
         self._max_raw_bytes = max_raw_bytes
+        self._verify_structure = bool(verify_structure)
         self._reader_check_interval = float(reader_check_interval_s)
         self._access_flush_interval = float(access_flush_interval_s)
         self._pid = os.getpid()
@@ -210,6 +367,7 @@ class LmdbTier(ChunkTier):
         self._total_bytes = 0
         self._accesses: Deque[Tuple[bytes, int]] = deque()
         self._removal_listeners: List[Callable[[List[bytes]], None]] = []
+        self._io_hook: IOHook = NO_IO_HOOK
 
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
         st = os.stat(self._path)
@@ -221,9 +379,14 @@ class LmdbTier(ChunkTier):
             _OPEN_DIRS[self._dir_id] = self._pid
         try:
             self._open_env(map_size_bytes)
-            cleared = self._env.reader_check()
-            self._counters["stale_readers_cleared"] += cleared
-            self._load_index()
+            try:
+                cleared = self._env.reader_check()
+                self._counters["stale_readers_cleared"] += cleared
+                self._load_index()
+            except _CORRUPT_LMDB_ERRORS as exc:
+                raise CorruptCacheError(f"the LMDB environment in {self._path} is damaged: {exc}") from exc
+            except lmdb.Error as exc:
+                raise TierIOError(f"cannot read the index of {self._path}: {exc}") from exc
         except BaseException:
             with _OPEN_DIRS_LOCK:
                 _OPEN_DIRS.pop(self._dir_id, None)
@@ -257,6 +420,9 @@ class LmdbTier(ChunkTier):
             raise
 
     def _open_env(self, map_size_bytes: int) -> None:
+        _check_data_file(self._path)
+        if self._verify_structure and not hasattr(self, "_env"):  # not on a reopen after MDB_PANIC
+            _verify_structure_at_rest(self._path)
         try:
             self._env = lmdb.open(
                 str(self._path),
@@ -272,6 +438,8 @@ class LmdbTier(ChunkTier):
                 mode=0o600,
                 lock=True,
             )
+        except _CORRUPT_LMDB_ERRORS as exc:
+            raise CorruptCacheError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
         except lmdb.Error as exc:
             raise TierIOError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
         try:
@@ -297,6 +465,9 @@ class LmdbTier(ChunkTier):
         except lmdb.NotFoundError as exc:
             self._env.close()
             raise TierIOError(f"{self._path} holds no kvtier LMDB tables (read-only open)") from exc
+        except _CORRUPT_LMDB_ERRORS as exc:
+            self._env.close()
+            raise CorruptCacheError(f"the tables in {self._path} are damaged: {exc}") from exc
         except lmdb.Error as exc:
             self._env.close()
             raise TierIOError(f"cannot open tables in {self._path}: {exc}") from exc
@@ -305,21 +476,36 @@ class LmdbTier(ChunkTier):
             raise TierIOError(f"{self._path} has tier format {version!r}, this kvtier uses {FORMAT_VERSION!r}")
 
     def _load_index(self) -> None:
-        """Rebuild the LRU index: sizes from ``chunks``, order from ``atime`` (older first)."""
-        entries: List[Tuple[int, bytes, int]] = []
+        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
         with self._env.begin(buffers=True) as txn:
-            times = txn.cursor(db=self._atime)
-            atimes: Dict[bytes, int] = {}
-            for k, v in times.iternext(keys=True, values=True):
-                if len(v) == _ATIME.size:
-                    atimes[bytes(k)] = _ATIME.unpack(v)[0]
-            cur = txn.cursor(db=self._chunks)
-            for k, v in cur.iternext(keys=True, values=True):
-                key = bytes(k)
-                entries.append((atimes.get(key, 0), key, len(v)))
+            entries = self._index_entries(txn)
         entries.sort()
         self._lru = OrderedDict((key, size) for _, key, size in entries)
         self._total_bytes = sum(size for _, _, size in entries)
+
+    def _index_entries(self, txn: lmdb.Transaction) -> List[Tuple[int, bytes, int]]:
+        """(last access ns, key, stored bytes) of every record, read from the small ``atime`` table.
+
+        Every write keeps ``atime`` in step with ``chunks`` (same keys, the stored size in each
+        value), and reading it touches only its own pages. A cursor over ``chunks`` would read the
+        whole data file: py-lmdb touches every page of each value it steps over (keys-only
+        iteration included), so opening a large cache would read all of it from disk and leave it in
+        the page cache. Only when the two tables disagree in size (damage from outside) is
+        ``chunks`` walked, the slow and sure way.
+        """
+        entries: List[Tuple[int, bytes, int]] = []
+        times = txn.cursor(db=self._atime)
+        for k, v in times.iternext(keys=True, values=True):
+            if len(v) == _ATIME.size:
+                atime, size = _ATIME.unpack(v)
+                entries.append((atime, bytes(k), size))
+        if len(entries) == txn.stat(self._chunks)["entries"]:
+            return entries
+        atimes = {key: atime for atime, key, _ in entries}
+        return [
+            (atimes.get(bytes(k), 0), bytes(k), len(v))
+            for k, v in txn.cursor(db=self._chunks).iternext(keys=True, values=True)
+        ]
 
     # ---------------------------------------------------------------------------------- properties
 
@@ -376,12 +562,14 @@ class LmdbTier(ChunkTier):
             try:
                 with self._map_lock.shared():
                     with self._env.begin(buffers=True) as txn:
+                        self._io_hook.before("read")
                         return body(txn)
             except lmdb.MapResizedError:
                 # Another process grew the map: adopt its size (no transaction may be open here).
                 with self._map_lock.exclusive():
                     self._env.set_mapsize(0)
             except lmdb.Error as exc:
+                self._count(errors=1)
                 raise TierIOError(f"LMDB read failed in {self._path}: {exc}") from exc
         raise TierIOError(f"LMDB map of {self._path} keeps being resized by another process")
 
@@ -409,27 +597,62 @@ class LmdbTier(ChunkTier):
         done = loop_callback(loop, fut)
         writer = self._writer
 
-        def encode_and_submit() -> None:
+        # Encoding (zstd of the byte planes) is CPU work that releases the GIL: a batch worth
+        # splitting is cut into one contiguous slice per read worker, encoded in parallel, and the
+        # last slice to finish hands the whole batch, in order, to the writer.
+        raw_in = sum(memoryview(raw).nbytes for _, _, raw in batch)
+        parts = min(self._read_workers, len(batch)) if raw_in >= _PARALLEL_ENCODE_BYTES else 1
+        step = -(-len(batch) // parts)
+        slices = [batch[i : i + step] for i in range(0, len(batch), step)]
+        encoded_slices: List[Optional[List[Tuple[bytes, bytes]]]] = [None] * len(slices)
+        failures: List[BaseException] = []
+        join = threading.Lock()
+        remaining = [len(slices)]
+
+        def finish_slice(index: int, encoded: Optional[List[Tuple[bytes, bytes]]], exc: Optional[BaseException]) -> None:
+            with join:
+                encoded_slices[index] = encoded
+                if exc is not None:
+                    failures.append(exc)
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            if failures:
+                done(None, failures[0])
+                return
             try:
-                encoded = [(key, encode_record(key, meta, raw, self._codec)) for key, meta, raw in batch]
-                raw_in = sum(memoryview(raw).nbytes for _, _, raw in batch)
+                records = [item for part in encoded_slices for item in part]  # type: ignore[union-attr]
                 writer.submit(
                     _PutJob(
-                        fn=lambda: self._put_encoded(encoded, raw_in),
+                        fn=lambda: self._put_encoded(records, raw_in),
                         done=done,
                         group=self._run_put_group,
-                        weight=sum(len(r) for _, r in encoded),
-                        encoded=encoded,
+                        weight=sum(len(r) for _, r in records),
+                        encoded=records,
                         raw_in=raw_in,
                     )
                 )
             except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
                 done(None, exc)
 
-        try:
-            self._pool.submit(encode_and_submit)
-        except RuntimeError as exc:
-            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
+        def encode_slice(index: int, part: List[Tuple[bytes, ChunkMeta, object]]) -> None:
+            try:
+                encoded = [(key, encode_record(key, meta, raw, self._codec)) for key, meta, raw in part]
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
+                finish_slice(index, None, exc)
+            else:
+                finish_slice(index, encoded, None)
+
+        for index, part in enumerate(slices):
+            try:
+                self._pool.submit(encode_slice, index, part)
+            except RuntimeError as exc:
+                closed = ClosedError(f"LmdbTier at {self._path} is closed")
+                if index == 0:
+                    raise closed from exc
+                for rest in range(index, len(slices)):  # never started: they fail the batch
+                    finish_slice(rest, None, closed)
+                break
         await fut
 
     async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
@@ -521,12 +744,12 @@ class LmdbTier(ChunkTier):
         return await self._in_pool(lambda: self._read_txn(body))
 
     async def list_keys(self) -> List[bytes]:
-        """Every stored key, from a cursor over keys only. Cancelling drops the answer."""
+        """Every stored key, read from the ``atime`` side table (see ``_index_entries``: walking
+        ``chunks`` would read every record from disk). Cancelling drops the answer."""
         self._check_usable()
 
         def body(txn: lmdb.Transaction) -> List[bytes]:
-            cur = txn.cursor(db=self._chunks)
-            return [bytes(k) for k in cur.iternext(keys=True, values=False)]
+            return [key for _, key, _ in self._index_entries(txn)]
 
         return await self._in_pool(lambda: self._read_txn(body))
 
@@ -602,7 +825,10 @@ class LmdbTier(ChunkTier):
         """Counters (floats): records, bytes, capacity_bytes (0: none), map_size_bytes, puts,
         put_batches, put_commits, raw_bytes_in, stored_bytes_in, compressed_records, gets, hits,
         misses, corrupt, mismatched, quarantined, evictions, deletes, errors, map_growths,
-        stale_readers_cleared, degraded (1.0 / 0.0). Cheap; any thread."""
+        stale_readers_cleared, degraded (1.0 / 0.0). Cheap; any thread of the opening process (it
+        reads the environment's info, which a forked child must not touch)."""
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
         with self._counters_lock:
             stats: Dict[str, float] = {k: float(v) for k, v in self._counters.items()}
         stats["records"] = float(len(self._lru))
@@ -625,6 +851,7 @@ class LmdbTier(ChunkTier):
                 with self._map_lock.shared():
                     with self._env.begin(write=True, buffers=True) as txn:
                         apply = body(txn)
+                        self._io_hook.before("commit")  # raising here aborts the transaction
             except lmdb.MapFullError as exc:
                 self._grow_map(nbytes, exc)
                 continue
@@ -754,6 +981,7 @@ class LmdbTier(ChunkTier):
                 txn.delete(key, db=self._atime)
             now = time.time_ns()
             for key, record in batch.items():
+                self._io_hook.before("put")
                 txn.put(key, record, db=self._chunks)
                 txn.put(key, _ATIME.pack(now, len(record)), db=self._atime)
 
@@ -923,14 +1151,14 @@ class LmdbTier(ChunkTier):
 
     # ------------------------------------------------------------------------ sync tool helpers
 
-    def iter_records(self) -> Iterator[RecordInfo]:
-        """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
-        transactions of a few hundred records, so a long listing never pins old pages for long."""
-        self._check_usable()
+    def _scan(self, visit: Callable[[lmdb.Transaction, bytes, memoryview], T]) -> Iterator[T]:
+        """``visit(txn, key, value)`` for every record of ``chunks`` in cursor order, inside read
+        transactions of ``_ITER_BATCH`` records each (so a long scan never pins old pages for long);
+        yields the results. ``value`` is only valid inside ``visit``."""
         last: Optional[bytes] = None
         while True:
 
-            def body(txn: lmdb.Transaction) -> List[RecordInfo]:
+            def body(txn: lmdb.Transaction) -> Tuple[List[T], Optional[bytes]]:
                 cur = txn.cursor(db=self._chunks)
                 if last is None:
                     positioned = cur.first()
@@ -938,63 +1166,106 @@ class LmdbTier(ChunkTier):
                     positioned = cur.set_range(last)
                     if positioned and bytes(cur.key()) == last:
                         positioned = cur.next()
-                out: List[RecordInfo] = []
+                out: List[T] = []
+                key: Optional[bytes] = None
                 while positioned and len(out) < _ITER_BATCH:
                     key = bytes(cur.key())
-                    value = cur.value()
-                    try:
-                        header: Optional[RecordHeader] = read_header(value)
-                        error = None
-                    except CorruptRecordError as exc:
-                        header, error = None, str(exc)
-                    at = txn.get(key, db=self._atime)
-                    atime = _ATIME.unpack(at)[0] if at is not None and len(at) == _ATIME.size else 0
-                    out.append(RecordInfo(key, header, error, len(value), atime))
+                    out.append(visit(txn, key, cur.value()))
                     positioned = cur.next()
-                return out
+                return out, key
 
-            batch = self._read_txn(body)
+            batch, last = self._read_txn(body)
             yield from batch
             if len(batch) < _ITER_BATCH:
                 return
-            last = batch[-1].key
+
+    def iter_records(self) -> Iterator[RecordInfo]:
+        """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
+        transactions of a few hundred records, so a long listing never pins old pages for long."""
+        self._check_usable()
+
+        def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> RecordInfo:
+            try:
+                header: Optional[RecordHeader] = read_header(value)
+                error = None
+            except CorruptRecordError as exc:
+                header, error = None, str(exc)
+            at = txn.get(key, db=self._atime)
+            atime = _ATIME.unpack(at)[0] if at is not None and len(at) == _ATIME.size else 0
+            return RecordInfo(key, header, error, len(value), atime)
+
+        yield from self._scan(visit)
 
     def verify(self, *, quarantine: bool = True) -> VerifyReport:
-        """Decode every record fully (checksum, codec); quarantine the corrupt ones unless told not
-        to or read-only. Blocking; for ``kvtier verify`` and stress-test teardown."""
+        """Decode every record fully (checksum, codec) in the transaction that lists it, and check
+        that its key still finds it (a damaged B-tree page can list a record that no lookup
+        reaches: a miss forever, reported as bad). Quarantine the corrupt ones unless told not to or
+        read-only. Blocking; for ``kvtier verify`` and stress-test teardown."""
         self._check_usable()
         report = VerifyReport()
         scratch = bytearray(0)
+
+        def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> Tuple[bytes, int, str]:
+            nonlocal scratch
+            try:
+                # The header's raw length sizes the scratch buffer only once the size cap and the
+                # checksum passed: a lying header must not make us allocate what it claims.
+                header = validate_record(key, value, max_raw_bytes=self._max_raw_bytes)
+                if len(scratch) < header.raw_length:
+                    scratch = bytearray(header.raw_length)
+                decode_record(key, value, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
+            except CorruptRecordError as exc:
+                return key, xxhash.xxh3_64_intdigest(value), str(exc)
+            if txn.get(key, db=self._chunks) is None:
+                return key, 0, "listed by the cursor but not found by its key (damaged B-tree page)"
+            return key, 0, ""
+
         found: List[Tuple[bytes, int, str]] = []
-        for info in self.iter_records():
+        for key, digest, reason in self._scan(visit):
             report.checked += 1
-            if info.header is not None and len(scratch) < info.header.raw_length:
-                scratch = bytearray(info.header.raw_length)
-
-            def body(txn: lmdb.Transaction) -> Optional[Tuple[int, str]]:
-                record = txn.get(info.key, db=self._chunks)
-                if record is None:
-                    return None  # deleted meanwhile
-                try:
-                    n = info.header.raw_length if info.header is not None else 0
-                    decode_record(info.key, record, memoryview(scratch)[:n], max_raw_bytes=self._max_raw_bytes)
-                except CorruptRecordError as exc:
-                    return xxhash.xxh3_64_intdigest(record), str(exc)
-                return (0, "")
-
-            outcome = self._read_txn(body)
-            if outcome is None:
-                continue
-            digest, reason = outcome
             if reason:
-                report.corrupt.append((info.key, reason))
-                found.append((info.key, digest, reason))
+                report.corrupt.append((key, reason))
+                if digest:
+                    found.append((key, digest, reason))  # quarantined by key: only reachable ones
             else:
                 report.ok += 1
-        self._count(corrupt=len(found))
-        if found and quarantine and self._writer is not None:
-            report.quarantined = self._writer.call(lambda: self._quarantine_entries(found))
+
+        # ``atime`` lists the stored keys (list_keys, the index at open): an entry whose key has no
+        # record -- a key byte damaged in ``chunks`` -- is offered as a hit that always misses.
+        def dangling(txn: lmdb.Transaction) -> List[bytes]:
+            keys = (bytes(k) for k in txn.cursor(db=self._atime).iternext(keys=True, values=False))
+            return [k for k in keys if txn.get(k, db=self._chunks) is None]
+
+        orphans = self._read_txn(dangling)
+        for key in orphans:
+            report.checked += 1
+            report.corrupt.append((key, "in the access-time table, but no record has this key (damaged table)"))
+        self._count(corrupt=len(report.corrupt))
+        if quarantine and self._writer is not None:
+            if found:
+                report.quarantined = self._writer.call(lambda: self._quarantine_entries(found))
+            if orphans:
+                report.quarantined += self._writer.call(lambda: self._drop_dangling_atime(orphans))
         return report
+
+    def _drop_dangling_atime(self, keys: List[bytes]) -> int:
+        """Writer thread: delete ``atime`` entries whose key still has no record."""
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            gone = [k for k in keys if txn.get(k, db=self._chunks) is None and txn.delete(k, db=self._atime)]
+
+            def apply() -> int:
+                for key in gone:
+                    size = self._lru.pop(key, None)
+                    if size is not None:
+                        self._total_bytes -= size
+                self._count(quarantined=len(gone))
+                self._notify_removed(gone)
+                return len(gone)
+
+            return apply
+
+        return self._write(body)
 
     def gc(self, max_bytes: int) -> int:
         """Evict least-recently-used records until stored bytes <= ``max_bytes``; returns how many

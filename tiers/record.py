@@ -2,7 +2,8 @@
 
 Primitives: ``CodecConfig`` (how to encode), ``encode_record`` (chunk bytes -> record),
 ``decode_record`` (record -> chunk bytes, straight into a caller's buffer), ``read_header`` (structure
-and meta without touching the payload), ``RecordHeader``, and the ``CorruptRecordError`` subclasses
+and meta without touching the payload), ``validate_record`` (structure, size cap and checksum, without
+decoding or allocating), ``RecordHeader``, and the ``CorruptRecordError`` subclasses
 ``RecordFormatError``, ``RecordChecksumError``, ``RecordMetaMismatchError``, ``RecordSizeMismatchError``.
 All are plain synchronous functions, safe on any thread (zstd contexts and scratch buffers are kept
 per thread); tiers call them on their worker threads, never on the event loop.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
@@ -57,6 +59,7 @@ __all__ = [
     "encode_record",
     "decode_record",
     "read_header",
+    "validate_record",
     "element_size",
     "RecordFormatError",
     "RecordChecksumError",
@@ -95,6 +98,7 @@ _PLANE = struct.Struct("<BQ")
 _CHECKSUM_BYTES = 16
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # Bytes per element of the dtypes a KV cache uses (torch names without "torch.").
 _ELEMENT_SIZES: Dict[str, int] = {
@@ -229,6 +233,32 @@ def _scratch(nbytes: int) -> memoryview:
     return memoryview(buf)[:nbytes]
 
 
+def _plane_scratch(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for the planes of one encode (separate from the decode scratch). Reused,
+    because a fresh multi-MiB allocation costs a page fault per 4 KiB (on these VMs ~1 GB/s), more
+    than the split itself."""
+    buf = getattr(_local, "plane_scratch", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.plane_scratch = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _split_planes(view: memoryview, esize: int) -> List[memoryview]:
+    """Byte ``i`` of every element into plane ``i`` (in memory order), in this thread's scratch: valid
+    until the thread's next encode. For 2-byte elements on a little-endian host two vectorised
+    integer ops (low byte, high byte) run ~5x faster than the general transposing copy."""
+    n = view.nbytes // esize
+    out = _plane_scratch(view.nbytes).reshape(esize, n)
+    src = np.frombuffer(view, dtype=np.uint8)
+    if esize == 2 and _LITTLE_ENDIAN:
+        words = src.view(np.uint16)
+        np.copyto(out[0], words, casting="unsafe")  # keeps the low byte: byte 0 in memory
+        np.right_shift(words, 8, out=out[1], casting="unsafe")
+    else:
+        np.copyto(out, src.reshape(n, esize).T)
+    return [memoryview(out[i]) for i in range(esize)]
+
+
 # ------------------------------------------------------------------------------------------- encode
 
 
@@ -325,9 +355,7 @@ def encode_record(key: bytes, meta: ChunkMeta, raw: BytesLike, config: CodecConf
         if esize == 1:
             plane_views: List[BytesLike] = [view]
         else:
-            # One transposing copy puts byte i of every element into row i (C speed, no Python loop).
-            planes = np.frombuffer(view, dtype=np.uint8).reshape(-1, esize).T.copy()
-            plane_views = [memoryview(planes[i]) for i in range(esize)]
+            plane_views = _split_planes(view, esize)
         stored: List[BytesLike] = []
         table: List[Tuple[int, int]] = []
         for pv in plane_views:
@@ -497,6 +525,25 @@ def read_header(record: BytesLike) -> RecordHeader:
     return header
 
 
+def _validate(key: bytes, record: BytesLike, max_raw_bytes: int) -> Tuple[RecordHeader, memoryview, int]:
+    header, buf, payload_start = _parse(record)
+    if header.raw_length > max_raw_bytes:
+        raise RecordFormatError(f"raw length {header.raw_length} exceeds the limit of {max_raw_bytes} bytes")
+    payload = buf[payload_start:]
+    body = buf[_PREFIX.size : payload_start - _CHECKSUM_BYTES]
+    if _checksum(bytes(key), buf[: _PREFIX.size], body, payload) != header.checksum:
+        raise RecordChecksumError("record checksum mismatch (corrupt bytes, or stored under another key)")
+    return header, buf, payload_start
+
+
+def validate_record(key: bytes, record: BytesLike, *, max_raw_bytes: int = 1 << 31) -> RecordHeader:
+    """Check a record's structure, ``raw_length <= max_raw_bytes`` and its checksum, without decoding
+    the payload or allocating anything of the chunk's size: what a caller runs before sizing a
+    buffer from ``header.raw_length``. Raises a ``CorruptRecordError`` subclass."""
+    header, _, _ = _validate(key, record, max_raw_bytes)
+    return header
+
+
 def decode_record(
     key: bytes,
     record: BytesLike,
@@ -513,13 +560,8 @@ def decode_record(
     bytes. Any malformed input raises a ``CorruptRecordError`` subclass (see the module docstring for
     the order of checks); ``out`` is untouched unless the checksum and meta checks passed.
     """
-    header, buf, payload_start = _parse(record)
-    if header.raw_length > max_raw_bytes:
-        raise RecordFormatError(f"raw length {header.raw_length} exceeds the limit of {max_raw_bytes} bytes")
+    header, buf, payload_start = _validate(key, record, max_raw_bytes)
     payload = buf[payload_start:]
-    body = buf[_PREFIX.size : payload_start - _CHECKSUM_BYTES]
-    if _checksum(bytes(key), buf[: _PREFIX.size], body, payload) != header.checksum:
-        raise RecordChecksumError("record checksum mismatch (corrupt bytes, or stored under another key)")
     if expected is not None and header.meta != expected:
         raise RecordMetaMismatchError(f"record describes {header.meta}, expected {expected}")
 
@@ -540,6 +582,9 @@ def decode_record(
 
     esize = header.element_size
     plane_raw = header.raw_length // esize
+    if esize == 2 and _LITTLE_ENDIAN:
+        _decode_two_planes(header, payload, target, plane_raw)
+        return header.meta, target
     out_planes = np.frombuffer(target, dtype=np.uint8).reshape(plane_raw, esize) if esize > 1 else None
     pos = 0
     for i, (name, plen) in enumerate(header.planes):
@@ -556,6 +601,27 @@ def decode_record(
         if out_planes is not None:
             out_planes[:, i] = np.frombuffer(dst, dtype=np.uint8)
     return header.meta, target
+
+
+def _decode_two_planes(header: RecordHeader, payload: memoryview, target: memoryview, plane_raw: int) -> None:
+    """2-byte elements, little-endian host: both planes into scratch (or read in place when stored
+    raw), then one vectorised merge ``high << 8 | low`` into ``target`` instead of two strided
+    byte writes."""
+    scratch = _scratch(2 * plane_raw)
+    planes: List[np.ndarray] = []
+    pos = 0
+    for i, (name, plen) in enumerate(header.planes):
+        src = payload[pos : pos + plen]
+        pos += plen
+        if name == CODEC_RAW:
+            planes.append(np.frombuffer(src, dtype=np.uint8))
+            continue
+        dst = scratch[i * plane_raw : (i + 1) * plane_raw]
+        _decompress_plane(src, dst)
+        planes.append(np.frombuffer(dst, dtype=np.uint8))
+    words = np.frombuffer(target, dtype=np.uint8).view(np.uint16)
+    np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
+    np.bitwise_or(words, planes[0], out=words)
 
 
 def _decompress_plane(src: memoryview, dst: memoryview) -> None:

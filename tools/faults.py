@@ -3,18 +3,43 @@
 Primitives: ``FaultyTier`` (wraps any ``ChunkTier``), ``InjectedFault`` (the error it raises),
 ``corrupt_stored_record`` (flips bytes of one record inside an LMDB or file tier). The wrapper runs
 on the caller's event loop; it only adds a check and maybe a sleep before delegating.
+
+One level lower, ``IOFaultPlan`` + ``inject_io_faults(tier, plan)`` fail the Nth low-level operation
+*inside* an LMDB or file tier (a put or commit of a write transaction, a read transaction; a file
+mkdir, open, write, fsync, rename, directory fsync, read or remove), once (``fail_at``) or from then
+on (``fail_from``), with the error the real call raises there: ``lmdb.Error`` ("Input/output error")
+or ``lmdb.DiskError`` under LMDB, ``OSError(EIO)`` or ``OSError(ENOSPC)`` under files. The plan is
+called on the tier's own threads (LMDB writer, I/O pool) as well as the loop, so it counts under a
+lock. The tier's own error handling, rollback and statistics are what is then under test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno as errno_codes
 import os
-from typing import Dict, List, Optional, Sequence
+import threading
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kvtier.policy import TierIOError
-from kvtier.tiers.base import ChunkMeta, ChunkTier, GetItem, PutItem
+from kvtier.tiers.base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
 
-__all__ = ["FaultyTier", "InjectedFault", "corrupt_stored_record"]
+__all__ = [
+    "FaultyTier",
+    "InjectedFault",
+    "corrupt_stored_record",
+    "IOFaultPlan",
+    "inject_io_faults",
+    "remove_io_faults",
+    "LMDB_IO_OPS",
+    "FILE_IO_OPS",
+]
+
+LMDB_IO_OPS = ("put", "commit", "read")
+FILE_IO_OPS = ("mkdir", "open", "write", "fsync", "rename", "fsync_dir", "read", "remove")
+# The C call py-lmdb names in its message for each operation.
+_LMDB_CALLS = {"put": "mdb_put", "commit": "mdb_txn_commit", "read": "mdb_txn_begin"}
 
 _COUNTED_OPS = ("put_many", "get_many_into", "delete_many", "contains_many")
 
@@ -134,3 +159,104 @@ def corrupt_stored_record(tier: ChunkTier, key: bytes, *, offset_from_end: int =
         tier.corrupt_record_for_tests(key, offset_from_end=offset_from_end)
         return
     raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
+
+
+class IOFaultPlan(IOHook):
+    """Counts a tier's low-level operations and fails the scripted ones (thread-safe).
+
+    ``fail_at``: the Nth counted operation (1-based) fails, once. ``fail_from``: every counted one
+    from the Nth on fails, until ``heal()``. ``ops``: which operation names count (default: all the
+    tier has). ``errno``: ``EIO`` (an I/O error) or ``ENOSPC`` (a full disk). Bind it to a tier with
+    ``inject_io_faults``, which also picks the error type the tier's real calls raise.
+
+    After a run: ``calls`` (counted operations), ``calls_by_op`` (every operation seen, counted or
+    not), ``faults`` and ``fault_log`` ((call number, op) of each injected failure).
+    """
+
+    def __init__(
+        self,
+        *,
+        fail_at: Optional[int] = None,
+        fail_from: Optional[int] = None,
+        ops: Optional[Sequence[str]] = None,
+        errno: int = errno_codes.EIO,
+    ) -> None:
+        for name, n in (("fail_at", fail_at), ("fail_from", fail_from)):
+            if n is not None and (not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {n!r}")
+        if errno not in (errno_codes.EIO, errno_codes.ENOSPC):
+            raise ValueError(f"errno must be EIO or ENOSPC, got {errno!r}")
+        self.fail_at = fail_at
+        self.fail_from = fail_from
+        self.ops = None if ops is None else frozenset(ops)
+        self.errno = errno
+        self.flavour = "os"  # "lmdb" or "os": set by inject_io_faults
+        self.calls = 0
+        self.faults = 0
+        self.calls_by_op: "Counter[str]" = Counter()
+        self.fault_log: List[Tuple[int, str]] = []
+        self._lock = threading.Lock()
+
+    def heal(self) -> None:
+        """Stop failing from now on (operations are still counted)."""
+        with self._lock:
+            self.fail_at = None
+            self.fail_from = None
+
+    def before(self, op: str) -> None:
+        with self._lock:
+            self.calls_by_op[op] += 1
+            if self.ops is not None and op not in self.ops:
+                return
+            self.calls += 1
+            n = self.calls
+            fail = n == self.fail_at or (self.fail_from is not None and n >= self.fail_from)
+            if fail:
+                self.faults += 1
+                self.fault_log.append((n, op))
+        if fail:
+            raise self._error(op, n)
+
+    def _error(self, op: str, n: int) -> BaseException:
+        reason = os.strerror(self.errno)
+        if self.flavour == "lmdb":
+            import lmdb
+
+            # What py-lmdb raises for this errno: DiskError for ENOSPC, the plain Error otherwise.
+            cls = lmdb.DiskError if self.errno == errno_codes.ENOSPC else lmdb.Error
+            return cls(f"{_LMDB_CALLS.get(op, op)}: {reason} (injected at call {n})")
+        return OSError(self.errno, f"{reason} (injected {op} at call {n})")
+
+
+def _unwrap(tier: ChunkTier) -> ChunkTier:
+    while isinstance(tier, FaultyTier):
+        tier = tier.inner
+    return tier
+
+
+def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan_kw) -> IOFaultPlan:
+    """Install ``plan`` (or ``IOFaultPlan(**plan_kw)``) under an LMDB or file tier (a ``FaultyTier``
+    is looked through) and return it. Replaces any plan installed before."""
+    from kvtier.tiers.files import FileTier
+    from kvtier.tiers.lmdb_tier import LmdbTier
+
+    if plan is None:
+        plan = IOFaultPlan(**plan_kw)
+    elif plan_kw:
+        raise TypeError("pass a plan or plan arguments, not both")
+    inner = _unwrap(tier)
+    if isinstance(inner, LmdbTier):
+        known, plan.flavour = LMDB_IO_OPS, "lmdb"
+    elif isinstance(inner, FileTier):
+        known, plan.flavour = FILE_IO_OPS, "os"
+    else:
+        raise TypeError(f"cannot inject I/O faults under {type(inner).__name__}")
+    if plan.ops is not None and not plan.ops <= set(known):
+        raise ValueError(f"{type(inner).__name__} has the operations {known}, got {sorted(plan.ops)}")
+    inner._io_hook = plan
+    return plan
+
+
+def remove_io_faults(tier: ChunkTier) -> None:
+    """Put back the tier's no-op hook."""
+    _unwrap(tier)._io_hook = NO_IO_HOOK

@@ -66,7 +66,7 @@ def inspect_cache(cache_dir: str) -> InspectReport:
     """Summarise every record of the LMDB tier at ``cache_dir`` (read-only)."""
     _require_cache(cache_dir)
     now_ns = time.time_ns()
-    with LmdbTier(cache_dir, readonly=True, map_size_bytes=1 << 20) as tier:
+    with LmdbTier(cache_dir, readonly=True, map_size_bytes=1 << 20, verify_structure=True) as tier:
         report = InspectReport(cache_dir, "lmdb", 0, 0, 0, 0, os.path.getsize(os.path.join(cache_dir, "data.mdb")))
         for info in tier.iter_records():
             report.records += 1
@@ -91,7 +91,8 @@ def inspect_cache(cache_dir: str) -> InspectReport:
 def verify_cache(cache_dir: str, *, quarantine: bool = True):
     """Read and check every record; returns the tier's ``VerifyReport`` (bad ones listed)."""
     _require_cache(cache_dir)
-    with LmdbTier(cache_dir, readonly=not quarantine, map_size_bytes=1 << 20) as tier:
+    # verify_structure: a damaged B-tree is reported as a CorruptCacheError (LMDB could crash on it).
+    with LmdbTier(cache_dir, readonly=not quarantine, map_size_bytes=1 << 20, verify_structure=True) as tier:
         return tier.verify(quarantine=quarantine)
 
 
@@ -100,7 +101,7 @@ def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
     if max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
-    with LmdbTier(cache_dir, map_size_bytes=1 << 20) as tier:
+    with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True) as tier:
         before = int(tier.statistics().get("bytes", 0))
         evicted = tier.gc(max_bytes)
         after = int(tier.statistics().get("bytes", 0))

@@ -1,0 +1,112 @@
+"""``kvtier bench`` smoke test: every part on tiny sizes, the JSON schema, the correctness checks.
+
+The real figures take minutes and a quiet machine; this only proves that the command's pieces run
+end to end (disk subjects in paired rounds, engine, staging, policy, compression, bookkeeping) and
+that what they report has the documented shape. Whole file well under 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import torch
+
+from kvtier.tools.bench import (
+    BenchReport,
+    _brute_force_minimal,
+    deepseek_v4_like_layout,
+    format_report,
+    make_kv_bytes,
+    measure_compression,
+    measure_coverage,
+    measure_longest_hit,
+    run_bench,
+)
+from kvtier.tools.bench_engine import measure_bookkeeping
+
+ROW_KEYS = {"name", "value", "unit", "ratio", "ratio_to"}
+MACHINE_KEYS = {
+    "cpu_count",
+    "platform",
+    "python",
+    "torch",
+    "lmdb",
+    "filesystem",
+    "page_cache_drop_possible",
+    "quick",
+}
+
+
+def _check_schema(report: BenchReport) -> dict:
+    doc = json.loads(json.dumps(report.to_dict()))
+    assert set(doc) == {"results", "machine"}
+    assert MACHINE_KEYS <= set(doc["machine"])
+    assert doc["results"], "no figures"
+    for row in doc["results"]:
+        assert ROW_KEYS <= set(row), row
+        assert isinstance(row["name"], str) and row["name"]
+        assert isinstance(row["value"], (int, float))
+        assert isinstance(row["unit"], str) and row["unit"]
+        assert row["ratio"] is None or isinstance(row["ratio"], (int, float))
+        assert row["ratio_to"] is None or isinstance(row["ratio_to"], str)
+        if row["ratio"] is not None:
+            assert row["ratio_to"], f"{row['name']}: a ratio must say what it is a ratio to"
+        if row.get("target") is not None:
+            assert isinstance(row["met"], bool)
+    return doc
+
+
+def test_tiers_and_engine_on_tiny_sizes(tmp_path):
+    report = asyncio.run(
+        run_bench(sizes=(64 << 10,), total_bytes=1 << 20, rounds=2, parts={"tiers", "engine"}, cache_dir=str(tmp_path))
+    )
+    doc = _check_schema(report)
+    assert report.failures == []  # every byte read back (LMDB, files, baseline, engine) matched
+    names = {row["name"] for row in doc["results"]}
+    for expected in (
+        "memcpy 64KiB",
+        "staging device->host 64KiB",
+        "raw write+fdatasync 64KiB",
+        "raw cold read 64KiB",
+        "file-per-chunk write (aiofiles, fsync, rename) 64KiB",
+        "lmdb spill raw codec 64KiB",
+        "lmdb spill zstd codec 64KiB vs baseline",
+        "lmdb cold restore zstd codec 64KiB",
+        "file tier put 64KiB",
+        "engine store until durable (zstd) 64KiB",
+        "engine cold load (zstd) 64KiB",
+    ):
+        assert expected in names
+    assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
+    text = format_report(report)
+    assert "targets:" in text and "machine:" in text
+
+
+def test_policy_figures():
+    for r in (0, 3):
+        cov = asyncio.run(measure_coverage(r, num_tokens=6000))
+        assert cov["equal"], cov["diff"]
+        assert cov["stored"] == cov["minimal"] < cov["every"]
+        assert cov["cross_group"] <= cov["minimal"]
+    # The brute force itself, on the seed's worked example (FA b=16; SWA b=4, W=8, 33 tokens).
+    from kvtier.policy import AttentionGroup, ModelLayout
+
+    seed = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8, extra_retained_tokens=3)))
+    assert _brute_force_minimal(seed, 1, 33, cross_group=False) == {1, 2, 3, 5, 6, 7}
+    lh = measure_longest_hit(tokens=8192, repeats=1)
+    assert lh["full_hit"] == 8192 and lh["full"] > 0
+    assert len(deepseek_v4_like_layout(3).groups) == 3
+
+
+def test_compression_and_bookkeeping():
+    kv = make_kv_bytes(1 << 20).view(torch.uint8)
+    figures = measure_compression(kv, 256 << 10, repeats=1)
+    assert figures["ratio"] > 1.2  # bf16 high bytes compress
+    assert figures["encode_mb_s"] > 0 and figures["decode_mb_s"] > 0
+    bk = asyncio.run(measure_bookkeeping(chunks_per_request=8, requests=2, rounds=1))
+    assert bk.total_us_per_chunk > 0
+    parts = bk.store_us_per_chunk + bk.lookup_us_per_chunk + bk.load_us_per_chunk
+    assert abs(bk.total_us_per_chunk - parts) < 1e-6 * parts
+    bk = asyncio.run(measure_bookkeeping(chunks_per_request=4, requests=2, rounds=1, hybrid=True, with_copies=True))
+    assert bk.total_us_per_chunk > 0
