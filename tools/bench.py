@@ -892,33 +892,27 @@ def gemma3_kv_bytes(seq_len: int, seed: int = 0) -> torch.Tensor:
     V laid out ``[seq, kv_heads, head_dim]`` as a paged cache holds them."""
     import transformers
 
-    config = transformers.Gemma3TextConfig(
+    from .hf_model import capture_kv, tiny_hybrid_config
+
+    config = tiny_hybrid_config(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=256,
         query_pre_attn_scalar=256,
         sliding_window=128,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
         max_position_embeddings=max(4096, seq_len),
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
-    cache = transformers.DynamicCache()  # no config: sliding layers keep every position
-    import inspect
-
-    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{kwarg: cache})
+    ids = torch.randint(0, config.vocab_size, (seq_len,), generator=torch.Generator().manual_seed(seed))
     parts = []
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            parts.append(t[0].transpose(0, 1).contiguous().view(torch.uint8).reshape(-1))
+    for keys, values in capture_kv(model, ids.tolist()):
+        for t in (keys, values):
+            parts.append(t.transpose(0, 1).contiguous().view(torch.uint8).reshape(-1))
     return torch.cat(parts)
 
 

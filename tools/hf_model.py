@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -272,6 +272,28 @@ def load_model(
     model.to(device)
     model.eval()
     return model
+
+
+def tiny_hybrid_config(**overrides: Any) -> Any:
+    """A small random-initialisable Gemma3 text config: three sliding-window layers (window 32) and
+    one full-attention layer. Tests and the benchmark build models from it; nothing is downloaded."""
+    transformers = _require_transformers()
+    fields: Dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=32,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
+    fields.update(overrides)
+    return transformers.Gemma3TextConfig(**fields)
 
 
 def _cache_kwarg(model) -> str:

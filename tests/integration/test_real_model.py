@@ -31,6 +31,7 @@ from kvtier.tools.hf_model import (  # noqa: E402
     load_model,
     next_token_logits,
     read_kv_from_blocks,
+    tiny_hybrid_config,
     write_kv_to_blocks,
 )
 from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
@@ -44,23 +45,9 @@ NULL_BLOCK = 0  # vLLM-style: one real block whose bytes are junk, shared by eve
 
 
 def _gemma3_config(**overrides):
-    fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        attn_implementation="eager",
-    )
+    fields = dict(sliding_window=WINDOW, initializer_range=0.2)  # far from uniform attention
     fields.update(overrides)
-    return transformers.Gemma3TextConfig(**fields)
+    return tiny_hybrid_config(**fields)
 
 
 @pytest.fixture(scope="module")
