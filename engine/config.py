@@ -84,6 +84,10 @@ class EngineConfig:
     # LMDB's reader_check() clears slots of dead processes; 30 s bounds how long a crashed reader
     # can pin old pages (and so grow the file).
     reader_check_interval_s: float = 30.0
+    # Off by default: the disk index is read once at start, which is right when warmup runs before
+    # serving. Set it (e.g. 10 s) when another process writes the same cache directory while this
+    # one serves, so its chunks become hits without a restart (one keys-only scan per interval).
+    disk_index_refresh_interval_s: Optional[float] = None
     # On: before LMDB maps the cache_dir's file, py-lmdb's offline verifier checks its B-tree (when
     # no other process has it open). LMDB trusts its pages and can crash the whole serving process
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
@@ -158,6 +162,8 @@ class EngineConfig:
             )
         _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
         _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
+        if self.disk_index_refresh_interval_s is not None:
+            _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
 
     # -- conversions and loaders ----------------------------------------------------------------
@@ -254,12 +260,13 @@ _FLOAT_FIELDS = frozenset(
         "pressure_low_watermark_fraction",
         "pressure_poll_interval_s",
         "reader_check_interval_s",
+        "disk_index_refresh_interval_s",
     }
 )
 _BOOL_FIELDS = frozenset(
     {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open"}
 )
-_OPTIONAL_FIELDS = frozenset({"cache_dir", "disk_capacity_bytes"})
+_OPTIONAL_FIELDS = frozenset({"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s"})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})

@@ -109,6 +109,7 @@ class OffloadEngine:
         self._spill_queue: Deque[ChunkEntry] = deque()
         self._spill_wakeup: Optional[asyncio.Event] = None
         self._spill_task: Optional[asyncio.Task] = None
+        self._refresh_task: Optional[asyncio.Task] = None
         self._spill_idle: Optional[asyncio.Event] = None
         self._spill_last_done = 0.0  # perf_counter() when the last spill batch finished
         self._durable_watch: Dict[bytes, List[StoreHandle]] = {}
@@ -179,6 +180,8 @@ class OffloadEngine:
         self._spill_idle.set()
         if self._disk is not None and config.spill_enabled:
             self._spill_task = self._loop.create_task(self._spill_loop(), name="kvtier-spill")
+        if self._disk is not None and config.disk_index_refresh_interval_s is not None:
+            self._refresh_task = self._loop.create_task(self._refresh_loop(), name="kvtier-disk-index")
         sources = self._pressure_sources
         if sources is None:
             sources = {"host_memory": host_memory_source()}
@@ -283,6 +286,9 @@ class OffloadEngine:
         self._closing = True
         if self._spill_wakeup is not None:
             self._spill_wakeup.set()
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            await asyncio.gather(self._refresh_task, return_exceptions=True)
         if self._spill_task is not None:
             await asyncio.gather(self._spill_task, return_exceptions=True)
         while self._tasks:
@@ -309,6 +315,37 @@ class OffloadEngine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def refresh_disk_index(self) -> Tuple[int, int]:
+        """Re-read which chunks the disk tier holds, for a cache directory another process writes
+        (a warmup beside a serving process). Returns (keys added, keys removed).
+
+        Keys this engine spills while the listing runs are kept; keys that were indexed before the
+        listing began and are absent from it were removed by another process and leave the index.
+        Cancelling the call leaves the index as it was."""
+        self._check_open()
+        if self._disk is None:
+            return 0, 0
+        before = set(self._on_disk)
+        listed = set(await self._disk.list_keys())
+        removed = before - listed
+        added = listed - self._on_disk
+        self._on_disk -= removed
+        self._on_disk |= listed
+        for key in removed:
+            self._events.append(ChunkEvent("removed", key, -1, "disk"))
+        return len(added), len(removed)
+
+    async def _refresh_loop(self) -> None:
+        interval = self.config.disk_index_refresh_interval_s
+        while not self._closing:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh_disk_index()
+            except ClosedError:
+                return
+            except KvtierError as exc:  # keep serving on the index we have; try again next time
+                logger.warning("refreshing the disk index failed: %s", exc)
 
     # ------------------------------------------------------------------ keys
 

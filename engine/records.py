@@ -43,7 +43,9 @@ class ChunkEntry:
 
 @dataclass(frozen=True)
 class ChunkEvent:
-    """A chunk appeared in or left a tier: what a router tracking prefix locations consumes."""
+    """A chunk appeared in or left a tier: what a router tracking prefix locations consumes.
+    ``group_index`` is -1 when the engine no longer knows it (a record another process or the
+    tier's own eviction removed from disk)."""
 
     kind: str  # "stored" | "removed"
     key: bytes
