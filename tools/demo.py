@@ -113,12 +113,12 @@ async def run_demo(
         host_stored = stats["stored_bytes"].get("host", 0)
         disk_stored = stats["stored_bytes"].get("disk", 0)
         loaded_host = stats["loaded_bytes"].get("device", 0)
-        producer_bytes = scenario._chunk_bytes
+        producer_bytes = scenario.producer_bytes
 
     # Restart on the same directory: the consumers are served from disk alone.
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
         scenario = OffloadScenario(engine, seed=seed + 1)
-        scenario._chunk_bytes = producer_bytes
+        scenario.producer_bytes = producer_bytes
         hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
         hit_tokens += hits
         prompt_tokens += sum(len(p) + 1 for p in prompts)

@@ -6,8 +6,11 @@ Fixtures for serving-process authors who test their integration asynchronously (
 - ``kvtier_config``: the ``EngineConfig`` for them, over a temporary cache directory (override too).
 - ``kvtier_engine``: an entered ``OffloadEngine`` over that directory and CPU device tensors; closed
   after the test, and its self-check (``engine.check()``) must pass at teardown.
-- ``kvtier_engine_factory``: ``await factory(**overrides)`` for more engines (same directory unless
-  ``config=`` says otherwise; ``disk_tier=``, ``pressure_sources=``, ``device=``), all closed after.
+- ``kvtier_engine_factory``: ``await factory(**overrides)`` for more engines (``layout=``,
+  ``config=``, ``disk_tier=``, ``pressure_sources=``, ``device=``), all closed after. They share
+  ``kvtier_config``'s directory unless ``config=`` says otherwise; one process holds a directory
+  once, so close an engine (``await engine.close()``) before opening the next on it, as a restart
+  would.
 - ``kvtier_scenario``: an ``OffloadScenario`` driving ``kvtier_engine``.
 - ``fake_nvml``: a scripted device-memory source; pass ``{"device_memory": fake_nvml}`` as
   ``pressure_sources`` and ``fake_nvml.extend([...])`` to script a curve.

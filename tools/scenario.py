@@ -92,7 +92,10 @@ class OffloadScenario:
         groups = range(len(self.layout.groups))
         # Block 0 of every group stays unused: it plays the serving process's null block.
         self._free: List[List[int]] = [list(range(self.device.num_blocks(g) - 1, 0, -1)) for g in groups]
-        self._chunk_bytes: Dict[bytes, List[torch.Tensor]] = {}  # key -> per block, every layer's bytes
+        # What producers stored, by chunk key: per block of the chunk, every layer's bytes. Hand it to
+        # the scenario of a restarted engine (``later.producer_bytes = earlier.producer_bytes``) so its
+        # consumers are checked against the bytes written before the restart.
+        self.producer_bytes: Dict[bytes, List[torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- helpers
 
@@ -160,7 +163,7 @@ class OffloadScenario:
         await handle.wait_released()
         for g, chunk in handle.scheduled:
             per_chunk = self.layout.groups[g].blocks_per_chunk
-            self._chunk_bytes[keys.keys[g][chunk]] = [
+            self.producer_bytes[keys.keys[g][chunk]] = [
                 self._block_bytes(g, table[g][b]) for b in range(chunk * per_chunk, (chunk + 1) * per_chunk)
             ]
         durable = await handle.wait_durable() if wait_durable else False
@@ -223,9 +226,9 @@ class OffloadScenario:
             for block in blocks:
                 chunk, offset = divmod(block, per_chunk)
                 key = keys.keys[g][chunk]
-                if key not in self._chunk_bytes:
+                if key not in self.producer_bytes:
                     raise AssertionError(f"group {g} block {block}: loaded but no producer stored its chunk")
-                want = self._chunk_bytes[key][offset]
+                want = self.producer_bytes[key][offset]
                 got = self._block_bytes(g, table[g][block])
                 for layer, (a, b) in enumerate(zip(want, got)):
                     if not torch.equal(a, b):

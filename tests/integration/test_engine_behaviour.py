@@ -60,7 +60,7 @@ async def stored_on_disk(tmp_path, seed: int = 0, num_blocks: int = 256):
         scenario = OffloadScenario(engine, seed=seed)
         prompt = scenario.tokens(33)
         await scenario.produce(prompt, expect_stored=STORED)
-    return prompt, scenario._chunk_bytes, device
+    return prompt, scenario.producer_bytes, device
 
 
 async def engine_over(tmp_path, device, *, disk_faults=None, **overrides) -> OffloadEngine:
@@ -113,7 +113,7 @@ async def test_loading_chunks_give_none_then_the_full_hit(tmp_path):
     prompt, producer_bytes, device = await stored_on_disk(tmp_path)
     engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.3})
     scenario = OffloadScenario(engine)
-    scenario._chunk_bytes = producer_bytes
+    scenario.producer_bytes = producer_bytes
     assert engine.lookup(prompt + [1]) == 32
     load = asyncio.ensure_future(scenario.consume(prompt + [1], expect_hit=32, expect_loaded=LOADED_AT_32))
     await asyncio.sleep(0.05)
@@ -129,7 +129,7 @@ async def test_cancelling_a_load_at_any_point_leaks_nothing(tmp_path, cancel_aft
     prompt, producer_bytes, device = await stored_on_disk(tmp_path)
     engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.06})
     scenario = OffloadScenario(engine)
-    scenario._chunk_bytes = producer_bytes
+    scenario.producer_bytes = producer_bytes
     table = scenario.allocate(34)
     task = asyncio.ensure_future(engine.load(prompt + [1], 32, table))
     for _ in range(3):
@@ -189,7 +189,7 @@ async def test_two_hundred_concurrent_loads_of_one_chunk_read_the_tier_once(tmp_
     prompt, producer_bytes, device = await stored_on_disk(tmp_path, num_blocks=2400)
     engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.05})
     scenario = OffloadScenario(engine)
-    scenario._chunk_bytes = producer_bytes
+    scenario.producer_bytes = producer_bytes
     results = await asyncio.gather(
         *(scenario.consume(prompt + [i], expect_hit=32, expect_loaded=LOADED_AT_32) for i in range(200))
     )
@@ -204,7 +204,7 @@ async def test_a_slow_tier_past_its_timeout_is_a_miss_and_rolls_back(tmp_path):
     prompt, producer_bytes, device = await stored_on_disk(tmp_path)
     engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.4}, tier_timeout_s=0.05)
     scenario = OffloadScenario(engine)
-    scenario._chunk_bytes = producer_bytes
+    scenario.producer_bytes = producer_bytes
     result = await engine.load(prompt + [1], 32, scenario.allocate(34))
     assert (result.ok, result.reason, result.loaded) == (False, "timeout", ())
     assert engine.statistics()["misses"]["timeout"] == 1
@@ -302,7 +302,7 @@ async def test_prefetch_promotes_disk_chunks_to_host(tmp_path, policy):
     await engine.flush()
     assert engine.statistics()["chunks_by_state"]["ready"] == 4
     scenario = OffloadScenario(engine)
-    scenario._chunk_bytes = producer_bytes
+    scenario.producer_bytes = producer_bytes
     await scenario.consume(prompt + [1], expect_hit=32, expect_loaded=LOADED_AT_32)
     assert engine.statistics()["loaded_chunks"]["disk"] == 4  # read once, by the prefetch
     with pytest.raises(ValueError, match="policy must be one of"):

@@ -57,7 +57,7 @@ async def test_seed_consumer_served_from_disk_after_restart(extra, tmp_path):
     async with OffloadEngine(layout, device, config, fingerprint=b"seed") as engine:
         assert engine.statistics()["chunks_by_state"] == {"pending": 0, "ready": 0, "loading": 0}
         scenario = OffloadScenario(engine, seed=12)
-        scenario._chunk_bytes = producer_scenario._chunk_bytes  # what the producer stored, by key
+        scenario.producer_bytes = producer_scenario.producer_bytes  # what the producer stored, by key
         consumer = await scenario.consume(prompt + [1], expect_hit=32, expect_loaded=expect_loaded)
         assert consumer.ok
         stats = engine.statistics()

@@ -116,9 +116,9 @@ async def test_disk_full_under_load_fails_stores_cleanly_keeps_reads_and_recover
     # Restarted on the full disk (the host is empty: the early prompts load from disk). Under load:
     # many stores at once, and loads of the early prompts among them.
     engine = await open_engine(kind, cache, dev)
-    bytes_of_early = scenario._chunk_bytes
+    bytes_of_early = scenario.producer_bytes
     scenario = OffloadScenario(engine, seed=9)
-    scenario._chunk_bytes = bytes_of_early
+    scenario.producer_bytes = bytes_of_early
     during = [scenario.tokens(33) for _ in range(12)]
     results = await asyncio.gather(
         *(scenario.produce(p) for p in during),
@@ -149,7 +149,7 @@ async def test_disk_full_under_load_fails_stores_cleanly_keeps_reads_and_recover
     # Restart: every prompt acknowledged durable is on disk, whole and bitwise.
     engine = await open_engine(kind, cache, dev)
     restarted = OffloadScenario(engine, seed=8)
-    restarted._chunk_bytes = scenario._chunk_bytes
+    restarted.producer_bytes = scenario.producer_bytes
     durable = early + after + [r.token_ids for r in produced if r.durable]
     for prompt in durable:
         assert await load_ok(engine, restarted, prompt)

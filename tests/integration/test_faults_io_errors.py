@@ -159,7 +159,7 @@ async def workload(kind: str, path: Path, plan: IOFaultPlan, seed: int, mode: st
             # (its slots pinned): wait, so the next store is not dropped for want of slots.
             await engine.flush()
             assert not record.dropped[0] and not record.dropped[1], record
-        shared["bytes"] = scenario._chunk_bytes
+        shared["bytes"] = scenario.producer_bytes
         hit, failure = await consume(engine, scenario, prompts[0] + [1])
         first.loads.append((0, hit, failure))
         await engine.flush()
@@ -167,7 +167,7 @@ async def workload(kind: str, path: Path, plan: IOFaultPlan, seed: int, mode: st
 
     async def consume_phase(engine: OffloadEngine) -> None:
         scenario = OffloadScenario(engine, seed=seed + 1)
-        scenario._chunk_bytes = shared["bytes"]
+        scenario.producer_bytes = shared["bytes"]
         for i, prompt in enumerate(shared["prompts"]):
             hit, failure = await consume(engine, scenario, prompt + [1])
             second.loads.append((i, hit, failure))
@@ -188,7 +188,7 @@ async def after_healing(
     async def body(engine: OffloadEngine) -> None:
         orphans.append(await failed_batches_visible(kind, mode, engine.disk_tier, shared["batches"]))
         scenario = OffloadScenario(engine, seed=seed + 2)
-        scenario._chunk_bytes = dict(shared["bytes"])
+        scenario.producer_bytes = dict(shared["bytes"])
         for i, prompt in enumerate(shared["prompts"]):
             hit, failure = await consume(engine, scenario, prompt + [1])
             if first.durable.get(i):

@@ -45,3 +45,20 @@ async def test_faulty_tier_fails_the_nth_call_then_heals(kvtier_engine, faulty_t
         await tier.contains_many([b"k" * 32])
     assert await tier.contains_many([b"k" * 32]) == [False]
     assert tier.faults == 1
+
+
+@pytest.mark.asyncio
+async def test_factory_restart_on_the_same_directory_serves_from_disk(kvtier_engine_factory):
+    from kvtier.tools.scenario import OffloadScenario
+
+    first = await kvtier_engine_factory()
+    producer = OffloadScenario(first)
+    prompt = producer.tokens(33)
+    await producer.produce(prompt)
+    await first.close()
+    second = await kvtier_engine_factory(device=first.device)
+    consumer = OffloadScenario(second)
+    consumer.producer_bytes = producer.producer_bytes
+    record = await consumer.consume(prompt + [1], expect_hit=32, expect_loaded={0: [0, 1], 1: [5, 6, 7]})
+    assert record.ok
+    assert second.statistics()["loaded_chunks"]["disk"] == 5
