@@ -27,6 +27,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Mappin
 from kvtier.policy import (
     ChunkState,
     ClosedError,
+    DeviceError,
     KvtierError,
     ModelLayout,
     chunk_keys,
@@ -104,6 +105,7 @@ class OffloadEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._pools: List[HostSlabPool] = []
         self._chunk_nbytes: List[int] = []
+        self._num_blocks: List[int] = []
         self._entries: Dict[bytes, ChunkEntry] = {}
         self._on_disk: Set[bytes] = set()
         self._spill_queue: Deque[ChunkEntry] = deque()
@@ -158,6 +160,7 @@ class OffloadEngine:
         self._pools = self._make_pools()
         # Per group, bytes of one chunk: asked per chunk on every store, spill and load path.
         self._chunk_nbytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
+        self._num_blocks = [self.device.num_blocks(g) for g in range(len(self.layout.groups))]
         self._metas = [
             (str(self.device.chunk_dtype(g)).replace("torch.", ""), tuple(self.device.chunk_shape(g)))
             for g in range(len(self.layout.groups))
@@ -426,7 +429,9 @@ class OffloadEngine:
                         f"block_table[{gi}] has {len(table)} blocks; chunk {chunk} needs blocks "
                         f"{first}..{first + per_chunk - 1}"
                     )
-                jobs.append((gi, chunk, key, [int(b) for b in table[first : first + per_chunk]]))
+                blocks = [int(b) for b in table[first : first + per_chunk]]
+                self._check_device_blocks(gi, blocks)
+                jobs.append((gi, chunk, key, blocks))
 
         drop_reason = self._store_drop_reason(len(jobs))
         allocations: Dict[int, List[int]] = {}
@@ -769,6 +774,7 @@ class OffloadEngine:
                     if block >= len(table) or table[block] is None or table[block] < 0:
                         raise ValueError(f"block_table[{gi}] has no device block for logical block {block}")
                     targets.append(int(table[block]))
+                self._check_device_blocks(gi, [t for t in targets if t is not None])
                 jobs.append((gi, chunk, key, targets))
         if missing:
             self.metrics.miss("missing")
@@ -1005,6 +1011,16 @@ class OffloadEngine:
             self._pools[entry.group_index].release(entry.slot)
         if reason is not None:
             self.metrics.dropped(reason, 1)
+
+    def _check_device_blocks(self, group_index: int, blocks: Sequence[int]) -> None:
+        # Checked before anything is scheduled, so a bad table is the caller's typed error, not a
+        # copy that fails later on a worker thread.
+        limit = self._num_blocks[group_index]
+        for block in blocks:
+            if not 0 <= block < limit:
+                raise DeviceError(
+                    f"group {group_index}: device block {block} is out of range (the KV cache has {limit} blocks)"
+                )
 
     def _check_block_table(self, block_table: BlockTable) -> None:
         if len(block_table) != len(self.layout.groups):

@@ -377,3 +377,15 @@ async def test_close_during_a_store_rolls_it_back(tmp_path):
     engine.check()
     with pytest.raises(ClosedError):
         engine.store(prompt, scenario.allocate(33))
+
+
+@pytest.mark.asyncio
+async def test_out_of_range_device_blocks_are_a_typed_error_before_anything_runs(kvtier_engine_factory):
+    from kvtier.policy import DeviceError
+
+    engine = await kvtier_engine_factory(layout=LAYOUT)
+    with pytest.raises(DeviceError, match="group 1: device block 999 is out of range"):
+        engine.store(list(range(33)), [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 999, 8]])
+    assert engine.statistics()["chunks_by_state"] == {"pending": 0, "ready": 0, "loading": 0}
+    with pytest.raises(DeviceError, match="group 0: device block 4096 is out of range"):
+        await engine.load(list(range(33)), 32, [[1, 4096, 3], list(range(1, 10))])
