@@ -17,6 +17,7 @@ store pruning cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 from typing import List, Optional, Tuple
 
 from .geometry import AttentionGroup, ModelLayout, cdiv
@@ -150,9 +151,4 @@ def reachable_store_block_mask(layout: ModelLayout, group_index: int, num_tokens
             continue
         delta[start // block_size] += 1
         delta[(end - 1) // block_size + 1] -= 1
-    mask: List[bool] = []
-    depth = 0
-    for block in range(num_blocks):
-        depth += delta[block]
-        mask.append(depth > 0)
-    return mask
+    return [depth > 0 for depth in accumulate(delta[:num_blocks])]
