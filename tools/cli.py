@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -194,6 +195,8 @@ _COMMANDS = {
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # kvtier's warnings (pressure unknown, a quarantined cache directory) as one readable line each.
+    logging.basicConfig(level=logging.WARNING, format="kvtier: %(levelname)s: %(message)s", stream=sys.stderr)
     try:
         return _COMMANDS[args.command](args)
     except (KvtierError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
