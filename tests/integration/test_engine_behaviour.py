@@ -72,6 +72,16 @@ async def engine_over(tmp_path, device, *, disk_faults=None, **overrides) -> Off
     return engine
 
 
+async def restarted_consumer(tmp_path, *, num_blocks: int = 256, disk_faults=None, **overrides):
+    """Store the seed prompt durably, then restart an engine over the same directory (optionally
+    behind a FaultyTier). Returns (prompt, engine, scenario checking against the producer's bytes)."""
+    prompt, producer_bytes, device = await stored_on_disk(tmp_path, num_blocks=num_blocks)
+    engine = await engine_over(tmp_path, device, disk_faults=disk_faults, **overrides)
+    scenario = OffloadScenario(engine)
+    scenario.producer_bytes = producer_bytes
+    return prompt, engine, scenario
+
+
 async def close_checked(engine: OffloadEngine) -> None:
     await engine.flush()
     engine.check()
@@ -110,10 +120,7 @@ async def test_pending_chunks_give_none_then_the_full_hit(kvtier_engine_factory)
 
 @pytest.mark.asyncio
 async def test_loading_chunks_give_none_then_the_full_hit(tmp_path):
-    prompt, producer_bytes, device = await stored_on_disk(tmp_path)
-    engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.3})
-    scenario = OffloadScenario(engine)
-    scenario.producer_bytes = producer_bytes
+    prompt, engine, scenario = await restarted_consumer(tmp_path, disk_faults={"delay_s": 0.3})
     assert engine.lookup(prompt + [1]) == 32
     load = asyncio.ensure_future(scenario.consume(prompt + [1], expect_hit=32, expect_loaded=LOADED_AT_32))
     await asyncio.sleep(0.05)
@@ -126,10 +133,7 @@ async def test_loading_chunks_give_none_then_the_full_hit(tmp_path):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("cancel_after_s", [0.0, 0.005, 0.02, 0.05, 0.09, 0.15])
 async def test_cancelling_a_load_at_any_point_leaks_nothing(tmp_path, cancel_after_s):
-    prompt, producer_bytes, device = await stored_on_disk(tmp_path)
-    engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.06})
-    scenario = OffloadScenario(engine)
-    scenario.producer_bytes = producer_bytes
+    prompt, engine, scenario = await restarted_consumer(tmp_path, disk_faults={"delay_s": 0.06})
     table = scenario.allocate(34)
     task = asyncio.ensure_future(engine.load(prompt + [1], 32, table))
     for _ in range(3):
@@ -167,9 +171,7 @@ async def test_cancelling_store_waits_never_breaks_the_store(kvtier_engine_facto
 
 @pytest.mark.asyncio
 async def test_close_during_a_load_raises_closed_and_leaks_nothing(tmp_path):
-    prompt, _, device = await stored_on_disk(tmp_path)
-    engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.2})
-    scenario = OffloadScenario(engine)
+    prompt, engine, scenario = await restarted_consumer(tmp_path, disk_faults={"delay_s": 0.2})
     task = asyncio.ensure_future(engine.load(prompt + [1], 32, scenario.allocate(34)))
     await asyncio.sleep(0.05)
     await engine.close()
@@ -186,10 +188,7 @@ async def test_close_during_a_load_raises_closed_and_leaks_nothing(tmp_path):
 
 @pytest.mark.asyncio
 async def test_two_hundred_concurrent_loads_of_one_chunk_read_the_tier_once(tmp_path):
-    prompt, producer_bytes, device = await stored_on_disk(tmp_path, num_blocks=2400)
-    engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.05})
-    scenario = OffloadScenario(engine)
-    scenario.producer_bytes = producer_bytes
+    prompt, engine, scenario = await restarted_consumer(tmp_path, num_blocks=2400, disk_faults={"delay_s": 0.05})
     results = await asyncio.gather(
         *(scenario.consume(prompt + [i], expect_hit=32, expect_loaded=LOADED_AT_32) for i in range(200))
     )
@@ -201,10 +200,7 @@ async def test_two_hundred_concurrent_loads_of_one_chunk_read_the_tier_once(tmp_
 
 @pytest.mark.asyncio
 async def test_a_slow_tier_past_its_timeout_is_a_miss_and_rolls_back(tmp_path):
-    prompt, producer_bytes, device = await stored_on_disk(tmp_path)
-    engine = await engine_over(tmp_path, device, disk_faults={"delay_s": 0.4}, tier_timeout_s=0.05)
-    scenario = OffloadScenario(engine)
-    scenario.producer_bytes = producer_bytes
+    prompt, engine, scenario = await restarted_consumer(tmp_path, disk_faults={"delay_s": 0.4}, tier_timeout_s=0.05)
     result = await engine.load(prompt + [1], 32, scenario.allocate(34))
     assert (result.ok, result.reason, result.loaded) == (False, "timeout", ())
     assert engine.statistics()["misses"]["timeout"] == 1
@@ -295,14 +291,11 @@ async def test_without_nvml_the_engine_runs_and_says_unknown_once(tmp_path, capl
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 async def test_prefetch_promotes_disk_chunks_to_host(tmp_path, policy):
-    prompt, producer_bytes, device = await stored_on_disk(tmp_path)
-    engine = await engine_over(tmp_path, device)
+    prompt, engine, scenario = await restarted_consumer(tmp_path)
     count = await engine.prefetch(prompt + [1], policy=policy, timeout_s=5.0 if policy == "timeout" else None)
     assert count == 4  # FA {0, 1}, SWA {6, 7}
     await engine.flush()
     assert engine.statistics()["chunks_by_state"]["ready"] == 4
-    scenario = OffloadScenario(engine)
-    scenario.producer_bytes = producer_bytes
     await scenario.consume(prompt + [1], expect_hit=32, expect_loaded=LOADED_AT_32)
     assert engine.statistics()["loaded_chunks"]["disk"] == 4  # read once, by the prefetch
     with pytest.raises(ValueError, match="policy must be one of"):
