@@ -150,6 +150,12 @@ def _refuse_lossy_cache(config: Any, model_type: str) -> None:
     for field, value, why in _LOSSY_CACHE_MODES:
         if getattr(config, field, None) == value:
             raise ValueError(f"unsupported model config ({model_type}): {field}={value!r} is lossy: {why}")
+    loops = getattr(config, "n_recurrent_loops", None)
+    if isinstance(loops, int) and loops > 1:
+        raise ValueError(
+            f"unsupported model config ({model_type}): n_recurrent_loops={loops} keeps one KV per loop of "
+            "the recurrent layers (more cache layers than model layers); kvtier maps one K/V per layer"
+        )
 
 
 def layer_types_from_config(config: Any) -> Tuple[List[str], Optional[int]]:
@@ -210,8 +216,8 @@ def layer_kv_shapes(config: Any) -> List[Tuple[int, int, int]]:
 
     Per-layer configs (transformers' heterogeneous configs: Gemma-4's full-attention layers have a
     larger ``head_dim`` and their own KV head count) are read layer by layer. The V size is
-    ``v_head_dim`` where the config has one (MiMo-V2-Flash), K of an MLA config expanded per head is
-    ``qk_nope_head_dim + qk_rope_head_dim``. ``check_captured_shapes`` compares these with what the
+    ``v_head_dim`` where the config has one (MiMo-V2-Flash); an MLA config (``kv_lora_rank``) caches
+    one latent "head": K is the compressed KV (``kv_lora_rank``), V the shared RoPE key. ``check_captured_shapes`` compares these with what the
     model really caches, so a config this function misreads is refused before anything is stored.
     """
     config = text_config(config)
@@ -223,12 +229,13 @@ def layer_kv_shapes(config: Any) -> List[Tuple[int, int, int]]:
         layer = per_layer[index] if per_layer is not None else config
         num_heads = _positive_int(layer, "num_attention_heads")
         num_kv_heads = getattr(layer, "num_key_value_heads", None) or num_heads
-        nope, rope = getattr(layer, "qk_nope_head_dim", None), getattr(layer, "qk_rope_head_dim", None)
-        if isinstance(nope, int) and isinstance(rope, int) and getattr(layer, "v_head_dim", None):
-            num_kv_heads, k_dim = num_heads, nope + rope  # MLA expanded to per-head K/V
+        latent, rope = getattr(layer, "kv_lora_rank", None), getattr(layer, "qk_rope_head_dim", None)
+        if isinstance(latent, int) and isinstance(rope, int):
+            # MLA caches its latent (one "head"): the compressed KV as K and the shared RoPE key as V.
+            num_kv_heads, k_dim, v_dim = 1, latent, rope
         else:
             k_dim = getattr(layer, "head_dim", None) or _positive_int(layer, "hidden_size") // num_heads
-        v_dim = getattr(layer, "v_head_dim", None) or k_dim
+            v_dim = getattr(layer, "v_head_dim", None) or k_dim
         if layer_types[index] == SLIDING_ATTENTION:
             num_kv_heads *= _SLIDING_KV_HEAD_FACTOR.get(getattr(config, "model_type", None), 1)
         shapes.append((int(num_kv_heads), int(k_dim), int(v_dim)))
