@@ -13,7 +13,7 @@ from .coverage import (
     sliding_window_size_in_chunks,
     store_spec,
 )
-from .errors import (
+from kvtier.errors import (  # re-exported: kvtier.policy's names since 0.1
     ClosedError,
     CorruptRecordError,
     DeviceError,
