@@ -14,7 +14,6 @@ import torch
 
 from kvtier.tools.bench import (
     BenchReport,
-    _brute_force_minimal,
     deepseek_v4_like_layout,
     format_report,
     make_kv_bytes,
@@ -23,6 +22,7 @@ from kvtier.tools.bench import (
     measure_longest_hit,
     run_bench,
 )
+from kvtier.tools.bench.figures import _brute_force_minimal
 from kvtier.tools.bench_engine import measure_bookkeeping
 
 ROW_KEYS = {"name", "value", "unit", "ratio", "ratio_to"}
