@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kvtier.policy import ModelLayout, cdiv
+from kvtier.policy.plan import store_chunk_indices
 from kvtier.policy.compressed import ENTRIES, OVERLAP, SLIDING, CompressedAttentionLayout, GroupRole
 
 from .hf_model import BlockTables, _positive_int, _require_transformers, _token_tensor, _valid_block, text_config
@@ -174,6 +175,24 @@ class DeepseekV4CachePlan:
             (len(layers), codes[role.kind], role.rate or 0, *shape)
             for role, layers, shape in zip(self.roles, self.layer_groups, self.item_shapes())
         ]
+
+    def store_bytes(self, num_tokens: int, dtype: torch.dtype = torch.bfloat16) -> List[Dict[str, Any]]:
+        """Per group, what a producer of ``num_tokens`` stores (``store_chunk_indices``) against
+        storing every complete chunk: ``{"role", "layers", "chunks", "stored", "every"}`` in bytes,
+        computed from the policy alone (no model run)."""
+        rows = []
+        for g, (role, layers, shape, group_dtype) in enumerate(
+            zip(self.roles, self.layer_groups, self.item_shapes(), self.group_dtypes(dtype))
+        ):
+            group = self.layout.groups[g]
+            item_bytes = torch.Size(shape).numel() * torch.empty((), dtype=group_dtype).element_size()
+            chunk_bytes = len(layers) * group.blocks_per_chunk * self.items_per_block(g) * item_bytes
+            chunks = len(store_chunk_indices(self.layout, g, num_tokens))
+            every = num_tokens // group.tokens_per_chunk
+            rows.append(
+                {"role": role, "layers": len(layers), "chunks": chunks, "stored": chunks * chunk_bytes, "every": every * chunk_bytes}
+            )
+        return rows
 
     def allocate(self, num_blocks: Union[int, Sequence[int]], dtype: torch.dtype, device: Union[str, torch.device] = "cpu"):
         """Zeroed block tensors, ``kv_caches[g][j]`` for layer ``layer_groups[g][j]``."""
