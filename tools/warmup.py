@@ -47,9 +47,14 @@ logger = logging.getLogger("kvtier.warmup")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Config fields that describe how a model is run, not what it computes: two processes that differ
-# only here produce the same KV bytes, so they must not change the fingerprint. Fields starting
-# with "_" (transformers' private bookkeeping, the attention implementation) are ignored too.
+# Config fields that describe how a model is run, not what it computes, left out of the fingerprint.
+# Two processes differing only here compute the same function, but not always the same bytes: the
+# attention kernel (attn_implementation) changes rounding, measured on a tiny Gemma-3: KV max |diff|
+# 2.4e-6 in float32 and 0.074 (~5 bf16 ulps) in bfloat16, as two batch shapes or a server's own
+# prefill and decode kernels do too. Binding it would split one cache per kernel without making any
+# restore more exact (docs/ARCHITECTURE.md, "The fingerprint and the attention kernel";
+# tests/integration/test_attn_implementation.py). Fields starting with "_" (transformers' private
+# bookkeeping) are ignored too.
 _RUNTIME_CONFIG_KEYS = frozenset(
     {
         "transformers_version",
