@@ -182,3 +182,26 @@ def test_a_cache_shape_the_config_misreads_is_refused():
     kv = [(torch.zeros(2, 3, 24), torch.zeros(2, 3, 16))] * 4  # sliding layers really hold 4 heads
     with pytest.raises(ValueError, match=r"layer 1 caches K 2x24 and V 2x16 \(heads x dim\), but its config gives 4x24"):
         check_captured_shapes(config, kv)
+
+
+@pytest.mark.asyncio
+async def test_a_warmup_cancelled_before_storing_leaves_no_cache_dir(tmp_path):
+    import asyncio
+
+    from kvtier.tools.hf_model import tiny_hybrid_config
+
+    model_dir = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(tiny_hybrid_config()).save_pretrained(model_dir)
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text(json.dumps({"token_ids": list(range(3, 120))}) + "\n")
+    cache_dir = tmp_path / "cache"
+    task = asyncio.ensure_future(run_warmup(model_dir, corpus, cache_dir, progress=False))
+    for _ in range(100_000):  # bounded (~10 s): the engine opens within a second or two
+        if cache_dir.exists() or task.done():
+            break
+        await asyncio.sleep(1e-4)  # far shorter than the forward pass that precedes any store
+    assert cache_dir.exists(), "the engine never created its directory"
+    task.cancel()  # lands at the next await: the forward pass, before anything is stored
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not cache_dir.exists()

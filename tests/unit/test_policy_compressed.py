@@ -115,7 +115,7 @@ def _stored_state(spec, num_tokens):
 # --- properties -------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(spec=specs, max_tokens=st.integers(0, MAX_TOKENS), data=st.data())
 def test_longest_hit_matches_the_oracle_over_random_chunk_states(spec, max_tokens, data):
     layout = spec.layout()
@@ -130,7 +130,7 @@ def test_longest_hit_matches_the_oracle_over_random_chunk_states(spec, max_token
         assert all(hit % rate == 0 for rate in spec.compress_rates)  # every buffer empty
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(spec=specs, num_tokens=st.integers(0, MAX_TOKENS))
 def test_a_producer_serves_every_boundary_a_consumer_can_reach(spec, num_tokens):
     layout = spec.layout()
@@ -148,7 +148,7 @@ def test_a_producer_serves_every_boundary_a_consumer_can_reach(spec, num_tokens)
     assert hit is not None and o_valid(spec, hit, lambda g, c: c in stored[g])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(spec=specs, hit_windows=st.integers(1, 12))
 def test_the_load_plan_restores_exactly_the_blocks_holding_needed_items(spec, hit_windows):
     layout = spec.layout()
