@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -68,6 +68,9 @@ class RemoteNode:
         self.slots = asyncio.Semaphore(concurrency)
         self._probe: Optional["asyncio.Future[bool]"] = None
         self.timeouts = 0
+        # Fault-injection point (like tiers.base.IOHook): called with the node right before each
+        # pipeline is sent; the fault suite kills or stops a server from it, mid-batch.
+        self.hook: Optional[Callable[["RemoteNode"], None]] = None
 
     async def _ready(self) -> None:
         """Raise ``NodeUnavailableError`` unless calls may go (breaker closed, or healed by a probe)."""
@@ -107,6 +110,8 @@ class RemoteNode:
         already sent may still be applied by the server."""
         await self._ready()
         async with self.slots:
+            if self.hook is not None:
+                self.hook(self)
             try:
                 pipe = self.client.pipeline(transaction=False)
                 for args in commands:
@@ -149,12 +154,20 @@ class NodeRouter:
         self._refreshing: Optional["asyncio.Task[None]"] = None
         self._last_refresh = -1e9
         self.refreshes = 0
+        self._hook: Optional[Callable[[RemoteNode], None]] = None
+
+    def set_hook(self, hook: Optional[Callable[[RemoteNode], None]]) -> None:
+        """Install ``hook(node)``, called before every pipeline on every node (fault injection)."""
+        self._hook = hook
+        for node in self.nodes.values():
+            node.hook = hook
 
     def _node(self, host: str, port: int) -> RemoteNode:
         name = f"{host}:{port}"
         node = self.nodes.get(name)
         if node is None:
             node = RemoteNode(host, port, **self._node_kwargs)  # type: ignore[arg-type]
+            node.hook = self._hook
             self.nodes[name] = node
         return node
 

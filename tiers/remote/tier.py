@@ -245,6 +245,11 @@ class RemoteTier(ChunkTier):
         self._check_key(key)
         return self._prefix + key.hex().encode()
 
+    def set_call_hook(self, hook: Optional[Callable[[RemoteNode], None]]) -> None:
+        """Fault injection: ``hook(node)`` runs right before each pipeline is sent to ``node``
+        (``node.name`` is ``host:port``); an exception it raises fails that pipeline's call."""
+        self._router.set_hook(hook)
+
     def _chunk_key(self, rkey: bytes) -> Optional[bytes]:
         if not rkey.startswith(self._prefix):
             return None
@@ -430,18 +435,10 @@ class RemoteTier(ChunkTier):
         returns (re-raising ``CancelledError``) only once the encoder has finished reading the
         caller's buffers, so they may be reused at once.
         """
-        self._check_open()
-        batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
-        for key, meta, raw in items:
-            self._check_key(key)
-            if not isinstance(meta, ChunkMeta):
-                raise TypeError(f"expected ChunkMeta, not {type(meta).__name__}")
-            batch.pop(key, None)
-            batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
-        if not batch:
+        if not items:
+            self._check_open()
             return self._sequence
-        encoded: "asyncio.Future[None]" = self._loop.create_future()
-        task = self._spawn(self._put_batch(list(batch.values()), encoded))
+        encoded, task = self.start_put(items)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -452,8 +449,29 @@ class RemoteTier(ChunkTier):
                     continue
             raise
 
+    def start_put(self, items: Sequence[PutItem]) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+        """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
+        buffers have been read (encoded), and the tier task that lands the batch (its result is the
+        sequence, its exception the failure). The chained tier writes behind with it. Arguments are
+        checked here, before anything starts."""
+        self._check_open()
+        batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
+        for key, meta, raw in items:
+            self._check_key(key)
+            if not isinstance(meta, ChunkMeta):
+                raise TypeError(f"expected ChunkMeta, not {type(meta).__name__}")
+            batch.pop(key, None)
+            batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
+        encoded: "asyncio.Future[None]" = self._loop.create_future()
+        if not batch:
+            encoded.set_result(None)
+        task = self._spawn(self._put_batch(list(batch.values()), encoded))
+        return encoded, task
+
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
                          encoded: "asyncio.Future[None]") -> int:
+        if not batch:
+            return self._sequence
         started = time.perf_counter()
         rkeys = [self._prefix + key.hex().encode() for key, _, _ in batch]
         codec = self._codec
