@@ -19,8 +19,9 @@ __all__ = ["attach_remote_tier"]
 async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fingerprint: bytes) -> Optional[ChunkTier]:
     """``disk`` unchanged when no ``remote_url`` is set; else a ``ChainedTier`` of ``disk`` and a
     ``RemoteTier`` (or the ``RemoteTier`` alone when there is no disk tier). A remote that cannot be
-    reached at start raises ``TierIOError`` (the disk tier is closed first): a fleet member that
-    silently ran without the shared cache would look healthy and miss everything.
+    reached at start does not stop the engine: it starts degraded (a warning is logged, the tier's
+    ``degraded`` and ``breaker_open`` say so) and heals when the server answers again - a remote is
+    a cache, never worse than recomputing.
 
     Cancelling it: the remote tier is not opened; ``disk`` is closed."""
     if config.remote_url is None:
@@ -46,6 +47,7 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
             breaker_failures=config.remote_breaker_failures,
             breaker_reset_s=config.remote_breaker_reset_s,
             listing_interval_s=config.remote_listing_interval_s,
+            require_connection=False,
         )
     except BaseException:
         if disk is not None:

@@ -11,7 +11,7 @@ import itertools
 import os
 import signal
 import time
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import pytest
 
@@ -20,37 +20,15 @@ from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record import CodecConfig
 from kvtier.tiers.remote import RemoteTier, parse_remote_url
 from kvtier.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT, make_items, read_back, wait_for
 
-FP = b"remote-test-model"
+FP = TEST_FINGERPRINT
 META = ChunkMeta(FP, 0, 3, "bfloat16", (2, 16, 64))
 _ns = itertools.count()
 
 
 def namespace() -> str:
     return f"t{os.getpid()}-{next(_ns)}"
-
-
-def make_items(n: int, size: int, *, seed: int = 0) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
-    rng = __import__("random").Random(seed)
-    return [
-        (rng.randbytes(32), ChunkMeta(FP, 0, i, "bfloat16", (size // 2,)), memoryview(rng.randbytes(size)))
-        for i in range(n)
-    ]
-
-
-async def read_back(tier: RemoteTier, items: Sequence[Tuple[bytes, ChunkMeta, memoryview]]):
-    bufs = [bytearray(raw.nbytes) for _, _, raw in items]
-    metas = await tier.get_many_into([(k, memoryview(b)) for (k, _, _), b in zip(items, bufs)])
-    return metas, bufs
-
-
-async def wait_for(predicate, timeout_s: float = 5.0, step_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(step_s)
-    return predicate()
 
 
 @pytest.fixture(params=["node", "cluster"])

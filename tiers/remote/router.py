@@ -178,8 +178,19 @@ class NodeRouter:
             host, port = self.address.seeds[0]
             node = self._node(host, port)
             self._starts, self._owners = [0], [node.name]
+            reply = (await node.call([("PING",)]))[0]
+            if isinstance(reply, BaseException):
+                raise TierIOError(f"remote tier: node {node.name} refused PING: {reply}")
             return
         await self._refresh_slots()
+
+    def start_unreachable(self) -> None:
+        """Carry on after ``start`` failed: the single node's breaker is open (its probes heal it);
+        a cluster has no slot map yet (every key is unserved until a refresh succeeds)."""
+        if not self.address.cluster:
+            self.nodes[self._owners[0]].breaker.trip()
+        else:
+            self._starts, self._owners = [0], [""]
 
     async def _refresh_slots(self) -> None:
         candidates = [(n.host, n.port) for n in self.nodes.values()] + list(self.address.seeds)

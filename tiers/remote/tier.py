@@ -190,6 +190,7 @@ class RemoteTier(ChunkTier):
         listing_interval_s: Optional[float] = 30.0,
         configure_notifications: bool = True,
         io_threads: int = 2,
+        require_connection: bool = True,
     ) -> "RemoteTier":
         """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
 
@@ -201,7 +202,8 @@ class RemoteTier(ChunkTier):
         ``breaker_failures`` / ``breaker_reset_s`` tune the circuit breaker; ``listing_interval_s``
         is the backstop listing period (``None``: off); ``configure_notifications`` lets the tier
         add ``Ee`` to ``notify-keyspace-events`` on each primary (a managed server that forbids
-        CONFIG leaves only the listing).
+        CONFIG leaves only the listing). ``require_connection``: raise ``TierIOError`` when no node
+        answers (the default); ``False`` starts degraded and heals when the server comes back.
 
         Cancelling it: nothing is left running; no tier is returned.
         """
@@ -229,7 +231,15 @@ class RemoteTier(ChunkTier):
             configure_notifications=configure_notifications, io_threads=io_threads,
         )
         try:
-            await self._router.start()
+            try:
+                await self._router.start()
+            except TierIOError as exc:
+                if require_connection:
+                    raise
+                # A fleet member starting while the remote is down serves from its own tiers; the
+                # breaker probes (one node) or the listing's slot refresh (cluster) heal it later.
+                logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
+                self._router.start_unreachable()
             await self._start_listeners()
         except BaseException:
             await self._shutdown()
@@ -341,6 +351,7 @@ class RemoteTier(ChunkTier):
             replies[i] = TierIOError("remote tier: no node serves this key's slot")
         if orphans:
             failures.append(replies[orphans[0]])
+            self._router.refresh_soon()
         jobs: List[Tuple[RemoteNode, List[int]]] = []
         for name, indexes in per.items():
             node = self._router.nodes[name]
@@ -796,7 +807,7 @@ class RemoteTier(ChunkTier):
         for node in self._router.primaries():
             if node.name in self._listeners:
                 continue
-            if self._configure_notifications:
+            if self._configure_notifications and node.breaker.state == "closed":
                 await self._enable_notifications(node)
             self._listeners[node.name] = self._loop.create_task(
                 self._listen(node.host, node.port, node.name), name=f"kvtier-remote-notify-{node.name}"
