@@ -17,13 +17,15 @@ retried a bounded number of times. Every wait is bounded in time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-__all__ = ["LocalValkey", "LocalValkeyCluster", "start_node", "start_cluster", "valkey_available"]
+__all__ = ["LocalValkey", "LocalValkeyCluster", "start_node", "start_cluster", "restart_node",
+           "remote_server", "valkey_available"]
 
 _SLOTS = 16384
 _START_ATTEMPTS = 5
@@ -268,3 +270,23 @@ def restart_node(cluster: LocalValkeyCluster, index: int) -> LocalValkey:
     cluster.nodes[index] = node
     cluster.wait_ok()
     return node
+
+
+@contextlib.contextmanager
+def remote_server(spec: Optional[str]) -> Iterator[Optional[str]]:
+    """The ``--remote`` option of the commands: ``None`` -> no remote; ``"embedded"`` -> a local
+    Valkey on 127.0.0.1 for the duration of the block; a URL -> that URL (checked, not contacted)."""
+    if spec is None:
+        yield None
+        return
+    if spec == "embedded":
+        node = start_node()
+        try:
+            yield node.url
+        finally:
+            node.stop()
+        return
+    from kvtier.tiers.remote.url import parse_remote_url
+
+    parse_remote_url(spec)  # a bad URL is a clear ValueError before anything starts
+    yield spec
