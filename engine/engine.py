@@ -30,8 +30,8 @@ from kvtier.policy import (
     ClosedError,
     DeviceError,
     KvtierError,
+    KeyChain,
     ModelLayout,
-    chunk_keys,
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
@@ -350,9 +350,9 @@ class OffloadEngine:
     # ------------------------------------------------------------------ keys
 
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
-        """The request's chunk keys, computed once; pass the result to store/lookup/load."""
-        keys = chunk_keys(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt)
-        return RequestKeys(tuple(tuple(k) for k in keys), len(token_ids), salt is not None)
+        """The request's chunk keys, each hashed when first read; pass the result to store/lookup/load,
+        and grow it by a decode step's new tokens with ``RequestKeys.extended`` (O(new tokens))."""
+        return RequestKeys.from_chain(KeyChain(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt))
 
     def _keys(self, request: TokensOrKeys, salt) -> RequestKeys:
         if isinstance(request, RequestKeys):

@@ -27,7 +27,7 @@ from kvtier.errors import (  # re-exported: kvtier.policy's names since 0.1
 )
 from .geometry import AttentionGroup, ModelLayout, cdiv
 from .hit import ChunkState, longest_hit
-from .keys import KEY_BYTES, chunk_keys, layout_fingerprint
+from .keys import KEY_BYTES, KEY_FORMAT_VERSION, KeyChain, chunk_keys, layout_fingerprint
 
 __all__ = [
     "AttentionGroup",
@@ -42,6 +42,8 @@ __all__ = [
     "store_spec",
     "longest_hit",
     "chunk_keys",
+    "KeyChain",
+    "KEY_FORMAT_VERSION",
     "layout_fingerprint",
     "KEY_BYTES",
     "cdiv",
