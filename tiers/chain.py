@@ -29,7 +29,7 @@ import logging
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from kvtier.policy.errors import ClosedError
+from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, PutItem
 from .remote._contract import KeySnapshot, Removal, TierStatistics

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
-from kvtier.policy.errors import TierIOError
+from kvtier.errors import TierIOError
 from kvtier.tiers.chain import ChainedTier
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
 
 from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT as FP

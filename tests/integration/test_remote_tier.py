@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 import pytest
 
-from kvtier.policy.errors import ClosedError, TierFullError, TierIOError
+from kvtier.errors import ClosedError, TierFullError, TierIOError
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record import CodecConfig
 from kvtier.tiers.remote import RemoteTier, parse_remote_url

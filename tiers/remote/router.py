@@ -29,7 +29,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, RedisError, TryAgainError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.policy.errors import TierIOError, TierTimeoutError
+from kvtier.errors import TierIOError, TierTimeoutError
 
 from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from .url import RemoteAddress

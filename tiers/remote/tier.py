@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import xxhash
 from redis.exceptions import OutOfMemoryError
 
-from kvtier.policy.errors import (
+from kvtier.errors import (
     ClosedError,
     CorruptRecordError,
     TierFullError,

