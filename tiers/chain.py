@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, PutItem
+from .batching import wait_through_cancel
 from .remote._contract import KeySnapshot, Removal, TierStatistics
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
@@ -207,12 +208,14 @@ class ChainedTier(ChunkTier):
         try:
             await asyncio.shield(primary)
         except asyncio.CancelledError:
-            await self._wait_quietly([primary, *lower_started])
+            for fut in (primary, *lower_started):
+                await wait_through_cancel(fut)
             raise
         finally:
             # A failed first-tier put still lets the lower stores finish: their records are valid
             # (content-addressed), only not indexed until a listing finds them.
-            await self._wait_quietly(lower_started)
+            for fut in lower_started:
+                await wait_through_cancel(fut)
         seq = self._next_sequence()
         self._stats["puts"] += len(items)
         self._stats["put_batches"] += 1
@@ -222,18 +225,6 @@ class ChainedTier(ChunkTier):
                 self._dirty[key] = (meta, memoryview(raw).nbytes)
             self._maybe_write_back()
         return seq
-
-    @staticmethod
-    async def _wait_quietly(futures: Sequence["asyncio.Future[Any]"]) -> None:
-        """Wait for ``futures`` even through repeated cancellation (buffers are in use until then)."""
-        for fut in futures:
-            while not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    continue
-                except BaseException:
-                    break
 
     def _write_behind(self, tier: ChunkTier, items: List[PutItem]) -> "asyncio.Future[Any]":
         """Start a lower tier's store; the returned future is done once the caller's buffers are

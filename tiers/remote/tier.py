@@ -54,6 +54,8 @@ from kvtier.errors import (
 )
 
 from ..base import ChunkMeta, ChunkTier, GetItem, PutItem
+from ..batching import slices as _slices
+from ..batching import wait_through_cancel
 from ..record import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -102,19 +104,6 @@ def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[L
         acc += sizes[i]
     if cur:
         out.append(cur)
-    return out
-
-
-def _slices(sizes: Sequence[int], target: int) -> List[range]:
-    out: List[range] = []
-    start, acc = 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= target:
-            out.append(range(start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
     return out
 
 
@@ -453,11 +442,7 @@ class RemoteTier(ChunkTier):
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            while not encoded.done():
-                try:
-                    await asyncio.shield(encoded)
-                except asyncio.CancelledError:
-                    continue
+            await wait_through_cancel(encoded)
             raise
 
     def start_put(self, items: Sequence[PutItem]) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
@@ -570,11 +555,7 @@ class RemoteTier(ChunkTier):
             if state["phase"] == "fetching":
                 state["phase"] = "abandoned"  # the task sees it before it touches any buffer
                 raise
-            while not decoded.done():
-                try:
-                    await asyncio.shield(decoded)
-                except asyncio.CancelledError:
-                    continue
+            await wait_through_cancel(decoded)
             raise
 
     async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, str],
