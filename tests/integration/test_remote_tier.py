@@ -273,8 +273,11 @@ async def test_noeviction_memory_full_fails_stores_cleanly_and_counts_them(valke
 
 @pytest.mark.asyncio
 async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factory):
-    node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru")
+    # Notifications off on the server: the tier turns them on (adding E and e to the flags).
+    node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru", notify_keyspace_events="")
     tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP)
+    flags = node.command("CONFIG", "GET", "notify-keyspace-events")[b"notify-keyspace-events"]
+    assert b"E" in flags and b"e" in flags
     removed = []
     tier.subscribe_removals(removed.extend)
     try:
@@ -382,6 +385,8 @@ async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_fact
                 break
             await asyncio.sleep(0.05)
         assert present == [False] * 48
+        # The eviction listener of the restarted node reconnected (and asked for a listing).
+        assert await wait_for(lambda: tier.statistics().extra["listener_restarts"] >= 1, timeout_s=6.0)
         # And the tier works again on the healed cluster.
         await tier.put_many(items)
         metas, bufs = await read_back(tier, items)
