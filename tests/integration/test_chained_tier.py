@@ -173,6 +173,9 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
         chain = engine.disk_tier
         assert isinstance(chain, ChainedTier) and chain.write_policy == "write_back_on_evict"
         assert [t.name for t in chain.tiers] == ["lmdb", "remote"] and chain.tiers[1].namespace == "cfg"
+        text = engine.metrics.exposition().decode()
+        assert 'kvtier_tier_stat{stat="breaker_open",tier="remote"} 0.0' in text
+        assert 'kvtier_tier_stat{stat="hits",tier="remote"}' in text and 'tier="lmdb"' in text
     import socket
 
     with socket.socket() as s:
