@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import signal
@@ -11,7 +10,6 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
-from kvtier.errors import TierIOError
 from kvtier.tiers.chain import ChainedTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier

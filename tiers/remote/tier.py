@@ -79,7 +79,6 @@ _EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
 _SCAN_COUNT = 1000
 _LISTENER_BACKOFF_S = (0.2, 5.0)
 
-_T = Any
 
 
 class _Mismatch:
