@@ -343,6 +343,8 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
                 break
             await asyncio.sleep(0.05)
         assert healed and bytes(bufs[0]) == bytes(items[0][2])
+        assert tier.degraded  # the refused put: degraded until a put lands
+        await tier.put_many(make_items(1, 10, seed=9))
         assert not tier.degraded and tier.statistics().extra["breaker_opens"] >= 1
     finally:
         await tier.close()
@@ -360,7 +362,7 @@ async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_fact
         items = make_items(48, 64 << 10, seed=8)  # one item per pipeline: ~16 per node
         calls = []
 
-        def kill_on_the_fifth_pipeline(node):
+        def kill_on_the_fifth_pipeline(node, commands):
             calls.append(node.name)
             if len(calls) == 5:
                 os.kill(victim.pid, signal.SIGKILL)
