@@ -24,13 +24,14 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
+from kvtier.errors import EngineInvariantError
 from kvtier.policy import (
     ChunkState,
     ClosedError,
     DeviceError,
     KvtierError,
+    KeyChain,
     ModelLayout,
-    chunk_keys,
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
@@ -55,10 +56,6 @@ BlockTable = Sequence[Sequence[int]]
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # Spill batches in flight at once: two let the disk tier encode one while it commits the other.
 _SPILL_BATCHES_IN_FLIGHT = 2
-
-
-class EngineInvariantError(KvtierError):
-    """``OffloadEngine.check`` found the engine's tables disagreeing with each other."""
 
 
 class OffloadEngine:
@@ -210,7 +207,7 @@ class OffloadEngine:
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
-        from kvtier.tiers.lmdb_tier import CorruptCacheError, LmdbTier, quarantine_cache_dir
+        from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
         from kvtier.tiers.record import CodecConfig
 
         config = self.config
@@ -357,10 +354,10 @@ class OffloadEngine:
     # ------------------------------------------------------------------ keys
 
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
-        """The request's chunk keys, computed once; pass the result to store/lookup/load."""
+        """The request's chunk keys, each hashed when first read; pass the result to store/lookup/load,
+        and grow it by a decode step's new tokens with ``RequestKeys.extended`` (O(new tokens))."""
         token_ids = check_token_ids(token_ids)
-        keys = chunk_keys(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt)
-        return RequestKeys(tuple(tuple(k) for k in keys), len(token_ids), salt is not None)
+        return RequestKeys.from_chain(KeyChain(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt))
 
     def _keys(self, request: TokensOrKeys, salt) -> RequestKeys:
         if isinstance(request, RequestKeys):
