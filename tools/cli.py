@@ -298,7 +298,7 @@ def user_error_message(exc: BaseException) -> Optional[str]:
     directory, read-only, full disk, permission) are the user's to fix; anything else (a
     ``TypeError``, an ``AssertionError`` inside kvtier) is a bug and keeps its traceback.
     """
-    from kvtier.engine.engine import EngineInvariantError
+    from kvtier.errors import EngineInvariantError
 
     if isinstance(exc, EngineInvariantError):
         return None
