@@ -72,6 +72,8 @@ from kvtier.errors import (
     TierIOError,
 )
 
+from ..batching import slices as _slices
+from ..batching import wait_through_cancel as _wait_through_cancel
 from ..base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
 from ..record import (
     CodecConfig,
@@ -129,20 +131,6 @@ def _map_os_error(exc: OSError, what: str) -> TierIOError:
     return TierIOError(f"file tier: I/O error while {what}: {exc}")
 
 
-def _slices(sizes: Sequence[int], target: int) -> List[range]:
-    """Consecutive index ranges of about ``target`` bytes each (at least one item per range)."""
-    out: List[range] = []
-    start, acc = 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= target:
-            out.append(range(start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
 def _encode_slice(
     items: Sequence[Tuple[bytes, ChunkMeta, memoryview]], codec: CodecConfig
 ) -> List[bytes]:
@@ -178,17 +166,6 @@ def _decode_slice(
             continue
         out.append(meta)
     return out
-
-
-async def _wait_through_cancel(fut: "asyncio.Future[Any]") -> None:
-    """Wait for ``fut`` even if the waiting task is cancelled again meanwhile."""
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            continue
-        except BaseException:
-            return
 
 
 class FileTier(ChunkTier):
