@@ -99,6 +99,10 @@ class EngineConfig:
     quarantine_corrupt_cache_dir: bool = True
     # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
     device_kind: str = "cpu"
+    # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
+    # them would otherwise grow the engine without bound. The oldest are dropped and counted
+    # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
+    events_max: int = 65536
 
     def __post_init__(self) -> None:
         # A path object is welcome; store its str so the record stays plain and hashable.
@@ -165,6 +169,7 @@ class EngineConfig:
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        _require_int("events_max", self.events_max, 1)
 
     # -- conversions and loaders ----------------------------------------------------------------
 
