@@ -45,6 +45,7 @@ from kvtier.policy import (
     DeviceError,
     KvtierError,
     ModelLayout,
+    TierIOError,
     chunk_keys,
     longest_hit,
 )
@@ -193,7 +194,7 @@ class OffloadEngine:
             self._disk = await self._open_cache_dir()
         self._spill = SpillPipeline(self)
         if self._disk is not None:
-            self._subscribe_disk_removals()
+            self._subscribe_disk_evictions()
             try:
                 keys, sequence = await self._disk_listing()
             except ClosedError:
@@ -333,7 +334,7 @@ class OffloadEngine:
             return list(taken.keys), taken.sequence
         return list(await self._disk.list_keys()), None
 
-    def _subscribe_disk_removals(self) -> None:
+    def _subscribe_disk_evictions(self) -> None:
         # A record the disk tier drops (capacity eviction, quarantine, delete) must leave the index
         # at once, or lookup would admit a hit whose chunk is gone.
         subscribe = getattr(self._disk, "subscribe_removals", None)
@@ -367,7 +368,8 @@ class OffloadEngine:
 
         Keys this engine spills while the listing runs are kept; keys indexed before the listing
         began and absent from it leave the index; a key the tier reports removed while the listing
-        ran stays out (``DiskIndex.refresh``). Queued spills of keys that turn out to be on disk
+        ran stays out (``DiskIndex.refresh``). A tier failure is a ``TierIOError`` (a foreign exception
+        from the tier is its ``__cause__``) and leaves the index as it was. Queued spills of keys that turn out to be on disk
         already are settled as durable by the spill pipeline. Cancelling the call leaves the index
         as it was."""
         self._check_open()
@@ -377,6 +379,11 @@ class OffloadEngine:
         try:
             keys, sequence = await self._disk_listing()
             added, removed = self._index.refresh(keys, token, sequence)
+        except (KvtierError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a foreign tier error reaches the caller typed, its cause kept
+            self.metrics.worker_error("refresh")
+            raise TierIOError(f"listing the disk tier failed: {exc!r}") from exc
         finally:
             self._index.end(token)
         if added and self._spill is not None and self._spill.queue:
@@ -432,8 +439,8 @@ class OffloadEngine:
         if self._spill_runner is not None:
             self._spill.wake()
             await self._spill_runner.wait()
-        while self._tasks:
-            await wait_all(list(self._tasks))
+        while any(not t.done() for t in self._tasks):
+            await wait_all([t for t in self._tasks if not t.done()])
         if self._spill is not None:
             self._spill.watch.fail_all()
         if self._pressure is not None:
@@ -728,8 +735,11 @@ class OffloadEngine:
         spills (with a disk tier), loads and prefetch reads. Cancelling the wait stops nothing."""
         self._check_started()
         while True:
-            if self._tasks:
-                await wait_all(list(self._tasks))
+            # Done tasks leave _tasks in a done-callback, a loop iteration later: wait only for the
+            # running ones, or this loop would spin without ever yielding.
+            running = [t for t in self._tasks if not t.done()]
+            if running:
+                await wait_all(running)
                 continue
             if self._spill_runner is not None and not self._spill_runner.done.is_set() and not self._spill.idle:
                 await self._spill.drain()

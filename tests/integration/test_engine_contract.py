@@ -539,3 +539,4 @@ async def test_an_engine_called_from_another_event_loop_refuses_before_schedulin
     assert len(errors) == 1 and "event loop" in str(errors[0])
     assert not r.engine._entries
     await r.close()
+
