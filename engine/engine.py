@@ -1,10 +1,11 @@
 """The asyncio offload engine: what a serving process embeds.
 
 Primitives: ``OffloadEngine`` (store / lookup / load / prefetch / fence / flush / close /
-statistics / take_events / check / check_disk), ``EngineInvariantError``, ``EngineUsageError``.
+statistics / take_events / check / check_disk). Its errors live in ``kvtier.errors``.
 
 Threads. Every state change happens on the event-loop thread that started the engine (a call from
-another loop, thread or forked process raises ``EngineUsageError`` before anything is scheduled).
+another loop or thread raises ``EngineUsageError``, from a forked child ``ForkedProcessError``,
+before anything is scheduled).
 Blocking work runs elsewhere and only reports back: device -> host copies on one copy thread, host
 -> device copies on another (the CPU stand-ins for the two CUDA copy streams), disk I/O on the disk
 tier's own threads. One executor hop per batch of chunks, never per chunk.
@@ -39,14 +40,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from kvtier.errors import EngineInvariantError, EngineUsageError, ForkedProcessError
 from kvtier.policy import (
     ChunkState,
     ClosedError,
     DeviceError,
+    KeyChain,
     KvtierError,
     ModelLayout,
     TierIOError,
-    chunk_keys,
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
@@ -56,6 +58,7 @@ from kvtier.tiers.host import HostSlabPool
 
 from .config import EngineConfig
 from .disk_index import DiskIndex, keys_of
+from .drop_log import DropLog, drop_detail
 from .events import EventLog
 from .lifecycle import DURABLE_LATER, EVICTABLE, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .metrics import EngineMetrics
@@ -63,8 +66,9 @@ from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_dev
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
 from .spill import SpillPipeline
 from .tasks import Supervised, settle, wait_all
+from .validation import check_count, check_engine_settings, check_load_arguments, check_store_arguments, check_token_ids
 
-__all__ = ["OffloadEngine", "EngineInvariantError", "EngineUsageError"]
+__all__ = ["OffloadEngine", "EngineInvariantError"]
 
 logger = logging.getLogger("kvtier.engine")
 
@@ -72,15 +76,6 @@ TokensOrKeys = Union[Sequence[int], RequestKeys]
 BlockTable = Sequence[Sequence[int]]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-class EngineInvariantError(KvtierError):
-    """``OffloadEngine.check`` found the engine's tables disagreeing with each other."""
-
-
-class EngineUsageError(KvtierError, RuntimeError):
-    """The engine was called where it cannot work: from another event loop or thread than the one
-    that started it, from a forked child, or after a background loop of it failed for good."""
 
 
 class OffloadEngine:
@@ -120,7 +115,9 @@ class OffloadEngine:
         self.device = device
         self.config = config if config is not None else EngineConfig()
         self.fingerprint = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
+        check_engine_settings(self.config, layout, device)
         self.metrics = EngineMetrics()
+        self._drop_log = DropLog()
         self._disk: Optional[ChunkTier] = disk_tier
         self._owns_disk = disk_tier is None
         self._pressure_sources = pressure_sources
@@ -192,6 +189,10 @@ class OffloadEngine:
         self.metrics.set_state_counts(self._state_counts)
         if self._disk is None and config.cache_dir is not None:
             self._disk = await self._open_cache_dir()
+        if self._owns_disk and config.remote_url is not None:
+            from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
+
+            self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
         self._spill = SpillPipeline(self)
         if self._disk is not None:
             self._subscribe_disk_evictions()
@@ -257,7 +258,7 @@ class OffloadEngine:
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
-        from kvtier.tiers.lmdb_tier import CorruptCacheError, LmdbTier, quarantine_cache_dir
+        from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
         from kvtier.tiers.record import CodecConfig
 
         config = self.config
@@ -464,7 +465,7 @@ class OffloadEngine:
 
     def _check_caller(self) -> None:
         if os.getpid() != self._pid:
-            raise EngineUsageError(
+            raise ForkedProcessError(
                 f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
                 "must start its own engine"
             )
@@ -493,9 +494,10 @@ class OffloadEngine:
     # ------------------------------------------------------------------ keys
 
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
-        """The request's chunk keys, computed once; pass the result to store/lookup/load."""
-        keys = chunk_keys(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt)
-        return RequestKeys(tuple(tuple(k) for k in keys), len(token_ids), salt is not None)
+        """The request's chunk keys, each hashed when first read; pass the result to store/lookup/load,
+        and grow it by a decode step's new tokens with ``RequestKeys.extended`` (O(new tokens))."""
+        token_ids = check_token_ids(token_ids)
+        return RequestKeys.from_chain(KeyChain(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt))
 
     def _keys(self, request: TokensOrKeys, salt) -> RequestKeys:
         if isinstance(request, RequestKeys):
@@ -546,6 +548,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
         if num_tokens is None:
             num_tokens = keys.num_tokens
         if not isinstance(num_tokens, int) or not 0 <= num_tokens <= keys.num_tokens:
@@ -591,6 +594,9 @@ class OffloadEngine:
             dropped = [(g, c) for g, c, _, _ in jobs]
             if dropped:
                 self.metrics.dropped(drop_reason, len(dropped))
+                self._drop_log.note(drop_reason, len(dropped), drop_detail(
+                    drop_reason, (g for g, _ in dropped), inflight=self._inflight_stores,
+                    queue_max_chunks=self.config.store_queue_max_chunks, pool_slots=[p.num_slots for p in self._pools]))
             handle = StoreHandle(self._loop, (), skipped, dropped, drop_reason)
             handle._mark_released()
             handle._mark_durable(False)
@@ -767,6 +773,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        max_tokens = None if max_tokens is None else check_count("max_tokens", max_tokens, None)
         if max_tokens is None:
             max_tokens = max(0, keys.num_tokens - 1)
         hit = longest_hit(self.layout, max_tokens, self._state(keys))
@@ -802,6 +809,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
         if not isinstance(hit_tokens, int) or not 0 <= hit_tokens <= keys.num_tokens:
             raise ValueError(f"hit_tokens must be in [0, {keys.num_tokens}], got {hit_tokens!r}")
         self._check_block_table(block_table)
@@ -1036,6 +1044,7 @@ class OffloadEngine:
         if policy == "timeout" and (timeout_s is None or timeout_s <= 0):
             raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {timeout_s!r}")
         keys = self._keys(request, salt)
+        hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
         if self._pressure is not None and self._pressure.paused:
             self.metrics.dropped("pressure_prefetch", 1)
             return 0

@@ -35,7 +35,8 @@ from __future__ import annotations
 import enum
 from typing import Dict, FrozenSet, Mapping
 
-from kvtier.policy import ChunkState, KvtierError
+from kvtier.errors import EngineInvariantError
+from kvtier.policy import ChunkState
 
 __all__ = ["HostState", "TRANSITIONS", "LOOKUP_STATE", "EVICTABLE", "DURABLE_LATER", "IllegalTransition", "move"]
 
@@ -74,7 +75,7 @@ EVICTABLE: FrozenSet[HostState] = frozenset({HostState.READY})
 DURABLE_LATER: FrozenSet[HostState] = frozenset({HostState.PENDING, HostState.QUEUED, HostState.SPILLING})
 
 
-class IllegalTransition(KvtierError, RuntimeError):
+class IllegalTransition(EngineInvariantError):
     """The engine tried a move its lifecycle table does not allow: a bug, reported loudly."""
 
 

@@ -1,14 +1,16 @@
 """The engine's bookkeeping types: per-chunk entries, store handles, load results, events.
 
-Primitives: ``HostState`` (defined with the lifecycle table in ``lifecycle.py``), ``ChunkEntry``, ``StoreHandle``, ``LoadResult``, ``ChunkEvent``,
-``RequestKeys``. All of them are touched only on the engine's event-loop thread.
+Primitives: ``HostState`` (defined with the lifecycle table in ``lifecycle.py``), ``ChunkEntry``,
+``StoreHandle``, ``LoadResult``, ``ChunkEvent``, ``RequestKeys``. All of them are touched only on the engine's event-loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
+
+from kvtier.policy.keys import KeyChain, TokenIds
 
 from .lifecycle import HostState
 
@@ -129,11 +131,28 @@ class LoadResult:
 
 @dataclass(frozen=True)
 class RequestKeys:
-    """A request's chunk keys per group, computed once and reused by lookup, load and store."""
+    """A request's chunk keys per group, computed once and reused by lookup, load and store.
 
-    keys: Tuple[Tuple[bytes, ...], ...]
+    Made from token ids (``OffloadEngine.request_keys``), ``keys[g]`` is a lazy sequence backed by
+    ``chain`` (a ``kvtier.policy.KeyChain``): each key is hashed when first read, and
+    ``extended(more_token_ids)`` grows the request paying for the new tokens only. Made from keys
+    computed elsewhere (vLLM's block hashes), ``keys`` holds them and ``chain`` is None."""
+
+    keys: Tuple[Sequence[bytes], ...]
     num_tokens: int
     salt_bound: bool = False
+    chain: Optional[KeyChain] = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_chain(cls, chain: KeyChain) -> "RequestKeys":
+        return cls(chain.keys, chain.num_tokens, chain.salted, chain)
+
+    def extended(self, more_token_ids: TokenIds) -> "RequestKeys":
+        """The keys of this request followed by ``more_token_ids`` (a decode step's new tokens);
+        ``self`` stays valid and unchanged. Costs O(new tokens), not O(request)."""
+        if self.chain is None:
+            raise ValueError("these RequestKeys hold keys made elsewhere, not token ids; they cannot be extended")
+        return RequestKeys.from_chain(self.chain.extended(more_token_ids))
 
     def key(self, group_index: int, chunk_index: int) -> Optional[bytes]:
         group_keys = self.keys[group_index]

@@ -13,7 +13,7 @@ from .coverage import (
     sliding_window_size_in_chunks,
     store_spec,
 )
-from .errors import (
+from kvtier.errors import (  # re-exported: kvtier.policy's names since 0.1
     ClosedError,
     CorruptRecordError,
     DeviceError,
@@ -27,7 +27,7 @@ from .errors import (
 )
 from .geometry import AttentionGroup, ModelLayout, cdiv
 from .hit import ChunkState, longest_hit
-from .keys import KEY_BYTES, chunk_keys, layout_fingerprint
+from .keys import KEY_BYTES, KEY_FORMAT_VERSION, KeyChain, chunk_keys, layout_fingerprint
 
 __all__ = [
     "AttentionGroup",
@@ -42,6 +42,8 @@ __all__ = [
     "store_spec",
     "longest_hit",
     "chunk_keys",
+    "KeyChain",
+    "KEY_FORMAT_VERSION",
     "layout_fingerprint",
     "KEY_BYTES",
     "cdiv",

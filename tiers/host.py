@@ -26,17 +26,13 @@ from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from kvtier.policy import ClosedError, KvtierError
+from kvtier.errors import ClosedError, SlotStateError
 
 from .device import DeviceBackend
 from .eviction import EvictionPolicy, make_eviction_policy
 
 __all__ = ["HostSlabPool", "Allocation", "SlotStateError"]
 
-
-class SlotStateError(KvtierError, RuntimeError):
-    """A slot was used against its state: released or viewed while free, released while pinned,
-    unpinned more often than pinned. Always a bug in the caller's bookkeeping."""
 
 
 @dataclass(frozen=True)

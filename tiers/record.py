@@ -49,7 +49,12 @@ import numpy as np
 import xxhash
 import zstandard
 
-from kvtier.policy.errors import CorruptRecordError
+from kvtier.errors import (  # the Record* classes are re-exported from here for one release
+    RecordChecksumError,
+    RecordFormatError,
+    RecordMetaMismatchError,
+    RecordSizeMismatchError,
+)
 
 from .base import ChunkMeta
 
@@ -123,20 +128,6 @@ _ELEMENT_SIZES: Dict[str, int] = {
 }
 
 
-class RecordFormatError(CorruptRecordError):
-    """The record does not parse: magic, version, codec, lengths or a header field is wrong."""
-
-
-class RecordChecksumError(CorruptRecordError):
-    """The record parses but its checksum does not match key + header + payload."""
-
-
-class RecordMetaMismatchError(CorruptRecordError):
-    """The record is intact but describes another chunk than the caller expected."""
-
-
-class RecordSizeMismatchError(CorruptRecordError):
-    """The record is intact but its raw length differs from the caller's buffer."""
 
 
 def element_size(dtype: str) -> int:

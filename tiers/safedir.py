@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, Union
 
-from kvtier.policy.errors import TierIOError, UnsafeDirectoryError
+from kvtier.errors import TierIOError, UnsafeDirectoryError
 
 __all__ = ["ensure_private_dir", "check_private_file"]
 

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
-from kvtier.policy.errors import ClosedError
+from kvtier.errors import ClosedError
 
 __all__ = ["Job", "WriterThread", "SharedExclusiveLock", "loop_callback", "Done"]
 

@@ -47,7 +47,8 @@ import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.pressure import ScriptedSource
-from kvtier.policy import AttentionGroup, KvtierError, ModelLayout, TierIOError
+from kvtier.errors import KvtierError, TierIOError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 
 from .scenario import make_cpu_device
@@ -524,7 +525,7 @@ async def simulate(
 ) -> SimReport:
     """Run one simulation (see the module docstring) in ``directory``; raises ``SimViolation``."""
     from kvtier.tiers.files import FileTier
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     directory = Path(directory)
     layout = SIM_LAYOUT

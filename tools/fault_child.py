@@ -167,7 +167,7 @@ def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = Fals
     """Open the LMDB tier at ``path`` (blocking) and check: the tier verifies clean, its index
     agrees with its tables, every record decodes to ``chunk_content(key)``, every batch present is
     complete, and every key in ``acked`` is present. Problems are listed, not raised."""
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     out = CacheCheck()
     # verify_structure: the LMDB file itself must be sound after whatever happened to its writer.
@@ -227,7 +227,7 @@ def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = Fals
 
 
 async def _spill(args: argparse.Namespace) -> None:
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     tier = await LmdbTier.open(
         args.dir,
@@ -336,7 +336,7 @@ def _hold_reader(args: argparse.Namespace) -> None:
 
 
 async def _warmup_writer(args: argparse.Namespace) -> None:
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     rng = random.Random(args.seed)
     async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2) as tier:
@@ -413,7 +413,7 @@ def flip_bytes(path: Path, rng: random.Random, count: int, where: str, psize: in
 async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, object]:
     """Open read-write (reads quarantine what they find corrupt, as in a serving process) and read
     every original key and every listed one, one key per call so that a typed failure is local."""
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     out: Dict[str, object] = {"open": "ok", "hits": 0, "misses": 0, "wrong": [], "typed_read_errors": 0,
                               "missed_keys": [], "listed": 0}
@@ -506,7 +506,7 @@ def spawn_reader(path: str, keys_hex: Sequence[str], readonly: bool = True) -> N
     error."""
 
     async def main() -> int:
-        from kvtier.tiers.lmdb_tier import LmdbTier
+        from kvtier.tiers.lmdb import LmdbTier
 
         async with await LmdbTier.open(path, readonly=readonly) as tier:
             keys = [bytes.fromhex(k) for k in keys_hex]

@@ -20,10 +20,13 @@ import errno as errno_codes
 import os
 import threading
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvtier.policy import TierIOError
+from kvtier.errors import InjectedFault
 from kvtier.tiers.base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
+
+if TYPE_CHECKING:
+    from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = [
     "FaultyTier",
@@ -42,10 +45,6 @@ FILE_IO_OPS = ("mkdir", "open", "write", "fsync", "rename", "fsync_dir", "read",
 _LMDB_CALLS = {"put": "mdb_put", "commit": "mdb_txn_commit", "read": "mdb_txn_begin"}
 
 _COUNTED_OPS = ("put_many", "get_many_into", "delete_many", "contains_many")
-
-
-class InjectedFault(TierIOError):
-    """Raised by ``FaultyTier`` where a fault was scripted; a ``TierIOError`` like a real one."""
 
 
 class FaultyTier(ChunkTier):
@@ -145,7 +144,7 @@ def corrupt_stored_record(tier: ChunkTier, key: bytes, *, offset_from_end: int =
     transaction of its own) and the file tier (rewrites the file in place).
     """
     from kvtier.tiers.files import FileTier
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     if isinstance(tier, FileTier):
         path = tier.path_for(key)
@@ -156,9 +155,30 @@ def corrupt_stored_record(tier: ChunkTier, key: bytes, *, offset_from_end: int =
             handle.write(bytes([byte[0] ^ 0xFF]))
         return
     if isinstance(tier, LmdbTier):
-        tier.corrupt_record_for_tests(key, offset_from_end=offset_from_end)
+        _corrupt_lmdb_record(tier, bytes(key), offset_from_end)
         return
     raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
+
+
+def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> None:
+    """Rewrite ``key``'s value with one byte flipped, in a write transaction of its own on the
+    tier's writer thread (test support: it reaches into the tier's writer side on purpose, so that
+    the shipped tier carries no way to damage its own records)."""
+    tier._check_usable(write=True)
+    assert tier._writer is not None  # not read-only: checked above
+
+    def body(txn: Any) -> Callable[[], None]:
+        value = txn.get(key, db=tier._tables.chunks)
+        if value is None:
+            raise KeyError(key.hex())
+        data = bytearray(value)
+        if not 1 <= offset_from_end <= len(data):
+            raise ValueError(f"offset_from_end must be in 1..{len(data)}")
+        data[-offset_from_end] ^= 0xFF
+        txn.put(key, bytes(data), db=tier._tables.chunks)
+        return lambda: None
+
+    tier._writer.call(lambda: tier._write(body))
 
 
 class IOFaultPlan(IOHook):
@@ -238,7 +258,7 @@ def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan
     """Install ``plan`` (or ``IOFaultPlan(**plan_kw)``) under an LMDB or file tier (a ``FaultyTier``
     is looked through) and return it. Replaces any plan installed before."""
     from kvtier.tiers.files import FileTier
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     if plan is None:
         plan = IOFaultPlan(**plan_kw)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = ["inspect_cache", "verify_cache", "gc_cache", "GroupReport", "InspectReport"]
 

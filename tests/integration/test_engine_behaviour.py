@@ -12,7 +12,7 @@ import pytest
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.pressure import FakeNvml, ScriptedSource
 from kvtier.policy import AttentionGroup, ClosedError, ModelLayout
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.faults import FaultyTier
 from kvtier.tools.scenario import OffloadScenario, make_cpu_device
 

@@ -17,9 +17,10 @@ import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.pressure import ScriptedSource
-from kvtier.policy import AttentionGroup, ClosedError, KvtierError, ModelLayout
+from kvtier.errors import ClosedError, KvtierError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.files import FileTier
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.scenario import OffloadScenario, make_cpu_device
 from kvtier.tools.tier_seam import SeamTier
 

@@ -29,7 +29,7 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tiers.lmdb_tier import CorruptCacheError, LmdbTier
+from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier
 from kvtier.tools.fault_child import flip_bytes, make_batch, read_line, run_child
 from kvtier.tools.scenario import OffloadScenario, make_cpu_device
 
@@ -128,7 +128,7 @@ _OPEN_CHILD = textwrap.dedent(
     """
     import sys
     from kvtier.policy import KvtierError
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
     for path in sys.argv[1:]:
         for readonly in (True, False):
             try:

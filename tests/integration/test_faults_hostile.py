@@ -18,7 +18,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, CorruptRecordError, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import FileTier
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record import CodecConfig, _checksum, decode_record, encode_record, validate_record
 from kvtier.tools.scenario import OffloadScenario, make_cpu_device
 

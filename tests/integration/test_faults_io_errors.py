@@ -28,7 +28,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.files import FileTier
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.faults import FILE_IO_OPS, LMDB_IO_OPS, FaultyTier, IOFaultPlan, inject_io_faults
 from kvtier.tools.scenario import OffloadScenario, make_cpu_device
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Set
 import pytest
 
 from kvtier.policy import ForkedProcessError
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.fault_child import (
     check_cache,
     chunk_content,
@@ -28,6 +28,7 @@ from kvtier.tools.fault_child import (
     run_child,
     spawn_reader,
 )
+from kvtier.tools.faults import corrupt_stored_record
 
 CHUNK = 64 << 10
 
@@ -186,7 +187,7 @@ def _forked_child_calls(tier: LmdbTier, key: bytes, item) -> Dict[str, str]:
         "iter_records": lambda: next(tier.iter_records()),
         "verify": tier.verify,
         "gc": lambda: tier.gc(0),
-        "corrupt_record_for_tests": lambda: tier.corrupt_record_for_tests(key),
+        "corrupt_stored_record": lambda: corrupt_stored_record(tier, key),
         "quarantined_keys": tier.quarantined_keys,
         "statistics": tier.statistics,
         "context manager": lambda: tier.__exit__(None, None, None),

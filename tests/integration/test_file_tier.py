@@ -1,4 +1,4 @@
-"""Integration tests of the file tier (tiers/files.py) on real files.
+"""Integration tests of the file tier (tiers/files/) on real files.
 
 Scenarios are narrated and tiny (a few KiB per record, capacities of a few records), except the
 disk-full one, which needs root to mount a 2 MiB tmpfs and is skipped, with the reason, otherwise.
@@ -19,8 +19,9 @@ from typing import AsyncIterator, Dict, List, Optional
 import pytest
 import torch
 
-from kvtier.policy.errors import ClosedError, TierFullError, UnsafeDirectoryError
-from kvtier.tiers import files as files_mod
+from kvtier.errors import ClosedError, TierFullError, UnsafeDirectoryError
+from kvtier.tiers.files import layout as files_layout
+from kvtier.tiers.files import tier as files_tier
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import QUARANTINE_DIR, RECORD_SUFFIX, TEMP_SUFFIX, FileTier
 from kvtier.tiers.record import CodecConfig, encode_record, read_header
@@ -224,7 +225,7 @@ async def test_every_flipped_byte_is_detected_quarantined_and_counted(
         assert await tier.contains_many(bad) == [False] * len(bad)
         assert not any(tier.path_for(k).exists() for k in bad)
         quarantined = list((tier.root / QUARANTINE_DIR).iterdir())
-        assert len(quarantined) == min(len(bad), files_mod._QUARANTINE_MAX_FILES)
+        assert len(quarantined) == min(len(bad), files_tier._QUARANTINE_MAX_FILES)
         # The intact record next to them is still served, bit for bit.
         out = torch.empty_like(data)
         assert await tier.get_many_into([(key_of(0), raw_of(out))]) == [meta]
@@ -329,7 +330,7 @@ async def test_stale_temp_files_are_removed_at_open(tmp_path: Path) -> None:
         leaf = tier.path_for(key_of(1)).parent
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid now names no process (a crashed writer on this host)
-    host = files_mod._HOST
+    host = files_layout.HOST_TAG
     crashed = leaf / f".{key_of(2).hex()}.{host}-{dead.pid}-abcd1230{TEMP_SUFFIX}"
     crashed.write_bytes(b"half a record")
     ancient = leaf / f".{key_of(3).hex()}.otherhost-12-ab{TEMP_SUFFIX}"

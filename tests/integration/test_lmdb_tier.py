@@ -18,7 +18,7 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from kvtier.policy.errors import (
+from kvtier.errors import (
     ClosedError,
     ForkedProcessError,
     TierFullError,
@@ -26,8 +26,9 @@ from kvtier.policy.errors import (
     UnsafeDirectoryError,
 )
 from kvtier.tiers.base import ChunkMeta
-from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record import CodecConfig, encode_record, read_header
+from kvtier.tools.faults import corrupt_stored_record
 
 Item = Tuple[bytes, ChunkMeta, memoryview]
 
@@ -144,7 +145,7 @@ async def test_corruption_injected_while_open_is_quarantined_and_reported(tmp_pa
     async with await LmdbTier.open(tmp_path / "c", max_quarantine_records=0) as tier:
         tier.subscribe_removals(removed.extend)
         await tier.put_many(items)
-        await asyncio.to_thread(tier.corrupt_record_for_tests, items[1][0])
+        await asyncio.to_thread(corrupt_stored_record, tier, items[1][0])
         report = await asyncio.to_thread(tier.verify, quarantine=False)
         assert report.checked == 3 and report.ok == 2 and [k for k, _ in report.corrupt] == [items[1][0]]
         results = await _get(tier, items)
@@ -296,7 +297,7 @@ async def test_reopen_after_close_serves_the_same_bytes(tmp_path: Path) -> None:
 _CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from kvtier.tiers.lmdb_tier import LmdbTier
+    from kvtier.tiers.lmdb import LmdbTier
 
     async def main(path, key_hex, size, expected_hex, readonly):
         async with await LmdbTier.open(path, readonly=readonly == "1") as tier:

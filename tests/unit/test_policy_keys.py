@@ -166,11 +166,12 @@ def test_keys_stable_across_processes_and_hash_seeds(hash_seed):
 @pytest.mark.parametrize(
     "tokens, message",
     [
-        ([1, -1, 3], "non-negative"),
-        ([1, 2.5, 3], "integers"),
+        ([1, -1, 3], "non-negative, got -1"),
+        ([1, 2.5, 3], r"integers in \[0, 2\*\*32\), got 2.5"),
         ([1, "2", 3], "integers"),
         ([1, None], "integers"),
-        ([2**63], "int64"),
+        ([2**32], r"integers in \[0, 2\*\*32\), got 4294967296"),
+        (iter([5, -7]), "non-negative, got -7"),
     ],
 )
 def test_bad_tokens_raise_value_error(tokens, message):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import sys
+
+import pytest
 
 import kvtier.engine
 
@@ -24,11 +28,11 @@ def test_every_exported_name_exists_once():
         assert hasattr(module, name), f"kvtier.engine.{name}"
 
 
-LAYER_RANK = {"policy": 0, "tiers": 1, "engine": 2, "tools": 3}
+LAYER_RANK = {"errors": -1, "policy": 0, "tiers": 1, "engine": 2, "tools": 3}
 
 
-def test_imports_flow_tools_engine_tiers_policy():
-    """No module imports a layer above its own (policy imports nothing of kvtier's)."""
+def test_imports_flow_tools_engine_tiers_policy_errors():
+    """No module imports a layer above its own (errors imports nothing of kvtier's, policy only errors)."""
     offenders = []
     for layer, rank in LAYER_RANK.items():
         for path in (ROOT / layer).rglob("*.py"):
@@ -52,3 +56,38 @@ def test_no_pickle_or_torch_load_in_kvtier():
         for path in (ROOT / layer).rglob("*.py"):
             text = path.read_text()
             assert "import pickle" not in text and "torch.load(" not in text, path
+
+
+@pytest.mark.parametrize(
+    "old, new, names",
+    [
+        ("kvtier.tiers.lmdb_tier", "kvtier.tiers.lmdb", ["LmdbTier", "CorruptCacheError", "quarantine_cache_dir"]),
+        ("kvtier.policy.errors", "kvtier.errors", ["KvtierError", "TierIOError", "TierTimeoutError"]),
+    ],
+)
+def test_old_import_paths_warn_and_reexport(old, new, names, monkeypatch):
+    """Kept for one release: the same objects, and a KvtierDeprecationWarning naming the new path."""
+    from kvtier.errors import KvtierDeprecationWarning
+
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(KvtierDeprecationWarning, match=f"import .*{new.replace('.', '[.]')}"):
+        module = importlib.import_module(old)
+    modern = importlib.import_module(new)
+    for name in names:
+        assert getattr(module, name) is getattr(modern, name), name
+
+
+def test_error_family_has_one_home():
+    """Every kvtier exception class is defined in kvtier.errors; the old homes re-export it."""
+    import kvtier.errors
+    import kvtier.tiers.host
+    import kvtier.tiers.record
+    import kvtier.tools.faults
+
+    for name in kvtier.errors.__all__:
+        assert getattr(kvtier.errors, name).__module__ == "kvtier.errors", name
+    assert kvtier.tiers.record.RecordChecksumError is kvtier.errors.RecordChecksumError
+    assert kvtier.tiers.host.SlotStateError is kvtier.errors.SlotStateError
+    assert kvtier.tools.faults.InjectedFault is kvtier.errors.InjectedFault
+    assert kvtier.engine.EngineInvariantError is kvtier.errors.EngineInvariantError
+    assert issubclass(kvtier.errors.TierTimeoutError, kvtier.errors.TierIOError)

@@ -15,7 +15,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.policy.errors import CorruptRecordError, KvtierError
+from kvtier.errors import CorruptRecordError, KvtierError
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record import (
     CODEC_RAW,

@@ -1,4 +1,4 @@
-"""The file tier: one file per chunk, for shared filesystems (NFS, Lustre) where LMDB must not go.
+"""``FileTier``: one file per chunk, for shared filesystems (NFS, Lustre) where LMDB must not go.
 
 Primitives, and the thread each runs on:
 
@@ -17,15 +17,7 @@ Primitives, and the thread each runs on:
   trip costs ~100 us, about what a 64 KiB chunk takes to encode. A get batch under 256 KiB in all
   decodes on the loop, where the hop would cost more than the decode.
 
-On-disk layout (``root`` is 0700 and owned by the current user)::
-
-    root/ab/cd/<hex key>.kvr                  one record (tiers.record format)
-    root/ab/cd/.<hex key>.<host>-<pid>-<nonce>.tmp   a write in flight, or left by a crash
-    root/quarantine/<hex key>.<nonce>.kvr     records that failed to decode, kept for inspection
-
-``ab`` and ``cd`` are the first two bytes of ``xxh3_64(key)``: two levels of 256 directories, so a
-million records leave about 15 entries per leaf directory, and keys that are not uniformly
-distributed (tests, foreign producers) still spread evenly.
+On-disk layout: see ``layout``; the scan at open and in ``check``: see ``scan``.
 
 A write goes to a temp file in the record's own directory (``O_EXCL``, mode 0600), is flushed and
 ``fsync``-ed, then ``os.replace``-d over the final name; the leaf directory is ``fsync``-ed after
@@ -48,10 +40,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import re
 import secrets
-import socket
-import stat
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -75,32 +64,38 @@ from typing import (
 
 import aiofiles
 import aiofiles.os
-import xxhash
 
-from ..policy.errors import (
+from kvtier.errors import (
     ClosedError,
     CorruptRecordError,
     TierFullError,
     TierIOError,
-    UnsafeDirectoryError,
 )
-from .base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
-from .record import (
+
+from ..batching import slices as _slices
+from ..batching import wait_through_cancel as _wait_through_cancel
+from ..base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
+from ..record import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
     decode_record,
     encode_record,
 )
+from .layout import (
+    HOST_TAG,
+    QUARANTINE_DIR,
+    RECORD_SUFFIX,
+    TEMP_SUFFIX,
+    DIR_MODE,
+    fanout,
+    fsync_dir,
+    private_opener,
+)
+from .scan import scan_tree
 
-__all__ = ["FileTier", "RECORD_SUFFIX", "TEMP_SUFFIX", "QUARANTINE_DIR"]
+__all__ = ["FileTier"]
 
-RECORD_SUFFIX = ".kvr"
-TEMP_SUFFIX = ".tmp"
-QUARANTINE_DIR = "quarantine"
-
-_DIR_MODE = 0o700
-_FILE_MODE = 0o600
 # A key becomes a file name of 2 * len(key) hex digits plus a temp suffix of ~60 bytes; 100 bytes of
 # key stays well inside NAME_MAX (255) on every filesystem we target.
 _MAX_KEY_BYTES = 100
@@ -116,10 +111,6 @@ _MAX_RECORD_OVERHEAD = 1 << 20
 # Quarantine keeps evidence, but a disk that corrupts everything must not fill the root with it.
 _QUARANTINE_MAX_FILES = 256
 
-_HEX2 = re.compile(r"^[0-9a-f]{2}$")
-_TEMP_NAME = re.compile(r"^\.([0-9a-f]+)\.(.+)-(\d+)-([0-9a-f]+)\.tmp$")
-_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
-
 _T = TypeVar("_T")
 _OPEN_TOKEN = object()
 
@@ -133,152 +124,11 @@ class _Entry:
     last_access: float
 
 
-def _fanout(key: bytes) -> Tuple[str, str]:
-    digest = xxhash.xxh3_64_digest(key)
-    return f"{digest[0]:02x}", f"{digest[1]:02x}"
-
-
 def _map_os_error(exc: OSError, what: str) -> TierIOError:
     """``ENOSPC``/``EDQUOT`` -> ``TierFullError``, anything else -> ``TierIOError`` (caller chains)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return TierFullError(f"file tier: no space left while {what}: {exc}")
     return TierIOError(f"file tier: I/O error while {what}: {exc}")
-
-
-def _private_opener(path: str, flags: int) -> int:
-    # 0600 from the start: a record must never be readable by others, not even for a moment.
-    return os.open(path, flags, _FILE_MODE)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _slices(sizes: Sequence[int], target: int) -> List[range]:
-    """Consecutive index ranges of about ``target`` bytes each (at least one item per range)."""
-    out: List[range] = []
-    start, acc = 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if acc >= target:
-            out.append(range(start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
-def _check_root_safe(root: Path) -> None:
-    st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectoryError(f"file tier root {root} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise UnsafeDirectoryError(
-            f"file tier root {root} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
-        )
-    if st.st_mode & stat.S_IWOTH:
-        raise UnsafeDirectoryError(
-            f"file tier root {root} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
-            "anyone could plant or swap records"
-        )
-
-
-@dataclass
-class _ScanResult:
-    entries: List[Tuple[bytes, int, float]]  # key, size, last access
-    dirs: Set[Tuple[str, str]]
-    temps_removed: int
-    quarantined_files: int
-    created: bool
-
-
-def _scan_tree(root: Path, stale_temp_s: float, create: bool) -> _ScanResult:
-    """Runs on an I/O thread: prepare ``root`` and list what it holds. With ``create`` (open) it
-    also creates what is missing and removes stale temp files; without it (``check``) it only
-    reads."""
-    created = False
-    if create and not root.exists():
-        os.makedirs(root, mode=_DIR_MODE, exist_ok=True)
-        # makedirs' mode is filtered by the umask; the contract is 0700 exactly.
-        os.chmod(root, _DIR_MODE)
-        _fsync_dir(str(root.parent))
-        created = True
-    _check_root_safe(root)
-    qdir = root / QUARANTINE_DIR
-    if create and not qdir.exists():
-        os.mkdir(qdir, _DIR_MODE)
-        _fsync_dir(str(root))
-    quarantined = sum(1 for _ in os.scandir(qdir)) if qdir.exists() else 0
-
-    now = time.time()
-    entries: List[Tuple[bytes, int, float]] = []
-    dirs: Set[Tuple[str, str]] = set()
-    temps_removed = 0
-    with os.scandir(root) as level1:
-        for d1 in level1:
-            if not (_HEX2.match(d1.name) and d1.is_dir(follow_symlinks=False)):
-                continue
-            with os.scandir(d1.path) as level2:
-                for d2 in level2:
-                    if not (_HEX2.match(d2.name) and d2.is_dir(follow_symlinks=False)):
-                        continue
-                    dirs.add((d1.name, d2.name))
-                    with os.scandir(d2.path) as leaf:
-                        for e in leaf:
-                            name = e.name
-                            if name.startswith(".") and name.endswith(TEMP_SUFFIX):
-                                if create and _temp_is_stale(e, now, stale_temp_s):
-                                    try:
-                                        os.unlink(e.path)
-                                        temps_removed += 1
-                                    except FileNotFoundError:
-                                        pass  # its writer renamed or removed it meanwhile
-                                continue
-                            if not name.endswith(RECORD_SUFFIX):
-                                continue  # not ours: leave it alone
-                            try:
-                                key = bytes.fromhex(name[: -len(RECORD_SUFFIX)])
-                            except ValueError:
-                                continue
-                            if not key or _fanout(key) != (d1.name, d2.name):
-                                continue  # misplaced: path_for() would never find it
-                            st = e.stat(follow_symlinks=False)
-                            if not stat.S_ISREG(st.st_mode):
-                                continue  # a symlink or device under our root is never served
-                            entries.append((key, st.st_size, max(st.st_atime, st.st_mtime)))
-    # Oldest first, so the OrderedDict built from it is in LRU order. atime is only as good as the
-    # mount's atime policy (relatime updates it on the first read after a write), which is enough
-    # to order a restart; the live order is kept in memory.
-    entries.sort(key=lambda t: t[2])
-    return _ScanResult(entries, dirs, temps_removed, quarantined, created)
-
-
-def _temp_is_stale(entry: "os.DirEntry[str]", now: float, stale_temp_s: float) -> bool:
-    m = _TEMP_NAME.match(entry.name)
-    if m is not None and m.group(2) == _HOST:
-        pid = int(m.group(3))
-        if pid != os.getpid() and not _pid_alive(pid):
-            return True  # its writer on this host is gone: the rename can never happen
-    try:
-        age = now - entry.stat(follow_symlinks=False).st_mtime
-    except FileNotFoundError:
-        return False
-    # Another host's writer (shared filesystem) or a live one: only an old file is surely abandoned.
-    return age > stale_temp_s
 
 
 def _encode_slice(
@@ -316,17 +166,6 @@ def _decode_slice(
             continue
         out.append(meta)
     return out
-
-
-async def _wait_through_cancel(fut: "asyncio.Future[Any]") -> None:
-    """Wait for ``fut`` even if the waiting task is cancelled again meanwhile."""
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            continue
-        except BaseException:
-            return
 
 
 class FileTier(ChunkTier):
@@ -367,7 +206,7 @@ class FileTier(ChunkTier):
         self._idle.set()
         self._closed = False
         # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
-        self._temp_tag = f"{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._temp_tag = f"{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
         self._temp_seq = count()
         self._quarantined_files = 0
         self._io_hook: IOHook = NO_IO_HOOK
@@ -417,7 +256,7 @@ class FileTier(ChunkTier):
         try:
             try:
                 scan = await self._loop.run_in_executor(
-                    self._io, _scan_tree, self._root, stale_temp_s, True
+                    self._io, scan_tree, self._root, stale_temp_s, True
                 )
             except OSError as exc:
                 raise _map_os_error(exc, f"opening {self._root}") from exc
@@ -449,7 +288,7 @@ class FileTier(ChunkTier):
     def path_for(self, key: bytes) -> Path:
         """Where ``key``'s record lives (whether or not it exists)."""
         self._check_key(key)
-        d1, d2 = _fanout(key)
+        d1, d2 = fanout(key)
         return self._root / d1 / d2 / (key.hex() + RECORD_SUFFIX)
 
     def statistics(self) -> Dict[str, float]:
@@ -603,7 +442,7 @@ class FileTier(ChunkTier):
             while self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
             scan = await self._loop.run_in_executor(
-                self._io, _scan_tree, self._root, float("inf"), False
+                self._io, scan_tree, self._root, float("inf"), False
             )
         problems: List[str] = []
         on_disk = {key: size for key, size, _ in scan.entries}
@@ -839,22 +678,22 @@ class FileTier(ChunkTier):
             p1 = self._root / d1
             try:
                 hook.before("mkdir")
-                os.mkdir(p1, _DIR_MODE)
+                os.mkdir(p1, DIR_MODE)
                 synced.add(str(self._root))
             except FileExistsError:
                 pass
             try:
                 hook.before("mkdir")
-                os.mkdir(p1 / d2, _DIR_MODE)
+                os.mkdir(p1 / d2, DIR_MODE)
                 synced.add(str(p1))
             except FileExistsError:
                 pass
         for path in synced:
             hook.before("fsync_dir")
-            _fsync_dir(path)
+            fsync_dir(path)
 
     def _temp_path(self, key: bytes) -> str:
-        d1, d2 = _fanout(key)
+        d1, d2 = fanout(key)
         name = f".{key.hex()}.{self._temp_tag}{next(self._temp_seq):x}{TEMP_SUFFIX}"
         return os.path.join(self._root, d1, d2, name)
 
@@ -862,7 +701,7 @@ class FileTier(ChunkTier):
         # "xb" is O_CREAT|O_EXCL: a name collision (another process, a reused nonce) fails loudly
         # instead of two writers interleaving into one file.
         self._io_hook.before("open")
-        async with aiofiles.open(tmp, "xb", opener=_private_opener, executor=self._io) as f:
+        async with aiofiles.open(tmp, "xb", opener=private_opener, executor=self._io) as f:
             self._io_hook.before("write")
             await f.write(record)
             await f.flush()
@@ -879,14 +718,14 @@ class FileTier(ChunkTier):
 
     async def _sync_dir(self, path: str) -> None:
         self._io_hook.before("fsync_dir")
-        await self._loop.run_in_executor(self._io, _fsync_dir, path)
+        await self._loop.run_in_executor(self._io, fsync_dir, path)
 
     async def _write_batch(self, entries: Sequence[Tuple[bytes, bytes]]) -> None:
         """Phase 1 writes and fsyncs every temp file; only when all succeeded, phase 2 renames them
         and fsyncs their directories. A full disk (the usual failure) thus fails in phase 1, before
         any reader could see a record of the batch."""
         try:
-            await self._ensure_dirs(_fanout(key) for key, _ in entries)
+            await self._ensure_dirs(fanout(key) for key, _ in entries)
         except OSError as exc:
             raise _map_os_error(exc, "creating directories") from exc
         temps = [self._temp_path(key) for key, _ in entries]
@@ -900,7 +739,7 @@ class FileTier(ChunkTier):
             for (key, _), o in zip(entries, outcomes):
                 if isinstance(o, FileNotFoundError):
                     # The leaf directory was removed from outside: recreate it on the next put.
-                    self._dirs.discard(_fanout(key))
+                    self._dirs.discard(fanout(key))
             self._raise_first(outcomes, "writing records")
             outcomes = await asyncio.gather(
                 *(self._replace(t, f) for t, f in zip(temps, finals)),

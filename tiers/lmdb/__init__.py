@@ -1,0 +1,19 @@
+"""The LMDB disk tier: one LMDB environment per cache directory on local disk (NVMe).
+
+Modules, one concern each:
+
+- ``tier``: ``LmdbTier``, the async ``ChunkTier`` facade, opening, and the read path (read pool).
+- ``writes``: the writer thread's transaction bodies and the in-memory LRU index they own.
+- ``tables``: the named databases and their value formats.
+- ``recovery``: checks of a directory before LMDB maps it, and moving a damaged one aside.
+- ``maintenance``: blocking walks for tools: ``iter_records``, ``verify``, ``gc``.
+- ``timer``: the periodic housekeeping thread (stale readers, access-time flushes).
+"""
+
+from kvtier.errors import CorruptCacheError
+
+from .maintenance import RecordInfo, VerifyReport
+from .recovery import quarantine_cache_dir
+from .tier import LmdbTier
+
+__all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir"]

@@ -1,0 +1,199 @@
+"""The LMDB tier's maintenance: walk, verify and trim a cache (blocking; for tools and tests).
+
+Primitives (any thread of the opening process but the writer; writes go through the writer):
+``iter_records`` (every record with its parsed header, for ``kvtier inspect``), ``verify`` (decode
+every record, quarantine the corrupt ones, for ``kvtier verify`` and stress teardown), ``gc``
+(evict least-recently-used records down to a byte budget), ``quarantined_keys``. Long walks read in
+transactions of ``_ITER_BATCH`` records, so they never pin old pages for long.
+
+``Maintenance`` is a mixin of ``LmdbTier`` (it uses the tier's tables, read transactions, writer and
+the writer side's ``_write`` / ``_evict_to``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
+
+import lmdb
+import xxhash
+
+from kvtier.errors import CorruptRecordError
+
+from ..record import RecordHeader, decode_record, read_header, validate_record
+from ..writer import WriterThread
+from .tables import ATIME
+from .writes import WriterSide
+
+__all__ = ["Maintenance", "RecordInfo", "VerifyReport"]
+
+T = TypeVar("T")
+
+_ITER_BATCH = 256
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """One stored record as ``iter_records`` sees it: header (``None`` when it does not parse, then
+    ``error`` says why), stored bytes, last access in ns since the epoch (0 if never recorded)."""
+
+    key: bytes
+    header: Optional[RecordHeader]
+    error: Optional[str]
+    stored_bytes: int
+    atime_ns: int
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found: records checked, records intact, and (key, reason) of each corrupt one."""
+
+    checked: int = 0
+    ok: int = 0
+    corrupt: List[Tuple[bytes, str]] = field(default_factory=list)
+    quarantined: int = 0
+
+
+class Maintenance(WriterSide):
+    """Blocking tool helpers of ``LmdbTier``; see the module docstring."""
+
+    _max_raw_bytes: int
+    _writer: Optional[WriterThread]
+
+    def _check_usable(self, write: bool = False) -> None:
+        raise NotImplementedError  # LmdbTier's
+
+    def _scan(self, visit: Callable[[lmdb.Transaction, bytes, memoryview], T]) -> Iterator[T]:
+        """``visit(txn, key, value)`` for every record of ``chunks`` in cursor order, inside read
+        transactions of ``_ITER_BATCH`` records each (so a long scan never pins old pages for long);
+        yields the results. ``value`` is only valid inside ``visit``."""
+        last: Optional[bytes] = None
+        while True:
+
+            def body(txn: lmdb.Transaction) -> Tuple[List[T], Optional[bytes]]:
+                cur = txn.cursor(db=self._tables.chunks)
+                if last is None:
+                    positioned = cur.first()
+                else:
+                    positioned = cur.set_range(last)
+                    if positioned and bytes(cur.key()) == last:
+                        positioned = cur.next()
+                out: List[T] = []
+                key: Optional[bytes] = None
+                while positioned and len(out) < _ITER_BATCH:
+                    key = bytes(cur.key())
+                    out.append(visit(txn, key, cur.value()))
+                    positioned = cur.next()
+                return out, key
+
+            batch, last = self._read_txn(body)
+            yield from batch
+            if len(batch) < _ITER_BATCH:
+                return
+
+    def iter_records(self) -> Iterator[RecordInfo]:
+        """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
+        transactions of a few hundred records, so a long listing never pins old pages for long."""
+        self._check_usable()
+
+        def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> RecordInfo:
+            try:
+                header: Optional[RecordHeader] = read_header(value)
+                error = None
+            except CorruptRecordError as exc:
+                header, error = None, str(exc)
+            at = txn.get(key, db=self._tables.atime)
+            atime = ATIME.unpack(at)[0] if at is not None and len(at) == ATIME.size else 0
+            return RecordInfo(key, header, error, len(value), atime)
+
+        yield from self._scan(visit)
+
+    def verify(self, *, quarantine: bool = True) -> VerifyReport:
+        """Decode every record fully (checksum, codec) in the transaction that lists it, and check
+        that its key still finds it (a damaged B-tree page can list a record that no lookup
+        reaches: a miss forever, reported as bad). Quarantine the corrupt ones unless told not to or
+        read-only. Blocking; for ``kvtier verify`` and stress-test teardown."""
+        self._check_usable()
+        report = VerifyReport()
+        scratch = bytearray(0)
+
+        def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> Tuple[bytes, int, str]:
+            nonlocal scratch
+            try:
+                # The header's raw length sizes the scratch buffer only once the size cap and the
+                # checksum passed: a lying header must not make us allocate what it claims.
+                header = validate_record(key, value, max_raw_bytes=self._max_raw_bytes)
+                if len(scratch) < header.raw_length:
+                    scratch = bytearray(header.raw_length)
+                decode_record(key, value, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
+            except CorruptRecordError as exc:
+                return key, xxhash.xxh3_64_intdigest(value), str(exc)
+            if txn.get(key, db=self._tables.chunks) is None:
+                return key, 0, "listed by the cursor but not found by its key (damaged B-tree page)"
+            return key, 0, ""
+
+        found: List[Tuple[bytes, int, str]] = []
+        for key, digest, reason in self._scan(visit):
+            report.checked += 1
+            if reason:
+                report.corrupt.append((key, reason))
+                if digest:
+                    found.append((key, digest, reason))  # quarantined by key: only reachable ones
+            else:
+                report.ok += 1
+
+        # ``atime`` lists the stored keys (list_keys, the index at open): an entry whose key has no
+        # record -- a key byte damaged in ``chunks`` -- is offered as a hit that always misses.
+        def dangling(txn: lmdb.Transaction) -> List[bytes]:
+            keys = (bytes(k) for k in txn.cursor(db=self._tables.atime).iternext(keys=True, values=False))
+            return [k for k in keys if txn.get(k, db=self._tables.chunks) is None]
+
+        orphans = self._read_txn(dangling)
+        for key in orphans:
+            report.checked += 1
+            report.corrupt.append((key, "in the access-time table, but no record has this key (damaged table)"))
+        self._count(corrupt=len(report.corrupt))
+        if quarantine and self._writer is not None:
+            if found:
+                report.quarantined = self._writer.call(lambda: self._quarantine_entries(found))
+            if orphans:
+                report.quarantined += self._writer.call(lambda: self._drop_dangling_atime(orphans))
+        return report
+
+    def _drop_dangling_atime(self, keys: List[bytes]) -> int:
+        """Writer thread: delete ``atime`` entries whose key still has no record."""
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            gone = [k for k in keys if txn.get(k, db=self._tables.chunks) is None and txn.delete(k, db=self._tables.atime)]
+
+            def apply() -> int:
+                for key in gone:
+                    size = self._lru.pop(key, None)
+                    if size is not None:
+                        self._total_bytes -= size
+                self._count(quarantined=len(gone))
+                self._notify_removed(gone)
+                return len(gone)
+
+            return apply
+
+        return self._write(body)
+
+    def gc(self, max_bytes: int) -> int:
+        """Evict least-recently-used records until stored bytes <= ``max_bytes``; returns how many
+        were evicted. Blocking (runs on the writer thread)."""
+        self._check_usable(write=True)
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        assert self._writer is not None
+        return self._writer.call(lambda: self._evict_to(max_bytes))
+
+    def quarantined_keys(self) -> List[bytes]:
+        """Keys held in the quarantine table (blocking)."""
+        self._check_usable()
+
+        def body(txn: lmdb.Transaction) -> List[bytes]:
+            cur = txn.cursor(db=self._tables.quarantine)
+            return [bytes(k) for k in cur.iternext(keys=True, values=False)]
+
+        return self._read_txn(body)

@@ -1,0 +1,165 @@
+"""Recovery and structure checks of an LMDB cache directory, before LMDB maps it.
+
+Primitives (blocking; called by ``LmdbTier`` while opening, on the opening thread, and by the engine
+when it moves a damaged directory aside):
+
+- ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS).
+- ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
+  process has the environment open.
+- ``quarantine_cache_dir``: rename a damaged directory aside so a fresh one can be made.
+- ``CORRUPT_LMDB_ERRORS``: the LMDB errors that mean "these bytes are not a sound environment".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+import lmdb
+
+from kvtier.errors import CorruptCacheError, TierIOError
+
+__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir"]
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# LMDB's on-disk meta pages (64-bit builds, LMDB 0.9): pages 0 and 1 each hold a 16-byte page header
+# then MDB_meta: magic u32 | version u32 | address | mapsize | 2 x MDB_db (48 bytes; the first one's
+# md_pad is the page size) | last_pg | txnid.
+_MDB_MAGIC = 0xBEEFC0DE
+_MDB_DATA_VERSION = 1
+_META_MAGIC = struct.Struct("<II")  # at 16
+_META_PSIZE = struct.Struct("<I")  # at 40
+_META_TAIL = struct.Struct("<QQ")  # last_pg, txnid at 136
+# LMDB errors that mean "these bytes are not a sound LMDB environment", as opposed to a busy lock,
+# a permission or a full disk: they make the directory a candidate for quarantine.
+CORRUPT_LMDB_ERRORS = (
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.BadTxnError,
+    lmdb.BadValsizeError,
+    lmdb.BadDbiError,
+    lmdb.IncompatibleError,
+    lmdb.PanicError,
+)
+
+
+def check_data_file(directory: Path) -> None:
+    """Refuse a ``data.mdb`` that LMDB would map and then read past its end (SIGBUS): a file shorter
+    than its meta pages or than the last page the newest meta page says is in use.
+
+    The meta pages are read before the size, so a live writer in another process (which only grows
+    the file, and writes the pages a meta page names before the meta page itself) is never taken for
+    truncation. Anything that is not even an LMDB header is left to LMDB, which names it.
+    """
+    path = directory / "data.mdb"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 * 1024 + 160)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 160:
+                if size == 0:
+                    return  # an empty file: LMDB initialises it as a new environment
+                raise CorruptCacheError(f"{path} is truncated: {size} bytes, not even one meta page")
+            magic, version = _META_MAGIC.unpack_from(head, 16)
+            if magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
+                return  # not an LMDB file at all, or another version: LMDB says which
+            (psize,) = _META_PSIZE.unpack_from(head, 40)
+            if psize < 512 or psize > 65536 or psize & (psize - 1):
+                raise CorruptCacheError(f"{path} has a corrupt meta page (page size {psize})")
+            f.seek(psize)
+            meta1 = f.read(160)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise TierIOError(f"cannot read {path}: {exc}") from exc
+    metas = [head[:160]]
+    if len(meta1) == 160:
+        metas.append(meta1)
+    newest: Optional[Tuple[int, int]] = None  # (txnid, last_pg)
+    for meta in metas:
+        magic, version = _META_MAGIC.unpack_from(meta, 16)
+        if magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
+            continue
+        last_pg, txnid = _META_TAIL.unpack_from(meta, 136)
+        if newest is None or txnid > newest[0]:
+            newest = (txnid, last_pg)
+    assert newest is not None  # meta page 0 passed the same check above
+    needed = max(2, newest[1] + 1) * psize
+    if size < needed:
+        raise CorruptCacheError(
+            f"{path} is truncated: {size} bytes, but its meta page uses {needed} "
+            f"(last page {newest[1]}, page size {psize})"
+        )
+
+
+def verify_structure_at_rest(directory: Path) -> None:
+    """Check ``data.mdb`` with py-lmdb's offline verifier when no other process has the environment
+    open; raise ``CorruptCacheError`` listing what it found.
+
+    "No other process" is LMDB's own test: the exclusive lock on byte 0 of ``lock.mdb`` that every
+    opener tries first. It is held while the verifier reads, so an opener elsewhere waits for it (as
+    it would for any first opener). A live environment is not checked: another process may be
+    writing it, and it is being served, so it cannot be damaged in a way LMDB has not met already.
+    The caller must not have the environment open in this process (closing our descriptor drops
+    every fcntl lock this process holds on the file): the tier's one-open-per-process registry guarantees it.
+    """
+    data = directory / "data.mdb"
+    if not data.exists():
+        return
+    try:
+        from lmdb import verify as lmdb_verify
+    except ImportError:  # py-lmdb before 3.0: no offline verifier
+        log.debug("kvtier lmdb: lmdb.verify unavailable, %s opened unverified", directory)
+        return
+    fd = -1
+    try:
+        fd = os.open(directory / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+        except OSError:
+            return  # open in another process: see the docstring
+        try:
+            problems = lmdb_verify.verify(str(directory))
+        except lmdb_verify.VerifyError:
+            return  # cannot even begin (not an LMDB file...): lmdb.open names it
+        except (OSError, ValueError, struct.error, IndexError) as exc:
+            problems = [f"the verifier stopped: {exc!r}"]
+    except OSError as exc:
+        log.debug("kvtier lmdb: cannot verify %s at rest (%s)", directory, exc)
+        return
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if problems:
+        shown = "; ".join(problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CorruptCacheError(f"the LMDB file {data} is damaged: {shown}{more}")
+
+
+def quarantine_cache_dir(path: PathLike) -> Path:
+    """Rename a damaged cache directory aside, to ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and
+    return the new path. Blocking. The directory is kept (mode unchanged) for inspection; nothing in
+    it is read again. Raises ``TierIOError`` when the rename fails."""
+    src = Path(os.fspath(path)).expanduser().absolute()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}")
+    n = 0
+    while dst.exists():
+        n += 1
+        dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}-{n}")
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        raise TierIOError(f"cannot move the damaged cache directory {src} aside: {exc}") from exc
+    log.error("kvtier lmdb: damaged cache directory %s moved aside to %s", src, dst)
+    return dst

@@ -1,0 +1,101 @@
+"""The LMDB tier's named databases and the formats of their values.
+
+Primitives (any thread; a write transaction only on the writer thread):
+
+- ``Tables``: the four database handles of one environment, opened (and created) by ``open_tables``.
+- ``ATIME``: the value format of the ``atime`` side table (last access ns u64 | stored bytes u64).
+- ``index_entries``: every stored key with its last access and size, read from ``atime``.
+
+Tables: ``chunks`` (key -> record, see ``tiers.record``), ``atime`` (key -> last access | stored
+bytes, the LRU side table, written in batches), ``quarantine`` (key -> a corrupt record, at most
+``max_quarantine_records`` kept), ``meta`` (format version).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import lmdb
+
+from kvtier.errors import TierIOError
+
+__all__ = ["FORMAT_VERSION", "ATIME", "Tables", "open_tables", "index_entries"]
+
+FORMAT_VERSION = b"1"
+_DB_CHUNKS = b"chunks"
+_DB_ATIME = b"atime"
+_DB_QUARANTINE = b"quarantine"
+_DB_META = b"meta"
+ATIME = struct.Struct("<QQ")  # last access (time_ns), stored record bytes
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The database handles of one open environment."""
+
+    chunks: "lmdb._Database"
+    atime: "lmdb._Database"
+    quarantine: "lmdb._Database"
+    meta: "lmdb._Database"
+
+
+def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
+    """Open the four tables (creating them and the format marker unless ``readonly``) and check the
+    format version. LMDB errors propagate to the caller, which maps them; a version this kvtier does
+    not read, or a read-only open of a directory without tables, is ``TierIOError``."""
+    try:
+        if readonly:
+            # py-lmdb opens each handle in its own read transaction and keeps it (a handle
+            # opened in a caller's read transaction dies with it).
+            tables = Tables(
+                env.open_db(_DB_CHUNKS, create=False),
+                env.open_db(_DB_ATIME, create=False),
+                env.open_db(_DB_QUARANTINE, create=False),
+                env.open_db(_DB_META, create=False),
+            )
+            with env.begin() as txn:
+                version = txn.get(b"format", db=tables.meta)
+        else:
+            with env.begin(write=True) as txn:
+                tables = Tables(
+                    env.open_db(_DB_CHUNKS, txn=txn),
+                    env.open_db(_DB_ATIME, txn=txn),
+                    env.open_db(_DB_QUARANTINE, txn=txn),
+                    env.open_db(_DB_META, txn=txn),
+                )
+                version = txn.get(b"format", db=tables.meta)
+                if version is None:
+                    txn.put(b"format", FORMAT_VERSION, db=tables.meta)
+                    version = FORMAT_VERSION
+    except lmdb.NotFoundError as exc:
+        raise TierIOError(f"{path} holds no kvtier LMDB tables (read-only open)") from exc
+    if version != FORMAT_VERSION:
+        raise TierIOError(f"{path} has tier format {version!r}, this kvtier uses {FORMAT_VERSION!r}")
+    return tables
+
+
+def index_entries(txn: lmdb.Transaction, tables: Tables) -> List[Tuple[int, bytes, int]]:
+    """(last access ns, key, stored bytes) of every record, read from the small ``atime`` table.
+
+    Every write keeps ``atime`` in step with ``chunks`` (same keys, the stored size in each
+    value), and reading it touches only its own pages. A cursor over ``chunks`` would read the
+    whole data file: py-lmdb touches every page of each value it steps over (keys-only
+    iteration included), so opening a large cache would read all of it from disk and leave it in
+    the page cache. Only when the two tables disagree in size (damage from outside) is
+    ``chunks`` walked, the slow and sure way.
+    """
+    entries: List[Tuple[int, bytes, int]] = []
+    times = txn.cursor(db=tables.atime)
+    for k, v in times.iternext(keys=True, values=True):
+        if len(v) == ATIME.size:
+            atime, size = ATIME.unpack(v)
+            entries.append((atime, bytes(k), size))
+    if len(entries) == txn.stat(tables.chunks)["entries"]:
+        return entries
+    atimes = {key: atime for atime, key, _ in entries}
+    return [
+        (atimes.get(bytes(k), 0), bytes(k), len(v))
+        for k, v in txn.cursor(db=tables.chunks).iternext(keys=True, values=True)
+    ]

@@ -1,0 +1,357 @@
+"""The LMDB tier's writer side: every write transaction, and the in-memory LRU index it owns.
+
+Runs on the tier's writer thread only (``tiers.writer.WriterThread``): each batch -- begin, LRU
+eviction, puts, access-time updates, commit -- is one closure passed to ``_write``, which commits
+and then applies the in-memory update the closure returned. It is also the only code that grows the
+map (``MapFullError``: abort, ``set_mapsize`` x2 under the exclusive map lock, retry) and the only
+code that touches ``_lru`` / ``_total_bytes`` after open.
+
+``WriterSide`` is a mixin of ``LmdbTier``: it uses the environment, tables, locks, counters and
+removal listeners that ``LmdbTier.__init__`` sets up (declared below for readers and type checkers).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Deque, Dict, List, Optional, Tuple, TypeVar
+
+import lmdb
+import xxhash
+
+from kvtier.errors import TierFullError, TierIOError
+
+from ..base import IOHook
+from ..record import read_header
+from ..writer import Job, SharedExclusiveLock
+from .tables import ATIME, Tables
+
+__all__ = ["WriterSide", "PutJob"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class PutJob(Job):
+    """An encoded put batch; consecutive ones are committed together by ``_run_put_group``."""
+
+    encoded: List[Tuple[bytes, bytes]] = field(default_factory=list)
+    raw_in: int = 0
+
+
+class WriterSide:
+    """Write transactions and the LRU index (writer thread). See the module docstring."""
+
+    _env: lmdb.Environment
+    _tables: Tables
+    _path: Path
+    _map_lock: SharedExclusiveLock
+    _io_hook: IOHook
+    _degraded: bool
+    _capacity: Optional[int]
+    _max_map_size: int
+    _max_quarantine: int
+    # key -> stored bytes, oldest access first; built at open, then owned by the writer thread.
+    _lru: "OrderedDict[bytes, int]"
+    _total_bytes: int
+    # (key, time_ns) of reads, appended by readers, drained by the writer into the LRU and ``atime``.
+    _accesses: Deque[Tuple[bytes, int]]
+    _removal_listeners: List[Callable[[List[bytes]], None]]
+
+    def _count(self, **deltas: int) -> None:
+        raise NotImplementedError  # LmdbTier's
+
+    def _read_txn(self, body: Callable[[lmdb.Transaction], T]) -> T:
+        raise NotImplementedError  # LmdbTier's
+
+    def _open_env(self, map_size_bytes: int) -> None:
+        raise NotImplementedError  # LmdbTier's
+
+    def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
+        """Writer thread: run ``body`` in one write transaction and commit; ``body`` returns the
+        in-memory update to apply once the commit succeeded. MapFullError -> grow and retry."""
+        while True:
+            try:
+                with self._map_lock.shared():
+                    with self._env.begin(write=True, buffers=True) as txn:
+                        apply = body(txn)
+                        self._io_hook.before("commit")  # raising here aborts the transaction
+            except lmdb.MapFullError as exc:
+                self._grow_map(nbytes, exc)
+                continue
+            except lmdb.MapResizedError:
+                with self._map_lock.exclusive():
+                    self._env.set_mapsize(0)
+                continue
+            except lmdb.Error as exc:
+                raise self._write_failed(exc, nbytes) from exc
+            self._degraded = False
+            return apply()
+
+    def _grow_map(self, nbytes: int, cause: BaseException) -> None:
+        current = self._env.info()["map_size"]
+        if current >= self._max_map_size:
+            self._degraded = True
+            self._count(errors=1)
+            raise TierFullError(
+                f"LMDB map of {self._path} is at max_map_size_bytes={self._max_map_size}"
+            ) from cause
+        new = min(self._max_map_size, max(current * 2, current + 2 * nbytes))
+        with self._map_lock.exclusive():
+            self._env.set_mapsize(new)
+        self._count(map_growths=1)
+        log.info("kvtier lmdb: map of %s grown from %d to %d bytes", self._path, current, new)
+
+    def _write_failed(self, exc: lmdb.Error, nbytes: int) -> TierIOError:
+        self._degraded = True
+        self._count(errors=1)
+        full = "No space" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
+        if not full:
+            # LMDB reports a short write on a full disk as EIO; look at the filesystem.
+            try:
+                st = os.statvfs(self._path)
+                full = st.f_bavail * st.f_frsize < nbytes + (1 << 20)
+            except OSError:
+                pass
+        if isinstance(exc, lmdb.PanicError):
+            self._reopen_env()
+        if full:
+            return TierFullError(f"disk full under {self._path}: {exc}")
+        return TierIOError(f"LMDB write failed in {self._path}: {exc}")
+
+    def _reopen_env(self) -> None:
+        """After MDB_PANIC the environment must be reopened (writer thread, exclusive lock)."""
+        with self._map_lock.exclusive():
+            size = self._env.info()["map_size"]
+            self._env.close()
+            self._open_env(size)
+
+    def _take_accesses(self) -> List[Tuple[bytes, int]]:
+        """Writer thread: drain recorded reads and move those keys to the young end of the LRU."""
+        taken: Dict[bytes, int] = {}
+        while True:
+            try:
+                key, t = self._accesses.popleft()
+            except IndexError:
+                break
+            taken[key] = t
+        out = []
+        for key, t in taken.items():
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                out.append((key, t))
+        return out
+
+    def _put_access_times(self, txn: lmdb.Transaction, accesses: List[Tuple[bytes, int]], skip: object) -> None:
+        for key, t in accesses:
+            size = self._lru.get(key)
+            if size is not None and key not in skip:  # type: ignore[operator]
+                txn.put(key, ATIME.pack(t, size), db=self._tables.atime)
+
+    def _flush_accesses(self) -> None:
+        accesses = self._take_accesses()
+        if not accesses:
+            return
+
+        def body(txn: lmdb.Transaction) -> Callable[[], None]:
+            self._put_access_times(txn, accesses, ())
+            return lambda: None
+
+        self._write(body)
+
+    def _run_put_group(self, jobs: List[PutJob]) -> None:
+        """Writer thread: commit consecutive put batches in one transaction; if that fails, run each
+        alone so every caller gets its own outcome."""
+        if len(jobs) > 1:
+            encoded = [item for j in jobs for item in j.encoded]
+            raw_in = sum(j.raw_in for j in jobs)
+            try:
+                self._put_encoded(encoded, raw_in, batches=len(jobs))
+            except Exception:
+                pass  # fall through: each batch alone decides its own fate
+            else:
+                for j in jobs:
+                    j.done(None, None)
+                return
+        for j in jobs:
+            j.run()
+
+    def _put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> None:
+        batch: Dict[bytes, bytes] = {}
+        for key, record in encoded:
+            batch[key] = record  # the later write of a key wins, as sequential puts would
+        batch_bytes = sum(len(r) for r in batch.values())
+        cap = self._capacity
+        if cap is not None and batch_bytes > cap:
+            raise TierFullError(f"a batch of {batch_bytes} bytes exceeds capacity_bytes={cap}")
+        accesses = self._take_accesses()
+        victims: List[bytes] = []
+        if cap is not None:
+            projected = self._total_bytes + batch_bytes - sum(self._lru.get(k, 0) for k in batch)
+            if projected > cap:
+                for key, size in self._lru.items():  # oldest access first
+                    if key in batch:
+                        continue
+                    victims.append(key)
+                    projected -= size
+                    if projected <= cap:
+                        break
+        victim_set = set(victims)
+
+        def body(txn: lmdb.Transaction) -> Callable[[], None]:
+            self._put_access_times(txn, accesses, victim_set)
+            for key in victims:
+                txn.delete(key, db=self._tables.chunks)
+                txn.delete(key, db=self._tables.atime)
+            now = time.time_ns()
+            for key, record in batch.items():
+                self._io_hook.before("put")
+                txn.put(key, record, db=self._tables.chunks)
+                txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
+
+            def apply() -> None:
+                for key in victims:
+                    self._total_bytes -= self._lru.pop(key)
+                for key, record in batch.items():
+                    old = self._lru.pop(key, None)
+                    if old is not None:
+                        self._total_bytes -= old
+                    self._lru[key] = len(record)
+                    self._total_bytes += len(record)
+                compressed = sum(1 for r in batch.values() if read_header(r).codec != "raw")
+                self._count(
+                    puts=len(encoded),
+                    put_batches=batches,
+                    put_commits=1,
+                    raw_bytes_in=raw_in,
+                    stored_bytes_in=batch_bytes,
+                    compressed_records=compressed,
+                    evictions=len(victims),
+                )
+                self._notify_removed(victims)
+
+            return apply
+
+        self._write(body, batch_bytes)
+
+    def _delete_keys(self, keys: List[bytes]) -> int:
+        accesses = self._take_accesses()
+        gone = set(keys)
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            self._put_access_times(txn, accesses, gone)
+            existed = [k for k in dict.fromkeys(keys) if txn.delete(k, db=self._tables.chunks)]
+            for k in existed:
+                txn.delete(k, db=self._tables.atime)
+
+            def apply() -> int:
+                for k in existed:
+                    size = self._lru.pop(k, None)
+                    if size is not None:
+                        self._total_bytes -= size
+                self._count(deletes=len(existed))
+                return len(existed)
+
+            return apply
+
+        return self._write(body)
+
+    def _quarantine_entries(self, entries: List[Tuple[bytes, int, str]]) -> int:
+        """Writer thread: move records found corrupt to ``quarantine`` (or delete them once it holds
+        ``max_quarantine_records``), unless the key was rewritten since (its bytes changed)."""
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            room = self._max_quarantine - txn.stat(self._tables.quarantine)["entries"]
+            moved: List[bytes] = []
+            for key, digest, _reason in entries:
+                current = txn.get(key, db=self._tables.chunks)
+                if current is None or xxhash.xxh3_64_intdigest(current) != digest:
+                    continue
+                if room > 0:
+                    txn.put(key, bytes(current), db=self._tables.quarantine)
+                    room -= 1
+                txn.delete(key, db=self._tables.chunks)
+                txn.delete(key, db=self._tables.atime)
+                moved.append(key)
+
+            def apply() -> int:
+                for key in moved:
+                    size = self._lru.pop(key, None)
+                    if size is not None:
+                        self._total_bytes -= size
+                self._count(quarantined=len(moved))
+                self._notify_removed(moved)
+                return len(moved)
+
+            return apply
+
+        return self._write(body)
+
+    def _evict_to(self, max_bytes: int) -> int:
+        accesses = self._take_accesses()
+        victims: List[bytes] = []
+        total = self._total_bytes
+        for key, size in self._lru.items():
+            if total <= max_bytes:
+                break
+            victims.append(key)
+            total -= size
+        victim_set = set(victims)
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            self._put_access_times(txn, accesses, victim_set)
+            for key in victims:
+                txn.delete(key, db=self._tables.chunks)
+                txn.delete(key, db=self._tables.atime)
+
+            def apply() -> int:
+                for key in victims:
+                    self._total_bytes -= self._lru.pop(key)
+                self._count(evictions=len(victims))
+                self._notify_removed(victims)
+                return len(victims)
+
+            return apply
+
+        return self._write(body)
+
+    def _notify_removed(self, keys: List[bytes]) -> None:
+        if not keys:
+            return
+        for listener in list(self._removal_listeners):
+            try:
+                listener(list(keys))
+            except Exception:
+                log.exception("kvtier lmdb: removal listener failed")
+
+    def _check_index(self) -> List[str]:
+        """Writer thread (or any thread when read-only): compare the LRU index with the tables."""
+
+        def body(txn: lmdb.Transaction) -> Tuple[Dict[bytes, int], set]:
+            sizes = {bytes(k): len(v) for k, v in txn.cursor(db=self._tables.chunks).iternext(keys=True, values=True)}
+            times = {bytes(k) for k in txn.cursor(db=self._tables.atime).iternext(keys=True, values=False)}
+            return sizes, times
+
+        sizes, times = self._read_txn(body)
+        problems: List[str] = []
+        for key, size in self._lru.items():
+            if key not in sizes:
+                problems.append(f"indexed but not stored: {key.hex()}")
+            elif sizes[key] != size:
+                problems.append(f"size differs for {key.hex()}: index {size}, stored {sizes[key]}")
+        for key in sizes.keys() - self._lru.keys():
+            problems.append(f"stored but not indexed: {key.hex()}")
+        for key in times - sizes.keys():
+            problems.append(f"access time without a record: {key.hex()}")
+        if self._total_bytes != sum(self._lru.values()):
+            problems.append("byte count out of step with the index")
+        if self._capacity is not None and self._total_bytes > self._capacity:
+            problems.append(f"over capacity: {self._total_bytes} > {self._capacity}")
+        return problems
