@@ -65,6 +65,12 @@ FOREIGN_ERRORS: Tuple[Callable[[], BaseException], ...] = (
     lambda: ConnectionResetError("sim: peer reset"),
 )
 SEAM_FAULT_OPS = ("put_many", "get_many_into", "list_keys")
+# What one step does, with its weight: start an actor, cancel one, inject a fault, heal, or wait.
+STEP_WEIGHTS: Dict[str, float] = {
+    "store": 22, "load": 18, "prefetch": 6, "fence": 4, "flush": 3, "refresh": 3, "second_writer": 3,
+    "cancel": 10, "inject": 6, "heal": 5, "wait": 20,
+}  # fmt: skip
+ACTORS = ("store", "load", "prefetch", "fence", "flush", "refresh", "second_writer")
 # Load failures that are capacity answers (the serving process recomputes), never a broken promise.
 CAPACITY_REASONS = {"host_full", "timeout"}
 
@@ -423,32 +429,20 @@ class _Sim:
         if len(self.actors) >= 2:
             report.overlapping_steps += 1
         report.max_concurrency = max(report.max_concurrency, len(self.actors))
-        roll = rng.random()
-        if roll < 0.22:
-            self.start("store", self.act_store())
-        elif roll < 0.40:
-            self.start("load", self.act_load())
-        elif roll < 0.46:
-            self.start("prefetch", self.act_prefetch())
-        elif roll < 0.50:
-            self.start("fence", self.act_fence())
-        elif roll < 0.53:
-            self.start("flush", self.act_flush())
-        elif roll < 0.56:
-            self.start("refresh", self.act_refresh())
-        elif roll < 0.59:
-            self.start("second_writer", self.act_second_writer())
-        elif roll < 0.69:
+        action = rng.choices(list(STEP_WEIGHTS), weights=list(STEP_WEIGHTS.values()))[0]
+        if action in ACTORS:
+            self.start(action, getattr(self, f"act_{action}")())
+        elif action == "cancel":
             if self.actors:
                 victim = rng.choice(sorted(self.actors, key=lambda t: t.sim_order))
                 if not victim.done():
                     victim.cancel()
                     report.cancelled += 1
-        elif roll < 0.75:
+        elif action == "inject":
             self.inject()
-        elif roll < 0.80:
+        elif action == "heal":
             self.heal()
-        else:
+        else:  # let time pass: a few loop turns, sometimes a real sleep
             for _ in range(rng.randrange(1, 6)):
                 await asyncio.sleep(0)
             if rng.random() < 0.2:

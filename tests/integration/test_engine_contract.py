@@ -266,9 +266,7 @@ async def test_refresh_does_not_drop_a_queued_spill(tmp_path):
     table = r.scenario.allocate(17)
     handle = r.engine.store(prompt, table)
     await handle.wait_released()  # queued behind the held batch
-    # Another process writes the same chunk meanwhile, and the index learns of it.
-    other = await LmdbTier.open(tmp_path / "other", map_size_bytes=16 << 20)
-    await other.close()
+    # Another writer puts the same chunk meanwhile, and a refresh tells the engine.
     key = r.engine.request_keys(prompt).keys[0][0]
     entry = r.engine._entries[key]
     items = [(key, r.engine._chunk_meta(entry), memoryview(r.engine._pools[0].view(entry.slot).numpy()))]
@@ -541,3 +539,51 @@ async def test_an_engine_called_from_another_event_loop_refuses_before_schedulin
     assert not r.engine._entries
     await r.close()
 
+
+
+# ---------------------------------------------------------------------------------- supervision
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_spill_loop_restarts_and_then_the_engine_fails_loudly(tmp_path, caplog):
+    from kvtier.errors import EngineUsageError
+
+    r = await rig(tmp_path)
+    spill = r.engine._spill
+    real = spill._next_batch
+    crashes = {"left": 1}
+
+    def flaky():
+        if crashes["left"]:
+            crashes["left"] -= 1
+            raise RuntimeError("a bug in the spill loop")
+        return real()
+
+    spill._next_batch = flaky
+    with caplog.at_level(logging.ERROR, logger="kvtier.engine"):
+        assert (await r.scenario.produce(r.scenario.tokens(33))).durable is True  # restarted
+    assert any("restarting" in rec.getMessage() for rec in caplog.records)
+    assert r.engine.metrics.snapshot()["worker_errors"]["spill_loop"] == 1
+
+    crashes["left"] = 10  # keeps crashing: the engine gives up and says so
+    handle = r.engine.store(r.scenario.tokens(33), r.scenario.allocate(33))
+    assert await asyncio.wait_for(handle.wait_durable(), 5) is False
+    with pytest.raises(EngineUsageError, match="failed"):
+        r.engine.lookup([1] * 33)
+    spill._next_batch = real
+    await r.close(check=False)
+
+
+@pytest.mark.asyncio
+async def test_the_lifecycle_table_refuses_a_move_it_does_not_list(tmp_path):
+    from kvtier.engine.lifecycle import HostState, IllegalTransition, move
+    from kvtier.engine.records import ChunkEntry
+
+    entry = ChunkEntry(b"k" * 32, 0, 0, HostState.READY, 0)
+    with pytest.raises(IllegalTransition, match="ready -> spilling"):
+        move(entry, HostState.SPILLING)
+    entry = ChunkEntry(b"k" * 32, 0, 0, HostState.PENDING, 0)
+    move(entry, HostState.QUEUED)
+    move(entry, HostState.SPILLING)
+    move(entry, HostState.READY)
+    assert entry.state is HostState.READY
