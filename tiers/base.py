@@ -251,6 +251,9 @@ class ChunkTier(abc.ABC):
     """
 
     name: str = "tier"
+    # What the default ``degraded`` / ``capacity_bytes`` report; a tier sets them in ``__init__``.
+    _degraded: bool = False
+    _capacity: Optional[int] = None
 
     # --------------------------------------------------------------------------------- required
 
@@ -317,11 +320,12 @@ class ChunkTier(abc.ABC):
 
     @property
     def degraded(self) -> bool:
-        """True after a write failed underneath, until a later write succeeds. Default False."""
-        return False
+        """True after a write failed underneath (disk full, I/O error), until a later write
+        succeeds; reads keep working meanwhile. Default: ``self._degraded`` (False)."""
+        return self._degraded
 
     @property
     def capacity_bytes(self) -> Optional[int]:
-        """The bound on stored bytes (``None``: none but the medium). Default ``None``."""
-        return None
+        """The bound on stored bytes (``None``: none but the medium). Default: ``self._capacity``."""
+        return self._capacity
 

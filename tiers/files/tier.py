@@ -282,15 +282,6 @@ class FileTier(ChunkTier):
         return self._root
 
     @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self._capacity
-
-    @property
-    def degraded(self) -> bool:
-        """True after a write failed underneath, until a later write succeeds."""
-        return self._degraded
-
-    @property
     def sequence(self) -> int:
         """The last mutation of this instance (a put landing, a removal)."""
         return self._sequence

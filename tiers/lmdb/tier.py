@@ -282,22 +282,12 @@ class LmdbTier(ChunkTier, Maintenance):
         return self._path
 
     @property
-    def degraded(self) -> bool:
-        """True after a write failed underneath (disk full, I/O error) until a later write succeeds.
-        Reads keep working while degraded."""
-        return self._degraded
-
-    @property
     def readonly(self) -> bool:
         return self._readonly
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self._capacity
 
     # ------------------------------------------------------------------------------- guards, utils
 
