@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvtier.errors import ClosedError, TierFullError, UnsafeDirectoryError
+from kvtier.tiers.base import KEY_MAX_BYTES, ChunkMeta
 from kvtier.tiers.files import layout as files_layout
-from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import QUARANTINE_DIR, RECORD_SUFFIX, TEMP_SUFFIX, FileTier
 from kvtier.tiers.quarantine import DEFAULT_MAX_QUARANTINE_RECORDS
 from kvtier.tiers.record import CodecConfig, encode_record, read_header
@@ -319,6 +319,31 @@ async def test_reopen_serves_same_bytes_and_rebuilds_index(tmp_path: Path) -> No
         assert all(m is not None for m in metas)
         for k, t in tensors.items():
             assert torch.equal(outs[k].view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.asyncio
+async def test_long_keys_nest_under_their_fan_out_and_survive_a_reopen(tmp_path: Path) -> None:
+    """Keys past 100 bytes (up to the contract's 511) do not fit one file name: their hex goes over
+    ``<200 digits>.k`` directory levels; the scan at open finds them again."""
+    root = tmp_path / "c"
+    keys = [bytes([7]) * 100, bytes([8]) * 101, bytes(range(256)) + bytes(range(255)), b"\x01"]
+    assert len(keys[2]) == KEY_MAX_BYTES
+    blobs = {k: random_bytes(300 + i, i) for i, k in enumerate(keys)}
+    async with opened(root) as tier:
+        for k, b in blobs.items():
+            await put_bytes(tier, k, b)
+        long_path = tier.path_for(keys[2])
+        digits = keys[2].hex()
+        parts = long_path.relative_to(root).parts
+        assert parts[2:-1] == tuple(digits[i : i + 200] + ".k" for i in range(0, 1000, 200))
+        assert parts[-1] == digits[1000:] + RECORD_SUFFIX and [len(p) for p in parts] == [2, 2] + [202] * 5 + [26]
+        assert tier.path_for(keys[0]).relative_to(root).parts[2] == keys[0].hex() + RECORD_SUFFIX
+    async with opened(root) as tier:
+        assert sorted(await tier.list_keys()) == sorted(keys)
+        for k, b in blobs.items():
+            assert await get_bytes(tier, k, b.numel()) == b.numpy().tobytes()
+        assert await tier.check() == []
+        assert await tier.delete_many([keys[2]]) == 1 and not tier.path_for(keys[2]).exists()
 
 
 @pytest.mark.asyncio

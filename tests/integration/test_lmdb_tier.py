@@ -341,6 +341,44 @@ async def test_second_process_reads_without_corrupting(tmp_path: Path) -> None:
         assert report.checked == 6 and report.ok == 6
 
 
+_WRITER_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kvtier.tiers.base import ChunkMeta
+    from kvtier.tiers.lmdb import LmdbTier
+
+    async def main(path, key_hex):
+        async with await LmdbTier.open(path) as tier:
+            data = bytearray(b"x" * 64)
+            meta = ChunkMeta(b"child", 0, 7, "uint8", (64,))
+            print(await tier.put_many([(bytes.fromhex(key_hex), meta, memoryview(data))]))
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.asyncio
+async def test_the_sequence_orders_other_processes_writes(tmp_path: Path) -> None:
+    """The sequence lives in the environment: a write by another process gets the next one, a
+    snapshot sees it, and this process's next put is ordered after it."""
+    async with await LmdbTier.open(tmp_path / "c") as tier:
+        mine = await tier.put_many([_item(1)])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WRITER_CHILD, str(tmp_path / "c"), _key(2).hex(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        theirs = int(out.decode())
+        assert theirs > mine
+        snap = await tier.snapshot_keys()
+        assert snap.keys == {_key(1), _key(2)} and snap.sequence >= theirs
+        assert await tier.put_many([_item(3)]) > theirs
+    async with await LmdbTier.open(tmp_path / "c") as again:  # persisted with the data
+        assert again.sequence > theirs
+
+
 # ------------------------------------------------------------------------------------- concurrency
 
 
