@@ -164,6 +164,10 @@ class OffloadEngine:
         ]
         if self._disk is None and config.cache_dir is not None:
             self._disk = await self._open_cache_dir()
+        if self._owns_disk and config.remote_url is not None:
+            from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
+
+            self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
         if self._disk is not None:
             self._subscribe_disk_evictions()
             try:

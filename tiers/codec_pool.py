@@ -14,6 +14,8 @@ Primitives (shared by the disk tiers):
   caller cancels the slices that have not started and waits for those running, then re-raises.
 - ``wait_through_cancel(awaitable)``: wait for a future even if the waiting task is cancelled
   again meanwhile; tells the caller whether it was cancelled.
+- ``slices(sizes, target_bytes)``: index ranges of at least ``target_bytes`` each, for a tier that
+  hops per slice itself (``plan_slices`` without a thread bound).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, List, Optional, Sequence
 
-__all__ = ["MIN_SLICE_BYTES", "plan_slices", "map_slices", "wait_threads", "wait_through_cancel"]
+__all__ = ["MIN_SLICE_BYTES", "plan_slices", "slices", "map_slices", "wait_threads", "wait_through_cancel"]
 
 # The smallest slice worth a hop of its own: below it the ~100 us hop costs more than a second core
 # saves (measured on the LMDB put path: a 1 MiB batch of 64 KiB chunks).
@@ -50,6 +52,11 @@ def plan_slices(sizes: Sequence[int], workers: int, min_slice_bytes: int) -> Lis
             start = i + 1
     out.append(range(start, n))
     return out
+
+
+def slices(sizes: Sequence[int], target_bytes: int) -> List[range]:
+    """Contiguous index ranges over ``sizes`` of about ``target_bytes`` or more each."""
+    return plan_slices(sizes, len(sizes), target_bytes)
 
 
 def map_slices(

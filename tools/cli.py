@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     demo.add_argument("--producers", type=int, default=12, help="producer requests (default 12)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--remote", metavar="URL|embedded",
+        help="chain a remote tier behind LMDB: 'embedded' starts a local Valkey on 127.0.0.1, or "
+        "redis://host:port / redis+cluster://h1:p1,h2:p2; a second host then loads from it",
+    )
 
     warmup = sub.add_parser("warmup", help="run a local transformers model over prompts and fill the disk tier")
     warmup.add_argument("--model", required=True, help="directory of a Hugging Face causal LM (no downloads)")
@@ -82,15 +87,20 @@ def _cmd_demo(args) -> int:
     from tqdm import tqdm
 
     from .demo import format_summary, run_demo
+    from .valkey import remote_server
 
     if args.producers < 1:
         raise ValueError(f"--producers must be >= 1, got {args.producers}")
     temporary = args.cache_dir is None
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvtier-demo-")
     try:
-        total = 3 * args.producers
-        with tqdm(total=total, desc="kvtier demo", unit="req", disable=args.json or None, file=sys.stderr) as bar:
-            summary = asyncio.run(run_demo(cache_dir, producers=args.producers, seed=args.seed, progress=bar.update))
+        total = (3 if args.remote is None else 4) * args.producers
+        with remote_server(args.remote) as remote_url, tqdm(
+            total=total, desc="kvtier demo", unit="req", disable=args.json or None, file=sys.stderr
+        ) as bar:
+            summary = asyncio.run(
+                run_demo(cache_dir, producers=args.producers, seed=args.seed, progress=bar.update, remote_url=remote_url)
+            )
     finally:
         if temporary and not args.keep:
             shutil.rmtree(cache_dir, ignore_errors=True)

@@ -8,12 +8,19 @@ tokens 3) over CPU bfloat16 KV tensors. Producer requests sharing system prompts
 through the engine and their device blocks are dropped. Consumers (each producer's prompt plus a
 new turn) look up and load, first from the host tier, then, after a restart of the engine on the
 same cache directory, from disk alone. Every loaded byte is compared with what its producer wrote.
+With a remote tier (``remote_url``; ``kvtier demo --remote embedded`` starts a local Valkey), the
+stores also write behind to the remote, and a third engine over a new, empty cache directory (a
+second host) is served from the remote alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional
@@ -59,6 +66,8 @@ class DemoSummary:
     load_throughput_mb_s: float
     cache_dir: str
     failures: List[str]
+    remote_url: Optional[str] = None
+    loaded_bytes_from_remote: int = 0
 
     def to_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -71,15 +80,22 @@ async def run_demo(
     prefixes: int = 3,
     seed: int = 0,
     progress: Optional[Callable[[int], None]] = None,
+    remote_url: Optional[str] = None,
 ) -> DemoSummary:
-    """Run the demo over ``cache_dir``; ``progress(n)`` is called as requests complete."""
+    """Run the demo over ``cache_dir``; ``progress(n)`` is called as requests complete. With
+    ``remote_url`` the engine chains a remote tier behind LMDB and a fourth phase (a second host
+    with an empty cache directory) loads from the remote alone."""
     rng = random.Random(seed)
     layout = DEMO_LAYOUT
     device = make_cpu_device(
         layout, num_blocks=640, num_layers=_LAYERS, kv_heads=_KV_HEADS, head_dim=_HEAD_DIM, dtype=torch.bfloat16
     )
     fingerprint = layout_fingerprint(layout, model="kvtier-demo", dtype="bfloat16", weights_version="demo-1")
-    config = EngineConfig(cache_dir=cache_dir, host_capacity_bytes=96 << 20, lmdb_map_size_bytes=256 << 20)
+    remote = {}
+    if remote_url is not None:
+        # A fresh namespace per run: the demo proves its own bytes, not a previous run's.
+        remote = dict(remote_url=remote_url, remote_namespace=f"demo-{os.getpid()}-{time.time_ns()}")
+    config = EngineConfig(cache_dir=cache_dir, host_capacity_bytes=96 << 20, lmdb_map_size_bytes=256 << 20, **remote)
     tick = progress or (lambda n: None)
     failures: List[str] = []
     started = time.perf_counter()
@@ -125,16 +141,40 @@ async def run_demo(
         stats = engine.statistics()
         loaded_disk = stats["loaded_bytes"].get("disk", 0)
         disk_stats = stats["disk"] or {}
+        if hasattr(disk_stats, "as_dict"):  # the tier contract's TierStatistics
+            disk_stats = disk_stats.as_dict()
         file_bytes = int(disk_stats.get("bytes", 0))
         engine.check()
 
+    loaded_remote = 0
+    if remote_url is not None:
+        # A second host: an empty cache directory, the same remote. Every hit comes from the remote.
+        other_dir = tempfile.mkdtemp(prefix="kvtier-demo-host2-")
+        try:
+            other = dataclasses.replace(config, cache_dir=other_dir)
+            async with OffloadEngine(layout, device, other, fingerprint=fingerprint) as engine:
+                scenario = OffloadScenario(engine, seed=seed + 2)
+                scenario.producer_bytes = producer_bytes
+                hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
+                hit_tokens += hits
+                prompt_tokens += sum(len(p) + 1 for p in prompts)
+                stats = engine.statistics()
+                loaded_remote = stats["loaded_bytes"].get("disk", 0)
+                remote_hits = engine.disk_tier.statistics().as_dict().get("hits.remote", 0)
+                if not remote_hits:
+                    failures.append("second host: no chunk came from the remote tier")
+                engine.check()
+        finally:
+            shutil.rmtree(other_dir, ignore_errors=True)
+
     seconds = time.perf_counter() - started
-    moved = loaded_host + loaded_disk
+    moved = loaded_host + loaded_disk + loaded_remote
+    phases = 4 if remote_url is not None else 3
     return DemoSummary(
         verified=not failures,
-        requests=3 * producers,
+        requests=phases * producers,
         producers=producers,
-        consumers=2 * producers,
+        consumers=(phases - 1) * producers,
         hit_tokens=hit_tokens,
         prompt_tokens=prompt_tokens,
         stored_bytes=disk_stored or host_stored,
@@ -150,6 +190,8 @@ async def run_demo(
         load_throughput_mb_s=moved / seconds / 1e6 if seconds > 0 else 0.0,
         cache_dir=cache_dir,
         failures=failures,
+        remote_url=remote_url,
+        loaded_bytes_from_remote=loaded_remote,
     )
 
 
@@ -186,6 +228,13 @@ def format_summary(summary: DemoSummary) -> str:
         f"  disk tier (LMDB)    {summary.disk_stored_bytes / mib:.1f} MiB stored "
         f"({summary.disk_file_bytes / mib:.1f} MiB of records), "
         f"{summary.loaded_bytes_from_disk / mib:.1f} MiB read back after restart",
+    ]
+    if summary.remote_url is not None:
+        lines.append(
+            f"  remote tier         {summary.remote_url}: {summary.loaded_bytes_from_remote / mib:.1f} MiB "
+            "loaded by a second host with an empty cache directory"
+        )
+    lines += [
         f"  SWA coverage        {summary.swa_bytes_stored / mib:.1f} MiB stored instead of "
         f"{summary.swa_bytes_every_chunk / mib:.1f} MiB for every chunk "
         f"({summary.swa_bytes_saved_ratio:.1%} saved)",

@@ -61,7 +61,8 @@ async def run_bench(
 ) -> BenchReport:
     """Run the benchmark (see the module docstring). ``parts`` limits it to some of ``"tiers"``
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
-    ``"policy"`` (longest_hit and coverage) and ``"compression"``; ``total_bytes`` overrides the
+    ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
+    cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/remote.py``); ``total_bytes`` overrides the
     bytes moved per chunk size, ``rounds`` the paired rounds per size. The cache directory gets a
     fresh ``kvtier-bench-*`` subdirectory, removed at the end. Torch runs one intra-op thread
     meanwhile (restored after): on 2 cores its second thread only adds wake-up jitter to the copies,
@@ -78,7 +79,7 @@ async def run_bench(
 async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: Optional[int],
                      parts: Optional[Set[str]], gemma_seq_len: Optional[int], rounds: int,
                      progress: bool) -> BenchReport:
-    all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression"}
+    all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression", "remote"}
     parts = set(all_parts if parts is None else parts)
     unknown = parts - all_parts
     if unknown:
@@ -187,6 +188,11 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                 report.add(f"byte-plane decode 1 thread {label}", c["decode_mb_s"], "MB/s",
                            ratio_of(c["decode_mb_s"], write) if write else None,
                            "raw fdatasync write" if write else "no disk figure in this run")
+        if "remote" in parts:
+            from .remote import REMOTE_FULL_TOTAL_BYTES, REMOTE_QUICK_TOTAL_BYTES, measure_remote
+
+            remote_total = min(total, REMOTE_QUICK_TOTAL_BYTES if quick else REMOTE_FULL_TOTAL_BYTES)
+            await measure_remote(report, sizes, remote_total, min(rounds, 3), say, work=work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report.add("correctness checks failed (bytes read back, SWA coverage)", float(len(report.failures)), "count",
