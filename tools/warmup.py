@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
@@ -38,19 +39,7 @@ from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, lon
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceKVView
 
-from .hf_model import (
-    FULL_ATTENTION,
-    _require_transformers,
-    allocate_kv_blocks,
-    capture_kv,
-    kv_head_shape,
-    layer_types_from_config,
-    layout_from_config,
-    load_model,
-    parse_dtype,
-    text_config,
-    write_kv_to_blocks,
-)
+from .hf_model import _require_transformers, cache_plan, load_model, parse_dtype, text_config
 
 __all__ = ["WarmupSummary", "run_warmup", "model_fingerprint", "read_prompts"]
 
@@ -58,9 +47,14 @@ logger = logging.getLogger("kvtier.warmup")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Config fields that describe how a model is run, not what it computes: two processes that differ
-# only here produce the same KV bytes, so they must not change the fingerprint. Fields starting
-# with "_" (transformers' private bookkeeping, the attention implementation) are ignored too.
+# Config fields that describe how a model is run, not what it computes, left out of the fingerprint.
+# Two processes differing only here compute the same function, but not always the same bytes: the
+# attention kernel (attn_implementation) changes rounding, measured on a tiny Gemma-3: KV max |diff|
+# 2.4e-6 in float32 and 0.074 (~5 bf16 ulps) in bfloat16, as two batch shapes or a server's own
+# prefill and decode kernels do too. Binding it would split one cache per kernel without making any
+# restore more exact (docs/ARCHITECTURE.md, "The fingerprint and the attention kernel";
+# tests/integration/test_attn_implementation.py). Fields starting with "_" (transformers' private
+# bookkeeping) are ignored too.
 _RUNTIME_CONFIG_KEYS = frozenset(
     {
         "transformers_version",
@@ -146,12 +140,9 @@ def model_fingerprint(
     """
     text = text_config(config)
     dtype_name, _ = parse_dtype(dtype)
-    layer_types, _ = layer_types_from_config(text)
-    num_kv_heads, head_dim = kv_head_shape(text)
-    shapes = []
-    for group in layout.groups:
-        wanted = FULL_ATTENTION if group.sliding_window is None else "sliding_attention"
-        shapes.append((sum(1 for t in layer_types if t == wanted), 2, num_kv_heads, head_dim))
+    shapes = cache_plan(text).fingerprint_shapes()
+    if len(shapes) != len(layout.groups):
+        raise ValueError(f"the layout has {len(layout.groups)} groups but this model's cache has {len(shapes)}")
     if weights_version is None:
         weights_version = f"{_model_name(text)}#{_config_tag(text)}"
     model = str(getattr(text, "model_type", None) or type(text).__name__)
@@ -298,6 +289,15 @@ async def _store(engine: OffloadEngine, keys, block_table, num_tokens: int):
     return handle
 
 
+def _remove_unused_cache_dir(cache_dir: PathLike) -> None:
+    """Remove a cache directory this run created and never stored into (a failure must not leave an
+    empty cache behind that looks like a warmed one)."""
+    try:
+        shutil.rmtree(os.fspath(cache_dir))
+    except OSError as exc:  # pragma: no cover - best effort; the original error is what matters
+        logger.warning("could not remove the unused cache directory %s: %s", os.fspath(cache_dir), exc)
+
+
 async def run_warmup(
     model_dir: PathLike,
     prompts_path: PathLike,
@@ -329,6 +329,14 @@ async def run_warmup(
     if not os.path.isdir(os.fspath(model_dir)):
         raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
+    # Refusals that the config alone decides (shared or lossy KV, unsupported attention) come
+    # before the model is loaded and before anything is created on disk.
+    plan = cache_plan(
+        _require_transformers().AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True),
+        block_size=block_size,
+        blocks_per_chunk=blocks_per_chunk,
+        extra_retained_tokens=extra_retained_tokens,
+    )
     model = await asyncio.to_thread(
         _load_quietly if not progress else load_model,
         model_dir,
@@ -347,14 +355,15 @@ async def run_warmup(
                 f"prompt {index + 1}: {len(ids)} tokens, more than the model's max_position_embeddings "
                 f"({max_positions})"
             )
-    layout, layer_groups = layout_from_config(
-        config, block_size=block_size, blocks_per_chunk=blocks_per_chunk, extra_retained_tokens=extra_retained_tokens
-    )
+    layout = plan.layout
     fingerprint = model_fingerprint(config, layout, dtype_name, weights_version=weights_version)
+    probe = next((ids[:8] for ids in prompts if ids), None)
+    if probe is not None:  # the model caches what the config says (shapes), checked before the engine opens
+        await asyncio.to_thread(plan.capture, model, probe)
 
     max_tokens = max((len(ids) for ids in prompts), default=1) or 1
     num_blocks = [cdiv(max_tokens, g.block_size) for g in layout.groups]
-    kv_caches = allocate_kv_blocks(config, layout, layer_groups, num_blocks, torch_dtype, device)
+    kv_caches = plan.allocate(num_blocks, torch_dtype, device)
     view = DeviceKVView(layout, kv_caches)
     block_table = [list(range(n)) for n in num_blocks]
     if engine_config is None:
@@ -370,6 +379,7 @@ async def run_warmup(
     skipped = tokens = stored = stored_bytes = present = dropped = 0
     handles = []
     bar = tqdm(total=len(prompts), unit="prompt", desc="warmup", disable=not progress)
+    created_cache_dir = not os.path.exists(os.fspath(cache_dir))
     try:
         async with OffloadEngine(layout, view, engine_config, fingerprint=fingerprint) as engine:
             previous = None
@@ -380,10 +390,10 @@ async def run_warmup(
                     skipped += 1
                     bar.update(1)
                     continue
-                kv = await asyncio.to_thread(capture_kv, model, ids)
+                kv = await asyncio.to_thread(plan.capture, model, ids)
                 if previous is not None:
                     await previous.wait_released()  # the device blocks are reused below
-                write_kv_to_blocks(kv, kv_caches, layer_groups, block_table, len(ids))
+                plan.write(kv, kv_caches, block_table, len(ids))
                 del kv
                 handle = await _store(engine, keys, block_table, len(ids))
                 tokens += len(ids)
@@ -403,6 +413,10 @@ async def run_warmup(
             await engine.flush()
             durable = await asyncio.gather(*(h.wait_durable() for h in handles))
             not_durable = sum(len(h.scheduled) for h, ok in zip(handles, durable) if not ok)
+    except BaseException:
+        if created_cache_dir and stored == 0 and present == 0:
+            _remove_unused_cache_dir(cache_dir)
+        raise
     finally:
         bar.close()
     return WarmupSummary(

@@ -17,6 +17,7 @@ import torch
 
 from kvtier.tiers.host import HostSlabPool
 
+from .compressed import deepseek_v4_store_figures
 from .figures import gemma3_kv_bytes, measure_compression, measure_coverage, measure_longest_hit
 from .kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
 from .machine import drop_caches_possible, drop_page_cache, filesystem_of, prefault
@@ -169,6 +170,14 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                 report.add(f"SWA store bytes vs cross-group reachable set, R={r}", stored, "MiB",
                            ratio_of(cov["stored"], cov["cross_group"]),
                            "boundaries every group can serve (info)")
+            for r in (0, 3):
+                for p in (1, 4):
+                    for row in deepseek_v4_store_figures(r, blocks_per_chunk=p):
+                        report.add(
+                            f"DeepSeek-V4-Flash {row['group']} bytes stored, R={r}, b=64 p={p}, 100K tokens",
+                            row["stored"] / MiB, "MiB", ratio_of(row["stored"], row["every"]),
+                            f"every complete chunk ({row['every'] / MiB:.1f} MiB; hits every {row['alignment']} tokens)",
+                        )
         if "compression" in parts:
             say("compression on Gemma3 KV")
             seq = gemma_seq_len or (1024 if quick else 2048)
