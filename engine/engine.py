@@ -172,6 +172,7 @@ class OffloadEngine:
             from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
 
             self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
+            self.metrics.set_tier_statistics(self._disk_statistics)
         if self._disk is not None:
             self._subscribe_disk_evictions()
             try:
@@ -207,6 +208,11 @@ class OffloadEngine:
             poll_interval_s=config.pressure_poll_interval_s,
         )
         await self._pressure.start()
+
+    def _disk_statistics(self) -> Dict[str, float]:
+        from kvtier.tiers.chain import tier_statistics_dict
+
+        return tier_statistics_dict(self._disk) if self._disk is not None else {}
 
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
