@@ -52,7 +52,7 @@ from kvtier.policy import (
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
-from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
@@ -193,6 +193,7 @@ class OffloadEngine:
             from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
 
             self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
+            self.metrics.set_tier_statistics(self._disk_statistics)
         self._spill = SpillPipeline(self)
         if self._disk is not None:
             self._subscribe_disk_evictions()
@@ -254,6 +255,11 @@ class OffloadEngine:
         logger.critical("kvtier engine failed: a background loop keeps crashing (%r); closing is all that is left", exc)
         if self._spill is not None:
             self._spill.watch.fail_all()
+
+    def _disk_statistics(self) -> Dict[str, float]:
+        from kvtier.tiers.chain import tier_statistics_dict
+
+        return tier_statistics_dict(self._disk) if self._disk is not None else {}
 
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
@@ -327,37 +333,31 @@ class OffloadEngine:
         return self._index
 
     async def _disk_listing(self) -> Tuple[List[bytes], Optional[int]]:
-        """The tier's keys, with the tier sequence they reflect when the tier reports one
-        (``snapshot_keys`` of the tier contract), else ``None``."""
-        snapshot = getattr(self._disk, "snapshot_keys", None)
-        if snapshot is not None:
-            taken = await snapshot()
-            return list(taken.keys), taken.sequence
-        return list(await self._disk.list_keys()), None
+        """The tier's keys with the tier sequence they reflect (``snapshot_keys``, tier contract)."""
+        taken = await self._disk.snapshot_keys()
+        return list(taken.keys), taken.sequence
 
     def _subscribe_disk_evictions(self) -> None:
         # A record the disk tier drops (capacity eviction, quarantine, delete) must leave the index
         # at once, or lookup would admit a hit whose chunk is gone.
-        subscribe = getattr(self._disk, "subscribe_removals", None)
-        if subscribe is None:
-            logger.warning("disk tier %s reports no removals: its evictions reach the index only on a failed read",
-                           getattr(self._disk, "name", type(self._disk).__name__))
-            return
         loop, loop_thread = self._loop, self._loop_thread
 
-        def on_removed(removals) -> None:
-            items = keys_of(removals)
+        def on_removed(removals: Sequence[Removal]) -> None:
+            # The tier contract delivers on this loop; a tier that calls from its own thread is
+            # handed over rather than trusted.
+            removals = list(removals)
             if threading.get_ident() == loop_thread:
-                self._disk_removed(items)
+                self._disk_removed(removals)
             else:
-                loop.call_soon_threadsafe(self._disk_removed, items)
+                loop.call_soon_threadsafe(self._disk_removed, removals)
 
-        subscribe(on_removed)
+        self._disk.subscribe_removals(on_removed)
 
-    def _disk_removed(self, items: List[Tuple[bytes, Optional[int]]]) -> None:
-        for key, sequence in items:
+    def _disk_removed(self, removals: Sequence[Removal]) -> None:
+        for key, sequence in keys_of(removals):
             self._index.remove(key, sequence)
-        self.metrics.evicted("disk", len(items))
+        # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
+        self.metrics.evicted("disk", sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
 
     def _index_removed(self, key: bytes) -> None:
         entry = self._entries.get(key)
@@ -1173,7 +1173,7 @@ class OffloadEngine:
         stats["chunks_by_phase"] = phases
         stats["chunks_on_disk"] = len(self._index)
         stats["host"] = [pool.statistics() for pool in self._pools]
-        stats["disk"] = self._disk.statistics() if self._disk is not None else None
+        stats["disk"] = self._disk.statistics().as_dict() if self._disk is not None else None
         stats["pressure"] = self._pressure.state if self._pressure is not None else "unknown"
         stats["inflight_stores"] = self._inflight_stores
         stats["spill_queue"] = len(self._spill.queue) if self._spill is not None else 0

@@ -529,8 +529,6 @@ async def simulate(
     if tier == "lmdb":
         inner = await LmdbTier.open(directory / "lmdb", map_size_bytes=64 << 20, capacity_bytes=capacity)
     elif tier == "files":
-        if not hasattr(FileTier, "subscribe_removals"):
-            capacity = None  # a tier that reports no removals cannot be evicted under the engine
         inner = await FileTier.open(directory / "files", capacity_bytes=capacity)
     else:
         raise ValueError(f"tier must be 'lmdb' or 'files', got {tier!r}")

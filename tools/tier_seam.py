@@ -26,7 +26,7 @@ import asyncio
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from kvtier.tiers.base import ChunkMeta, ChunkTier, GetItem, PutItem
+from kvtier.tiers.base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, RemovalCallback, TierStatistics
 
 __all__ = ["SeamTier", "Gate", "SEAM_OPS"]
 
@@ -57,8 +57,8 @@ class SeamTier(ChunkTier):
     """Delegates every call to ``inner`` after running the action scripted for it, if any.
 
     ``calls`` counts calls per operation; ``faults`` counts the exceptions the seam raised.
-    Optional tier methods (``subscribe_removals``, ``flush``, ``snapshot_keys``, ``sequence``,
-    ``check``...) pass through untouched.
+    The contract's optional methods (``subscribe_removals``, ``flush``, ``sequence``, ``check``...)
+    pass through untouched; ``snapshot_keys`` goes through the seam's ``list_keys``.
     """
 
     def __init__(self, inner: ChunkTier) -> None:
@@ -153,13 +153,41 @@ class SeamTier(ChunkTier):
     async def list_keys(self) -> List[bytes]:
         return await self._run("list_keys", self.inner.list_keys)
 
+    async def snapshot_keys(self) -> KeySnapshot:
+        """The inner tier's sequence read first, then the keys through the seam (so a hold on
+        ``list_keys`` holds a snapshot too); like the contract's default, the keys may reflect
+        later mutations."""
+        sequence = self.inner.sequence
+        return KeySnapshot(frozenset(await self.list_keys()), sequence)
+
+    @property
+    def sequence(self) -> int:
+        return self.inner.sequence
+
+    def subscribe_removals(self, callback: RemovalCallback) -> None:
+        self.inner.subscribe_removals(callback)
+
+    async def flush(self) -> None:
+        await self.inner.flush()
+
+    async def check(self) -> List[str]:
+        return await self.inner.check()
+
+    @property
+    def degraded(self) -> bool:
+        return self.inner.degraded
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return self.inner.capacity_bytes
+
     async def close(self) -> None:
         self.heal()
         await self.inner.close()
 
-    def statistics(self):
+    def statistics(self) -> TierStatistics:
         return self.inner.statistics()
 
     def __getattr__(self, name: str):
-        # Optional tier methods (subscribe_removals, flush, snapshot_keys, ...) pass through.
+        # Tier-specific extras (path_for, verify, gc, ...) pass through to the inner tier.
         return getattr(self.inner, name)

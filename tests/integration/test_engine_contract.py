@@ -203,11 +203,6 @@ async def test_a_spill_failing_with_a_foreign_exception_is_not_durable(tmp_path,
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(
-    not hasattr(FileTier, "subscribe_removals"),
-    reason="FileTier reports removals once the tier contract lands (helper house)",
-    strict=True,
-)
 async def test_file_tier_evictions_leave_the_engine_index(tmp_path):
     inner = await FileTier.open(tmp_path / "files", capacity_bytes=6000)
     r = await rig(tmp_path, inner=inner, host_capacity_bytes=4 * 1024)
