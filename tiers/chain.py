@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, PutItem
-from .batching import wait_through_cancel
+from .codec_pool import wait_through_cancel
 from .remote._contract import KeySnapshot, Removal, TierStatistics
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]

@@ -54,8 +54,8 @@ from kvtier.errors import (
 )
 
 from ..base import ChunkMeta, ChunkTier, GetItem, PutItem
-from ..batching import slices as _slices
-from ..batching import wait_through_cancel
+from ..codec_pool import slices as _slices
+from ..codec_pool import wait_through_cancel
 from ..record import (
     CodecConfig,
     RecordMetaMismatchError,
