@@ -68,7 +68,7 @@ from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
@@ -78,6 +78,10 @@ _CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
 _SCAN_COUNT = 1000
 
+
+
+class PutAbortedError(TierIOError):
+    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
 
 
 class _Mismatch:
@@ -448,11 +452,15 @@ class RemoteTier(ChunkTier):
             await wait_through_cancel(encoded)
             raise
 
-    def start_put(self, items: Sequence[PutItem]) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+    def start_put(self, items: Sequence[PutItem], *, after: Optional["asyncio.Future[Any]"] = None
+                  ) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
         """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
-        sequence, its exception the failure). The chained tier writes behind with it. Arguments are
-        checked here, before anything starts."""
+        sequence, its exception the failure). With ``after``, nothing is sent before that future
+        has succeeded; if it fails, the batch is dropped (``PutAbortedError``). The chained tier
+        writes behind with it: encoding overlaps the first tier's put, sending follows its success,
+        so a failed chained put is visible in no tier. Arguments are checked here, before anything
+        starts."""
         self._check_open()
         batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
         for key, meta, raw in items:
@@ -464,11 +472,11 @@ class RemoteTier(ChunkTier):
         encoded: "asyncio.Future[None]" = self._loop.create_future()
         if not batch:
             encoded.set_result(None)
-        task = self._spawn(self._put_batch(list(batch.values()), encoded))
+        task = self._spawn(self._put_batch(list(batch.values()), encoded, after))
         return encoded, task
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
-                         encoded: "asyncio.Future[None]") -> int:
+                         encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
         if not batch:
             return self._sequence
         started = time.perf_counter()
@@ -482,6 +490,12 @@ class RemoteTier(ChunkTier):
         finally:
             if not encoded.done():
                 encoded.set_result(None)
+        if after is not None:
+            try:
+                await asyncio.shield(after)
+            except BaseException as exc:  # the write this one follows failed: send nothing
+                raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
+                                      f"the write it follows failed ({exc!r})") from exc
         sizes = [len(r) for r in records]
         replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
