@@ -31,9 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvtier.errors import ClosedError
 
-from .base import ChunkMeta, ChunkTier, GetItem, PutItem, check_key
+from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from .codec_pool import wait_through_cancel
-from .remote._contract import KeySnapshot, Removal, TierStatistics
 from .remote.tier import PutAbortedError
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
@@ -89,7 +88,7 @@ class ChainedTier(ChunkTier):
         self._fill = writeback_fill_fraction
         self._loop = asyncio.get_running_loop()
         self._sequence = 0
-        self._subscribers: List[Tuple[asyncio.AbstractEventLoop, Callable[[Sequence[Removal]], None]]] = []
+        self._removal_feed = RemovalFeed()
         self._background: Set["asyncio.Task[Any]"] = set()
         self._closed = False
         # write_back_on_evict: keys in the first tier not copied down yet, oldest first.
@@ -178,11 +177,7 @@ class ChainedTier(ChunkTier):
         self._extra["removals_held"] += sum(held)
         if removals:
             self._stats["evictions"] += len(removals)
-            for loop, callback in self._subscribers:
-                try:
-                    loop.call_soon_threadsafe(callback, tuple(removals))
-                except RuntimeError:
-                    pass
+            self._removal_feed.publish(removals)
 
     # --------------------------------------------------------------------------- contract
 
@@ -200,7 +195,7 @@ class ChainedTier(ChunkTier):
 
     def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
         """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
-        self._subscribers.append((asyncio.get_running_loop(), callback))
+        self._removal_feed.subscribe(callback)
 
     async def put_many(self, items: Sequence[PutItem]) -> int:
         """Store in the first tier (durable when it returns, all or nothing, its errors raised as

@@ -53,7 +53,7 @@ from kvtier.errors import (
     TierTimeoutError,
 )
 
-from ..base import ChunkMeta, ChunkTier, GetItem, PutItem
+from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import slices as _slices
 from ..codec_pool import wait_through_cancel
 from ..record import (
@@ -63,7 +63,6 @@ from ..record import (
     decode_record,
     encode_record,
 )
-from ._contract import KeySnapshot, Removal, TierStatistics
 from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
@@ -72,7 +71,6 @@ __all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
-_MAX_KEY_BYTES = 511
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
@@ -142,7 +140,7 @@ class RemoteTier(ChunkTier):
         # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
         self._known: Dict[bytes, Tuple[int, int]] = {}
         self._known_bytes = 0
-        self._subscribers: List[Tuple[asyncio.AbstractEventLoop, Callable[[Sequence[Removal]], None]]] = []
+        self._removal_feed = RemovalFeed()
         self._tasks: Set["asyncio.Task[Any]"] = set()
         self._listing_task: Optional["asyncio.Task[None]"] = None
         self._listing_wakeup = asyncio.Event()
@@ -262,12 +260,7 @@ class RemoteTier(ChunkTier):
         except ValueError:
             return None
 
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes):
-            raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
-        if not 0 < len(key) <= _MAX_KEY_BYTES:
-            raise ValueError(f"chunk key length must be 1..{_MAX_KEY_BYTES}, got {len(key)}")
+    _check_key = staticmethod(check_key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -304,13 +297,7 @@ class RemoteTier(ChunkTier):
         self._known_bytes += size
 
     def _report(self, removals: List[Removal]) -> None:
-        if not removals:
-            return
-        for loop, callback in self._subscribers:
-            try:
-                loop.call_soon_threadsafe(callback, tuple(removals))
-            except RuntimeError:  # that loop is closed: its subscriber is gone
-                pass
+        self._removal_feed.publish(removals)
 
     def _removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
         """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
@@ -400,7 +387,7 @@ class RemoteTier(ChunkTier):
         (corrupt or foreign value found by a read), ``external`` (found gone by the listing). It
         runs on the loop that was running when this was called (handed over with
         ``call_soon_threadsafe``)."""
-        self._subscribers.append((asyncio.get_running_loop(), callback))
+        self._removal_feed.subscribe(callback)
 
     def statistics(self) -> TierStatistics:
         """Counters of this instance (items, not batches, unless named so). ``records`` / ``bytes``
