@@ -71,6 +71,7 @@ __all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
+_DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
@@ -150,6 +151,7 @@ class RemoteTier(ChunkTier):
         )
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
+        self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
             quarantined=0, evictions=0, deletes=0, errors=0,
@@ -231,12 +233,27 @@ class RemoteTier(ChunkTier):
                 logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
                 self._router.start_unreachable()
             await self._listener.sync()
+            await self._read_value_limit()
         except BaseException:
             await self._shutdown()
             raise
         if listing_interval_s is not None:
             self._listing_task = self._loop.create_task(self._listing_loop(), name="kvtier-remote-listing")
         return self
+
+    async def _read_value_limit(self) -> None:
+        """The largest value the primaries accept (``proto-max-bulk-len``): a bigger one gets the
+        connection reset, not an error, which would look like a dead node to the breaker."""
+        limits = []
+        for node in self._router.primaries():
+            try:
+                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
+                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
+                limits.append(int(value))
+            except Exception:  # CONFIG forbidden or node down: keep the server default
+                continue
+        if limits:
+            self._max_value_bytes = min(limits)
 
     # --------------------------------------------------------------------------------- helpers
 
@@ -484,6 +501,13 @@ class RemoteTier(ChunkTier):
                 raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
                                       f"the write it follows failed ({exc!r})") from exc
         sizes = [len(r) for r in records]
+        if max(sizes) > self._max_value_bytes:
+            self._stats["errors"] += 1
+            self._extra["full"] += len(batch)
+            raise TierFullError(
+                f"remote tier: a record of {max(sizes)} bytes exceeds the server's proto-max-bulk-len "
+                f"of {self._max_value_bytes} bytes; nothing of the batch was sent"
+            )
         replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
         if len(stored) != len(batch):
