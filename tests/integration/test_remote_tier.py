@@ -337,7 +337,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             metas, _ = await read_back(tier, items)
             elapsed = time.monotonic() - started
             assert metas == [None] * 4  # a read of a stalled node is a miss, never an error
-            assert elapsed < 2 * timeout_s + 0.5, elapsed
+            assert elapsed < 2 * timeout_s + 1.0, elapsed  # the client default took 11-19 s
             stats = tier.statistics()
             assert stats.extra["timeouts"] >= 1 and stats.extra["breaker_open"] == 1 and stats.degraded
             # Open breaker: refused at once, no network wait.
@@ -345,7 +345,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             assert (await read_back(tier, items))[0] == [None] * 4
             with pytest.raises(TierIOError, match="circuit open"):
                 await tier.put_many(make_items(1, 10, seed=7))
-            assert time.monotonic() - started < 0.1
+            assert time.monotonic() - started < 0.25  # no network wait (a timeout would be 0.3 s each)
             assert tier.statistics().extra["breaker_rejected"] >= 5
             assert any("circuit" in p for p in await tier.check())
         finally:
