@@ -17,7 +17,7 @@ by cause:
 - ``ForkedProcessError``: a forked child touched an environment its parent opened.
 - ``SlotStateError``: a host slot used against its state (a bug in the caller's bookkeeping).
 - ``EngineInvariantError``: ``OffloadEngine.check`` found its tables disagreeing.
-- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.faults``); a ``TierIOError``
+- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.testing.faults``); a ``TierIOError``
   so it travels the same paths as a real one.
 
 Warnings: ``KvtierWarning`` is the base (the test suite turns it into an error);
@@ -127,5 +127,5 @@ class EngineInvariantError(KvtierError):
 
 
 class InjectedFault(TierIOError):
-    """Raised by ``kvtier.tools.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
+    """Raised by ``kvtier.tools.testing.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
     like a real one."""
