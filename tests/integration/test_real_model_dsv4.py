@@ -94,6 +94,8 @@ async def test_deepseek_v4_restores_exactly(model_dir, tmp_path):
     cache_dir = tmp_path / "cache"
     summary = await run_warmup(model_dir, corpus, cache_dir, progress=False, block_size=BLOCK, extra_retained_tokens=R)
     assert summary.tokens == PREFIX_TOKENS and summary.chunks_stored > 0 and summary.chunks_dropped == 0
+    again = await run_warmup(model_dir, corpus, cache_dir, progress=False, block_size=BLOCK, extra_retained_tokens=R)
+    assert (again.skipped, again.tokens, again.chunks_stored) == (1, 0, 0)  # resumable: nothing recomputed
 
     model = load_model(model_dir)
     plan = cache_plan(model.config, block_size=BLOCK, extra_retained_tokens=R)
