@@ -40,9 +40,11 @@ from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
 from .config import EngineConfig
+from .drop_log import DropLog, drop_detail
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
 from .records import ChunkEntry, ChunkEvent, HostState, LoadResult, RequestKeys, StoreHandle
+from .validation import check_count, check_engine_settings, check_load_arguments, check_store_arguments, check_token_ids
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -93,7 +95,9 @@ class OffloadEngine:
         self.device = device
         self.config = config if config is not None else EngineConfig()
         self.fingerprint = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
+        check_engine_settings(self.config, layout, device)
         self.metrics = EngineMetrics()
+        self._drop_log = DropLog()
         self._disk: Optional[ChunkTier] = disk_tier
         self._owns_disk = disk_tier is None
         self._pressure_sources = pressure_sources
@@ -356,6 +360,7 @@ class OffloadEngine:
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
         """The request's chunk keys, each hashed when first read; pass the result to store/lookup/load,
         and grow it by a decode step's new tokens with ``RequestKeys.extended`` (O(new tokens))."""
+        token_ids = check_token_ids(token_ids)
         return RequestKeys.from_chain(KeyChain(self.layout, token_ids, fingerprint=self.fingerprint, salt=salt))
 
     def _keys(self, request: TokensOrKeys, salt) -> RequestKeys:
@@ -408,6 +413,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
         if num_tokens is None:
             num_tokens = keys.num_tokens
         if not isinstance(num_tokens, int) or not 0 <= num_tokens <= keys.num_tokens:
@@ -444,6 +450,9 @@ class OffloadEngine:
             dropped = [(g, c) for g, c, _, _ in jobs]
             if dropped:
                 self.metrics.dropped(drop_reason, len(dropped))
+                self._drop_log.note(drop_reason, len(dropped), drop_detail(
+                    drop_reason, (g for g, _ in dropped), inflight=self._inflight_stores,
+                    queue_max_chunks=self.config.store_queue_max_chunks, pool_slots=[p.num_slots for p in self._pools]))
             handle = StoreHandle(self._loop, (), skipped, dropped, drop_reason)
             handle._released.set_result(None)
             handle._durable.set_result(not dropped and self._disk is not None)
@@ -722,6 +731,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        max_tokens = None if max_tokens is None else check_count("max_tokens", max_tokens, None)
         if max_tokens is None:
             max_tokens = max(0, keys.num_tokens - 1)
         hit = longest_hit(self.layout, max_tokens, self._state(keys))
@@ -755,6 +765,7 @@ class OffloadEngine:
         """
         self._check_open()
         keys = self._keys(request, salt)
+        hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
         if not isinstance(hit_tokens, int) or not 0 <= hit_tokens <= keys.num_tokens:
             raise ValueError(f"hit_tokens must be in [0, {keys.num_tokens}], got {hit_tokens!r}")
         self._check_block_table(block_table)
@@ -944,6 +955,7 @@ class OffloadEngine:
         if policy == "timeout" and (timeout_s is None or timeout_s <= 0):
             raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {timeout_s!r}")
         keys = self._keys(request, salt)
+        hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
         if self._pressure is not None and self._pressure.paused:
             self.metrics.dropped("pressure_prefetch", 1)
             return 0
