@@ -145,31 +145,37 @@ def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None) -> Pre
 
 
 class _HostMemorySource:
-    def __init__(self) -> None:
+    def __init__(self, own_bytes: Optional[Callable[[], int]] = None) -> None:
         self.unknown_reason: Optional[str] = None
+        self._own_bytes = own_bytes
 
     def __call__(self) -> Optional[float]:
         try:
             import psutil
 
-            percent = psutil.virtual_memory().percent
+            memory = psutil.virtual_memory()
+            own = int(self._own_bytes()) if self._own_bytes is not None else 0
         except Exception as exc:  # psutil missing or /proc unreadable: unknown, not fatal
             self.unknown_reason = f"host memory unavailable ({_describe(exc)})"
             return None
         self.unknown_reason = None
-        return percent / 100.0
+        if not memory.total:
+            return None
+        return max(0.0, min(1.0, (memory.total - memory.available - own) / memory.total))
 
     def __repr__(self) -> str:
         return "host_memory_source()"
 
 
-def host_memory_source() -> PressureSource:
-    """A source reading host memory in use: ``psutil.virtual_memory().percent / 100``.
+def host_memory_source(own_bytes: Optional[Callable[[], int]] = None) -> PressureSource:
+    """A source reading host memory in use by *others*: ``(total - available - own) / total``.
 
-    psutil's percent counts memory not *available* (page cache that can be dropped is free), which
-    is the pressure that matters for a pinned slab.
+    psutil's ``available`` counts page cache that can be dropped as free, which is the pressure
+    that matters for a pinned slab. ``own_bytes()`` is memory the caller already holds (the
+    engine passes its host slabs, pre-faulted at start): counting it would let a large slab keep
+    the reading high by itself, and the engine would drop every store for good.
     """
-    return _HostMemorySource()
+    return _HostMemorySource(own_bytes)
 
 
 class LatencyEwma:

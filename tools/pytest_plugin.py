@@ -108,10 +108,11 @@ async def kvtier_engine_factory(kvtier_layout, kvtier_config):
     yield factory
     problems = []
     for engine in engines:
-        if not engine._closed:
+        if not engine.closed:
             await engine.flush()
             try:
                 engine.check()
+                await engine.check_disk()
             except Exception as exc:  # report every engine, then fail
                 problems.append(exc)
             await engine.close()

@@ -151,14 +151,8 @@ class OffloadScenario:
         chunks are durable, then drop the device blocks. Checks ``expect_stored`` exactly."""
         token_ids = list(token_ids)
         table = self.allocate(len(token_ids))
-        for g, blocks in enumerate(table):
-            for layer in self._layers(g):
-                for block in blocks:
-                    noise = torch.randint(0, 256, (layer[block].numel() * layer.element_size(),),
-                                          dtype=torch.uint8, generator=self._gen)
-                    # Random bytes can spell NaN; bitwise checks compare bytes, so that is fine.
-                    layer[block].view(torch.uint8).view(-1).copy_(noise)
         keys = self.engine.request_keys(token_ids, salt=salt)
+        self.fill_blocks(keys, table)
         handle = self.engine.store(keys, table, num_tokens)
         await handle.wait_released()
         for g, chunk in handle.scheduled:
@@ -181,6 +175,17 @@ class OffloadScenario:
         if drop_device_blocks:
             self.free(table)
         return record
+
+    def fill_blocks(self, keys, table: Sequence[Sequence[int]]) -> None:
+        """A producer's "forward pass": write its KV bytes into its device blocks. Here random
+        bytes (random bytes can spell NaN; the checks compare bytes, so that is fine); a subclass
+        may make them a function of the chunk keys, as a real model's KV is of the prefix."""
+        for g, blocks in enumerate(table):
+            for layer in self._layers(g):
+                for block in blocks:
+                    noise = torch.randint(0, 256, (layer[block].numel() * layer.element_size(),),
+                                          dtype=torch.uint8, generator=self._gen)
+                    layer[block].view(torch.uint8).view(-1).copy_(noise)
 
     # ---------------------------------------------------------------- consumer
 

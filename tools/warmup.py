@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
@@ -36,21 +37,9 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
 from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
-from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
-from .hf_model import (
-    FULL_ATTENTION,
-    _require_transformers,
-    allocate_kv_blocks,
-    capture_kv,
-    kv_head_shape,
-    layer_types_from_config,
-    layout_from_config,
-    load_model,
-    parse_dtype,
-    text_config,
-    write_kv_to_blocks,
-)
+from .hf_model import _require_transformers, cache_plan, load_model, parse_dtype, text_config
 
 __all__ = ["WarmupSummary", "run_warmup", "model_fingerprint", "read_prompts"]
 
@@ -58,9 +47,14 @@ logger = logging.getLogger("kvtier.warmup")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Config fields that describe how a model is run, not what it computes: two processes that differ
-# only here produce the same KV bytes, so they must not change the fingerprint. Fields starting
-# with "_" (transformers' private bookkeeping, the attention implementation) are ignored too.
+# Config fields that describe how a model is run, not what it computes, left out of the fingerprint.
+# Two processes differing only here compute the same function, but not always the same bytes: the
+# attention kernel (attn_implementation) changes rounding, measured on a tiny Gemma-3: KV max |diff|
+# 2.4e-6 in float32 and 0.074 (~5 bf16 ulps) in bfloat16, as two batch shapes or a server's own
+# prefill and decode kernels do too. Binding it would split one cache per kernel without making any
+# restore more exact (docs/ARCHITECTURE.md, "The fingerprint and the attention kernel";
+# tests/integration/test_attn_implementation.py). Fields starting with "_" (transformers' private
+# bookkeeping) are ignored too.
 _RUNTIME_CONFIG_KEYS = frozenset(
     {
         "transformers_version",
@@ -78,12 +72,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # A store dropped under pressure or a full queue is retried after a flush this many times before
 # the prompt is counted as dropped: warmup is offline, so waiting is fine, but not forever.
 _STORE_ATTEMPTS = 4
+# Marks a prompt line without "token_ids" (a text prompt) apart from one whose token_ids is null.
+_TEXT_PROMPT = object()
 
 
 @dataclass(frozen=True)
 class WarmupSummary:
     """What one ``run_warmup`` did. ``chunks_stored``/``bytes_stored`` count chunks this run wrote
-    (chunks another prompt or an earlier run already stored are ``chunks_present``)."""
+    and the disk confirmed durable (chunks another prompt or an earlier run already stored are
+    ``chunks_present``; chunks whose write failed, e.g. on a full disk, are ``chunks_not_durable``
+    and never counted as stored)."""
 
     prompts: int
     skipped: int  # already complete in the cache (resumed), or too short to fill one chunk
@@ -146,12 +144,9 @@ def model_fingerprint(
     """
     text = text_config(config)
     dtype_name, _ = parse_dtype(dtype)
-    layer_types, _ = layer_types_from_config(text)
-    num_kv_heads, head_dim = kv_head_shape(text)
-    shapes = []
-    for group in layout.groups:
-        wanted = FULL_ATTENTION if group.sliding_window is None else "sliding_attention"
-        shapes.append((sum(1 for t in layer_types if t == wanted), 2, num_kv_heads, head_dim))
+    shapes = cache_plan(text).fingerprint_shapes()
+    if len(shapes) != len(layout.groups):
+        raise ValueError(f"the layout has {len(layout.groups)} groups but this model's cache has {len(shapes)}")
     if weights_version is None:
         weights_version = f"{_model_name(text)}#{_config_tag(text)}"
     model = str(getattr(text, "model_type", None) or type(text).__name__)
@@ -166,9 +161,9 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
     ``"token_ids"`` (a list of non-negative ints) or ``"text"`` (tokenized with the tokenizer in
     ``tokenizer_dir``, which must then hold one). Errors name the line."""
     entries: List[Tuple[int, Any, Optional[str]]] = []
+    number = 0
     try:
         async with aiofiles.open(os.fspath(path), "r", encoding="utf-8") as f:
-            number = 0
             async for line in f:
                 number += 1
                 if not line.strip():
@@ -179,24 +174,34 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
                     raise ValueError(f"{os.fspath(path)}:{number}: not JSON: {exc.msg}") from None
                 if not isinstance(record, dict) or ("token_ids" not in record and "text" not in record):
                     raise ValueError(f"{os.fspath(path)}:{number}: expected an object with 'token_ids' or 'text'")
-                entries.append((number, record.get("token_ids"), record.get("text")))
+                # A present "token_ids" is a token-id prompt even when its value is wrong (null):
+                # the error then names token_ids, not a missing tokenizer.
+                ids = record["token_ids"] if "token_ids" in record else _TEXT_PROMPT
+                entries.append((number, ids, record.get("text")))
     except FileNotFoundError:
         raise ValueError(f"prompts file {os.fspath(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"prompts file {os.fspath(path)!r} is a directory, not a JSONL file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"prompts file {os.fspath(path)!r} is not UTF-8 text ({exc.reason}); "
+            "expected JSONL with one object per line"
+        ) from None
 
     tokenizer = None
-    if any(ids is None for _, ids, _ in entries):
+    if any(ids is _TEXT_PROMPT for _, ids, _ in entries):
         tokenizer = _load_tokenizer(tokenizer_dir, path)
     prompts: List[List[int]] = []
     for number, ids, text in entries:
         where = f"{os.fspath(path)}:{number}"
-        if ids is None:
+        if ids is _TEXT_PROMPT:
             if not isinstance(text, str):
                 raise ValueError(f"{where}: 'text' must be a string")
             ids = tokenizer(text)["input_ids"]
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):
-            raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints")
+            raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints, got {json.dumps(ids)[:60]}")
         prompts.append(ids)
     return prompts
 
@@ -269,6 +274,18 @@ def _host_capacity_for(view: DeviceKVView, layout: ModelLayout, max_tokens: int)
     return 2 * chunks * sum(view.chunk_nbytes(g) for g in range(len(layout.groups)))
 
 
+def _checkpoint_errors() -> Tuple[type, ...]:
+    """What a damaged or foreign checkpoint raises while loading: safetensors' own error (a
+    garbage ``model.safetensors``), OSError (missing or unreadable files), ValueError / KeyError
+    (a config that does not parse) and RuntimeError (weights of the wrong shape)."""
+    errors: Tuple[type, ...] = (OSError, ValueError, KeyError, RuntimeError)
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - transformers requires safetensors
+        return errors
+    return errors + (SafetensorError,)
+
+
 def _load_quietly(model_dir: PathLike, **kwargs: Any):
     """``load_model`` without transformers' own progress bars (restored afterwards)."""
     hf_logging = _require_transformers().utils.logging
@@ -296,6 +313,15 @@ async def _store(engine: OffloadEngine, keys, block_table, num_tokens: int):
         if handle.drop_reason == "pressure":
             await asyncio.sleep(engine.config.pressure_poll_interval_s)
     return handle
+
+
+def _remove_unused_cache_dir(cache_dir: PathLike) -> None:
+    """Remove a cache directory this run created and never stored into (a failure must not leave an
+    empty cache behind that looks like a warmed one)."""
+    try:
+        shutil.rmtree(os.fspath(cache_dir))
+    except OSError as exc:  # pragma: no cover - best effort; the original error is what matters
+        logger.warning("could not remove the unused cache directory %s: %s", os.fspath(cache_dir), exc)
 
 
 async def run_warmup(
@@ -328,14 +354,29 @@ async def run_warmup(
     dtype_name, torch_dtype = parse_dtype(dtype)
     if not os.path.isdir(os.fspath(model_dir)):
         raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
+    DeviceBackend(device)  # a missing GPU is a one-line DeviceError now, not torch's assertion later
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
-    model = await asyncio.to_thread(
-        _load_quietly if not progress else load_model,
-        model_dir,
-        device=device,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
+    # Refusals that the config alone decides (shared or lossy KV, unsupported attention) come
+    # before the model is loaded and before anything is created on disk.
+    plan = cache_plan(
+        _require_transformers().AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True),
+        block_size=block_size,
+        blocks_per_chunk=blocks_per_chunk,
+        extra_retained_tokens=extra_retained_tokens,
     )
+    try:
+        model = await asyncio.to_thread(
+            _load_quietly if not progress else load_model,
+            model_dir,
+            device=device,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+        )
+    except _checkpoint_errors() as exc:
+        raise ValueError(
+            f"cannot load the model in {os.fspath(model_dir)!r} ({type(exc).__name__}: {exc}); "
+            "is it a complete transformers checkpoint?"
+        ) from exc
     config = text_config(model.config)
     vocab = getattr(config, "vocab_size", None)
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -347,14 +388,15 @@ async def run_warmup(
                 f"prompt {index + 1}: {len(ids)} tokens, more than the model's max_position_embeddings "
                 f"({max_positions})"
             )
-    layout, layer_groups = layout_from_config(
-        config, block_size=block_size, blocks_per_chunk=blocks_per_chunk, extra_retained_tokens=extra_retained_tokens
-    )
+    layout = plan.layout
     fingerprint = model_fingerprint(config, layout, dtype_name, weights_version=weights_version)
+    probe = next((ids[:8] for ids in prompts if ids), None)
+    if probe is not None:  # the model caches what the config says (shapes), checked before the engine opens
+        await asyncio.to_thread(plan.capture, model, probe)
 
     max_tokens = max((len(ids) for ids in prompts), default=1) or 1
     num_blocks = [cdiv(max_tokens, g.block_size) for g in layout.groups]
-    kv_caches = allocate_kv_blocks(config, layout, layer_groups, num_blocks, torch_dtype, device)
+    kv_caches = plan.allocate(num_blocks, torch_dtype, device)
     view = DeviceKVView(layout, kv_caches)
     block_table = [list(range(n)) for n in num_blocks]
     if engine_config is None:
@@ -367,9 +409,10 @@ async def run_warmup(
     else:
         engine_config = dataclasses.replace(engine_config, cache_dir=os.fspath(cache_dir))
 
-    skipped = tokens = stored = stored_bytes = present = dropped = 0
+    skipped = tokens = scheduled = stored = stored_bytes = present = dropped = 0
     handles = []
     bar = tqdm(total=len(prompts), unit="prompt", desc="warmup", disable=not progress)
+    created_cache_dir = not os.path.exists(os.fspath(cache_dir))
     try:
         async with OffloadEngine(layout, view, engine_config, fingerprint=fingerprint) as engine:
             previous = None
@@ -380,10 +423,10 @@ async def run_warmup(
                     skipped += 1
                     bar.update(1)
                     continue
-                kv = await asyncio.to_thread(capture_kv, model, ids)
+                kv = await asyncio.to_thread(plan.capture, model, ids)
                 if previous is not None:
                     await previous.wait_released()  # the device blocks are reused below
-                write_kv_to_blocks(kv, kv_caches, layer_groups, block_table, len(ids))
+                plan.write(kv, kv_caches, block_table, len(ids))
                 del kv
                 handle = await _store(engine, keys, block_table, len(ids))
                 tokens += len(ids)
@@ -394,15 +437,21 @@ async def run_warmup(
                         "prompt of %d tokens: %d chunks dropped (%s)", len(ids), len(handle.dropped), handle.drop_reason
                     )
                 else:
-                    stored += len(handle.scheduled)
-                    stored_bytes += sum(view.chunk_nbytes(g) for g, _ in handle.scheduled)
+                    scheduled += len(handle.scheduled)
                     handles.append(handle)
                 previous = handle
                 bar.update(1)
-                bar.set_postfix(tokens=tokens, chunks=stored, refresh=False)
+                bar.set_postfix(tokens=tokens, chunks=scheduled, refresh=False)
             await engine.flush()
             durable = await asyncio.gather(*(h.wait_durable() for h in handles))
+            # Only chunks on disk count as stored: a summary must not promise what a full disk lost.
             not_durable = sum(len(h.scheduled) for h, ok in zip(handles, durable) if not ok)
+            stored = sum(len(h.scheduled) for h, ok in zip(handles, durable) if ok)
+            stored_bytes = sum(view.chunk_nbytes(g) for h, ok in zip(handles, durable) if ok for g, _ in h.scheduled)
+    except BaseException:
+        if created_cache_dir and scheduled == 0 and present == 0:
+            _remove_unused_cache_dir(cache_dir)
+        raise
     finally:
         bar.close()
     return WarmupSummary(

@@ -16,6 +16,7 @@ from kvtier.tools.bench import (
     BenchReport,
     deepseek_v4_like_layout,
     format_report,
+    gemma3_kv_bytes,
     make_kv_bytes,
     measure_compression,
     measure_coverage,
@@ -110,6 +111,8 @@ def test_compression_and_bookkeeping():
     figures = measure_compression(kv, 256 << 10, repeats=1)
     assert figures["ratio"] > 1.2  # bf16 high bytes compress
     assert figures["encode_mb_s"] > 0 and figures["decode_mb_s"] > 0
+    gemma = gemma3_kv_bytes(16)  # the real-model bytes the full run compresses (a tiny model)
+    assert gemma.dtype == torch.uint8 and gemma.numel() > 0
     bk = asyncio.run(measure_bookkeeping(chunks_per_request=8, requests=2, rounds=1))
     assert bk.total_us_per_chunk > 0
     parts = bk.store_us_per_chunk + bk.lookup_us_per_chunk + bk.load_us_per_chunk

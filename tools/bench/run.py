@@ -17,6 +17,7 @@ import torch
 
 from kvtier.tiers.host import HostSlabPool
 
+from .compressed import deepseek_v4_store_figures
 from .figures import gemma3_kv_bytes, measure_compression, measure_coverage, measure_longest_hit
 from .kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
 from .machine import drop_caches_possible, drop_page_cache, filesystem_of, prefault
@@ -63,7 +64,8 @@ async def run_bench(
 ) -> BenchReport:
     """Run the benchmark (see the module docstring). ``parts`` limits it to some of ``"tiers"``
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
-    ``"policy"`` (longest_hit and coverage) and ``"compression"``; ``total_bytes`` overrides the
+    ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
+    cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/remote.py``); ``total_bytes`` overrides the
     bytes moved per chunk size, ``rounds`` the paired rounds per size. ``peers`` (default: not
     ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
     take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. The cache directory gets a
@@ -83,7 +85,7 @@ async def run_bench(
 async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: Optional[int],
                      parts: Optional[Set[str]], gemma_seq_len: Optional[int], rounds: int,
                      progress: bool, peers: bool) -> BenchReport:
-    all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression"}
+    all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression", "remote"}
     parts = set(all_parts if parts is None else parts)
     unknown = parts - all_parts
     if unknown:
@@ -174,6 +176,14 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                 report.add(f"SWA store bytes vs cross-group reachable set, R={r}", stored, "MiB",
                            ratio_of(cov["stored"], cov["cross_group"]),
                            "boundaries every group can serve (info)")
+            for r in (0, 3):
+                for p in (1, 4):
+                    for row in deepseek_v4_store_figures(r, blocks_per_chunk=p):
+                        report.add(
+                            f"DeepSeek-V4-Flash {row['group']} bytes stored, R={r}, b=64 p={p}, 100K tokens",
+                            row["stored"] / MiB, "MiB", ratio_of(row["stored"], row["every"]),
+                            f"every complete chunk ({row['every'] / MiB:.1f} MiB; hits every {row['alignment']} tokens)",
+                        )
         if "compression" in parts:
             say("compression on Gemma3 KV")
             seq = gemma_seq_len or (1024 if quick else 2048)
@@ -193,6 +203,11 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                 report.add(f"byte-plane decode 1 thread {label}", c["decode_mb_s"], "MB/s",
                            ratio_of(c["decode_mb_s"], write) if write else None,
                            "raw fdatasync write" if write else "no disk figure in this run")
+        if "remote" in parts:
+            from .remote import REMOTE_FULL_TOTAL_BYTES, REMOTE_QUICK_TOTAL_BYTES, measure_remote
+
+            remote_total = min(total, REMOTE_QUICK_TOTAL_BYTES if quick else REMOTE_FULL_TOTAL_BYTES)
+            await measure_remote(report, sizes, remote_total, min(rounds, 3), say, work=work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report.add("correctness checks failed (bytes read back, SWA coverage)", float(len(report.failures)), "count",

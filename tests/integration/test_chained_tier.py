@@ -1,0 +1,290 @@
+"""ChainedTier: LMDB first, the remote tier behind it, on a real Valkey node."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+
+import pytest
+
+from kvtier.engine import EngineConfig
+from kvtier.tiers.chain import ChainedTier
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.remote import RemoteTier
+
+from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT as FP
+from kvtier.tools.valkey_fixtures import make_items, read_back, wait_for
+
+_ns = itertools.count()
+
+
+async def open_chain(tmp_path, url, *, write_policy="write_through", capacity_bytes=None, **remote_kwargs):
+    ns = f"chain{os.getpid()}-{next(_ns)}"
+    lmdb = await LmdbTier.open(str(tmp_path / f"lmdb-{ns}"), capacity_bytes=capacity_bytes)
+    remote = await RemoteTier.open(url, namespace=ns, fingerprint=FP, **remote_kwargs)
+    return ChainedTier([lmdb, remote], write_policy=write_policy), ns
+
+
+@pytest.mark.asyncio
+async def test_write_through_lands_in_both_and_reads_come_from_the_first(tmp_path, valkey_node):
+    chain, _ = await open_chain(tmp_path, valkey_node.url)
+    lmdb, remote = chain.tiers
+    try:
+        items = make_items(6, 64 << 10, seed=11)
+        keys = [k for k, _, _ in items]
+        seq = await chain.put_many(items)
+        assert seq == chain.sequence == 1
+        assert await lmdb.contains_many(keys) == [True] * 6
+        await chain.flush()  # the write-behind to the remote
+        assert await remote.contains_many(keys) == [True] * 6
+        metas, bufs = await read_back(chain, items)
+        assert all(m is not None for m in metas) and bytes(bufs[2]) == bytes(items[2][2])
+        stats = chain.statistics()
+        assert (stats.hits, stats.extra["hits.lmdb"], stats.extra["hits.remote"]) == (6, 6, 0)
+        assert stats.extra["writebehind_chunks"] == 6 and stats.extra["remote.puts"] == 6
+        assert "remote.breaker_open" in stats.extra and stats.extra["lmdb.records"] == 6
+    finally:
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_remote_only_chunks_are_seen_loaded_and_promoted(tmp_path, valkey_node):
+    chain, ns = await open_chain(tmp_path, valkey_node.url)
+    lmdb, remote = chain.tiers
+    other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
+    try:
+        items = make_items(4, 32 << 10, seed=12)
+        keys = [k for k, _, _ in items]
+        await other_host.put_many(items)  # another host wrote them
+        assert await chain.contains_many(keys) == [True] * 4
+        assert sorted(await chain.list_keys()) == sorted(keys)
+        metas, bufs = await read_back(chain, items)
+        assert metas == [m for _, m, _ in items]
+        assert all(bytes(b) == bytes(raw) for b, (_, _, raw) in zip(bufs, items))
+        await chain.flush()
+        assert await lmdb.contains_many(keys) == [True] * 4  # promoted remote -> LMDB
+        assert chain.statistics().extra["promotions"] == 4
+        assert chain.statistics().extra["hits.remote"] == 4
+    finally:
+        await other_host.close()
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_removals_are_reported_only_when_no_tier_holds_the_key(tmp_path, valkey_node):
+    chain, ns = await open_chain(tmp_path, valkey_node.url)
+    lmdb, remote = chain.tiers
+    removed = []
+    chain.subscribe_removals(removed.extend)
+    other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
+    try:
+        both = make_items(2, 1000, seed=13)
+        remote_only = make_items(2, 1000, seed=14)
+        await chain.put_many(both)
+        await chain.flush()
+        await other_host.put_many(remote_only)
+        await chain.list_keys()  # the remote tier now knows every key
+        # Gone from the server without a notification (another host's delete): the listing finds
+        # it. For keys LMDB still holds the chain reports nothing; for remote-only keys it does.
+        for key, _, _ in both + remote_only:
+            valkey_node.command("DEL", remote.rkey(key))
+        seq_before = chain.sequence
+        assert await remote.reconcile() == 4
+        assert await wait_for(lambda: len(removed) == 2)
+        await chain.flush()
+        assert sorted(r.key for r in removed) == sorted(k for k, _, _ in remote_only)
+        assert all(r.reason == "external" and r.sequence > seq_before for r in removed)
+        assert chain.statistics().extra["removals_held"] == 2
+        assert chain.statistics().evictions == 2
+        # A put after the removal wins: its sequence is later.
+        seq = await chain.put_many(remote_only[:1])
+        assert seq > max(r.sequence for r in removed)
+    finally:
+        await other_host.close()
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_remote_is_never_worse_than_no_remote(tmp_path, valkey_factory):
+    node = valkey_factory.node()
+    chain, ns = await open_chain(tmp_path, node.url, timeout_s=0.3, breaker_failures=1, breaker_reset_s=30.0)
+    other_host = await RemoteTier.open(node.url, namespace=ns, fingerprint=FP)
+    try:
+        remote_only = make_items(2, 1000, seed=15)
+        await other_host.put_many(remote_only)
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            items = make_items(3, 10_000, seed=16)
+            await chain.put_many(items)  # LMDB is durable; the remote copy fails in the background
+            metas, bufs = await read_back(chain, items)
+            assert all(m is not None for m in metas) and bytes(bufs[0]) == bytes(items[0][2])
+            assert (await read_back(chain, remote_only))[0] == [None, None]  # a miss, not an error
+            assert await chain.contains_many([k for k, _, _ in remote_only]) == [False, False]
+            await chain.flush()
+            assert time.monotonic() - started < 3.0
+            stats = chain.statistics()
+            assert stats.extra["writebehind_failed"] == 3 and stats.extra["remote.breaker_open"] == 1
+            assert stats.degraded and any("circuit" in p for p in await chain.check())
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+    finally:
+        await other_host.close()
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_write_back_on_evict_copies_down_only_near_capacity(tmp_path, valkey_node):
+    chain, _ = await open_chain(tmp_path, valkey_node.url, write_policy="write_back_on_evict",
+                                capacity_bytes=1 << 20)
+    lmdb, remote = chain.tiers
+    try:
+        first = make_items(4, 100 << 10, seed=17)  # ~400 KiB of 1 MiB: no copy yet
+        await chain.put_many(first)
+        await chain.flush()
+        assert await remote.contains_many([k for k, _, _ in first]) == [False] * 4
+        more = make_items(6, 100 << 10, seed=18)  # past 90 %: the oldest are copied down
+        for item in more:
+            await chain.put_many([item])
+        await chain.flush()
+        copied = await remote.contains_many([k for k, _, _ in first + more])
+        assert copied[:4] == [True] * 4  # the oldest first
+        assert chain.statistics().extra["writebehind_chunks"] == sum(copied)
+        metas, bufs = await read_back(remote, first)
+        assert all(m is not None for m in metas) and bytes(bufs[3]) == bytes(first[3][2])
+    finally:
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_remote(tmp_path, valkey_node):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "c"), "remote_url": valkey_node.url, "host_capacity_bytes": "1MiB",
+                                     "remote_namespace": "cfg", "remote_timeout_s": "0.5",
+                                     "remote_write_policy": "write_back_on_evict"})
+    async with OffloadEngine(DEFAULT_TEST_LAYOUT, make_cpu_device(DEFAULT_TEST_LAYOUT), config,
+                             fingerprint=b"cfg-model") as engine:
+        chain = engine.disk_tier
+        assert isinstance(chain, ChainedTier) and chain.write_policy == "write_back_on_evict"
+        assert [t.name for t in chain.tiers] == ["lmdb", "remote"] and chain.tiers[1].namespace == "cfg"
+        text = engine.metrics.exposition().decode()
+        assert 'kvtier_tier_stat{stat="breaker_open",tier="remote"} 0.0' in text
+        assert 'kvtier_tier_stat{stat="hits",tier="remote"}' in text and 'tier="lmdb"' in text
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bad = EngineConfig(cache_dir=str(tmp_path / "d"), remote_url=f"redis://127.0.0.1:{port}", host_capacity_bytes=1 << 20,
+                       remote_timeout_s=0.3, remote_connect_timeout_s=0.3)
+    async with OffloadEngine(DEFAULT_TEST_LAYOUT, make_cpu_device(DEFAULT_TEST_LAYOUT), bad,
+                             fingerprint=b"cfg-model") as engine:
+        # The remote is down: the engine serves from host and LMDB, the chain says it is degraded.
+        scenario = OffloadScenario(engine)
+        prompt = scenario.tokens(33)
+        record = await scenario.produce(prompt)
+        assert record.durable
+        await scenario.consume(prompt + [1], expect_hit=32)
+        assert engine.disk_tier.degraded
+        assert engine.disk_tier.statistics().extra["remote.breaker_open"] == 1
+    with pytest.raises(ValueError, match="remote_write_policy"):
+        EngineConfig(remote_write_policy="sometimes")
+    assert EngineConfig.from_env({"KVTIER_REMOTE_URL": ""}).remote_url is None
+
+
+@pytest.mark.asyncio
+async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.valkey import restart_node
+
+    cluster = valkey_factory.cluster(3)
+    by_port = {n.port: i for i, n in enumerate(cluster.nodes)}
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=cluster.url,
+                            remote_namespace="kill", remote_timeout_s=1.0, remote_breaker_reset_s=0.2)
+
+    layout = DEFAULT_TEST_LAYOUT
+    killed = []
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a:
+        chain = a.disk_tier
+        remote = chain.tiers[1]
+
+        stores = []
+
+        def kill_on_the_second_store_pipeline(node, commands):
+            if commands and commands[0][0] == "SET":
+                stores.append(node.port)
+                if len(stores) == 2:  # one pipeline per node: the second node dies mid-batch
+                    killed.append(by_port[node.port])
+                    os.kill(cluster.nodes[killed[0]].pid, signal.SIGKILL)
+
+        remote.set_call_hook(kill_on_the_second_store_pipeline)
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        record = await scenario.produce(prompt)
+        assert record.durable  # LMDB has it: the remote's failure is not the store's
+        await chain.flush()
+        remote.set_call_hook(None)
+        assert killed, "the hook never killed a primary"
+        stats = chain.statistics()
+        assert stats.extra["writebehind_failed"] == 8 and stats.extra["remote.rollbacks"] == 1
+        producer_bytes = scenario.producer_bytes
+    await asyncio.to_thread(restart_node, cluster, killed[0])
+
+    # Host B never saw the prompt: the failed write-behind left nothing of it on the cluster, so
+    # it misses cleanly (0 tokens) instead of hitting a part of the request.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-b"), fingerprint=b"kill-model") as b:
+        assert b.lookup(prompt + [1]) == 0
+        assert await b.disk_tier.tiers[1].list_keys() == []
+    # Host A, restarted, still hits from its own LMDB, every byte checked.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a2:
+        scenario = OffloadScenario(a2)
+        scenario.producer_bytes = producer_bytes
+        await scenario.consume(prompt + [1], expect_hit=32)
+
+
+@pytest.mark.asyncio
+async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="allkeys-lru")
+    layout = DEFAULT_TEST_LAYOUT
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=node.url,
+                            remote_namespace="evict")
+
+    async with OffloadEngine(layout, make_cpu_device(layout), config("a"), fingerprint=b"evict-model") as a:
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        await scenario.produce(prompt)
+    # Host B knows A's chunks only through the remote (its LMDB is empty).
+    async with OffloadEngine(layout, make_cpu_device(layout), config("b"), fingerprint=b"evict-model") as b:
+        remote = b.disk_tier.tiers[1]
+        a_keys = set(b.disk_index.keys())
+        assert len(a_keys) == 8 and b.lookup(prompt + [1]) == 32
+        filler = await RemoteTier.open(node.url, namespace="evict", fingerprint=b"evict-model")
+        try:
+            for round_ in range(20):  # bounded: up to 20 x 1 MiB into a 4 MiB server
+                await filler.put_many(make_items(4, 256 << 10, seed=500 + round_, fingerprint=b"evict-model"))
+                if not all(await remote.contains_many(list(a_keys))):
+                    break
+        finally:
+            await filler.close()
+        on_server = {k for k, p in zip(a_keys, await remote.contains_many(list(a_keys))) if p}
+        assert on_server != a_keys, "nothing of A's was evicted"
+        # Within the bound (notifications: milliseconds; 2 s allowed), B's index holds exactly the
+        # chunks the server still has, and a lookup admits no hit whose chunks are gone.
+        assert await wait_for(lambda: set(b.disk_index.keys()) & a_keys == on_server, timeout_s=2.0)
+        hit = b.lookup(prompt + [1])
+        if hit:  # what is left is loadable (the chunks the hit needs were not evicted)
+            result = await b.load(prompt + [1], hit, OffloadScenario(b).allocate(34))
+            assert result.ok

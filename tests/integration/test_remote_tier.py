@@ -1,0 +1,417 @@
+"""RemoteTier against real Valkey servers on 127.0.0.1: one node and a 3-primary cluster.
+
+Every test isolates itself with its own namespace on the shared servers, or starts private servers
+(``valkey_factory``) when it breaks them. Every wait is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+from typing import List, Tuple
+
+import pytest
+
+from kvtier.errors import ClosedError, TierFullError, TierIOError
+from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.record import CodecConfig
+from kvtier.tiers.remote import RemoteTier, parse_remote_url
+from kvtier.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT, make_items, read_back, wait_for
+
+FP = TEST_FINGERPRINT
+META = ChunkMeta(FP, 0, 3, "bfloat16", (2, 16, 64))
+_ns = itertools.count()
+
+
+def namespace() -> str:
+    return f"t{os.getpid()}-{next(_ns)}"
+
+
+@pytest.fixture(params=["node", "cluster"])
+def url(request, valkey_node, valkey_cluster) -> str:
+    return valkey_node.url if request.param == "node" else valkey_cluster.url
+
+
+# ------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.asyncio
+async def test_put_get_contains_list_delete_round_trip(url):
+    tier = await RemoteTier.open(url, namespace=namespace(), fingerprint=FP, pipeline_max_bytes=300_000)
+    removed = []
+    tier.subscribe_removals(removed.extend)
+    try:
+        items = make_items(24, 100_000)
+        seq = await tier.put_many(items)
+        assert seq == tier.sequence >= 1
+        metas, bufs = await read_back(tier, items)
+        assert metas == [meta for _, meta, _ in items]
+        assert all(bytes(b) == bytes(raw) for b, (_, _, raw) in zip(bufs, items))
+        keys = [k for k, _, _ in items]
+        assert await tier.contains_many(keys + [b"absent"]) == [True] * 24 + [False]
+        assert sorted(await tier.list_keys()) == sorted(keys)
+        assert await tier.delete_many(keys[:5] + [b"absent"]) == 5
+        await wait_for(lambda: len(removed) == 5)
+        assert sorted(r.key for r in removed) == sorted(keys[:5])
+        assert {r.reason for r in removed} == {"deleted"} and all(r.sequence > seq for r in removed)
+        metas, _ = await read_back(tier, items)
+        assert [m is None for m in metas] == [True] * 5 + [False] * 19
+        stats = tier.statistics()
+        assert (stats.puts, stats.put_batches, stats.hits, stats.misses, stats.deletes) == (24, 1, 43, 5, 5)
+        assert stats.records == 19 and stats.errors == 0 and not stats.degraded
+        assert stats.extra["nodes"] == (3 if url.startswith("redis+cluster") else 1)
+        assert stats.extra["breaker_open"] == 0 and stats.extra["notifications_on"] == stats.extra["nodes"]
+        assert await tier.check() == []
+    finally:
+        await tier.close()
+    with pytest.raises(ClosedError):
+        await tier.contains_many([b"k"])
+
+
+@pytest.mark.asyncio
+async def test_compressed_records_and_other_buffer_sizes(valkey_node):
+    tier = await RemoteTier.open(valkey_node.url, namespace=namespace(), fingerprint=FP,
+                                 codec=CodecConfig(compress=True))
+    try:
+        raw = bytes(range(256)) * 4096  # compresses
+        key = b"k" * 32
+        await tier.put_many([(key, META, memoryview(raw))])
+        buf = bytearray(len(raw))
+        assert await tier.get_many_into([(key, memoryview(buf))]) == [META]
+        assert bytes(buf) == raw
+        # A buffer of another size is a miss that leaves the record in place.
+        assert await tier.get_many_into([(key, memoryview(bytearray(10)))]) == [None]
+        assert await tier.contains_many([key]) == [True]
+        assert tier.statistics().mismatched == 1
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_bounded_concurrency_under_many_concurrent_callers(valkey_cluster):
+    # redis-py's own cluster client raised past max_connections (500 concurrent GETs: 200 errors);
+    # kvtier's per-node semaphore queues instead: 400 concurrent calls over 2 connections per node.
+    tier = await RemoteTier.open(valkey_cluster.url, namespace=namespace(), fingerprint=FP, concurrency=2)
+    try:
+        items = make_items(100, 4096, seed=1)
+        await tier.put_many(items)
+        calls = [read_back(tier, [items[i % 100]]) for i in range(300)]
+        calls += [tier.contains_many([items[i][0]]) for i in range(100)]
+        outcomes = await asyncio.gather(*calls)
+        for i, (metas, bufs) in enumerate(outcomes[:300]):
+            assert metas[0] == items[i % 100][1] and bytes(bufs[0]) == bytes(items[i % 100][2])
+        assert all(o == [True] for o in outcomes[300:])
+        assert tier.statistics().errors == 0
+    finally:
+        await tier.close()
+
+
+def test_urls_and_arguments_are_checked():
+    assert parse_remote_url("redis://127.0.0.1:6379").seeds == (("127.0.0.1", 6379),)
+    address = parse_remote_url("redis+cluster://a:1,b:2")
+    assert address.cluster and address.seeds == (("a", 1), ("b", 2))
+    for bad, message in [
+        ("http://a:1", "must start with"),
+        ("redis://a", "host:port"),
+        ("redis://a:99999", "1..65535"),
+        ("redis://a:1,b:2", "one host:port"),
+        ("redis://user:pw@a:1", "port must be a number|credentials"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_remote_url(bad)
+
+
+@pytest.mark.asyncio
+async def test_bad_keys_and_namespaces_are_value_errors(valkey_node):
+    with pytest.raises(ValueError, match="namespace"):
+        await RemoteTier.open(valkey_node.url, namespace="a:b")
+    with pytest.raises(ValueError, match="timeout_s"):
+        await RemoteTier.open(valkey_node.url, timeout_s=0)
+    tier = await RemoteTier.open(valkey_node.url, namespace=namespace())
+    try:
+        with pytest.raises(ValueError, match="length must be 1..511, got 0"):
+            await tier.put_many([(b"", META, memoryview(b"x"))])
+        with pytest.raises(ValueError, match="got 512"):
+            await tier.contains_many([b"x" * 512])
+        with pytest.raises(TypeError, match="bytes"):
+            await tier.get_many_into([("k", memoryview(bytearray(1)))])
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_unreachable_server_is_a_tier_io_error_at_open():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(TierIOError):
+        await RemoteTier.open(f"redis+cluster://127.0.0.1:{port}", timeout_s=0.5, connect_timeout_s=0.5)
+    assert time.monotonic() - started < 3.0
+
+
+# ------------------------------------------------------------------- foreign and corrupt values
+
+
+@pytest.mark.asyncio
+async def test_corrupted_value_is_a_miss_deleted_counted_and_reported(url):
+    tier = await RemoteTier.open(url, namespace=namespace(), fingerprint=FP)
+    removed = []
+    tier.subscribe_removals(removed.extend)
+    try:
+        items = make_items(3, 50_000, seed=2)
+        await tier.put_many(items)
+        rkey = tier.rkey(items[1][0])
+        raw = _raw_client(url, rkey)
+        value = bytearray(raw.get(rkey))
+        value[-1] ^= 0xFF  # one flipped payload byte
+        raw.set(rkey, bytes(value))
+        metas, bufs = await read_back(tier, items)
+        assert [m is not None for m in metas] == [True, False, True]
+        assert raw.exists(rkey) == 0  # deleted: no host reads it again
+        stats = tier.statistics()
+        assert (stats.corrupt, stats.quarantined) == (1, 1)
+        await wait_for(lambda: removed)
+        assert [(r.key, r.reason) for r in removed] == [(items[1][0], "quarantined")]
+        raw.close()
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_values_of_another_namespace_or_fingerprint_are_never_hits(valkey_cluster):
+    url = valkey_cluster.url
+    ns_a, ns_b = namespace(), namespace()
+    a = await RemoteTier.open(url, namespace=ns_a, fingerprint=FP)
+    b = await RemoteTier.open(url, namespace=ns_b, fingerprint=FP)
+    other_model = await RemoteTier.open(url, namespace=ns_a, fingerprint=b"another-model")
+    try:
+        items = make_items(4, 10_000, seed=3)
+        await a.put_many(items)
+        keys = [k for k, _, _ in items]
+        # Same chunk keys, other namespace / other model: nothing is seen.
+        assert (await read_back(b, items))[0] == [None] * 4
+        assert (await read_back(other_model, items))[0] == [None] * 4
+        assert await b.contains_many(keys) == [False] * 4 and await b.list_keys() == []
+        # A value copied under the other namespace's name fails its checksum (bound to the full
+        # name): a miss, deleted, counted.
+        raw = _raw_client(url, a.rkey(keys[0]))
+        raw_b = _raw_client(url, b.rkey(keys[0]))
+        raw_b.set(b.rkey(keys[0]), raw.get(a.rkey(keys[0])))
+        assert (await read_back(b, items[:1]))[0] == [None]
+        assert b.statistics().corrupt == 1 and raw_b.exists(b.rkey(keys[0])) == 0
+        # A record of another model written under this tier's own name (re-encoded with a valid
+        # checksum for that name) is a miss too: the fingerprint in its header differs.
+        from kvtier.tiers.record import encode_record
+
+        foreign = encode_record(b.rkey(keys[1]), ChunkMeta(b"another-model", 0, 1, "bfloat16", (5000,)),
+                                bytes(items[1][2]))
+        _raw_client(url, b.rkey(keys[1])).set(b.rkey(keys[1]), foreign)
+        assert (await read_back(b, items[1:2]))[0] == [None]
+        assert b.statistics().mismatched == 1
+        assert (await read_back(a, items))[0] == [m for _, m, _ in items]  # a's own are intact
+        raw.close()
+        raw_b.close()
+    finally:
+        for t in (a, b, other_model):
+            await t.close()
+
+
+def _raw_client(url: str, rkey: bytes):
+    """A plain client connected to the node that owns ``rkey`` (tests plant values with it)."""
+    import redis
+    from redis.crc import key_slot
+
+    address = parse_remote_url(url)
+    host, port = address.seeds[0]
+    if address.cluster:
+        probe = redis.Redis(host=host, port=port)
+        slot = key_slot(rkey)
+        for start, end, primary, *_ in probe.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                host, port = primary[0].decode(), int(primary[1])
+        probe.close()
+    return redis.Redis(host=host, port=port, socket_timeout=5)
+
+
+# -------------------------------------------------------------------------------- server faults
+
+
+@pytest.mark.asyncio
+async def test_noeviction_memory_full_fails_stores_cleanly_and_counts_them(valkey_factory):
+    node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="noeviction")
+    tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP)
+    try:
+        stored: List[Tuple[bytes, ChunkMeta, memoryview]] = []
+        full = 0
+        for round_ in range(40):  # bounded: 40 x 256 KiB = 10 MiB offered to a 4 MiB server
+            batch = make_items(1, 256 << 10, seed=100 + round_)
+            try:
+                await tier.put_many(batch)
+                stored.extend(batch)
+            except TierFullError as exc:
+                assert "out of memory" in str(exc)
+                full += 1
+        assert full > 0 and stored
+        stats = tier.statistics()
+        assert stats.extra["full"] == full and stats.puts == len(stored) and stats.errors == full
+        # What was stored is intact; what failed is not there (nothing half-written).
+        metas, bufs = await read_back(tier, stored)
+        assert all(m is not None for m in metas)
+        assert all(bytes(b) == bytes(raw) for b, (_, _, raw) in zip(bufs, stored))
+        assert len(await tier.list_keys()) == len(stored)
+        assert not tier.degraded  # a full server is healthy: the breaker stays closed
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factory):
+    # Notifications off on the server: the tier turns them on (adding E and e to the flags).
+    node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru", notify_keyspace_events="")
+    tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP)
+    flags = node.command("CONFIG", "GET", "notify-keyspace-events")[b"notify-keyspace-events"]
+    assert b"E" in flags and b"e" in flags
+    removed = []
+    tier.subscribe_removals(removed.extend)
+    try:
+        items = make_items(60, 256 << 10, seed=5)  # 15 MiB into 6 MiB: most are evicted
+        for i in range(0, 60, 4):
+            await tier.put_many(items[i:i + 4])
+        keys = [k for k, _, _ in items]
+        present = await tier.contains_many(keys)
+        gone = {k for k, p in zip(keys, present) if not p}
+        assert len(gone) >= 20
+        # Notifications arrive within the bound (2 s here; the listing is the backstop).
+        assert await wait_for(lambda: {r.key for r in removed} == gone, timeout_s=2.0), (len(removed), len(gone))
+        assert all(r.reason == "evicted" for r in removed)
+        assert len(removed) == len(gone)  # each reported once
+        assert tier.statistics().evictions == len(gone)
+        metas, _ = await read_back(tier, items)
+        assert {k for k, m in zip(keys, metas) if m is None} == gone
+        # A removal no notification tells of (another host's delete): the listing reports it.
+        survivor = next(k for k, p in zip(keys, present) if p)
+        node.command("DEL", tier.rkey(survivor))
+        assert await tier.reconcile() == 1
+        await wait_for(lambda: removed[-1].key == survivor)
+        assert (removed[-1].key, removed[-1].reason) == (survivor, "external")
+        assert await tier.reconcile() == 0  # reported once
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_heals(valkey_factory):
+    node = valkey_factory.node()
+    timeout_s = 0.3
+    tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP, timeout_s=timeout_s,
+                                 breaker_failures=2, breaker_reset_s=0.5)
+    try:
+        items = make_items(4, 100_000, seed=6)
+        await tier.put_many(items)
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            metas, _ = await read_back(tier, items)
+            elapsed = time.monotonic() - started
+            assert metas == [None] * 4  # a read of a stalled node is a miss, never an error
+            assert elapsed < 2 * timeout_s + 0.5, elapsed
+            stats = tier.statistics()
+            assert stats.extra["timeouts"] >= 1 and stats.extra["breaker_open"] == 1 and stats.degraded
+            # Open breaker: refused at once, no network wait.
+            started = time.monotonic()
+            assert (await read_back(tier, items))[0] == [None] * 4
+            with pytest.raises(TierIOError, match="circuit open"):
+                await tier.put_many(make_items(1, 10, seed=7))
+            assert time.monotonic() - started < 0.1
+            assert tier.statistics().extra["breaker_rejected"] >= 5
+            assert any("circuit" in p for p in await tier.check())
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        # Healed: after reset_s one probe closes the breaker and reads hit again.
+        healed = False
+        for _ in range(40):  # bounded: up to ~2 s
+            metas, bufs = await read_back(tier, items)
+            if all(m is not None for m in metas):
+                healed = True
+                break
+            await asyncio.sleep(0.05)
+        assert healed and bytes(bufs[0]) == bytes(items[0][2])
+        assert tier.degraded  # the refused put: degraded until a put lands
+        await tier.put_many(make_items(1, 10, seed=9))
+        assert not tier.degraded and tier.statistics().extra["breaker_opens"] >= 1
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_factory):
+    from kvtier.tools.valkey import restart_node
+
+    cluster = valkey_factory.cluster(3)
+    tier = await RemoteTier.open(cluster.url, namespace=namespace(), fingerprint=FP, concurrency=1,
+                                 pipeline_max_bytes=64 << 10, timeout_s=1.0, breaker_reset_s=0.2)
+    victim = cluster.nodes[1]
+    try:
+        items = make_items(48, 64 << 10, seed=8)  # one item per pipeline: ~16 per node
+        calls = []
+
+        def kill_on_the_fifth_pipeline(node, commands):
+            calls.append(node.name)
+            if len(calls) == 5:
+                os.kill(victim.pid, signal.SIGKILL)
+
+        tier.set_call_hook(kill_on_the_fifth_pipeline)
+        with pytest.raises(TierIOError):
+            await tier.put_many(items)
+        tier.set_call_hook(None)
+        assert len(calls) >= 5
+        stats = tier.statistics()
+        assert stats.puts == 0 and stats.errors >= 1 and stats.extra["rollbacks"] == 1
+        # The surviving primaries hold nothing of the batch: the part that landed was rolled back.
+        keys = [k for k, _, _ in items]
+        survivors = [n for i, n in enumerate(cluster.nodes) if i != 1]
+        for node in survivors:
+            assert node.command("DBSIZE") == 0
+        # The killed primary comes back with its slots and none of its data: still nothing visible.
+        restart_node(cluster, 1)
+        for _ in range(60):  # bounded: breaker reset 0.2 s, probes until the node answers
+            present = await tier.contains_many(keys)
+            if tier.statistics().extra["breaker_open"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert present == [False] * 48
+        # The eviction listener of the restarted node reconnected (and asked for a listing).
+        assert await wait_for(lambda: tier.statistics().extra["listener_restarts"] >= 1, timeout_s=6.0)
+        # And the tier works again on the healed cluster.
+        await tier.put_many(items)
+        metas, bufs = await read_back(tier, items)
+        assert all(m is not None for m in metas) and bytes(bufs[-1]) == bytes(items[-1][2])
+    finally:
+        await tier.close()
+
+
+def test_breaker_states():
+    now = [0.0]
+    b = CircuitBreaker(2, 1.0, clock=lambda: now[0])
+    assert b.state == CLOSED and b.allow()
+    b.failure()
+    assert b.state == CLOSED
+    b.failure()
+    assert b.state == OPEN and not b.allow() and b.opens == 1
+    now[0] = 1.0
+    assert b.state == HALF_OPEN and b.allow() and not b.allow()  # one probe
+    b.failure()
+    assert b.state == OPEN and b.opens == 2
+    now[0] = 2.5
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.allow()
+    b.trip()
+    assert b.state == OPEN

@@ -1,0 +1,491 @@
+"""``ChainedTier``: an ordered list of tiers (LMDB, then the remote tier) behind one ``ChunkTier``.
+
+The engine takes it as its disk tier, so host -> LMDB -> remote needs no change in the engine:
+
+- ``put_many`` lands in the first tier (durably, as before) and writes behind to the lower tiers:
+  ``write_through`` starts the lower tiers' stores at once (the call waits only until they have
+  encoded the caller's buffers, never for the network); ``write_back_on_evict`` copies a record down
+  only when the first tier nears its capacity (``writeback_fill_fraction`` of ``capacity_bytes``),
+  oldest first, read back from the first tier - a victim cache. A lower tier's failure never fails
+  the put: it is counted (``writebehind_failed``) and the chunk stays where it landed.
+- ``get_many_into`` asks the tiers in order for what is still missing; a hit in a lower tier is
+  promoted into the first tier (a copy of the bytes is written in the background, so the call does
+  not wait for the first tier's sync). An error of any tier is a miss there, never an error: a remote
+  that is down is never worse than recomputing.
+- ``contains_many`` / ``list_keys`` see every tier, so chunks only the remote holds (written by
+  another host) are hits.
+- Removals: a tier's removal is reported by the chain only when no tier holds the key any more
+  (checked with ``contains_many`` on the others), with the chain's own sequence taken before that
+  check, so a put that lands meanwhile (a later sequence) wins, as the contract orders.
+
+Everything runs on the event-loop thread; the tiers do their own blocking work. The chain owns its
+tiers: ``close`` closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from kvtier.errors import ClosedError
+
+from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
+from .codec_pool import wait_through_cancel
+from .remote.tier import PutAbortedError
+
+__all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
+
+logger = logging.getLogger("kvtier.tiers.chain")
+
+WRITE_POLICIES = ("write_through", "write_back_on_evict")
+# Background copies (write-behind, promotions) in flight at once; past it a copy is skipped and
+# counted: the first tier holds the chunk already, so skipping costs a remote hit, not data.
+_MAX_BACKGROUND = 64
+
+
+def _settle(gate: "asyncio.Future[None]", primary: "asyncio.Future[Any]") -> None:
+    if gate.done():
+        return
+    if primary.cancelled():
+        gate.cancel()
+    elif primary.exception() is not None:
+        gate.set_exception(primary.exception())
+    else:
+        gate.set_result(None)
+
+
+def tier_statistics_dict(tier: ChunkTier) -> Dict[str, float]:
+    """A tier's statistics as flat floats, whether it returns ``TierStatistics`` or a dict."""
+    stats = tier.statistics()
+    if hasattr(stats, "as_dict"):
+        return dict(stats.as_dict())  # type: ignore[union-attr]
+    return {k: float(v) for k, v in dict(stats).items() if isinstance(v, (int, float, bool))}
+
+
+class ChainedTier(ChunkTier):
+    """``tiers[0]`` is the first (local, durable) tier; the rest are written behind and read through.
+
+    ``write_policy``: ``"write_through"`` or ``"write_back_on_evict"`` (see the module docstring);
+    ``promote``: copy lower-tier hits into the first tier.
+    """
+
+    name = "chain"
+
+    def __init__(self, tiers: Sequence[ChunkTier], *, write_policy: str = "write_through",
+                 promote: bool = True, writeback_fill_fraction: float = 0.9) -> None:
+        if len(tiers) < 1:
+            raise ValueError("ChainedTier needs at least one tier")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+        if not 0.0 < writeback_fill_fraction <= 1.0:
+            raise ValueError(f"writeback_fill_fraction must be in (0, 1], got {writeback_fill_fraction!r}")
+        self.tiers: Tuple[ChunkTier, ...] = tuple(tiers)
+        self.name = "+".join(getattr(t, "name", "tier") for t in self.tiers)
+        self.write_policy = write_policy
+        self.promote = promote
+        self._fill = writeback_fill_fraction
+        self._loop = asyncio.get_running_loop()
+        self._sequence = 0
+        self._removal_feed = RemovalFeed()
+        self._background: Set["asyncio.Task[Any]"] = set()
+        self._closed = False
+        # write_back_on_evict: keys in the first tier not copied down yet, oldest first.
+        self._dirty: "OrderedDict[bytes, Tuple[ChunkMeta, int]]" = OrderedDict()
+        self._writeback_running = False
+        self._stats: Dict[str, int] = dict(
+            puts=0, put_batches=0, gets=0, hits=0, misses=0, evictions=0, deletes=0, errors=0,
+        )
+        self._extra: Dict[str, float] = dict(
+            writebehind_batches=0, writebehind_chunks=0, writebehind_failed=0, writebehind_skipped=0,
+            promotions=0, promotions_failed=0, promotions_skipped=0, writeback_lost=0,
+            removals_held=0,
+        )
+        self._hits_per_tier = [0] * len(self.tiers)
+        for index, tier in enumerate(self.tiers):
+            subscribe = getattr(tier, "subscribe_removals", None)
+            if subscribe is not None:
+                subscribe(self._removal_callback(index))
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"chained tier {self.name} is closed")
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _spawn_background(self, coro: Any, counter: str) -> bool:
+        if len(self._background) >= _MAX_BACKGROUND or self._closed:
+            coro.close()
+            self._extra[counter] += 1
+            return False
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return True
+
+    def _background_done(self, task: "asyncio.Task[Any]") -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("chained tier background task failed: %r", task.exception())
+
+    def _removal_callback(self, index: int) -> Callable[[Any], None]:
+        loop = self._loop
+
+        def on_removed(removed: Any) -> None:
+            # Contract tiers call on the loop with Removal records; older ones called from their
+            # writer thread with keys. Hop to the loop either way.
+            keys = [r.key if isinstance(r, Removal) or hasattr(r, "key") else bytes(r) for r in removed]
+            reasons = [getattr(r, "reason", "evicted") for r in removed]
+            try:
+                loop.call_soon_threadsafe(self._on_tier_removed, index, keys, reasons)
+            except RuntimeError:
+                pass  # loop closed: nobody is listening any more
+
+        return on_removed
+
+    def _on_tier_removed(self, index: int, keys: List[bytes], reasons: List[str]) -> None:
+        if self._closed or not keys:
+            return
+        for key in keys:
+            if index == 0 and key in self._dirty:
+                del self._dirty[key]
+                self._extra["writeback_lost"] += 1
+        seq = self._next_sequence()  # taken before the check: a put landing meanwhile wins
+        # Never skipped (unlike copies): a removal the engine never hears of breaks "exactly once".
+        task = self._loop.create_task(self._confirm_removed(index, keys, reasons, seq))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    async def _confirm_removed(self, index: int, keys: List[bytes], reasons: List[str], seq: int) -> None:
+        held = [False] * len(keys)
+        for other, tier in enumerate(self.tiers):
+            if other == index:
+                continue
+            try:
+                present = await tier.contains_many(keys)
+            except Exception:
+                # A tier that cannot answer counts as not holding the key: reporting it gone costs
+                # at most a lost hit, while keeping it would promise a chunk nobody can read.
+                continue
+            held = [h or p for h, p in zip(held, present)]
+        removals = [Removal(k, seq, r) for k, r, h in zip(keys, reasons, held) if not h]
+        self._extra["removals_held"] += sum(held)
+        if removals:
+            self._stats["evictions"] += len(removals)
+            self._removal_feed.publish(removals)
+
+    # --------------------------------------------------------------------------- contract
+
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
+    @property
+    def degraded(self) -> bool:
+        return any(bool(getattr(t, "degraded", False)) for t in self.tiers)
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return getattr(self.tiers[0], "capacity_bytes", None)
+
+    def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
+        """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
+        self._removal_feed.subscribe(callback)
+
+    async def put_many(self, items: Sequence[PutItem]) -> int:
+        """Store in the first tier (durable when it returns, all or nothing, its errors raised as
+        they are) and write behind to the lower tiers (their failures are counted, never raised).
+        Returns the chain's sequence for the batch.
+
+        Cancelling it: the first tier's put and the lower tiers' stores run on as they do for those
+        tiers; the call returns (re-raising ``CancelledError``) only once every tier has finished
+        reading the caller's buffers."""
+        self._check_open()
+        items = list(items)
+        for key, _, _ in items:
+            check_key(key)  # before any tier starts: a refused batch starts nothing anywhere
+        if not items:
+            return self._sequence
+        first = self.tiers[0]
+        # Lower tiers encode while the first tier writes, but send only after it succeeded: a
+        # failed put is then visible in no tier (all or nothing for the chain too).
+        gate: "asyncio.Future[None]" = self._loop.create_future()
+        lower_started: List["asyncio.Future[Any]"] = []
+        generic: List[ChunkTier] = []
+        if self.write_policy == "write_through":
+            for tier in self.tiers[1:]:
+                started = self._write_behind(tier, items, gate)
+                if started is None:
+                    generic.append(tier)
+                else:
+                    lower_started.append(started)
+        primary = asyncio.ensure_future(first.put_many(items))
+        primary.add_done_callback(lambda p: _settle(gate, p))
+        try:
+            await asyncio.shield(primary)
+        finally:
+            # The buffer rule, cancelled or not: wait until every tier has stopped reading them.
+            cancelled = await wait_through_cancel(primary)
+            for fut in lower_started:
+                cancelled = await wait_through_cancel(fut) or cancelled
+            if generic and not primary.cancelled() and primary.exception() is None:
+                for tier in generic:  # no encode/send split: copied whole before returning
+                    task = asyncio.ensure_future(tier.put_many(items))
+                    self._track_lower_put(task, len(items))
+                    cancelled = await wait_through_cancel(task) or cancelled
+            if cancelled:
+                raise asyncio.CancelledError
+        seq = self._next_sequence()
+        self._stats["puts"] += len(items)
+        self._stats["put_batches"] += 1
+        if self.write_policy == "write_back_on_evict" and len(self.tiers) > 1:
+            for key, meta, raw in items:
+                self._dirty.pop(key, None)
+                self._dirty[key] = (meta, memoryview(raw).nbytes)
+            self._maybe_write_back()
+        return seq
+
+    def _write_behind(self, tier: ChunkTier, items: List[PutItem], gate: "asyncio.Future[None]"
+                      ) -> Optional["asyncio.Future[Any]"]:
+        """Start a lower tier's store that sends once ``gate`` succeeded; returns a future done
+        once the caller's buffers are no longer read, or ``None`` for a tier without ``start_put``
+        (the caller then copies to it after the first tier's success)."""
+        start = getattr(tier, "start_put", None)
+        if start is None:
+            return None
+        if len(self._background) >= _MAX_BACKGROUND:
+            self._extra["writebehind_skipped"] += 1
+            done: "asyncio.Future[Any]" = self._loop.create_future()
+            done.set_result(None)
+            return done
+        encoded, task = start(items, after=gate)
+        self._track_lower_put(task, len(items))
+        return encoded
+
+    def _track_lower_put(self, task: "asyncio.Future[Any]", count: int) -> None:
+        self._background.add(task)  # type: ignore[arg-type]
+
+        def done(t: "asyncio.Future[Any]") -> None:
+            self._background.discard(t)  # type: ignore[arg-type]
+            if not t.cancelled() and isinstance(t.exception(), PutAbortedError):
+                self._extra["writebehind_skipped"] += count  # the first tier's put failed
+            elif t.cancelled() or t.exception() is not None:
+                self._extra["writebehind_failed"] += count
+                if not t.cancelled():
+                    logger.debug("write-behind of %d chunks failed: %s", count, t.exception())
+            else:
+                self._extra["writebehind_batches"] += 1
+                self._extra["writebehind_chunks"] += count
+
+        task.add_done_callback(done)
+
+    def _maybe_write_back(self) -> None:
+        if self._writeback_running or not self._dirty:
+            return
+        first = self.tiers[0]
+        capacity = getattr(first, "capacity_bytes", None)
+        if not capacity:
+            return  # an unbounded first tier never evicts: nothing to save
+        used = tier_statistics_dict(first).get("bytes", 0.0)
+        if used < self._fill * capacity:
+            return
+        self._writeback_running = True
+        if not self._spawn_background(self._write_back(), "writebehind_skipped"):
+            self._writeback_running = False
+
+    async def _write_back(self) -> None:
+        """Copy the oldest dirty records down (read back from the first tier), ~64 MiB a round."""
+        try:
+            batch: List[Tuple[bytes, ChunkMeta, int]] = []
+            total = 0
+            while self._dirty and total < (64 << 20):
+                key, (meta, nbytes) = self._dirty.popitem(last=False)
+                batch.append((key, meta, nbytes))
+                total += nbytes
+            if not batch:
+                return
+            buffers = [bytearray(n) for _, _, n in batch]
+            metas = await self.tiers[0].get_many_into([(k, memoryview(b)) for (k, _, _), b in zip(batch, buffers)])
+            items = [(k, m, memoryview(b)) for (k, _, _), b, m in zip(batch, buffers, metas) if m is not None]
+            self._extra["writeback_lost"] += len(batch) - len(items)
+            for tier in self.tiers[1:]:
+                try:
+                    await tier.put_many(items)
+                    self._extra["writebehind_batches"] += 1
+                    self._extra["writebehind_chunks"] += len(items)
+                except Exception as exc:
+                    self._extra["writebehind_failed"] += len(items)
+                    logger.debug("write-back of %d chunks failed: %s", len(items), exc)
+        finally:
+            self._writeback_running = False
+
+    async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
+        """Per item the meta from the first tier that has it, or ``None``; lower-tier hits are
+        promoted into the first tier in the background (from a copy of the bytes). Any tier's
+        error is a miss in that tier (counted in ``errors``).
+
+        Cancelling it: the tier being asked finishes with the buffers before the call ends (each
+        tier's own buffer rule); tiers below it are not asked."""
+        self._check_open()
+        items = list(items)
+        results: List[Optional[ChunkMeta]] = [None] * len(items)
+        self._stats["gets"] += len(items)
+        wanted = list(range(len(items)))
+        for index, tier in enumerate(self.tiers):
+            if not wanted:
+                break
+            try:
+                metas = await tier.get_many_into([items[i] for i in wanted])
+            except (ValueError, TypeError, ClosedError):
+                raise
+            except Exception as exc:
+                self._stats["errors"] += 1
+                logger.debug("tier %s read failed (miss): %s", getattr(tier, "name", index), exc)
+                continue
+            found = [(i, m) for i, m in zip(wanted, metas) if m is not None]
+            for i, meta in found:
+                results[i] = meta
+            self._hits_per_tier[index] += len(found)
+            if index > 0 and found and self.promote:
+                copies = [(items[i][0], meta, memoryview(bytes(items[i][1]))) for i, meta in found]
+                self._spawn_background(self._promote(copies), "promotions_skipped")
+            wanted = [i for i in wanted if results[i] is None]
+        hits = len(items) - len(wanted)
+        self._stats["hits"] += hits
+        self._stats["misses"] += len(wanted)
+        return results
+
+    async def _promote(self, items: List[PutItem]) -> None:
+        try:
+            await self.tiers[0].put_many(items)
+            self._extra["promotions"] += len(items)
+        except Exception as exc:
+            self._extra["promotions_failed"] += len(items)
+            logger.debug("promotion of %d chunks failed: %s", len(items), exc)
+
+    async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
+        """True where any tier holds the key (a failing tier counts as not holding it)."""
+        self._check_open()
+        keys = list(keys)
+        out = [False] * len(keys)
+        for tier in self.tiers:
+            rest = [i for i, v in enumerate(out) if not v]
+            if not rest:
+                break
+            try:
+                present = await tier.contains_many([keys[i] for i in rest])
+            except (ValueError, TypeError, ClosedError):
+                raise
+            except Exception:
+                self._stats["errors"] += 1
+                continue
+            for i, p in zip(rest, present):
+                out[i] = bool(p)
+        return out
+
+    async def list_keys(self) -> List[bytes]:
+        """Keys held by any tier (a tier that cannot list is skipped and counted)."""
+        self._check_open()
+        seen: Dict[bytes, None] = {}
+        for tier in self.tiers:
+            try:
+                for key in await tier.list_keys():
+                    seen[key] = None
+            except ClosedError:
+                raise
+            except Exception as exc:
+                self._stats["errors"] += 1
+                logger.warning("tier %s cannot list its keys: %s", getattr(tier, "name", "?"), exc)
+        return list(seen)
+
+    async def snapshot_keys(self) -> KeySnapshot:
+        seq = self._sequence
+        return KeySnapshot(frozenset(await self.list_keys()), seq)
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete from every tier; returns how many keys existed in at least one. The first error
+        is raised after every tier was asked. Cancelling it: each tier's delete runs as it would."""
+        self._check_open()
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return 0
+        present = await self.contains_many(keys)
+        error: Optional[BaseException] = None
+        for tier in self.tiers:
+            try:
+                await tier.delete_many(keys)
+            except (ValueError, TypeError):
+                raise
+            except Exception as exc:
+                error = error or exc
+        for key in keys:
+            self._dirty.pop(key, None)
+        n = sum(present)
+        self._stats["deletes"] += n
+        if error is not None:
+            self._stats["errors"] += 1
+            raise error
+        return n
+
+    async def flush(self) -> None:
+        """Wait for write-behind copies and promotions in flight, then each tier's own flush."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        for tier in self.tiers:
+            flush = getattr(tier, "flush", None)
+            if flush is not None:
+                await flush()
+
+    async def check(self) -> List[str]:
+        problems: List[str] = []
+        for tier in self.tiers:
+            check = getattr(tier, "check", None)
+            if check is None:
+                continue
+            try:
+                problems.extend(f"{tier.name}: {p}" for p in await check())
+            except Exception as exc:
+                problems.append(f"{tier.name}: check failed: {exc}")
+        return problems
+
+    def statistics(self) -> TierStatistics:
+        """The chain's own counters (a hit is a hit in any tier) and, in ``extra``, every tier's
+        statistics flattened as ``<tier name>.<field>`` (the remote's breaker state, latencies,
+        evictions seen...) plus ``hits.<tier name>`` and the write-behind/promotion counters."""
+        extra = dict(self._extra)
+        for index, tier in enumerate(self.tiers):
+            name = getattr(tier, "name", f"tier{index}")
+            extra[f"hits.{name}"] = float(self._hits_per_tier[index])
+            for k, v in tier_statistics_dict(tier).items():
+                extra[f"{name}.{k}"] = v
+        extra["writeback_dirty"] = float(len(self._dirty))
+        first = tier_statistics_dict(self.tiers[0])
+        s = self._stats
+        return TierStatistics(
+            records=int(first.get("records", 0)), bytes=int(first.get("bytes", 0)),
+            capacity_bytes=self.capacity_bytes, puts=s["puts"], put_batches=s["put_batches"],
+            gets=s["gets"], hits=s["hits"], misses=s["misses"],
+            corrupt=int(sum(tier_statistics_dict(t).get("corrupt", 0) for t in self.tiers)),
+            mismatched=int(sum(tier_statistics_dict(t).get("mismatched", 0) for t in self.tiers)),
+            quarantined=int(sum(tier_statistics_dict(t).get("quarantined", 0) for t in self.tiers)),
+            evictions=s["evictions"], deletes=s["deletes"],
+            errors=s["errors"] + int(sum(tier_statistics_dict(t).get("errors", 0) for t in self.tiers)),
+            degraded=self.degraded, extra=extra,
+        )
+
+    async def close(self) -> None:
+        """Wait for background copies, then close every tier. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            while self._background:
+                await asyncio.gather(*list(self._background), return_exceptions=True)
+        finally:
+            self._closed = True
+            for tier in self.tiers:
+                await tier.close()

@@ -1,0 +1,840 @@
+"""``RemoteTier``: chunk records in a Valkey/Redis server or cluster shared by a fleet of hosts.
+
+Primitives, and the thread each runs on:
+
+- ``RemoteTier.open`` (classmethod, event loop): connects (one node, or the cluster's slot map from
+  any seed), turns on eviction notifications on every primary, starts one notification listener per
+  primary and the periodic listing (the backstop).
+- ``put_many`` / ``get_many_into`` / ``delete_many`` / ``contains_many`` / ``list_keys`` /
+  ``snapshot_keys`` / ``check`` / ``flush`` / ``close`` (async, event loop), ``statistics`` /
+  ``subscribe_removals`` (sync, event loop). Counters, the set of known keys and the sequence are
+  touched only on the event-loop thread.
+- The tier's own ``ThreadPoolExecutor`` (``kvtier-remote-*``) runs the record codec (one hop per
+  ~8 MiB slice of a batch; zstd and the checksum release the GIL). Network I/O is redis-py's asyncio
+  client on the loop (``router.py``).
+
+Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
+kvtier's checksummed record (``tiers/record.py``) - never a metadata key beside a data key, which an
+eviction could split. The record's checksum is computed over the full namespaced key, so a value
+copied from another namespace or fingerprint fails it (a miss, deleted, counted in ``corrupt``); a
+record whose header names another fingerprint than the tier's is a miss too (``mismatched``,
+deleted). Records are content-addressed and immutable: two hosts writing one key write the same
+bytes, so there is no coherence protocol, only write-once/read-many sharded by key.
+
+Failure model: every call is bounded by ``timeout_s`` per node (no client retries); a node that times
+out or fails ``breaker_failures`` times in a row is skipped for ``breaker_reset_s`` (reads of its keys
+are misses, writes to it fail at once), then one PING probes it. A put is all or nothing: when any
+node fails, what landed on the others is deleted again before ``put_many`` raises.
+
+Server-side removals reach subscribers as ``Removal`` records: evictions (and expiries) through
+keyspace notifications (``notify-keyspace-events Ee``; node-local, so one subscription per primary),
+deletes made through this tier at once, and keys found gone by the periodic listing (``external``:
+another host's delete, a node restarted empty, a notification lost - pub/sub is at-most-once). Only
+keys this instance knows of (it wrote, listed or read them) are reported, each once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+import xxhash
+from redis.exceptions import OutOfMemoryError
+
+from kvtier.errors import (
+    ClosedError,
+    CorruptRecordError,
+    TierFullError,
+    TierIOError,
+    TierTimeoutError,
+)
+
+from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
+from ..codec_pool import slices as _slices
+from ..codec_pool import wait_through_cancel
+from ..record import (
+    CodecConfig,
+    RecordMetaMismatchError,
+    RecordSizeMismatchError,
+    decode_record,
+    encode_record,
+)
+from .notify import EvictionListener
+from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
+from .url import RemoteAddress, parse_remote_url
+
+__all__ = ["RemoteTier", "PutAbortedError"]
+
+logger = logging.getLogger("kvtier.tiers.remote")
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_CODEC_SLICE_BYTES = 8 << 20
+_INLINE_DECODE_BYTES = 256 << 10
+_SCAN_COUNT = 1000
+
+
+
+class PutAbortedError(TierIOError):
+    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
+
+
+class _Mismatch:
+    __slots__ = ("reason", "foreign")
+
+    def __init__(self, reason: str, foreign: bool) -> None:
+        self.reason = reason
+        self.foreign = foreign  # another fingerprint: never ours, delete it
+
+
+def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Cut one node's items into pipelines of at most ``cap`` bytes (at least one item each): the
+    transport copies a whole pipeline into one buffer, so a huge one costs memory and speed."""
+    out: List[List[int]] = []
+    cur: List[int] = []
+    acc = 0
+    for i in indexes:
+        if cur and acc + sizes[i] > cap:
+            out.append(cur)
+            cur, acc = [], 0
+        cur.append(i)
+        acc += sizes[i]
+    if cur:
+        out.append(cur)
+    return out
+
+
+class RemoteTier(ChunkTier):
+    """Chunk records on a Valkey/Redis node or cluster; see the module docstring.
+
+    Build with ``await RemoteTier.open("redis://127.0.0.1:6379", namespace=..., fingerprint=...)``
+    or ``"redis+cluster://h1:p1,h2:p2"``; use from one event loop.
+    """
+
+    name = "remote"
+
+    def __init__(self, address: RemoteAddress, *, namespace: str, fingerprint: Optional[bytes],
+                 codec: CodecConfig, timeout_s: float, connect_timeout_s: float, concurrency: int,
+                 pipeline_max_bytes: int, breaker_failures: int, breaker_reset_s: float,
+                 listing_interval_s: Optional[float], configure_notifications: bool,
+                 io_threads: int) -> None:
+        self.address = address
+        self.namespace = namespace
+        self._fingerprint = fingerprint
+        tag = xxhash.xxh3_64_hexdigest(fingerprint) if fingerprint is not None else "any"
+        self._prefix = f"kvtier:{namespace}:{tag}:".encode()
+        self._codec = codec
+        self._timeout_s = timeout_s
+        self._pipeline_max_bytes = pipeline_max_bytes
+        self._listing_interval_s = listing_interval_s
+        self._router = NodeRouter(
+            address, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            concurrency=concurrency, breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
+        )
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-remote")
+        self._loop = asyncio.get_running_loop()
+        self._sequence = 0
+        # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
+        self._known: Dict[bytes, Tuple[int, int]] = {}
+        self._known_bytes = 0
+        self._removal_feed = RemovalFeed()
+        self._tasks: Set["asyncio.Task[Any]"] = set()
+        self._listing_task: Optional["asyncio.Task[None]"] = None
+        self._listing_wakeup = asyncio.Event()
+        self._listener = EvictionListener(
+            self._router, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            configure=configure_notifications, on_keys=self._on_evicted, on_gap=self._listing_wakeup.set,
+        )
+        self._closed = False
+        self._write_failed = False  # a put failed underneath; cleared by the next put that lands
+        self._stats: Dict[str, int] = dict(
+            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
+            quarantined=0, evictions=0, deletes=0, errors=0,
+        )
+        self._extra: Dict[str, float] = dict(
+            put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
+            get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
+            evictions_notified=0, removals_listed=0, listings=0,
+            rollbacks=0, moved=0,
+        )
+
+    # ------------------------------------------------------------------------------ construction
+
+    @classmethod
+    async def open(
+        cls,
+        url: Union[str, RemoteAddress],
+        *,
+        namespace: str = "default",
+        fingerprint: Optional[bytes] = None,
+        codec: Optional[CodecConfig] = None,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        concurrency: int = 8,
+        pipeline_max_bytes: int = 8 << 20,
+        breaker_failures: int = 3,
+        breaker_reset_s: float = 5.0,
+        listing_interval_s: Optional[float] = 30.0,
+        configure_notifications: bool = True,
+        io_threads: int = 2,
+        require_connection: bool = True,
+    ) -> "RemoteTier":
+        """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
+
+        ``namespace`` separates caches sharing one server (``[A-Za-z0-9._-]{1,64}``);
+        ``fingerprint`` (the model layout fingerprint) binds every key and record to one model.
+        ``timeout_s`` bounds each node call (socket timeout; the whole pipeline gets twice that);
+        ``concurrency`` is the most pipelines in flight per node (= its connection pool);
+        ``pipeline_max_bytes`` caps one pipeline (measured: a pipeline is copied into one buffer);
+        ``breaker_failures`` / ``breaker_reset_s`` tune the circuit breaker; ``listing_interval_s``
+        is the backstop listing period (``None``: off); ``configure_notifications`` lets the tier
+        add ``Ee`` to ``notify-keyspace-events`` on each primary (a managed server that forbids
+        CONFIG leaves only the listing). ``require_connection``: raise ``TierIOError`` when no node
+        answers (the default); ``False`` starts degraded and heals when the server comes back.
+
+        Cancelling it: nothing is left running; no tier is returned.
+        """
+        address = url if isinstance(url, RemoteAddress) else parse_remote_url(url)
+        if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+            raise ValueError(f"namespace must match [A-Za-z0-9._-]{{1,64}}, got {namespace!r}")
+        if fingerprint is not None and not isinstance(fingerprint, bytes):
+            raise TypeError(f"fingerprint must be bytes or None, not {type(fingerprint).__name__}")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                            ("breaker_reset_s", breaker_reset_s)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if listing_interval_s is not None and not listing_interval_s > 0:
+            raise ValueError(f"listing_interval_s must be positive or None, got {listing_interval_s!r}")
+        for name, value, low in (("concurrency", concurrency, 1), ("pipeline_max_bytes", pipeline_max_bytes, 1),
+                                 ("breaker_failures", breaker_failures, 1), ("io_threads", io_threads, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self = cls(
+            address, namespace=namespace, fingerprint=fingerprint,
+            codec=codec if codec is not None else CodecConfig(), timeout_s=float(timeout_s),
+            connect_timeout_s=float(connect_timeout_s), concurrency=concurrency,
+            pipeline_max_bytes=pipeline_max_bytes, breaker_failures=breaker_failures,
+            breaker_reset_s=float(breaker_reset_s), listing_interval_s=listing_interval_s,
+            configure_notifications=configure_notifications, io_threads=io_threads,
+        )
+        try:
+            try:
+                await self._router.start()
+            except TierIOError as exc:
+                if require_connection:
+                    raise
+                # A fleet member starting while the remote is down serves from its own tiers; the
+                # breaker probes (one node) or the listing's slot refresh (cluster) heal it later.
+                logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
+                self._router.start_unreachable()
+            await self._listener.sync()
+        except BaseException:
+            await self._shutdown()
+            raise
+        if listing_interval_s is not None:
+            self._listing_task = self._loop.create_task(self._listing_loop(), name="kvtier-remote-listing")
+        return self
+
+    # --------------------------------------------------------------------------------- helpers
+
+    def rkey(self, key: bytes) -> bytes:
+        """The server-side name of ``key``'s record (tests plant and inspect with it)."""
+        self._check_key(key)
+        return self._prefix + key.hex().encode()
+
+    def set_call_hook(self, hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]]) -> None:
+        """Fault injection: ``hook(node, commands)`` runs right before each pipeline is sent to
+        ``node`` (``node.name`` is ``host:port``; ``commands`` are tuples like ``("SET", name,
+        value)``). A ``redis.exceptions.ConnectionError`` or ``OSError`` it raises is, to the tier,
+        that pipeline's connection failing."""
+        self._router.set_hook(hook)
+
+    def _chunk_key(self, rkey: bytes) -> Optional[bytes]:
+        if not rkey.startswith(self._prefix):
+            return None
+        try:
+            return bytes.fromhex(rkey[len(self._prefix):].decode("ascii"))
+        except ValueError:
+            return None
+
+    _check_key = staticmethod(check_key)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"remote tier at {self.address.url} is closed")
+
+    def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: "asyncio.Task[Any]") -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # counted in statistics; a caller that left must not log it at exit
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _forget(self, key: bytes) -> bool:
+        entry = self._known.pop(key, None)
+        if entry is None:
+            return False
+        self._known_bytes -= entry[1]
+        return True
+
+    def _remember(self, key: bytes, seq: int, size: int) -> None:
+        old = self._known.get(key)
+        if old is not None:
+            self._known_bytes -= old[1]
+            size = size or old[1]
+        self._known[key] = (seq, size)
+        self._known_bytes += size
+
+    def _report(self, removals: List[Removal]) -> None:
+        self._removal_feed.publish(removals)
+
+    def _removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
+        """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
+        out: List[Removal] = []
+        for key in keys:
+            if self._forget(key):
+                out.append(Removal(key, self._next_sequence(), reason))
+        return out
+
+    async def _run_codec(self, fn: Callable[[Sequence[Any]], List[Any]], jobs: Sequence[Any],
+                         sizes: Sequence[int], inline_below: int) -> List[Any]:
+        if not jobs:
+            return []
+        if sum(sizes) < inline_below:
+            return fn(jobs)
+        parts = await asyncio.gather(*(
+            self._loop.run_in_executor(self._io, fn, [jobs[i] for i in r])
+            for r in _slices(sizes, _CODEC_SLICE_BYTES)
+        ))
+        return [x for part in parts for x in part]
+
+    async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
+                          make: Callable[[int], Tuple[Any, ...]]) -> Tuple[List[Any], List[BaseException]]:
+        """Run one command per key, grouped per node into size-capped pipelines, all concurrently.
+
+        Returns the per-key replies (an exception object where that key's command or its node
+        failed) and the node-level failures. Every pipeline is waited for before returning."""
+        replies: List[Any] = [None] * len(rkeys)
+        per, orphans = self._router.group(rkeys)
+        failures: List[BaseException] = []
+        for i in orphans:
+            replies[i] = TierIOError("remote tier: no node serves this key's slot")
+        if orphans:
+            failures.append(replies[orphans[0]])
+            self._router.refresh_soon()
+        jobs: List[Tuple[RemoteNode, List[int]]] = []
+        for name, indexes in per.items():
+            node = self._router.nodes[name]
+            for part in _pipelines(indexes, sizes, self._pipeline_max_bytes):
+                jobs.append((node, part))
+        outcomes = await asyncio.gather(
+            *(node.call([make(i) for i in part]) for node, part in jobs), return_exceptions=True
+        )
+        moved = False
+        for (node, part), outcome in zip(jobs, outcomes):
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, asyncio.CancelledError):
+                    raise outcome
+                failures.append(outcome)
+                if isinstance(outcome, NodeUnavailableError):
+                    self._extra["breaker_rejected"] += len(part)
+                elif isinstance(outcome, TierTimeoutError):
+                    self._extra["timeouts"] += 1
+                for i in part:
+                    replies[i] = outcome
+                continue
+            for i, reply in zip(part, outcome):
+                replies[i] = reply
+                if is_moved(reply):
+                    moved = True
+        if moved:
+            self._extra["moved"] += 1
+            self._router.refresh_soon()
+        return replies, failures
+
+    # ---------------------------------------------------------------------------- public, sync
+
+    @property
+    def sequence(self) -> int:
+        """The last mutation sequence this instance assigned (puts, deletes, removals seen)."""
+        return self._sequence
+
+    @property
+    def degraded(self) -> bool:
+        """True while any primary's circuit breaker is not closed, or after a put failed
+        underneath (not for a full server) until a later put lands."""
+        return self._write_failed or self._router.any_open()
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return None  # the server's maxmemory is the server's business
+
+    def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
+        """``callback(removals)`` for every record of this namespace that stops being readable and
+        this instance knew of: ``evicted`` (server eviction or expiry, from notifications),
+        ``deleted`` (``delete_many``, or a put's rollback over an older copy), ``quarantined``
+        (corrupt or foreign value found by a read), ``external`` (found gone by the listing). It
+        runs on the loop that was running when this was called (handed over with
+        ``call_soon_threadsafe``)."""
+        self._removal_feed.subscribe(callback)
+
+    def statistics(self) -> TierStatistics:
+        """Counters of this instance (items, not batches, unless named so). ``records`` / ``bytes``
+        are the keys this instance knows to be on the server and the record bytes it wrote of them
+        (the server holds the fleet's records; its own memory is in ``INFO memory``). ``extra``:
+        put/get bytes moved, latency totals and maxima (seconds per batch), timeouts, full (stores
+        refused for memory), breaker_rejected (items skipped while a breaker was open),
+        breaker_open (primaries whose breaker is not closed), breaker_opens, evictions_notified,
+        removals_listed, listings, listener_restarts, rollbacks, moved, nodes."""
+        extra = dict(self._extra)
+        primaries = self._router.primaries()
+        extra["nodes"] = float(len(primaries))
+        extra["breaker_open"] = float(sum(1 for n in primaries if n.breaker.state != "closed"))
+        extra["breaker_opens"] = float(sum(n.breaker.opens for n in self._router.nodes.values()))
+        extra["notifications_on"] = float(sum(1 for v in self._listener.enabled.values() if v))
+        extra["listener_restarts"] = float(self._listener.restarts)
+        extra["sequence"] = float(self._sequence)
+        s = self._stats
+        return TierStatistics(
+            records=len(self._known), bytes=self._known_bytes, capacity_bytes=None,
+            puts=s["puts"], put_batches=s["put_batches"], gets=s["gets"], hits=s["hits"],
+            misses=s["misses"], corrupt=s["corrupt"], mismatched=s["mismatched"],
+            quarantined=s["quarantined"], evictions=s["evictions"], deletes=s["deletes"],
+            errors=s["errors"], degraded=self.degraded, extra=extra,
+        )
+
+    # ---------------------------------------------------------------------------------- puts
+
+    async def put_many(self, items: Sequence[PutItem]) -> int:
+        """Encode and store a batch; returns the sequence that made it visible. All or nothing: if
+        any node fails, the records that landed on other nodes are deleted again before the error
+        is raised (a record that survives a failed rollback is still a valid record of its key:
+        content-addressed, so never wrong, only not counted as stored). ``TierFullError`` when a
+        server is out of memory (``noeviction``), ``TierTimeoutError`` when a node did not answer
+        in time, ``TierIOError`` for other failures (circuit open, connection lost). Duplicate keys:
+        the last one wins. Empty batch: returns the current sequence.
+
+        Cancelling it: the batch runs on as a tier task and still lands all or nothing; the call
+        returns (re-raising ``CancelledError``) only once the encoder has finished reading the
+        caller's buffers, so they may be reused at once.
+        """
+        if not items:
+            self._check_open()
+            return self._sequence
+        encoded, task = self.start_put(items)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await wait_through_cancel(encoded)
+            raise
+
+    def start_put(self, items: Sequence[PutItem], *, after: Optional["asyncio.Future[Any]"] = None
+                  ) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+        """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
+        buffers have been read (encoded), and the tier task that lands the batch (its result is the
+        sequence, its exception the failure). With ``after``, nothing is sent before that future
+        has succeeded; if it fails, the batch is dropped (``PutAbortedError``). The chained tier
+        writes behind with it: encoding overlaps the first tier's put, sending follows its success,
+        so a failed chained put is visible in no tier. Arguments are checked here, before anything
+        starts."""
+        self._check_open()
+        batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
+        for key, meta, raw in items:
+            self._check_key(key)
+            if not isinstance(meta, ChunkMeta):
+                raise TypeError(f"expected ChunkMeta, not {type(meta).__name__}")
+            batch.pop(key, None)
+            batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
+        encoded: "asyncio.Future[None]" = self._loop.create_future()
+        if not batch:
+            encoded.set_result(None)
+        task = self._spawn(self._put_batch(list(batch.values()), encoded, after))
+        return encoded, task
+
+    async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
+                         encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
+        if not batch:
+            return self._sequence
+        started = time.perf_counter()
+        rkeys = [self._prefix + key.hex().encode() for key, _, _ in batch]
+        codec = self._codec
+        try:
+            records: List[bytes] = await self._run_codec(
+                lambda part: [encode_record(rk, meta, raw, codec) for rk, (_, meta, raw) in part],
+                list(zip(rkeys, batch)), [raw.nbytes for _, _, raw in batch], 0,
+            )
+        finally:
+            if not encoded.done():
+                encoded.set_result(None)
+        if after is not None:
+            try:
+                await asyncio.shield(after)
+            except BaseException as exc:  # the write this one follows failed: send nothing
+                raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
+                                      f"the write it follows failed ({exc!r})") from exc
+        sizes = [len(r) for r in records]
+        replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
+        stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
+        if len(stored) != len(batch):
+            full = any(isinstance(r, OutOfMemoryError) for r in replies)
+            await self._rollback([rkeys[i] for i in stored], [batch[i][0] for i in stored])
+            self._stats["errors"] += 1
+            self._write_failed = not full
+            if full:
+                self._extra["full"] += len(batch)
+                raise TierFullError(
+                    f"remote tier: server out of memory for {len(batch)} records "
+                    f"({sum(sizes)} bytes; maxmemory with noeviction?)"
+                )
+            timeouts = [f for f in failures if isinstance(f, TierTimeoutError)]
+            first = timeouts[0] if timeouts else (failures[0] if failures else None)
+            if first is None:
+                bad = next((r for r in replies if isinstance(r, BaseException)), None)
+                raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: {bad}") from bad
+            raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
+        self._write_failed = False
+        seq = self._next_sequence()
+        for (key, _, _), size in zip(batch, sizes):
+            self._remember(key, seq, size)
+        elapsed = time.perf_counter() - started
+        self._stats["puts"] += len(batch)
+        self._stats["put_batches"] += 1
+        self._extra["put_bytes"] += sum(sizes)
+        self._extra["put_seconds"] += elapsed
+        self._extra["put_seconds_max"] = max(self._extra["put_seconds_max"], elapsed)
+        return seq
+
+    async def _rollback(self, rkeys: List[bytes], keys: List[bytes]) -> None:
+        """Delete the part of a failed batch that landed; best effort, bounded by the timeouts."""
+        if not rkeys:
+            return
+        self._extra["rollbacks"] += 1
+        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        if failures:
+            self._stats["errors"] += 1
+            logger.warning("remote tier: rollback of %d records incomplete: %s", len(rkeys), failures[0])
+        # A key this instance knew before the batch held an older copy, now deleted.
+        self._report(self._removed(keys, "deleted"))
+
+    # ---------------------------------------------------------------------------------- gets
+
+    async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
+        """Fetch and decode each record into its buffer (exactly the chunk's raw size). Per item
+        the record's ``ChunkMeta`` or ``None`` on a miss: absent, its node unavailable or failing
+        (counted in ``errors``; never raised: a remote failure is never worse than recomputing),
+        corrupt or copied from another namespace (deleted, ``corrupt``, reported ``quarantined``),
+        written for another fingerprint (deleted, ``mismatched``, reported ``quarantined``), or of
+        another raw size than the buffer (``mismatched``, left in place).
+
+        Cancelling it: while the values are still on the network, the call ends at once and they
+        are dropped unread; once decoding into the buffers has begun, the call returns (re-raising
+        ``CancelledError``) only after it has finished, so the buffers are free when it ends.
+        """
+        self._check_open()
+        checked: List[Tuple[bytes, memoryview]] = []
+        for key, buf in items:
+            self._check_key(key)
+            view = buf if isinstance(buf, memoryview) else memoryview(buf)
+            if view.readonly or not view.c_contiguous:
+                raise TypeError("get_many_into needs writable, C-contiguous buffers")
+            checked.append((key, view.cast("B") if view.format != "B" or view.ndim != 1 else view))
+        self._stats["gets"] += len(checked)
+        if not checked:
+            return []
+        state = {"phase": "fetching"}
+        decoded: "asyncio.Future[None]" = self._loop.create_future()
+        task = self._spawn(self._get_batch(checked, state, decoded))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if state["phase"] == "fetching":
+                state["phase"] = "abandoned"  # the task sees it before it touches any buffer
+                raise
+            await wait_through_cancel(decoded)
+            raise
+
+    async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, str],
+                         decoded: "asyncio.Future[None]") -> List[Optional[ChunkMeta]]:
+        started = time.perf_counter()
+        results: List[Optional[ChunkMeta]] = [None] * len(checked)
+        try:
+            rkeys = [self._prefix + key.hex().encode() for key, _ in checked]
+            replies, failures = await self._node_calls(
+                rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i])
+            )
+            if failures:
+                self._stats["errors"] += len(failures)
+            if state["phase"] == "abandoned":
+                self._stats["misses"] += len(checked)
+                return results
+            state["phase"] = "decoding"
+            found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray))]
+            jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
+            fingerprint = self._fingerprint
+
+            def decode(part: Sequence[Tuple[bytes, bytes, memoryview]]) -> List[Any]:
+                out: List[Any] = []
+                for rkey, data, buf in part:
+                    try:
+                        meta, _ = decode_record(rkey, data, buf)
+                    except RecordSizeMismatchError as exc:
+                        out.append(_Mismatch(str(exc), False))
+                        continue
+                    except RecordMetaMismatchError as exc:
+                        out.append(_Mismatch(str(exc), True))
+                        continue
+                    except CorruptRecordError as exc:
+                        out.append(exc)
+                        continue
+                    if fingerprint is not None and meta.fingerprint != fingerprint:
+                        out.append(_Mismatch("record of another fingerprint", True))
+                        continue
+                    out.append(meta)
+                return out
+
+            outcomes = await self._run_codec(decode, jobs, [b.nbytes for _, _, b in jobs], _INLINE_DECODE_BYTES)
+        finally:
+            if not decoded.done():
+                decoded.set_result(None)
+        bad: List[bytes] = []
+        bad_keys: List[bytes] = []
+        got = 0
+        for (i, data), outcome in zip(found, outcomes):
+            key = checked[i][0]
+            if isinstance(outcome, CorruptRecordError):
+                self._stats["corrupt"] += 1
+                bad.append(rkeys[i])
+                bad_keys.append(key)
+            elif isinstance(outcome, _Mismatch):
+                self._stats["mismatched"] += 1
+                if outcome.foreign:
+                    bad.append(rkeys[i])
+                    bad_keys.append(key)
+            else:
+                results[i] = outcome
+                got += len(data)
+                if key not in self._known:
+                    self._remember(key, self._sequence, len(data))
+        if bad:
+            await self._quarantine(list(dict.fromkeys(bad)), list(dict.fromkeys(bad_keys)))
+        hits = sum(1 for r in results if r is not None)
+        self._stats["hits"] += hits
+        self._stats["misses"] += len(checked) - hits
+        elapsed = time.perf_counter() - started
+        self._extra["get_bytes"] += got
+        self._extra["get_batches"] += 1
+        self._extra["get_seconds"] += elapsed
+        self._extra["get_seconds_max"] = max(self._extra["get_seconds_max"], elapsed)
+        return results
+
+    async def _quarantine(self, rkeys: List[bytes], keys: List[bytes]) -> None:
+        """Delete values that must never be served again. Nothing to move them to on a shared
+        server: kvtier keeps no copy of another host's bad bytes."""
+        _, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        if failures:
+            self._stats["errors"] += 1
+        self._stats["quarantined"] += len(keys)
+        # Reported even if unknown before: a reader's index may hold it from a listing elsewhere.
+        for key in keys:
+            self._known.setdefault(key, (self._sequence, 0))
+        self._report(self._removed(keys, "quarantined"))
+
+    # ------------------------------------------------------------------------- other requests
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete records; returns how many existed. Each deleted key this instance knew is
+        reported (``deleted``). ``TierIOError`` when a node failed (the other nodes' deletes
+        stand). Cancelling it: the deletes run on as a tier task."""
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        unique = list(dict.fromkeys(keys))
+        if not unique:
+            return 0
+        return await asyncio.shield(self._spawn(self._delete(unique)))
+
+    async def _delete(self, keys: List[bytes]) -> int:
+        rkeys = [self._prefix + key.hex().encode() for key in keys]
+        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        gone = [keys[i] for i, r in enumerate(replies) if r == 1]
+        self._stats["deletes"] += len(gone)
+        for key in gone:
+            self._known.setdefault(key, (self._sequence, 0))
+        self._report(self._removed(gone, "deleted"))
+        if failures:
+            self._stats["errors"] += 1
+            raise TierIOError(f"remote tier: delete failed on a node: {failures[0]}") from failures[0]
+        return len(gone)
+
+    async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
+        """Which keys have a value on the server (``EXISTS``, no checksum). A key whose node is
+        unavailable is ``False``. Cancelling it: no effect."""
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        if not keys:
+            return []
+        rkeys = [self._prefix + key.hex().encode() for key in keys]
+        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("EXISTS", rkeys[i]))
+        if failures:
+            self._stats["errors"] += 1
+        return [r == 1 for r in replies]
+
+    async def _scan(self) -> Tuple[Set[bytes], Set[str]]:
+        """Keys of this namespace on every primary reachable now, and the primaries that failed."""
+        found: Set[bytes] = set()
+        failed: Set[str] = set()
+
+        async def scan_node(node: RemoteNode) -> None:
+            cursor: Any = 0
+            pattern = self._prefix + b"*"
+            while True:
+                reply = (await node.call([("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)]))[0]
+                if isinstance(reply, BaseException):
+                    raise TierIOError(f"remote tier: SCAN on {node.name} failed: {reply}")
+                cursor, names = reply
+                for rk in names:
+                    key = self._chunk_key(bytes(rk))
+                    if key is not None:
+                        found.add(key)
+                if int(cursor) == 0:
+                    return
+
+        nodes = self._router.primaries()
+        outcomes = await asyncio.gather(*(scan_node(n) for n in nodes), return_exceptions=True)
+        for node, outcome in zip(nodes, outcomes):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                failed.add(node.name)
+                self._stats["errors"] += 1
+        return found, failed
+
+    async def list_keys(self) -> List[bytes]:
+        """Every key of this namespace on the primaries reachable now (``SCAN``; a node that fails
+        is skipped and counted in ``errors``: its records are unreadable anyway). Cancelling it:
+        no effect beyond the listing stopping."""
+        self._check_open()
+        found, _ = await self._scan()
+        seq = self._sequence
+        for key in found:
+            if key not in self._known:
+                self._remember(key, seq, 0)
+        return list(found)
+
+    async def snapshot_keys(self) -> KeySnapshot:
+        """Keys and the sequence they reflect (every removal reported up to it)."""
+        seq = self._sequence
+        return KeySnapshot(frozenset(await self.list_keys()), seq)
+
+    async def flush(self) -> None:
+        """Wait for batches in flight (puts are synchronous to their callers; nothing is queued).
+        Cancelling it: only the wait stops."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def check(self) -> List[str]:
+        """Problems seen now: primaries not answering, breakers open, cluster state, notifications
+        off. Empty when healthy. Cancelling it: no effect."""
+        self._check_open()
+        problems: List[str] = []
+        for node in self._router.primaries():
+            # A half-open breaker is probed by this call (and healed if the node answers).
+            command: Tuple[Any, ...] = ("CLUSTER", "INFO") if self.address.cluster else ("PING",)
+            try:
+                reply = (await node.call([command]))[0]
+            except TierIOError as exc:
+                problems.append(f"node {node.name}: {exc}")
+                continue
+            if isinstance(reply, BaseException):
+                problems.append(f"node {node.name}: {reply}")
+            elif self.address.cluster and b"cluster_state:ok" not in bytes(reply):
+                problems.append(f"node {node.name}: cluster state not ok")
+            if not self._listener.enabled.get(node.name, False):
+                problems.append(f"node {node.name}: eviction notifications off (listing only)")
+        return problems
+
+    async def close(self) -> None:
+        """Wait for batches in flight, stop listeners and the listing, close connections. Safe to
+        call twice; later calls raise ``ClosedError``. Cancelling it: the tier stays closed; a
+        second ``close`` finishes the release."""
+        self._closed = True
+        await self.flush()
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        if self._listing_task is not None:
+            self._listing_task.cancel()
+            await asyncio.gather(self._listing_task, return_exceptions=True)
+        await self._listener.close()
+        await self._router.close()
+        self._io.shutdown(wait=False)
+
+    # --------------------------------------------------------------- evictions: notifications
+
+    def _on_evicted(self, names: List[bytes]) -> None:
+        keys = [k for k in (self._chunk_key(name) for name in names) if k is not None]
+        removals = self._removed(keys, "evicted")
+        self._stats["evictions"] += len(removals)
+        self._extra["evictions_notified"] += len(removals)
+        self._report(removals)
+
+    # ----------------------------------------------------------------- evictions: the listing
+
+    async def _listing_loop(self) -> None:
+        interval = self._listing_interval_s
+        assert interval is not None
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._listing_wakeup.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            self._listing_wakeup.clear()
+            if self._closed:
+                return
+            try:
+                await self.reconcile()
+            except ClosedError:
+                return
+            except Exception as exc:  # keep the backstop alive; the next round tries again
+                self._stats["errors"] += 1
+                logger.warning("remote tier: listing failed: %s", exc)
+
+    async def reconcile(self) -> int:
+        """One round of the backstop: refresh the slot map, (re)start listeners for new primaries,
+        list every primary, and report each known key that is gone (``external``) - but only keys
+        last seen before the listing began, on primaries that listed fine. Returns how many were
+        reported. Cancelling it: nothing is reported."""
+        self._check_open()
+        self._extra["listings"] += 1
+        await self._router.refresh()
+        await self._listener.sync()
+        start_seq = self._sequence
+        found, failed = await self._scan()
+        gone: List[bytes] = []
+        for key, (seq, _) in list(self._known.items()):
+            if seq > start_seq or key in found:
+                continue
+            node = self._router.owner(self._prefix + key.hex().encode())
+            if node is None or node.name in failed:
+                continue
+            gone.append(key)
+        removals = self._removed(gone, "external")
+        self._extra["removals_listed"] += len(removals)
+        self._report(removals)
+        for key in found:
+            if key not in self._known:
+                self._remember(key, start_seq, 0)
+        return len(removals)
