@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
 import threading
 from dataclasses import dataclass, field
