@@ -79,6 +79,18 @@ BlockTable = Sequence[Sequence[int]]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
+# Forks of this process so far, counted in the child: an int compare per public call instead of a
+# getpid() system call on the lookup path.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
 
 class OffloadEngine:
     """Keeps a model's KV chunks in host memory and on disk, and brings them back on a prefix hit.
@@ -128,6 +140,7 @@ class OffloadEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._pid = os.getpid()
+        self._forks = _forks
         self._pools: List[HostSlabPool] = []
         self._chunk_nbytes: List[int] = []
         self._num_blocks: List[int] = []
@@ -178,6 +191,7 @@ class OffloadEngine:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._pid = os.getpid()
+        self._forks = _forks
         config = self.config
         self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
         self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
@@ -467,7 +481,7 @@ class OffloadEngine:
         self._check_caller()
 
     def _check_caller(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             raise ForkedProcessError(
                 f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
                 "must start its own engine"

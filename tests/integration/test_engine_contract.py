@@ -476,13 +476,23 @@ def test_host_memory_source_leaves_out_the_engines_own_slab():
 
 @pytest.mark.asyncio
 async def test_an_engine_used_in_a_forked_child_says_so(tmp_path):
+    from kvtier.errors import ForkedProcessError
+
     r = await rig(tmp_path)
-    r.engine._pid = -1  # what a forked child sees: another pid than the one that started it
-    with pytest.raises(KvtierError, match="pid"):
-        r.engine.lookup([1] * 33)
-    with pytest.raises(KvtierError, match="pid"):
-        r.engine.store([1] * 33, [[1, 2]])
-    r.engine._pid = os.getpid()
+    prompt = r.scenario.tokens(33)
+    pid = os.fork()
+    if pid == 0:  # the child: every call refuses before touching the parent's threads or tiers
+        code = 1
+        try:
+            r.engine.lookup(prompt)
+        except ForkedProcessError as exc:
+            code = 0 if "pid" in str(exc) else 3
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert r.engine.lookup(prompt) == 0  # the parent is unaffected
     await r.close()
 
 
