@@ -592,3 +592,42 @@ async def test_the_lifecycle_table_refuses_a_move_it_does_not_list(tmp_path):
     move(entry, HostState.SPILLING)
     move(entry, HostState.READY)
     assert entry.state is HostState.READY
+
+
+# ---------------------------------------------------------------------------------- FileTier suspicion
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("waiter", ["flush", "close", "delete_many"])
+async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_path, monkeypatch, waiter):
+    # Suspicion settled (it reproduced): FileTier's flush/close/delete_many gathered over the tier's
+    # own tasks, so cancelling one of them cancelled a put another caller was awaiting.
+    import kvtier.tiers.files.tier as file_tier_module
+    from kvtier.tiers.base import ChunkMeta
+
+    entered, gate = threading.Event(), threading.Event()
+    real_encode = file_tier_module._encode_slice
+
+    def held_encode(part, codec):
+        entered.set()
+        gate.wait(10)
+        return real_encode(part, codec)
+
+    monkeypatch.setattr(file_tier_module, "_encode_slice", held_encode)
+    tier = await FileTier.open(tmp_path / "files")
+    key = os.urandom(32)
+    raw = memoryview(bytearray(os.urandom(1 << 16)))
+    put = asyncio.ensure_future(tier.put_many([(key, ChunkMeta(b"x", 0, 0, "uint8", (1 << 16,)), raw)]))
+    assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+    wait = asyncio.ensure_future(tier.delete_many([key]) if waiter == "delete_many" else getattr(tier, waiter)())
+    await asyncio.sleep(0.02)
+    wait.cancel()
+    await asyncio.sleep(0.02)
+    gate.set()
+    assert isinstance(await asyncio.wait_for(put, 5), int), "the put's caller was never cancelled"
+    await asyncio.gather(wait, return_exceptions=True)
+    await tier.close()
+    monkeypatch.undo()
+    reopened = await FileTier.open(tmp_path / "files")
+    assert await reopened.contains_many([key]) == [True]
+    await reopened.close()
