@@ -247,6 +247,39 @@ async def test_a_hit_larger_than_the_host_pool_loads_in_windows(tmp_path):
     await r.close()
 
 
+@pytest.mark.asyncio
+async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path):
+    # 131072 tokens = 512 chunks of 256 tokens, stored two chunks at a time (chunked prefill);
+    # the host pool holds 4 chunks. The load streams them through in windows of 2.
+    layout = ModelLayout(groups=(AttentionGroup(256),))
+    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20)
+    seam = SeamTier(inner)
+    device = make_cpu_device(layout, num_blocks=1025, num_layers=1, kv_heads=1, head_dim=2)
+    engine = OffloadEngine(layout, device, config(tmp_path, host_capacity_bytes=1), fingerprint=FINGERPRINT,
+                           disk_tier=seam, pressure_sources={"host_memory": ScriptedSource([0.0])})
+    await engine.start()
+    assert engine._pools[0].num_slots == 4
+    layer = device._groups[0].layers[0]
+    prompt = list(range(131073))
+    keys = engine.request_keys(prompt)
+    produced = list(range(1, 513))
+    layer[produced] = torch.randn_like(layer[produced])
+    expected = layer[produced].clone()
+    for step in range(1, 257):
+        result = await engine.store(keys, [produced], step * 512)
+        assert result.durable and len(result.scheduled) == 2, (step, result)
+    layer[produced] = 0
+    assert engine.lookup(keys) == 131072
+    consumer = list(range(513, 1025))
+    loaded = await engine.load(keys, 131072, [consumer])
+    assert loaded.ok and loaded.chunks_from_disk >= 508 and len(loaded.loaded) == 512
+    assert torch.equal(layer[consumer], expected)
+    await engine.flush()
+    engine.check()
+    await engine.close()
+    await inner.close()
+
+
 # ---------------------------------------------------------------------------------- defect 5
 
 
