@@ -22,7 +22,7 @@ from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.pressure import ScriptedSource
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
-from kvtier.tools.tier_seam import SeamTier
+from kvtier.tools.testing.tier_seam import SeamTier
 
 FULL = ModelLayout(groups=(AttentionGroup(16),))
 HYBRID = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
