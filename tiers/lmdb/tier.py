@@ -79,6 +79,7 @@ from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance
+from .readahead import advise_willneed
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .tables import index_entries, open_tables, read_sequence
 from .timer import PeriodicThread
@@ -430,8 +431,9 @@ class LmdbTier(ChunkTier, Maintenance):
         def body(txn: lmdb.Transaction) -> List[Optional[ChunkMeta]]:
             results: List[Optional[ChunkMeta]] = []
             corrupt.clear()
-            for key, buf in items:
-                record = txn.get(key, db=self._tables.chunks)
+            records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
+            advise_willneed(r for r in records if r is not None)  # the whole slice's pages in flight
+            for (key, buf), record in zip(items, records):
                 if record is None:
                     results.append(None)
                     continue
