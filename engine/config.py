@@ -10,6 +10,7 @@ from) and the offending value, like ``kvtier.policy``'s constructors: a bad sett
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -27,6 +28,11 @@ _GiB = 1 << 30
 HOST_EVICTION_POLICIES: Tuple[str, ...] = ("lru", "arc")
 DEVICE_KINDS: Tuple[str, ...] = ("cpu", "cuda")
 REMOTE_WRITE_POLICIES: Tuple[str, ...] = ("write_through", "write_back_on_evict")
+
+# LMDB tier's smallest map (tiers/lmdb: smaller maps grow on the first batch anyway).
+_LMDB_MIN_MAP_SIZE_BYTES = _MiB
+# No machine has 2**62 bytes of memory or disk; sizes above it are typos (2**80 = "1 YiB").
+_MAX_SIZE_BYTES = 1 << 62
 
 # zstd's regular levels. Negative ("fast") levels are left out: the byte-plane codec tunes its own
 # level-1 parameters and a faster level buys nothing against a disk at ~0.5 GB/s.
@@ -124,6 +130,10 @@ class EngineConfig:
     remote_breaker_reset_s: float = 5.0
     # The backstop listing for evictions whose notification was lost (pub/sub is at-most-once).
     remote_listing_interval_s: float = 30.0
+    # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
+    # them would otherwise grow the engine without bound. The oldest are dropped and counted
+    # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
+    events_max: int = 65536
 
     def __post_init__(self) -> None:
         # A path object is welcome; store its str so the record stays plain and hashable.
@@ -148,6 +158,12 @@ class EngineConfig:
             if "\x00" in self.cache_dir:
                 raise ValueError(f"cache_dir must not contain NUL, got {self.cache_dir!r}")
 
+        for name in sorted(_SIZE_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, int) and value > _MAX_SIZE_BYTES:
+                # Larger than any address space: a unit typo, not a plan. Said here, not as a raw
+                # allocator or LMDB error at start.
+                raise ValueError(f"{name} must be at most 2**62 bytes, got {value!r}")
         _require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
         _require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
         if self.disk_capacity_bytes is not None:
@@ -158,7 +174,7 @@ class EngineConfig:
                     f"disk_capacity_bytes={self.disk_capacity_bytes!r} needs cache_dir "
                     "(no cache_dir means no disk tier)"
                 )
-        _require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, 1)
+        _require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, _LMDB_MIN_MAP_SIZE_BYTES)
         _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
         _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
         _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
@@ -190,6 +206,7 @@ class EngineConfig:
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        _require_int("events_max", self.events_max, 1)
         self._validate_remote()
 
     def _validate_remote(self) -> None:
@@ -248,7 +265,9 @@ class EngineConfig:
         prefix is shared with tools (``KVTIER_LOG``...) and a stray one must not stop a server.
         An empty ``KVTIER_CACHE_DIR`` / ``KVTIER_DISK_CAPACITY_BYTES`` means ``None``.
         """
-        return cls(**cls._coerce_mapping(_env_settings(environ, prefix), source="env"))
+        settings = _env_settings(environ, prefix)
+        with _naming_variables(settings, prefix):
+            return cls(**cls._coerce_mapping(settings, source=_ENV + prefix))
 
     @classmethod
     def load(
@@ -267,10 +286,13 @@ class EngineConfig:
         merged: Dict[str, Any] = {}
         if path is not None:
             merged.update(cls._coerce_mapping(_read_toml(path), source=os.fspath(path)))
-        merged.update(cls._coerce_mapping(_env_settings(environ, prefix), source="env"))
+        settings = _env_settings(environ, prefix)
+        merged.update(cls._coerce_mapping(settings, source=_ENV + prefix))
         if overrides:
             merged.update(cls._coerce_mapping(overrides, source=None))
-        return cls(**merged)
+            settings = {k: v for k, v in settings.items() if k not in overrides}
+        with _naming_variables(settings, prefix):
+            return cls(**merged)
 
     @classmethod
     def _coerce_mapping(cls, data: Mapping[str, Any], source: Optional[str]) -> Dict[str, Any]:
@@ -375,8 +397,8 @@ def _coerce(name: str, value: Any, source: Optional[str]) -> Any:
     """Turn a loader's value (often a string) into the field's type; validation comes later."""
     if source is None:
         label = name
-    elif source == "env":
-        label = f"{name} (from environment)"
+    elif source.startswith(_ENV):
+        label = f"{name} (from {source[len(_ENV):]}{name.upper()})"
     else:
         label = f"{name} (from {source})"
     if value is None:
@@ -461,6 +483,23 @@ def _require_choice(name: str, value: object, choices: Tuple[str, ...]) -> None:
 # -- sources -------------------------------------------------------------------------------------
 
 
+_ENV = "env:"  # source tag of settings read from the environment: "env:" + the variable prefix
+
+
+@contextlib.contextmanager
+def _naming_variables(settings: Mapping[str, Any], prefix: str):
+    """A validation error about a setting that came from the environment names its variable:
+    ``host_capacity_bytes must be positive, got 0 (from KVTIER_HOST_CAPACITY_BYTES)``."""
+    try:
+        yield
+    except ValueError as exc:
+        message = str(exc)
+        for name in sorted(settings, key=len, reverse=True):
+            if message.startswith(name + " ") or message.startswith(name + "="):
+                raise ValueError(f"{message} (from {prefix}{name.upper()})") from None
+        raise
+
+
 def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
     env = os.environ if environ is None else environ
     found: Dict[str, str] = {}
@@ -487,3 +526,7 @@ def _read_toml(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{os.fspath(path)!r} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # tomllib decodes first: a binary file fails here
+        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: not UTF-8 text ({exc.reason})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: it is a directory") from None

@@ -18,6 +18,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Token and block counts live in int32 in serving engines' block tables (vLLM) and in 64-bit
+# fields of the keys; a count past 2**31 is a typo, refused here rather than failing in a key.
+MAX_COUNT = 2**31 - 1
+
+
 def _require_int(name: str, value: object, minimum: int) -> None:
     # bool is an int subclass; True as a block size is always a mistake.
     if not isinstance(value, int) or isinstance(value, bool):
@@ -25,6 +30,8 @@ def _require_int(name: str, value: object, minimum: int) -> None:
     if value < minimum:
         bound = "positive" if minimum == 1 else f">= {minimum}"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if value > MAX_COUNT:
+        raise ValueError(f"{name} must be at most 2**31 - 1, got {value!r}")
 
 
 @dataclass(frozen=True)

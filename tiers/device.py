@@ -355,6 +355,15 @@ class DeviceKVView:
                 raise DeviceError(
                     f"group {gi}, layer {li}: on {layer.device} but layer 0 is on {first.device}"
                 )
+        # bool and complex tensors are not a KV cache: their bytes would be stored and restored
+        # faithfully, but only because something upstream handed kvtier the wrong tensor.
+        if first.dtype == torch.bool or first.dtype.is_complex:
+            raise DeviceError(f"group {gi}, layer 0: dtype {first.dtype} is not a KV-cache dtype")
+        if first.shape[0] < blocks_per_chunk:
+            raise DeviceError(
+                f"group {gi}, layer 0: {first.shape[0]} blocks in the first (block index) dimension, "
+                f"fewer than one chunk ({blocks_per_chunk} blocks); is the block index the first dimension?"
+            )
         block_shape = tuple(int(d) for d in first.shape[1:])
         block_nbytes = prod(block_shape) * first.element_size()
         if block_nbytes == 0:

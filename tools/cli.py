@@ -1,8 +1,12 @@
 """The ``kvtier`` command: demo, warmup, inspect, verify, gc, bench.
 
-Primitives: ``main(argv)`` (the console entry point), ``build_parser``. User mistakes (bad paths,
-bad values, kvtier's own errors) print one line ``kvtier: error: ...`` and exit 2; everything
-else is a bug and keeps its traceback.
+Primitives: ``main(argv)`` (the console entry point), ``build_parser``.
+
+Exit codes: 0 done; 1 the command ran and found a problem (a bad record, a failed check); 2 a user
+mistake or an environment problem (a bad option, a missing or unwritable path, a full disk, a file
+that is not what it should be), said in one line ``kvtier: error: ...`` that names the file or
+option; 130 interrupted (Ctrl-C); 141 the reader of stdout went away (``| head``), silently, as a
+shell tool killed by SIGPIPE would. Only a real kvtier bug shows a traceback.
 """
 
 from __future__ import annotations
@@ -11,31 +15,66 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from kvtier.policy import KvtierError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "user_error_message"]
+
+
+# Exit codes (see the module docstring).
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+# Options whose value may start with "-" (a negative size is a mistake to name, not a missing value).
+_SIGNED_VALUE_OPTIONS = ("--max-bytes",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvtier's one-line error: ``kvtier: error: <what>  (see kvtier gc --help)``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"kvtier: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _size(text: str) -> int:
     from kvtier.engine.config import parse_size
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
     try:
         return parse_size(text, "--max-bytes")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _join_signed_values(argv: Sequence[str]) -> List[str]:
+    """``--max-bytes -1GiB`` -> ``--max-bytes=-1GiB``: argparse reads a value starting with "-" as
+    an option (it only knows plain negative numbers) and would say "expected one argument"."""
+    out: List[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in _SIGNED_VALUE_OPTIONS and i + 1 < len(args) and args[i + 1].startswith("-") \
+                and not args[i + 1].startswith("--"):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtier",
         description="Keep an LLM server's KV cache beyond GPU memory: host slabs, LMDB on NVMe, exact SWA/MTP coverage.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="store and restore KV through the engine on a built-in hybrid layout, checking every byte")
     demo.add_argument("--cache-dir", help="cache directory (default: a fresh temporary directory, removed afterwards)")
@@ -91,8 +130,12 @@ def _cmd_demo(args) -> int:
 
     if args.producers < 1:
         raise ValueError(f"--producers must be >= 1, got {args.producers}")
+    if args.cache_dir is not None and not args.cache_dir.strip():
+        # An empty value is a mistake (an unset shell variable), not a request for a temporary dir.
+        raise ValueError("--cache-dir must not be empty (leave the option out for a temporary directory)")
     temporary = args.cache_dir is None
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvtier-demo-")
+    removed = False
     try:
         total = (3 if args.remote is None else 4) * args.producers
         with remote_server(args.remote) as remote_url, tqdm(
@@ -104,6 +147,9 @@ def _cmd_demo(args) -> int:
     finally:
         if temporary and not args.keep:
             shutil.rmtree(cache_dir, ignore_errors=True)
+            removed = True
+    if removed:
+        summary.cache_dir = None  # never point at a directory that no longer exists
     if args.json:
         print(json.dumps(summary.to_dict(), sort_keys=True))
     else:
@@ -134,6 +180,15 @@ def _cmd_warmup(args) -> int:
         print(json.dumps(summary.to_dict() if hasattr(summary, "to_dict") else vars(summary), sort_keys=True, default=str))
     else:
         print(summary.format() if hasattr(summary, "format") else summary)
+    missing = summary.chunks_dropped + summary.chunks_not_durable
+    if missing:
+        # A CI step that runs warmup must fail when the cache it promised is not all there.
+        sys.stdout.flush()
+        print(f"kvtier: error: {missing} chunks did not reach the disk in {args.cache_dir} "
+              f"({summary.chunks_dropped} dropped, {summary.chunks_not_durable} failed to write: see the "
+              "warnings above; a full disk?); the cache is incomplete: fix it and run warmup again "
+              "(it resumes)", file=sys.stderr)
+        return EXIT_USER_ERROR
     return 0
 
 
@@ -189,7 +244,24 @@ def _cmd_gc(args) -> int:
 def _cmd_bench(args) -> int:
     from .bench import run_bench_command
 
+    if args.cache_dir is not None:
+        _require_writable_dir("--cache-dir", args.cache_dir)
     return run_bench_command(quick=args.quick, as_json=args.json, cache_dir=args.cache_dir)
+
+
+def _require_writable_dir(option: str, path: str) -> None:
+    """A directory the command will write into: it exists as a directory (or can be made) and a
+    file can be created in it. Checked before any work, so the error names the option."""
+    if not path.strip():
+        raise ValueError(f"{option} must not be empty")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path} is not writable: {exc.strerror or exc}") from None
 
 
 _COMMANDS = {
@@ -202,19 +274,79 @@ _COMMANDS = {
 }
 
 
+class _OncePerMessage(logging.Filter):
+    """Print each distinct warning once per command: the demo runs two engines, and each would
+    say "pressure unknown: NVML unavailable" again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
+
+
+def _configure_logging() -> None:
+    # kvtier's warnings (pressure unknown, a quarantined cache directory) as one readable line each.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvtier: %(levelname)s: %(message)s"))
+    handler.addFilter(_OncePerMessage())
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+
+
+def user_error_message(exc: BaseException) -> Optional[str]:
+    """The one-line message for a user mistake or an environment problem; ``None`` for a bug.
+
+    kvtier's own errors, bad values (``ValueError``) and operating-system errors (missing, not a
+    directory, read-only, full disk, permission) are the user's to fix; anything else (a
+    ``TypeError``, an ``AssertionError`` inside kvtier) is a bug and keeps its traceback.
+    """
+    from kvtier.errors import EngineInvariantError
+
+    if isinstance(exc, EngineInvariantError):
+        return None
+    if isinstance(exc, (KvtierError, ValueError)):
+        return str(exc) or type(exc).__name__
+    if isinstance(exc, OSError):
+        text = exc.strerror or str(exc) or type(exc).__name__
+        names = [n for n in (exc.filename, exc.filename2) if n is not None]
+        return f"{': '.join(map(str, names))}: {text}" if names else text
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    # kvtier's warnings (pressure unknown, a quarantined cache directory) as one readable line each.
-    logging.basicConfig(level=logging.WARNING, format="kvtier: %(levelname)s: %(message)s", stream=sys.stderr)
+    args = parser.parse_args(_join_signed_values(sys.argv[1:] if argv is None else argv))
+    _configure_logging()
     try:
-        return _COMMANDS[args.command](args)
-    except (KvtierError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
-        print(f"kvtier: error: {exc}", file=sys.stderr)
-        return 2
+        code = _COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`kvtier verify | head`): nothing left to say to it. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print(f"kvtier: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,11 @@ tokens 3) over CPU bfloat16 KV tensors. Producer requests sharing system prompts
 through the engine and their device blocks are dropped. Consumers (each producer's prompt plus a
 new turn) look up and load, first from the host tier, then, after a restart of the engine on the
 same cache directory, from disk alone. Every loaded byte is compared with what its producer wrote.
+
+A producer's KV bytes are a function of its chunk keys (as a real model's KV is a function of the
+prefix), so the check holds whichever run stored a chunk: a second demo on the same directory, or
+one after an interrupted demo, finds the earlier chunks already cached ("warm"), loads them, and
+checks them against the bytes this run would have written.
 With a remote tier (``remote_url``; ``kvtier demo --remote embedded`` starts a local Valkey), the
 stores also write behind to the remote, and a third engine over a new, empty cache directory (a
 second host) is served from the remote alone.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import random
 import shutil
@@ -30,7 +36,7 @@ import torch
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout, layout_fingerprint
 
-from .scenario import OffloadScenario, make_cpu_device
+from .testing.scenario import OffloadScenario, make_cpu_device
 
 __all__ = ["DEMO_LAYOUT", "DemoSummary", "run_demo", "format_summary"]
 
@@ -43,6 +49,28 @@ DEMO_LAYOUT = ModelLayout(
     )
 )
 _LAYERS, _KV_HEADS, _HEAD_DIM = 4, 4, 64
+# Part of the fingerprint: bump it when the demo's bytes-per-key function changes, so a directory
+# written by an older demo holds other keys instead of bytes this demo would call wrong.
+_DEMO_WEIGHTS_VERSION = "demo-2"
+
+
+class _KeyedScenario(OffloadScenario):
+    """Producers' KV bytes derive from the chunk key, and every complete chunk's bytes are known
+    to the checker, whether this run stored it or found it already cached."""
+
+    def fill_blocks(self, keys, table) -> None:
+        super().fill_blocks(keys, table)  # random bytes for the trailing partial blocks
+        for g, group_keys in enumerate(keys.keys):
+            per_chunk = self.layout.groups[g].blocks_per_chunk
+            for chunk, key in enumerate(group_keys):
+                seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+                generator = torch.Generator().manual_seed(seed)
+                blocks = table[g][chunk * per_chunk : (chunk + 1) * per_chunk]
+                for block in blocks:
+                    for layer in self._layers(g):
+                        view = layer[block].view(torch.uint8).view(-1)
+                        view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8, generator=generator))
+                self.producer_bytes[key] = [self._block_bytes(g, block) for block in blocks]
 
 
 @dataclass
@@ -53,6 +81,8 @@ class DemoSummary:
     consumers: int
     hit_tokens: int
     prompt_tokens: int
+    warm_chunks: int  # chunks the producers found already in the cache directory (an earlier run)
+    stored_chunks: int  # chunks this run stored
     stored_bytes: int
     host_stored_bytes: int
     disk_stored_bytes: int
@@ -64,7 +94,7 @@ class DemoSummary:
     swa_bytes_saved_ratio: float
     seconds: float
     load_throughput_mb_s: float
-    cache_dir: str
+    cache_dir: Optional[str]  # None once the command removed its temporary directory
     failures: List[str]
     remote_url: Optional[str] = None
     loaded_bytes_from_remote: int = 0
@@ -90,7 +120,7 @@ async def run_demo(
     device = make_cpu_device(
         layout, num_blocks=640, num_layers=_LAYERS, kv_heads=_KV_HEADS, head_dim=_HEAD_DIM, dtype=torch.bfloat16
     )
-    fingerprint = layout_fingerprint(layout, model="kvtier-demo", dtype="bfloat16", weights_version="demo-1")
+    fingerprint = layout_fingerprint(layout, model="kvtier-demo", dtype="bfloat16", weights_version=_DEMO_WEIGHTS_VERSION)
     remote = {}
     if remote_url is not None:
         # A fresh namespace per run: the demo proves its own bytes, not a previous run's.
@@ -108,17 +138,29 @@ async def run_demo(
 
     swa_group = 1
     swa_chunk_bytes = device.chunk_nbytes(swa_group)
+    # The distinct SWA chunks held for these prompts (stored now or found already cached) against
+    # every complete SWA chunk of every prompt: shared prefixes are held once and the store mask
+    # skips what no boundary needs. The same figure on a cold or a warm directory.
     swa_every = sum(len(p) // layout.groups[swa_group].tokens_per_chunk for p in prompts) * swa_chunk_bytes
-    swa_stored = 0
+    swa_keys = set()
+    stored_keys = set()
+    warm_keys = set()
     hit_tokens = 0
     prompt_tokens = 0
     loaded_host = loaded_disk = 0
 
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
-        scenario = OffloadScenario(engine, seed=seed)
+        scenario = _KeyedScenario(engine, seed=seed)
         for prompt in prompts:
+            keys = engine.request_keys(prompt)
             record = await scenario.produce(prompt)
-            swa_stored += len(record.stored[swa_group]) * swa_chunk_bytes
+            swa_keys.update(keys.keys[swa_group][b // layout.groups[swa_group].blocks_per_chunk] for b in record.stored[swa_group] | record.skipped[swa_group])
+            for g, blocks in record.stored.items():
+                per_chunk = layout.groups[g].blocks_per_chunk
+                stored_keys.update(keys.keys[g][b // per_chunk] for b in blocks)
+            for g, blocks in record.skipped.items():
+                per_chunk = layout.groups[g].blocks_per_chunk
+                warm_keys.update(keys.keys[g][b // per_chunk] for b in blocks)
             if not record.durable:
                 failures.append(f"producer of {len(prompt)} tokens: chunks not durable")
             tick(1)
@@ -133,7 +175,7 @@ async def run_demo(
 
     # Restart on the same directory: the consumers are served from disk alone.
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
-        scenario = OffloadScenario(engine, seed=seed + 1)
+        scenario = _KeyedScenario(engine, seed=seed + 1)
         scenario.producer_bytes = producer_bytes
         hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
         hit_tokens += hits
@@ -153,7 +195,7 @@ async def run_demo(
         try:
             other = dataclasses.replace(config, cache_dir=other_dir)
             async with OffloadEngine(layout, device, other, fingerprint=fingerprint) as engine:
-                scenario = OffloadScenario(engine, seed=seed + 2)
+                scenario = _KeyedScenario(engine, seed=seed + 2)
                 scenario.producer_bytes = producer_bytes
                 hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
                 hit_tokens += hits
@@ -168,6 +210,7 @@ async def run_demo(
             shutil.rmtree(other_dir, ignore_errors=True)
 
     seconds = time.perf_counter() - started
+    swa_stored = len(swa_keys) * swa_chunk_bytes
     moved = loaded_host + loaded_disk + loaded_remote
     phases = 4 if remote_url is not None else 3
     return DemoSummary(
@@ -177,6 +220,8 @@ async def run_demo(
         consumers=(phases - 1) * producers,
         hit_tokens=hit_tokens,
         prompt_tokens=prompt_tokens,
+        warm_chunks=len(warm_keys - stored_keys),
+        stored_chunks=len(stored_keys),
         stored_bytes=disk_stored or host_stored,
         host_stored_bytes=host_stored,
         disk_stored_bytes=disk_stored,
@@ -223,6 +268,8 @@ def format_summary(summary: DemoSummary) -> str:
         f"  requests            {summary.requests} ({summary.producers} producers, {summary.consumers} consumers)",
         f"  hit tokens          {summary.hit_tokens} of {summary.prompt_tokens} prompt tokens "
         f"({summary.hit_tokens / max(1, summary.prompt_tokens):.1%})",
+        f"  producer chunks     {summary.stored_chunks} stored now, {summary.warm_chunks} already in the cache "
+        "directory" + (" (warm: an earlier run stored them)" if summary.warm_chunks else ""),
         f"  host tier           {summary.host_stored_bytes / mib:.1f} MiB stored, "
         f"{summary.loaded_bytes_from_host / mib:.1f} MiB loaded to device",
         f"  disk tier (LMDB)    {summary.disk_stored_bytes / mib:.1f} MiB stored "
@@ -235,9 +282,9 @@ def format_summary(summary: DemoSummary) -> str:
             "loaded by a second host with an empty cache directory"
         )
     lines += [
-        f"  SWA coverage        {summary.swa_bytes_stored / mib:.1f} MiB stored instead of "
-        f"{summary.swa_bytes_every_chunk / mib:.1f} MiB for every chunk "
-        f"({summary.swa_bytes_saved_ratio:.1%} saved)",
+        f"  SWA coverage        {summary.swa_bytes_stored / mib:.1f} MiB held instead of "
+        f"{summary.swa_bytes_every_chunk / mib:.1f} MiB for every chunk of every prompt "
+        f"({summary.swa_bytes_saved_ratio:.1%} saved: shared prefixes held once, store mask)",
         f"  time                {summary.seconds:.2f} s, {summary.load_throughput_mb_s:.0f} MB/s loaded",
     ]
     for failure in summary.failures[:10]:

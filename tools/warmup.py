@@ -37,7 +37,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
 from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
-from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
 from .hf_model import _require_transformers, cache_plan, load_model, parse_dtype, text_config
 
@@ -72,12 +72,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # A store dropped under pressure or a full queue is retried after a flush this many times before
 # the prompt is counted as dropped: warmup is offline, so waiting is fine, but not forever.
 _STORE_ATTEMPTS = 4
+# Marks a prompt line without "token_ids" (a text prompt) apart from one whose token_ids is null.
+_TEXT_PROMPT = object()
 
 
 @dataclass(frozen=True)
 class WarmupSummary:
     """What one ``run_warmup`` did. ``chunks_stored``/``bytes_stored`` count chunks this run wrote
-    (chunks another prompt or an earlier run already stored are ``chunks_present``)."""
+    and the disk confirmed durable (chunks another prompt or an earlier run already stored are
+    ``chunks_present``; chunks whose write failed, e.g. on a full disk, are ``chunks_not_durable``
+    and never counted as stored)."""
 
     prompts: int
     skipped: int  # already complete in the cache (resumed), or too short to fill one chunk
@@ -157,9 +161,9 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
     ``"token_ids"`` (a list of non-negative ints) or ``"text"`` (tokenized with the tokenizer in
     ``tokenizer_dir``, which must then hold one). Errors name the line."""
     entries: List[Tuple[int, Any, Optional[str]]] = []
+    number = 0
     try:
         async with aiofiles.open(os.fspath(path), "r", encoding="utf-8") as f:
-            number = 0
             async for line in f:
                 number += 1
                 if not line.strip():
@@ -170,24 +174,34 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
                     raise ValueError(f"{os.fspath(path)}:{number}: not JSON: {exc.msg}") from None
                 if not isinstance(record, dict) or ("token_ids" not in record and "text" not in record):
                     raise ValueError(f"{os.fspath(path)}:{number}: expected an object with 'token_ids' or 'text'")
-                entries.append((number, record.get("token_ids"), record.get("text")))
+                # A present "token_ids" is a token-id prompt even when its value is wrong (null):
+                # the error then names token_ids, not a missing tokenizer.
+                ids = record["token_ids"] if "token_ids" in record else _TEXT_PROMPT
+                entries.append((number, ids, record.get("text")))
     except FileNotFoundError:
         raise ValueError(f"prompts file {os.fspath(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"prompts file {os.fspath(path)!r} is a directory, not a JSONL file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"prompts file {os.fspath(path)!r} is not UTF-8 text ({exc.reason}); "
+            "expected JSONL with one object per line"
+        ) from None
 
     tokenizer = None
-    if any(ids is None for _, ids, _ in entries):
+    if any(ids is _TEXT_PROMPT for _, ids, _ in entries):
         tokenizer = _load_tokenizer(tokenizer_dir, path)
     prompts: List[List[int]] = []
     for number, ids, text in entries:
         where = f"{os.fspath(path)}:{number}"
-        if ids is None:
+        if ids is _TEXT_PROMPT:
             if not isinstance(text, str):
                 raise ValueError(f"{where}: 'text' must be a string")
             ids = tokenizer(text)["input_ids"]
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):
-            raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints")
+            raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints, got {json.dumps(ids)[:60]}")
         prompts.append(ids)
     return prompts
 
@@ -260,6 +274,18 @@ def _host_capacity_for(view: DeviceKVView, layout: ModelLayout, max_tokens: int)
     return 2 * chunks * sum(view.chunk_nbytes(g) for g in range(len(layout.groups)))
 
 
+def _checkpoint_errors() -> Tuple[type, ...]:
+    """What a damaged or foreign checkpoint raises while loading: safetensors' own error (a
+    garbage ``model.safetensors``), OSError (missing or unreadable files), ValueError / KeyError
+    (a config that does not parse) and RuntimeError (weights of the wrong shape)."""
+    errors: Tuple[type, ...] = (OSError, ValueError, KeyError, RuntimeError)
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - transformers requires safetensors
+        return errors
+    return errors + (SafetensorError,)
+
+
 def _load_quietly(model_dir: PathLike, **kwargs: Any):
     """``load_model`` without transformers' own progress bars (restored afterwards)."""
     hf_logging = _require_transformers().utils.logging
@@ -328,6 +354,7 @@ async def run_warmup(
     dtype_name, torch_dtype = parse_dtype(dtype)
     if not os.path.isdir(os.fspath(model_dir)):
         raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
+    DeviceBackend(device)  # a missing GPU is a one-line DeviceError now, not torch's assertion later
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
     # Refusals that the config alone decides (shared or lossy KV, unsupported attention) come
     # before the model is loaded and before anything is created on disk.
@@ -337,13 +364,19 @@ async def run_warmup(
         blocks_per_chunk=blocks_per_chunk,
         extra_retained_tokens=extra_retained_tokens,
     )
-    model = await asyncio.to_thread(
-        _load_quietly if not progress else load_model,
-        model_dir,
-        device=device,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-    )
+    try:
+        model = await asyncio.to_thread(
+            _load_quietly if not progress else load_model,
+            model_dir,
+            device=device,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+        )
+    except _checkpoint_errors() as exc:
+        raise ValueError(
+            f"cannot load the model in {os.fspath(model_dir)!r} ({type(exc).__name__}: {exc}); "
+            "is it a complete transformers checkpoint?"
+        ) from exc
     config = text_config(model.config)
     vocab = getattr(config, "vocab_size", None)
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -376,7 +409,7 @@ async def run_warmup(
     else:
         engine_config = dataclasses.replace(engine_config, cache_dir=os.fspath(cache_dir))
 
-    skipped = tokens = stored = stored_bytes = present = dropped = 0
+    skipped = tokens = scheduled = stored = stored_bytes = present = dropped = 0
     handles = []
     bar = tqdm(total=len(prompts), unit="prompt", desc="warmup", disable=not progress)
     created_cache_dir = not os.path.exists(os.fspath(cache_dir))
@@ -404,17 +437,19 @@ async def run_warmup(
                         "prompt of %d tokens: %d chunks dropped (%s)", len(ids), len(handle.dropped), handle.drop_reason
                     )
                 else:
-                    stored += len(handle.scheduled)
-                    stored_bytes += sum(view.chunk_nbytes(g) for g, _ in handle.scheduled)
+                    scheduled += len(handle.scheduled)
                     handles.append(handle)
                 previous = handle
                 bar.update(1)
-                bar.set_postfix(tokens=tokens, chunks=stored, refresh=False)
+                bar.set_postfix(tokens=tokens, chunks=scheduled, refresh=False)
             await engine.flush()
             durable = await asyncio.gather(*(h.wait_durable() for h in handles))
+            # Only chunks on disk count as stored: a summary must not promise what a full disk lost.
             not_durable = sum(len(h.scheduled) for h, ok in zip(handles, durable) if not ok)
+            stored = sum(len(h.scheduled) for h, ok in zip(handles, durable) if ok)
+            stored_bytes = sum(view.chunk_nbytes(g) for h, ok in zip(handles, durable) if ok for g, _ in h.scheduled)
     except BaseException:
-        if created_cache_dir and stored == 0 and present == 0:
+        if created_cache_dir and scheduled == 0 and present == 0:
             _remove_unused_cache_dir(cache_dir)
         raise
     finally:

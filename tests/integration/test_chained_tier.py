@@ -11,7 +11,6 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
-from kvtier.errors import TierIOError
 from kvtier.tiers.chain import ChainedTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
@@ -163,7 +162,7 @@ async def test_write_back_on_evict_copies_down_only_near_capacity(tmp_path, valk
 @pytest.mark.asyncio
 async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_remote(tmp_path, valkey_node):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
     config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "c"), "remote_url": valkey_node.url, "host_capacity_bytes": "1MiB",
                                      "remote_namespace": "cfg", "remote_timeout_s": "0.5",
@@ -173,6 +172,9 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
         chain = engine.disk_tier
         assert isinstance(chain, ChainedTier) and chain.write_policy == "write_back_on_evict"
         assert [t.name for t in chain.tiers] == ["lmdb", "remote"] and chain.tiers[1].namespace == "cfg"
+        text = engine.metrics.exposition().decode()
+        assert 'kvtier_tier_stat{stat="breaker_open",tier="remote"} 0.0' in text
+        assert 'kvtier_tier_stat{stat="hits",tier="remote"}' in text and 'tier="lmdb"' in text
     import socket
 
     with socket.socket() as s:
@@ -193,3 +195,96 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
     with pytest.raises(ValueError, match="remote_write_policy"):
         EngineConfig(remote_write_policy="sometimes")
     assert EngineConfig.from_env({"KVTIER_REMOTE_URL": ""}).remote_url is None
+
+
+@pytest.mark.asyncio
+async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.valkey import restart_node
+
+    cluster = valkey_factory.cluster(3)
+    by_port = {n.port: i for i, n in enumerate(cluster.nodes)}
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=cluster.url,
+                            remote_namespace="kill", remote_timeout_s=1.0, remote_breaker_reset_s=0.2)
+
+    layout = DEFAULT_TEST_LAYOUT
+    killed = []
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a:
+        chain = a.disk_tier
+        remote = chain.tiers[1]
+
+        stores = []
+
+        def kill_on_the_second_store_pipeline(node, commands):
+            if commands and commands[0][0] == "SET":
+                stores.append(node.port)
+                if len(stores) == 2:  # one pipeline per node: the second node dies mid-batch
+                    killed.append(by_port[node.port])
+                    os.kill(cluster.nodes[killed[0]].pid, signal.SIGKILL)
+
+        remote.set_call_hook(kill_on_the_second_store_pipeline)
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        record = await scenario.produce(prompt)
+        assert record.durable  # LMDB has it: the remote's failure is not the store's
+        await chain.flush()
+        remote.set_call_hook(None)
+        assert killed, "the hook never killed a primary"
+        stats = chain.statistics()
+        assert stats.extra["writebehind_failed"] == 8 and stats.extra["remote.rollbacks"] == 1
+        producer_bytes = scenario.producer_bytes
+    await asyncio.to_thread(restart_node, cluster, killed[0])
+
+    # Host B never saw the prompt: the failed write-behind left nothing of it on the cluster, so
+    # it misses cleanly (0 tokens) instead of hitting a part of the request.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-b"), fingerprint=b"kill-model") as b:
+        assert b.lookup(prompt + [1]) == 0
+        assert await b.disk_tier.tiers[1].list_keys() == []
+    # Host A, restarted, still hits from its own LMDB, every byte checked.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a2:
+        scenario = OffloadScenario(a2)
+        scenario.producer_bytes = producer_bytes
+        await scenario.consume(prompt + [1], expect_hit=32)
+
+
+@pytest.mark.asyncio
+async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="allkeys-lru")
+    layout = DEFAULT_TEST_LAYOUT
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=node.url,
+                            remote_namespace="evict")
+
+    async with OffloadEngine(layout, make_cpu_device(layout), config("a"), fingerprint=b"evict-model") as a:
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        await scenario.produce(prompt)
+    # Host B knows A's chunks only through the remote (its LMDB is empty).
+    async with OffloadEngine(layout, make_cpu_device(layout), config("b"), fingerprint=b"evict-model") as b:
+        remote = b.disk_tier.tiers[1]
+        a_keys = set(b.disk_index.keys())
+        assert len(a_keys) == 8 and b.lookup(prompt + [1]) == 32
+        filler = await RemoteTier.open(node.url, namespace="evict", fingerprint=b"evict-model")
+        try:
+            for round_ in range(20):  # bounded: up to 20 x 1 MiB into a 4 MiB server
+                await filler.put_many(make_items(4, 256 << 10, seed=500 + round_, fingerprint=b"evict-model"))
+                if not all(await remote.contains_many(list(a_keys))):
+                    break
+        finally:
+            await filler.close()
+        on_server = {k for k, p in zip(a_keys, await remote.contains_many(list(a_keys))) if p}
+        assert on_server != a_keys, "nothing of A's was evicted"
+        # Within the bound (notifications: milliseconds; 2 s allowed), B's index holds exactly the
+        # chunks the server still has, and a lookup admits no hit whose chunks are gone.
+        assert await wait_for(lambda: set(b.disk_index.keys()) & a_keys == on_server, timeout_s=2.0)
+        hit = b.lookup(prompt + [1])
+        if hit:  # what is left is loadable (the chunks the hit needs were not evicted)
+            result = await b.load(prompt + [1], hit, OffloadScenario(b).allocate(34))
+            assert result.ok

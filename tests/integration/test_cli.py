@@ -38,15 +38,16 @@ def test_demo_json_reports_a_verified_run(demo_cache):
     assert summary["loaded_bytes_from_disk"] > 0
 
 
-def test_demo_default_prints_a_summary_and_removes_its_directory(tmp_path):
+def test_demo_default_removes_its_directory_and_json_names_none(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.tools.cli", "demo", "--producers", "3"],
+        [sys.executable, "-m", "kvtier.tools.cli", "demo", "--producers", "3", "--json"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stderr
-    assert "every loaded byte matched its producer" in result.stdout
-    assert "SWA coverage" in result.stdout
+    summary = json.loads(result.stdout)
+    assert summary["verified"] is True and summary["failures"] == []
+    assert summary["cache_dir"] is None  # never a path that no longer exists
     assert list(tmp_path.iterdir()) == []  # the temporary cache directory is gone
 
 

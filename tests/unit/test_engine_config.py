@@ -60,7 +60,7 @@ def test_path_and_int_values_are_normalised():
         ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'lru', 'arc', got 'fifo'"),
         ({"cache_dir": "/x", "disk_capacity_bytes": -1}, r"disk_capacity_bytes must be positive, got -1"),
         ({"disk_capacity_bytes": 1 << 30}, r"disk_capacity_bytes=1073741824 needs cache_dir"),
-        ({"lmdb_map_size_bytes": 0}, r"lmdb_map_size_bytes must be positive, got 0"),
+        ({"lmdb_map_size_bytes": 0}, r"lmdb_map_size_bytes must be >= 1048576, got 0"),
         ({"store_queue_max_chunks": 0}, r"store_queue_max_chunks must be positive, got 0"),
         ({"store_queue_max_chunks": 4096.0}, r"store_queue_max_chunks must be an int, got 4096.0"),
         ({"spill_batch_max_bytes": -5}, r"spill_batch_max_bytes must be positive, got -5"),
@@ -229,7 +229,7 @@ def test_from_env_reads_prefixed_variables_and_ignores_others():
 
 def test_from_env_empty_optional_is_none_and_bad_value_names_environment():
     assert EngineConfig.from_env({"KVTIER_CACHE_DIR": ""}).cache_dir is None
-    with pytest.raises(ValueError, match=r"spill_batch_max_chunks \(from environment\) must be an int, got 'x'"):
+    with pytest.raises(ValueError, match=r"spill_batch_max_chunks \(from KVTIER_SPILL_BATCH_MAX_CHUNKS\) must be an int, got 'x'"):
         EngineConfig.from_env({"KVTIER_SPILL_BATCH_MAX_CHUNKS": "x"})
 
 

@@ -20,7 +20,7 @@ import xxhash
 
 from kvtier.errors import CorruptRecordError
 
-from ..record import RecordHeader, decode_record, read_header, validate_record
+from ..record_format import RecordHeader, decode_record, read_header, validate_record
 from ..writer import WriterThread
 from .tables import ATIME
 from .writes import WriterSide
@@ -165,17 +165,7 @@ class Maintenance(WriterSide):
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             gone = [k for k in keys if txn.get(k, db=self._tables.chunks) is None and txn.delete(k, db=self._tables.atime)]
-
-            def apply() -> int:
-                for key in gone:
-                    size = self._lru.pop(key, None)
-                    if size is not None:
-                        self._total_bytes -= size
-                self._count(quarantined=len(gone))
-                self._notify_removed(gone)
-                return len(gone)
-
-            return apply
+            return lambda: self._forget(gone, "quarantined", quarantined=len(gone))
 
         return self._write(body)
 

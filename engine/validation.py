@@ -1,0 +1,193 @@
+"""Argument checks for the engine's public methods, and for settings once the layout is known.
+
+Primitives: ``check_token_ids``, ``check_count``, ``check_store_arguments``,
+``check_load_arguments``, ``check_engine_settings``. Pure and synchronous; they run on the caller's
+thread before anything is scheduled, so a bad argument is the caller's typed error (``TypeError``
+for a wrong kind of value, ``ValueError`` for a wrong value, each naming the argument and the value),
+never a wrong result or a failure on a worker thread later.
+
+Why strict: a block id ``1.9`` that ``int()`` truncates to 1 stores the wrong device block's KV
+under the right key, and every later hit serves it. So a block id or a token count must be an
+integer: a Python int, or a numpy / torch integer scalar; never a bool, a float or a string.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kvtier.policy import ModelLayout
+from kvtier.policy.plan import store_chunk_indices
+
+__all__ = [
+    "check_token_ids",
+    "check_count",
+    "check_store_arguments",
+    "check_load_arguments",
+    "check_engine_settings",
+]
+
+logger = logging.getLogger("kvtier.engine")
+
+BlockRow = List[Optional[int]]
+_NOT_INTEGER = (bool, np.bool_, float, np.floating, complex, str, bytes)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int when it is an integer (int, numpy or torch integer scalar), else a
+    ``TypeError`` naming ``what``."""
+    if type(value) is int:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
+            return int(value.item())
+    elif not isinstance(value, _NOT_INTEGER) and isinstance(value, (int, np.integer)):
+        return int(value)
+    raise TypeError(f"{what} must be an int (numpy and torch integer scalars are fine), got {_describe(value)}")
+
+
+def _integer_array(value: Any, what: str) -> Optional[List[int]]:
+    """A 1-D numpy or torch integer array as a list of ints; ``None`` when ``value`` is neither."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be a 1-D integer array, got a {value.ndim}-D array of {value.dtype}")
+        return value.tolist()
+    if isinstance(value, torch.Tensor):
+        dtype = value.dtype
+        if value.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{what} must be a 1-D integer tensor, got a {value.dim()}-D tensor of {dtype}")
+        return value.tolist()
+    return None
+
+
+def _int_list(value: Any, what: str, *, allow_none: bool) -> List[Any]:
+    """Every item of a sequence as an int (or None when allowed); the error names the index."""
+    array = _integer_array(value, what)
+    if array is not None:
+        return array
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        hint = " (materialize an iterator with list(...))" if hasattr(value, "__next__") else ""
+        raise TypeError(f"{what} must be a sequence of ints{hint}, got {_describe(value)}")
+    kinds = set(map(type, value))
+    if kinds <= {int}:  # the common case: one pass, no per-item Python code
+        return list(value)
+    out: List[Any] = []
+    for index, item in enumerate(value):
+        if item is None and allow_none:
+            out.append(None)
+        else:
+            out.append(_as_int(item, f"{what}[{index}]"))
+    return out
+
+
+def check_token_ids(token_ids: Any) -> Any:
+    """Refuse token ids that are not token ids at all, in O(1): raw bytes or text (``bytes`` would
+    otherwise be read as machine integers), and numpy / torch arrays of a non-integer dtype (a bool
+    mask, float logits) or of more than one dimension. Item by item checks (floats, negatives,
+    values past 2**32) are the key builder's, in C, on its conversion; a Python ``bool`` inside a
+    list is an int there (``True == 1``), as everywhere in Python: scanning a list's item types
+    costs more than hashing it (~4x at 131072 tokens), on the lookup path."""
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"token_ids must be a sequence of ints, got {_describe(token_ids)}")
+    if isinstance(token_ids, (np.ndarray, torch.Tensor)):
+        _integer_array(token_ids, "token_ids")
+    return token_ids
+
+
+def check_count(name: str, value: Any, upper: Optional[int]) -> int:
+    """A token count in ``[0, upper]`` (no upper bound when ``upper`` is None), as an int."""
+    count = _as_int(value, name)
+    if count < 0 or (upper is not None and count > upper):
+        bound = f"[0, {upper}]" if upper is not None else ">= 0"
+        raise ValueError(f"{name} must be in {bound}, got {count}")
+    return count
+
+
+def _block_table(table: Any, layout: ModelLayout) -> List[BlockRow]:
+    groups = len(layout.groups)
+    if isinstance(table, (str, bytes, bytearray)) or not isinstance(table, Sequence):
+        raise TypeError(f"block_table must be a sequence with one list of device block ids per group, got {_describe(table)}")
+    if len(table) != groups:
+        raise ValueError(f"block_table must have one list per group ({groups}), got {len(table)}")
+    rows: List[BlockRow] = []
+    for gi, row in enumerate(table):
+        if isinstance(row, (int, np.integer)) or row is None:
+            raise TypeError(
+                f"block_table[{gi}] must be a sequence of device block ids, got {_describe(row)} "
+                "(block_table is nested: one list per group)"
+            )
+        rows.append(_int_list(row, f"block_table[{gi}]", allow_none=True))
+    return rows
+
+
+def check_store_arguments(
+    layout: ModelLayout, request_tokens: int, num_tokens: Any, block_table: Any
+) -> Tuple[int, List[List[Optional[int]]]]:
+    """``store``'s ``num_tokens`` (default: every token) and ``block_table``, checked and
+    normalised. Every block the store mask selects must have its own device block: a ``None`` there
+    or one device block given to two selected blocks of a group is refused (``ValueError``)."""
+    count = request_tokens if num_tokens is None else check_count("num_tokens", num_tokens, request_tokens)
+    rows = _block_table(block_table, layout)
+    for gi, row in enumerate(rows):
+        given = [b for b in row if b is not None]
+        if len(given) == len(row) and len(set(given)) == len(given):
+            continue  # the common case: a full table of distinct ids; the mask is not needed
+        per_chunk = layout.groups[gi].blocks_per_chunk
+        seen = {}
+        for chunk in store_chunk_indices(layout, gi, count):
+            for logical in range(chunk * per_chunk, (chunk + 1) * per_chunk):
+                if logical >= len(row):
+                    break  # the engine names a short table itself
+                block = row[logical]
+                if block is None:
+                    raise ValueError(f"block_table[{gi}][{logical}] is None, but the store reads logical block {logical}")
+                if block in seen:
+                    raise ValueError(
+                        f"block_table[{gi}] gives device block {block} to logical blocks {seen[block]} and "
+                        f"{logical}; each stored block needs its own device block"
+                    )
+                seen[block] = logical
+    return count, rows
+
+
+def check_load_arguments(
+    layout: ModelLayout, request_tokens: int, hit_tokens: Any, block_table: Any
+) -> Tuple[int, List[List[Optional[int]]]]:
+    """``load``'s ``hit_tokens`` and ``block_table``, checked and normalised (``None`` stands for
+    a block the hit does not restore)."""
+    count = check_count("hit_tokens", hit_tokens, request_tokens)
+    return count, _block_table(block_table, layout)
+
+
+def check_engine_settings(config: Any, layout: ModelLayout, device: Any) -> None:
+    """Settings that only make sense against the layout and the machine, checked when the engine
+    is built: a host pool larger than the machine's memory can never be allocated (``ValueError``);
+    a pool smaller than four chunks per group is raised to that floor, and the log says so."""
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except Exception:  # no psutil or no /proc: nothing to compare with
+        total = None
+    if total is not None and config.host_capacity_bytes > total:
+        raise ValueError(
+            f"host_capacity_bytes={config.host_capacity_bytes} is more than this machine's memory "
+            f"({total} bytes); the host pool is allocated up front"
+        )
+    floor = sum(4 * device.chunk_nbytes(g) for g in range(len(layout.groups)))
+    if config.host_capacity_bytes < floor:
+        logger.warning(
+            "host_capacity_bytes=%d holds fewer than 4 chunks per group; using the floor of 4 slots per "
+            "group (%d bytes): a store needing more slots of one group than that is dropped",
+            config.host_capacity_bytes, floor,
+        )
