@@ -398,7 +398,8 @@ class VllmCpuRig:
         first = len(self.copy_worker.transfers)
         for _ in range(max_steps):
             record.max_step_s = max(record.max_step_s, self.step())
-            if not self.scheduler.requests and not self._transfers_pending():
+            pending = self._transfers_pending()  # waits for the tiers' jobs between steps
+            if not self.scheduler.requests and not pending:
                 break
         else:
             raise TimeoutError(f"{req_id} did not finish in {max_steps} steps")

@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.chain import tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record import CodecConfig
 
@@ -493,7 +494,7 @@ class KvtierTier(SecondaryTierManager):
     def statistics(self) -> Dict[str, float]:
         """This tier's counters plus the chunk tier's (records, bytes, corrupt, evictions, ...)."""
         stats = {f"vllm_{k}": float(v) for k, v in self.counters.items()}
-        stats.update({k: float(v) for k, v in dict(self.chunk_tier.statistics()).items() if isinstance(v, (int, float))})
+        stats.update(tier_statistics_dict(self.chunk_tier))
         stats["indexed_chunks"] = float(len(self._index))
         return stats
 
