@@ -295,16 +295,9 @@ class FileTier(ChunkTier):
         """The shared counters (``TierStatistics``; ``errors`` counts failed batches and failed
         per-file operations) and, in ``extra``: ``temps_removed`` (at open) and
         ``quarantine_held`` (records kept under ``quarantine/``, from every process)."""
-        counters = dict(self._stats)
-        extra = {"temps_removed": float(counters.pop("temps_removed")),
-                 "quarantine_held": float(self._quarantine_room.held)}
-        return TierStatistics(
-            records=len(self._index),
-            bytes=self._index.total_bytes,
-            capacity_bytes=self._capacity,
-            degraded=self._degraded,
-            extra=extra,
-            **counters,
+        return TierStatistics.from_counters(
+            self._stats, self._index, capacity_bytes=self._capacity, degraded=self._degraded,
+            quarantine_held=float(self._quarantine_room.held),
         )
 
     def subscribe_removals(self, callback: RemovalCallback) -> None:
