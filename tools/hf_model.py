@@ -203,7 +203,7 @@ def layer_types_from_config(config: Any) -> Tuple[List[str], Optional[int]]:
         if unknown:
             raise ValueError(
                 f"unsupported model config ({model_type}): layer types {unknown} (kvtier supports "
-                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})"
+                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}; compressed attention goes through cache_plan)"
             )
     if SLIDING_ATTENTION in layer_types:
         window = _positive_int(config, "sliding_window")
