@@ -265,7 +265,7 @@ class OffloadEngine:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
         from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
-        from kvtier.tiers.record import CodecConfig
+        from kvtier.tiers.record_format import CodecConfig
 
         config = self.config
         kwargs: Dict[str, Any] = dict(

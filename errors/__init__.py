@@ -19,7 +19,7 @@ by cause:
 - ``EngineInvariantError``: ``OffloadEngine.check`` found its tables disagreeing.
 - ``EngineUsageError``: the engine was called from another event loop or thread than its own, or
   after a background loop of it failed for good (a forked child gets ``ForkedProcessError``).
-- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.faults``); a ``TierIOError``
+- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.testing.faults``); a ``TierIOError``
   so it travels the same paths as a real one.
 
 Warnings: ``KvtierWarning`` is the base (the test suite turns it into an error);
@@ -135,5 +135,5 @@ class EngineUsageError(KvtierError, RuntimeError):
 
 
 class InjectedFault(TierIOError):
-    """Raised by ``kvtier.tools.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
+    """Raised by ``kvtier.tools.testing.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
     like a real one."""

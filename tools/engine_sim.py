@@ -46,12 +46,12 @@ import numpy as np
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
-from kvtier.engine.pressure import ScriptedSource
 from kvtier.errors import KvtierError, TierIOError
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
+from kvtier.tools.testing.pressure import ScriptedSource
 
-from .scenario import make_cpu_device
+from .testing.scenario import make_cpu_device
 from .tier_seam import SeamTier
 
 __all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]

@@ -3,7 +3,7 @@
 Primitives: ``SeamTier`` (wraps a ``ChunkTier``), ``Gate`` (a held call: ``entered`` tells the
 test the call reached the seam, ``release()`` lets it go on). Runs on the caller's event loop.
 
-``FaultyTier`` (``kvtier.tools.faults``) fails with kvtier's own ``InjectedFault`` only; the engine's
+``FaultyTier`` (``kvtier.tools.testing.faults``) fails with kvtier's own ``InjectedFault`` only; the engine's
 contract is that *any* exception at a tier boundary (a third-party tier's ``ValueError``, a
 ``MemoryError``, a ``ConnectionResetError``) is a failure that leaves its states consistent, and
 that races between a tier's answer and the engine's bookkeeping are harmless. Tests reach those

@@ -162,7 +162,7 @@ async def test_write_back_on_evict_copies_down_only_near_capacity(tmp_path, valk
 @pytest.mark.asyncio
 async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_remote(tmp_path, valkey_node):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
     config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "c"), "remote_url": valkey_node.url, "host_capacity_bytes": "1MiB",
                                      "remote_namespace": "cfg", "remote_timeout_s": "0.5",
@@ -200,7 +200,7 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
 @pytest.mark.asyncio
 async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
     from kvtier.tools.valkey import restart_node
 
     cluster = valkey_factory.cluster(3)

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
-from kvtier.engine.pressure import ScriptedSource
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.pressure import ScriptedSource
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 from kvtier.tools.tier_seam import SeamTier
 
 FULL = ModelLayout(groups=(AttentionGroup(16),))

@@ -1,7 +1,7 @@
 """The tier contract (``kvtier.tiers.base.ChunkTier``): one suite, run against every tier.
 
 Every test takes the ``kind`` fixture, parametrized over ``TIERS``: the LMDB tier, the file tier,
-and the fault wrapper (``kvtier.tools.faults.FaultyTier``, no faults scripted) around each. A tier
+and the fault wrapper (``kvtier.tools.testing.faults.FaultyTier``, no faults scripted) around each. A tier
 is correct when it passes every test here; two tiers cannot drift apart quietly.
 
 Adding a tier (the remote tier, a chained tier): append a ``TierKind`` to ``TIERS`` (or, from a
@@ -13,7 +13,7 @@ names three things:
   private temporary directory; ignore it if the tier keeps its bytes elsewhere, but then start
   empty). Capacity is in stored (encoded) bytes; ``None`` means unbounded.
 - ``corrupt(tier, key)``: blocking; flips a byte of the stored record ``key`` so that the next read
-  must detect it (``kvtier.tools.faults.corrupt_stored_record`` knows LMDB and files).
+  must detect it (``kvtier.tools.testing.faults.corrupt_stored_record`` knows LMDB and files).
 - ``break_writes(tier)``: makes every later write fail underneath (as a dying disk or a dropped
   connection would) and returns a function that heals it.
 
@@ -43,8 +43,8 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig, encode_record
-from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
+from kvtier.tiers.record_format import CodecConfig, encode_record
+from kvtier.tools.testing.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
 
 
 @dataclass(frozen=True)

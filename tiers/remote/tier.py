@@ -14,7 +14,7 @@ Primitives, and the thread each runs on:
   client on the loop (``router.py``).
 
 Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
-kvtier's checksummed record (``tiers/record.py``) - never a metadata key beside a data key, which an
+kvtier's checksummed record (``tiers/record_format.py``) - never a metadata key beside a data key, which an
 eviction could split. The record's checksum is computed over the full namespaced key, so a value
 copied from another namespace or fingerprint fails it (a miss, deleted, counted in ``corrupt``); a
 record whose header names another fingerprint than the tier's is a miss too (``mismatched``,
@@ -56,7 +56,7 @@ from kvtier.errors import (
 from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import slices as _slices
 from ..codec_pool import wait_through_cancel
-from ..record import (
+from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
