@@ -272,6 +272,22 @@ async def test_noeviction_memory_full_fails_stores_cleanly_and_counts_them(valke
 
 
 @pytest.mark.asyncio
+async def test_a_record_above_the_servers_value_limit_is_refused_before_sending(valkey_factory):
+    # Measured: a value above proto-max-bulk-len gets the connection reset, not an error.
+    node = valkey_factory.node(proto_max_bulk_len="1mb")
+    tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP)
+    try:
+        small, big = make_items(1, 1000, seed=30), make_items(1, 2 << 20, seed=31)
+        with pytest.raises(TierFullError, match="exceeds the server's proto-max-bulk-len of 1048576 bytes"):
+            await tier.put_many(small + big)
+        assert await tier.contains_many([small[0][0], big[0][0]]) == [False, False]
+        await tier.put_many(small)  # the connection and the breaker are fine
+        assert not tier.degraded and tier.statistics().extra["breaker_opens"] == 0
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factory):
     # Notifications off on the server: the tier turns them on (adding E and e to the flags).
     node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru", notify_keyspace_events="")
@@ -321,7 +337,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             metas, _ = await read_back(tier, items)
             elapsed = time.monotonic() - started
             assert metas == [None] * 4  # a read of a stalled node is a miss, never an error
-            assert elapsed < 2 * timeout_s + 0.5, elapsed
+            assert elapsed < 2 * timeout_s + 1.0, elapsed  # the client default took 11-19 s
             stats = tier.statistics()
             assert stats.extra["timeouts"] >= 1 and stats.extra["breaker_open"] == 1 and stats.degraded
             # Open breaker: refused at once, no network wait.
@@ -329,7 +345,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             assert (await read_back(tier, items))[0] == [None] * 4
             with pytest.raises(TierIOError, match="circuit open"):
                 await tier.put_many(make_items(1, 10, seed=7))
-            assert time.monotonic() - started < 0.1
+            assert time.monotonic() - started < 0.25  # no network wait (a timeout would be 0.3 s each)
             assert tier.statistics().extra["breaker_rejected"] >= 5
             assert any("circuit" in p for p in await tier.check())
         finally:
