@@ -15,8 +15,8 @@ from kvtier.tiers.chain import ChainedTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
 
-from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT as FP
-from kvtier.tools.valkey_fixtures import make_items, read_back, wait_for
+from kvtier.tools.testing.valkey import TEST_FINGERPRINT as FP
+from kvtier.tools.testing.valkey import make_items, read_back, wait_for
 
 _ns = itertools.count()
 

@@ -20,7 +20,7 @@ from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tiers.remote import RemoteTier, parse_remote_url
 from kvtier.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT, make_items, read_back, wait_for
+from kvtier.tools.testing.valkey import TEST_FINGERPRINT, make_items, read_back, wait_for
 
 FP = TEST_FINGERPRINT
 META = ChunkMeta(FP, 0, 3, "bfloat16", (2, 16, 64))

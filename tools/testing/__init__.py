@@ -11,6 +11,8 @@
   inner tier did the work, stall it) -- the seam of the engine's contract tests.
 - ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random
   interleavings, cancellations and faults, checked against a model after every step).
+- ``valkey``: pytest fixtures for real Valkey servers on 127.0.0.1 (``valkey_node``,
+  ``valkey_cluster``, ``valkey_factory``; ``shared_node()``) and remote-tier test helpers.
 - ``fault_child``: the child process of the kill -9 and multi-process tests
   (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
 
