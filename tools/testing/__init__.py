@@ -4,6 +4,8 @@
   ``kvtier.errors.InjectedFault``), ``IOFaultPlan`` /
   ``inject_io_faults`` / ``remove_io_faults`` (errors under a tier's own I/O calls),
   ``corrupt_stored_record`` (flip a stored byte; forensics kept out of the shipped tiers).
+- ``forwarding``: ``ForwardingTier``, a tier that forwards the whole contract to an inner one (the
+  base of ``FaultyTier`` and ``SeamTier``; override only what you intercept).
 - ``scenario``: ``OffloadScenario`` (a producer and consumers on CPU tensors, exact stored and
   loaded sets), ``make_cpu_device``, ``DEFAULT_TEST_LAYOUT``.
 - ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings).
@@ -31,9 +33,11 @@ from .faults import (
     inject_io_faults,
     remove_io_faults,
 )
+from .forwarding import ForwardingTier
 from .pressure import FakeNvml, ScriptedSource
 
 __all__ = [
+    "ForwardingTier",
     "FaultyTier",
     "IOFaultPlan",
     "inject_io_faults",
