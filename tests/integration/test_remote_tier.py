@@ -20,7 +20,7 @@ from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tiers.remote import RemoteTier, parse_remote_url
 from kvtier.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT, make_items, read_back, wait_for
+from kvtier.tools.testing.valkey import TEST_FINGERPRINT, make_items, read_back, wait_for
 
 FP = TEST_FINGERPRINT
 META = ChunkMeta(FP, 0, 3, "bfloat16", (2, 16, 64))
@@ -298,9 +298,13 @@ async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factor
     tier.subscribe_removals(removed.extend)
     try:
         items = make_items(60, 256 << 10, seed=5)  # 15 MiB into 6 MiB: most are evicted
+        keys = []
         for i in range(0, 60, 4):
-            await tier.put_many(items[i:i + 4])
-        keys = [k for k, _, _ in items]
+            try:
+                await tier.put_many(items[i:i + 4])
+                keys += [k for k, _, _ in items[i:i + 4]]
+            except TierFullError:
+                pass  # allkeys-lru too refuses a write it cannot make room for
         present = await tier.contains_many(keys)
         gone = {k for k, p in zip(keys, present) if not p}
         assert len(gone) >= 20
@@ -309,8 +313,9 @@ async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factor
         assert all(r.reason == "evicted" for r in removed)
         assert len(removed) == len(gone)  # each reported once
         assert tier.statistics().evictions == len(gone)
-        metas, _ = await read_back(tier, items)
-        assert {k for k, m in zip(keys, metas) if m is None} == gone
+        stored = [it for it in items if it[0] in set(keys)]
+        metas, _ = await read_back(tier, stored)
+        assert {k for (k, _, _), m in zip(stored, metas) if m is None} == gone
         # A removal no notification tells of (another host's delete): the listing reports it.
         survivor = next(k for k, p in zip(keys, present) if p)
         node.command("DEL", tier.rkey(survivor))
@@ -318,6 +323,33 @@ async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factor
         await wait_for(lambda: removed[-1].key == survivor)
         assert (removed[-1].key, removed[-1].reason) == (survivor, "external")
         assert await tier.reconcile() == 0  # reported once
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_cluster_evictions_are_heard_from_every_primary(valkey_factory):
+    from redis.crc import key_slot
+
+    # Notifications are node-local: one subscription per primary must hear each one's evictions.
+    cluster = valkey_factory.cluster(3, maxmemory="4mb", maxmemory_policy="allkeys-lru")
+    tier = await RemoteTier.open(cluster.url, namespace=namespace(), fingerprint=FP)
+    removed = []
+    tier.subscribe_removals(removed.extend)
+    try:
+        items = make_items(96, 128 << 10, seed=21)  # 12 MiB into 3 x 4 MiB
+        keys = []
+        for i in range(0, 96, 3):
+            try:
+                await tier.put_many(items[i:i + 3])
+                keys += [k for k, _, _ in items[i:i + 3]]
+            except TierFullError:
+                pass  # even allkeys-lru refuses a write it cannot make room for: counted, not stored
+        gone = {k for k, p in zip(keys, await tier.contains_many(keys)) if not p}
+        nodes = {cluster.node_for_slot(key_slot(tier.rkey(k))).port for k in gone}
+        assert len(nodes) >= 2, "evictions on one primary only: the test proves nothing"
+        assert await wait_for(lambda: {r.key for r in removed} == gone, timeout_s=2.0), (len(removed), len(gone))
+        assert len(removed) == len(gone) and tier.statistics().extra["notifications_on"] == 3
     finally:
         await tier.close()
 
