@@ -10,10 +10,8 @@ read-only disks are real tmpfs mounts (root only; skipped with the reason elsewh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import lmdb
 import pytest
 
 from kvtier.tools.cli import main
+from mounts import tmpfs
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,24 +31,6 @@ def run_cli(*args: str, timeout: float = 120, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, timeout=timeout, **kwargs
     )
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, options: str):
-    """A real tmpfs at ``where`` (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root to mount a tmpfs; running as uid {os.geteuid()}")
-    if shutil.which("mount") is None:
-        pytest.skip("needs the mount command")
-    where.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.fixture(scope="module")
