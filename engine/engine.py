@@ -35,7 +35,7 @@ from kvtier.policy import (
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
-from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
@@ -172,6 +172,7 @@ class OffloadEngine:
             from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
 
             self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
+            self.metrics.set_tier_statistics(self._disk_statistics)
         if self._disk is not None:
             self._subscribe_disk_evictions()
             try:
@@ -207,6 +208,11 @@ class OffloadEngine:
             poll_interval_s=config.pressure_poll_interval_s,
         )
         await self._pressure.start()
+
+    def _disk_statistics(self) -> Dict[str, float]:
+        from kvtier.tiers.chain import tier_statistics_dict
+
+        return tier_statistics_dict(self._disk) if self._disk is not None else {}
 
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
@@ -264,26 +270,21 @@ class OffloadEngine:
 
     def _subscribe_disk_evictions(self) -> None:
         # A record the disk tier drops (capacity eviction, quarantine) must leave the index at once,
-        # or lookup would admit a hit whose chunk is gone.
-        subscribe = getattr(self._disk, "subscribe_removals", None)
-        if subscribe is None:
-            return
-        loop = self._loop
+        # or lookup would admit a hit whose chunk is gone. The tier calls back on this loop.
+        self._disk.subscribe_removals(self._disk_removed)
 
-        def on_removed(keys: Iterable[bytes]) -> None:
-            keys = list(keys)
-            loop.call_soon_threadsafe(self._disk_removed, keys)
-
-        subscribe(on_removed)
-
-    def _disk_removed(self, keys: List[bytes]) -> None:
-        for key in keys:
+    def _disk_removed(self, removals: Sequence[Removal]) -> None:
+        dropped = 0
+        for removal in removals:
+            if removal.reason != "deleted":  # deletes are asked for, not tier evictions
+                dropped += 1
+            key = removal.key
             if key in self._on_disk:
                 self._on_disk.discard(key)
                 entry = self._entries.get(key)
                 group = entry.group_index if entry is not None else -1
                 self._events.append(ChunkEvent("removed", key, group, "disk"))
-        self.metrics.evicted("disk", len(keys))
+        self.metrics.evicted("disk", dropped)
 
     async def close(self) -> None:
         """Stop accepting work, let in-flight copies finish (they cannot be interrupted), fail their
@@ -1067,7 +1068,7 @@ class OffloadEngine:
         stats["chunks_by_state"] = states
         stats["chunks_on_disk"] = len(self._on_disk)
         stats["host"] = [pool.statistics() for pool in self._pools]
-        stats["disk"] = self._disk.statistics() if self._disk is not None else None
+        stats["disk"] = self._disk.statistics().as_dict() if self._disk is not None else None
         stats["pressure"] = self._pressure.state if self._pressure is not None else "unknown"
         stats["inflight_stores"] = self._inflight_stores
         stats["spill_queue"] = len(self._spill_queue)

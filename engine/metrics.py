@@ -104,6 +104,34 @@ class _ChunkStateCollector:
         return {str(state): count for state, count in dict(callback()).items()}
 
 
+class _TierStatsCollector:
+    """Collects ``<ns>_tier_stat{tier, stat}`` from the disk tier's flat statistics at scrape time
+    (for a chained tier: ``remote.hits`` -> tier "remote", stat "hits"; the chain's own counters
+    under tier "chain"), so per-tier hits, bytes, latencies, errors, evictions seen and breaker
+    state reach Prometheus without a counter call on any hot path."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.callback: Optional[Callable[[], Mapping[str, float]]] = None
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, "Disk tier statistics, per tier of a chain.", labels=["tier", "stat"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, "Disk tier statistics, per tier of a chain.", labels=["tier", "stat"])
+        callback = self.callback
+        if callback is not None:
+            try:
+                values = dict(callback())
+            except Exception:  # a scrape must never break on a tier that is closing
+                values = {}
+            for key, value in sorted(values.items()):
+                tier, _, stat = key.rpartition(".") if "." in key else ("disk", "", key)
+                if isinstance(value, (int, float)):
+                    family.add_metric([tier, stat], float(value))
+        yield family
+
+
 class EngineMetrics:
     """One engine's metrics: record with the methods below, read with ``snapshot()``.
 
@@ -159,6 +187,8 @@ class EngineMetrics:
         )
         self._states = _ChunkStateCollector(f"{ns}_chunks", state_counts)
         r.register(self._states)
+        self._tier_stats = _TierStatsCollector(f"{ns}_tier_stat")
+        r.register(self._tier_stats)
 
         # Bound children, so the hot path skips labels()' argument handling and lock.
         self._children: Dict[Tuple[int, Tuple[str, ...]], object] = {}
@@ -219,6 +249,11 @@ class EngineMetrics:
     def set_state_counts(self, state_counts: Optional[StateCounts]) -> None:
         """Attach (or detach, with ``None``) the chunks-per-state callback."""
         self._states.callback = state_counts
+
+    def set_tier_statistics(self, callback: Optional[Callable[[], Mapping[str, float]]]) -> None:
+        """Attach the disk tier's flat statistics (``TierStatistics.as_dict``), read at scrape
+        time, possibly on an exporter thread: it must return a fresh mapping."""
+        self._tier_stats.callback = callback
 
     def _child(self, metric, *labels: str):
         key = (id(metric), labels)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, PutItem
-from .batching import wait_through_cancel
+from .codec_pool import wait_through_cancel
 from .remote._contract import KeySnapshot, Removal, TierStatistics
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
@@ -145,7 +145,10 @@ class ChainedTier(ChunkTier):
                 del self._dirty[key]
                 self._extra["writeback_lost"] += 1
         seq = self._next_sequence()  # taken before the check: a put landing meanwhile wins
-        self._spawn_background(self._confirm_removed(index, keys, reasons, seq), "removals_held")
+        # Never skipped (unlike copies): a removal the engine never hears of breaks "exactly once".
+        task = self._loop.create_task(self._confirm_removed(index, keys, reasons, seq))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
 
     async def _confirm_removed(self, index: int, keys: List[bytes], reasons: List[str], seq: int) -> None:
         held = [False] * len(keys)

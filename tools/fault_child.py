@@ -359,8 +359,8 @@ async def _warmup_writer(args: argparse.Namespace) -> None:
             batch += 1
             await asyncio.sleep(args.pause_s)
         stats = tier.statistics()
-        _emit("done " + json.dumps({"batches": batch, "written_bytes": written, "errors": stats["errors"],
-                                     "map_growths": stats["map_growths"]}))
+        _emit("done " + json.dumps({"batches": batch, "written_bytes": written, "errors": stats.errors,
+                                     "map_growths": stats.extra["map_growths"]}))
 
 
 

@@ -23,7 +23,18 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvtier.errors import InjectedFault
-from kvtier.tiers.base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
+from kvtier.tiers.base import (
+    NO_IO_HOOK,
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    IOHook,
+    KeySnapshot,
+    PutItem,
+    RemovalCallback,
+    TierStatistics,
+    check_key,
+)
 
 if TYPE_CHECKING:
     from kvtier.tiers.lmdb import LmdbTier
@@ -98,42 +109,74 @@ class FaultyTier(ChunkTier):
             self.faults += 1
             raise InjectedFault(f"injected fault in {op} at call {self.calls}")
 
-    async def put_many(self, items: Sequence[PutItem]) -> None:
+    async def put_many(self, items: Sequence[PutItem]) -> int:
         """Delegates after the scripted fault check. Cancelling during the delay stores nothing."""
+        for key, _meta, _raw in items:
+            check_key(key)
         await self._enter("put_many")
-        await self.inner.put_many(items)
+        sequence = await self.inner.put_many(items)
         if self.corrupt_puts:
             for key, _meta, _raw in items:
                 await asyncio.get_running_loop().run_in_executor(None, corrupt_stored_record, self.inner, key)
+        return sequence
 
     async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
         """Delegates after the scripted fault check. Cancelling during the delay reads nothing."""
+        for key, _buf in items:
+            check_key(key)
         await self._enter("get_many_into")
         return await self.inner.get_many_into(items)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delegates after the scripted fault check."""
+        for key in keys:
+            check_key(key)
         await self._enter("delete_many")
         return await self.inner.delete_many(keys)
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Delegates after the scripted fault check."""
+        for key in keys:
+            check_key(key)
         await self._enter("contains_many")
         return await self.inner.contains_many(keys)
 
     async def list_keys(self) -> List[bytes]:
         return await self.inner.list_keys()
 
+    async def snapshot_keys(self) -> KeySnapshot:
+        return await self.inner.snapshot_keys()
+
+    @property
+    def sequence(self) -> int:
+        return self.inner.sequence
+
+    def subscribe_removals(self, callback: RemovalCallback) -> None:
+        self.inner.subscribe_removals(callback)
+
+    async def flush(self) -> None:
+        await self.inner.flush()
+
+    async def check(self) -> List[str]:
+        return await self.inner.check()
+
+    @property
+    def degraded(self) -> bool:
+        return self.inner.degraded
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return self.inner.capacity_bytes
+
     async def close(self) -> None:
         await self.inner.close()
 
-    def statistics(self) -> Dict[str, float]:
-        stats = dict(self.inner.statistics())
-        stats["injected_faults"] = self.faults
-        return stats
+    def statistics(self) -> TierStatistics:
+        """The inner tier's, with ``injected_faults`` in ``extra``."""
+        return self.inner.statistics().with_extra(injected_faults=float(self.faults))
 
     def __getattr__(self, name: str):
-        # Optional tier hooks (subscribe_removals, flush, ...) pass through to the inner tier.
+        # Tier-specific extras (path_for, verify, gc, ...) pass through to the inner tier.
         return getattr(self.inner, name)
 
 

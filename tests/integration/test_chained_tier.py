@@ -11,7 +11,6 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
-from kvtier.errors import TierIOError
 from kvtier.tiers.chain import ChainedTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
@@ -173,6 +172,9 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
         chain = engine.disk_tier
         assert isinstance(chain, ChainedTier) and chain.write_policy == "write_back_on_evict"
         assert [t.name for t in chain.tiers] == ["lmdb", "remote"] and chain.tiers[1].namespace == "cfg"
+        text = engine.metrics.exposition().decode()
+        assert 'kvtier_tier_stat{stat="breaker_open",tier="remote"} 0.0' in text
+        assert 'kvtier_tier_stat{stat="hits",tier="remote"}' in text and 'tier="lmdb"' in text
     import socket
 
     with socket.socket() as s:
@@ -193,3 +195,56 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
     with pytest.raises(ValueError, match="remote_write_policy"):
         EngineConfig(remote_write_policy="sometimes")
     assert EngineConfig.from_env({"KVTIER_REMOTE_URL": ""}).remote_url is None
+
+
+@pytest.mark.asyncio
+async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.valkey import restart_node
+
+    cluster = valkey_factory.cluster(3)
+    by_port = {n.port: i for i, n in enumerate(cluster.nodes)}
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=cluster.url,
+                            remote_namespace="kill", remote_timeout_s=1.0, remote_breaker_reset_s=0.2)
+
+    layout = DEFAULT_TEST_LAYOUT
+    killed = []
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a:
+        chain = a.disk_tier
+        remote = chain.tiers[1]
+
+        stores = []
+
+        def kill_on_the_second_store_pipeline(node, commands):
+            if commands and commands[0][0] == "SET":
+                stores.append(node.port)
+                if len(stores) == 2:  # one pipeline per node: the second node dies mid-batch
+                    killed.append(by_port[node.port])
+                    os.kill(cluster.nodes[killed[0]].pid, signal.SIGKILL)
+
+        remote.set_call_hook(kill_on_the_second_store_pipeline)
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        record = await scenario.produce(prompt)
+        assert record.durable  # LMDB has it: the remote's failure is not the store's
+        await chain.flush()
+        remote.set_call_hook(None)
+        assert killed, "the hook never killed a primary"
+        stats = chain.statistics()
+        assert stats.extra["writebehind_failed"] == 8 and stats.extra["remote.rollbacks"] == 1
+        producer_bytes = scenario.producer_bytes
+    await asyncio.to_thread(restart_node, cluster, killed[0])
+
+    # Host B never saw the prompt: the failed write-behind left nothing of it on the cluster, so
+    # it misses cleanly (0 tokens) instead of hitting a part of the request.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-b"), fingerprint=b"kill-model") as b:
+        assert b.lookup(prompt + [1]) == 0
+        assert await b.disk_tier.tiers[1].list_keys() == []
+    # Host A, restarted, still hits from its own LMDB, every byte checked.
+    async with OffloadEngine(layout, make_cpu_device(layout), config("host-a"), fingerprint=b"kill-model") as a2:
+        scenario = OffloadScenario(a2)
+        scenario.producer_bytes = producer_bytes
+        await scenario.consume(prompt + [1], expect_hit=32)

@@ -105,7 +105,7 @@ async def test_a_pickle_under_a_valid_key_is_a_miss_and_never_runs(tmp_path: Pat
         await tier.put_many([(stored[0], meta, memoryview(bytes(64)))])
         tier.path_for(stored[0]).write_bytes(payload)
         [got] = await tier.get_many_into([(stored[0], memoryview(bytearray(64)))])
-        assert got is None and tier.statistics()["corrupt"] == 1
+        assert got is None and tier.statistics().as_dict()["corrupt"] == 1
     finally:
         await tier.close()
     assert not sentinel.exists()

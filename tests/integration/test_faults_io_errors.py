@@ -198,7 +198,7 @@ async def after_healing(
         assert record.durable, "a store after the fault cleared is not durable"
         assert await consume(engine, scenario, fresh + [1]) == (HIT, None)
         disk = engine.disk_tier
-        assert disk.statistics()["degraded"] == 0.0
+        assert disk.statistics().as_dict()["degraded"] == 0.0
         assert await disk.check() == []  # type: ignore[attr-defined]
 
     orphans: List[int] = []

@@ -75,10 +75,10 @@ async def test_a_reader_killed_mid_transaction_is_cleared_and_the_file_stops_gro
             await asyncio.to_thread(proc.wait)
         # The tier's timer runs reader_check(): the dead pid's slot goes.
         deadline = time.monotonic() + 10
-        while tier.statistics()["stale_readers_cleared"] < 1 and time.monotonic() < deadline:
+        while tier.statistics().as_dict()["stale_readers_cleared"] < 1 and time.monotonic() < deadline:
             await write_delete_cycles(tier, 1, 1000)
             await asyncio.sleep(0.05)
-        assert tier.statistics()["stale_readers_cleared"] >= 1
+        assert tier.statistics().as_dict()["stale_readers_cleared"] >= 1
         assert pid not in reader_pids(tier)
         # The writer keeps going; freed pages are reused again, so the file stays put.
         cleared = data_size(cache)
@@ -91,7 +91,7 @@ async def test_a_reader_killed_mid_transaction_is_cleared_and_the_file_stops_gro
         bufs = [bytearray(CHUNK) for _ in keep]
         assert await tier.get_many_into([(k, memoryview(b)) for (k, _, _), b in zip(keep, bufs)]) == [m for _, m, _ in keep]
         assert [bytes(b) for b in bufs] == [bytes(r) for _, _, r in keep]
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
     print(
         f"fault-suite: reader kill -9: stale slot of pid {pid} cleared ({int(stats['stale_readers_cleared'])}); "
         f"data file grew {grown_with_reader >> 10} KiB in 40 write/delete cycles behind the live reader, "
@@ -128,7 +128,7 @@ async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path:
                         assert bytes(buf) == chunk_content(key), "the reader got wrong bytes"
                 peak_size = max(peak_size, data_size(cache))
                 await asyncio.sleep(0.005)
-            stats = reader.statistics()
+            stats = reader.statistics().as_dict()
             final_keys = set(await reader.list_keys())
         lines = await collector
     finally:

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from kvtier.errors import ClosedError, TierFullError, UnsafeDirectoryError
+from kvtier.tiers.base import KEY_MAX_BYTES, ChunkMeta
 from kvtier.tiers.files import layout as files_layout
-from kvtier.tiers.files import tier as files_tier
-from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import QUARANTINE_DIR, RECORD_SUFFIX, TEMP_SUFFIX, FileTier
+from kvtier.tiers.quarantine import DEFAULT_MAX_QUARANTINE_RECORDS
 from kvtier.tiers.record import CodecConfig, encode_record, read_header
 
 FP = b"test-layout-fp-v1"
@@ -108,7 +108,7 @@ async def test_bitwise_round_trip_odd_shapes(tmp_path: Path, dtype: torch.dtype,
         if compress and dtype in (torch.bfloat16, torch.float16):
             # The big tensor's high bytes compress: the byte-plane codec really was exercised.
             assert read_header(tier.path_for(keys[3]).read_bytes()).codec == "zstd-planes"
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["records"] == len(tensors) and stats["hits"] == len(tensors)
         assert stats["bytes"] == sum(p.stat().st_size for p in record_files(tier.root))
 
@@ -123,8 +123,8 @@ async def test_missing_key_and_wrong_buffer_size_are_misses_without_quarantine(t
         assert await get_bytes(tier, key_of(1), 999) is None
         assert tier.path_for(key_of(1)).exists()
         assert await get_bytes(tier, key_of(1), 1000) == data.numpy().tobytes()
-        stats = tier.statistics()
-        assert (stats["misses"], stats["mismatches"], stats["corrupt"]) == (2, 1, 0)
+        stats = tier.statistics().as_dict()
+        assert (stats["misses"], stats["mismatched"], stats["corrupt"]) == (2, 1, 0)
 
 
 # -------------------------------------------------------------------------------------- layout
@@ -220,12 +220,12 @@ async def test_every_flipped_byte_is_detected_quarantined_and_counted(
         outs = [torch.empty_like(data) for _ in bad]
         metas = await tier.get_many_into([(k, raw_of(o)) for k, o in zip(bad, outs)])
         assert metas == [None] * len(bad)
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["corrupt"] == len(bad) and stats["misses"] == len(bad)
         assert await tier.contains_many(bad) == [False] * len(bad)
         assert not any(tier.path_for(k).exists() for k in bad)
         quarantined = list((tier.root / QUARANTINE_DIR).iterdir())
-        assert len(quarantined) == min(len(bad), files_tier._QUARANTINE_MAX_FILES)
+        assert len(quarantined) == min(len(bad), DEFAULT_MAX_QUARANTINE_RECORDS)
         # The intact record next to them is still served, bit for bit.
         out = torch.empty_like(data)
         assert await tier.get_many_into([(key_of(0), raw_of(out))]) == [meta]
@@ -244,9 +244,9 @@ async def test_record_renamed_to_another_key_is_corrupt(tmp_path: Path) -> None:
         # A valid record under the wrong name (a swapped file): the checksum covers the key.
         os.replace(tier.path_for(key_of(1)), tier.path_for(key_of(2)))
         assert await get_bytes(tier, key_of(2), 512) is None
-        assert tier.statistics()["corrupt"] == 1
+        assert tier.statistics().as_dict()["corrupt"] == 1
         assert await get_bytes(tier, key_of(1), 512) is None  # file gone: a plain miss
-        assert tier.statistics()["corrupt"] == 1
+        assert tier.statistics().as_dict()["corrupt"] == 1
 
 
 # ------------------------------------------------------------------------------------ capacity
@@ -263,7 +263,7 @@ async def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:
         assert await probe.list_keys() == []
     async with opened(tmp_path / "probe") as probe:
         await put_bytes(probe, keys["A"], blobs["A"])
-        record_size = int(probe.statistics()["bytes"])
+        record_size = int(probe.statistics().as_dict()["bytes"])
     capacity = record_size * 3 + record_size // 2  # room for three records
     async with opened(tmp_path / "c2", capacity_bytes=capacity) as tier:
         for name in "ABC":
@@ -276,7 +276,7 @@ async def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:
         # Now C is the oldest.
         await put_bytes(tier, keys["E"], blobs["E"])
         assert await tier.contains_many([keys[n] for n in "ACDE"]) == [True, False, True, True]
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["evictions"] == 2 and stats["records"] == 3
         on_disk = sum(p.stat().st_size for p in record_files(tier.root))
         assert on_disk == stats["bytes"] <= capacity
@@ -294,7 +294,7 @@ async def test_capacity_evicts_least_recently_read(tmp_path: Path) -> None:
         assert temp_files(tier.root) == []
     # A reopen with a smaller capacity trims to it, least recently used first.
     async with opened(tmp_path / "c2", capacity_bytes=record_size) as tier:
-        assert tier.statistics()["records"] == 1
+        assert tier.statistics().as_dict()["records"] == 1
         assert len(record_files(tier.root)) == 1
 
 
@@ -308,17 +308,42 @@ async def test_reopen_serves_same_bytes_and_rebuilds_index(tmp_path: Path) -> No
     async with opened(root) as tier:
         await tier.put_many([(k, meta_for(t, i), raw_of(t)) for i, (k, t) in enumerate(tensors.items())])
         assert await tier.delete_many([key_of(0), key_of(1), key_of(999)]) == 2
-        before = tier.statistics()
+        before = tier.statistics().as_dict()
     del tensors[key_of(0)], tensors[key_of(1)]
     async with opened(root) as tier:
         assert sorted(await tier.list_keys()) == sorted(tensors)
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert (stats["records"], stats["bytes"]) == (before["records"], before["bytes"])
         outs = {k: torch.empty_like(t) for k, t in tensors.items()}
         metas = await tier.get_many_into([(k, raw_of(o)) for k, o in outs.items()])
         assert all(m is not None for m in metas)
         for k, t in tensors.items():
             assert torch.equal(outs[k].view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.asyncio
+async def test_long_keys_nest_under_their_fan_out_and_survive_a_reopen(tmp_path: Path) -> None:
+    """Keys past 100 bytes (up to the contract's 511) do not fit one file name: their hex goes over
+    ``<200 digits>.k`` directory levels; the scan at open finds them again."""
+    root = tmp_path / "c"
+    keys = [bytes([7]) * 100, bytes([8]) * 101, bytes(range(256)) + bytes(range(255)), b"\x01"]
+    assert len(keys[2]) == KEY_MAX_BYTES
+    blobs = {k: random_bytes(300 + i, i) for i, k in enumerate(keys)}
+    async with opened(root) as tier:
+        for k, b in blobs.items():
+            await put_bytes(tier, k, b)
+        long_path = tier.path_for(keys[2])
+        digits = keys[2].hex()
+        parts = long_path.relative_to(root).parts
+        assert parts[2:-1] == tuple(digits[i : i + 200] + ".k" for i in range(0, 1000, 200))
+        assert parts[-1] == digits[1000:] + RECORD_SUFFIX and [len(p) for p in parts] == [2, 2] + [202] * 5 + [26]
+        assert tier.path_for(keys[0]).relative_to(root).parts[2] == keys[0].hex() + RECORD_SUFFIX
+    async with opened(root) as tier:
+        assert sorted(await tier.list_keys()) == sorted(keys)
+        for k, b in blobs.items():
+            assert await get_bytes(tier, k, b.numel()) == b.numpy().tobytes()
+        assert await tier.check() == []
+        assert await tier.delete_many([keys[2]]) == 1 and not tier.path_for(keys[2]).exists()
 
 
 @pytest.mark.asyncio
@@ -342,7 +367,7 @@ async def test_stale_temp_files_are_removed_at_open(tmp_path: Path) -> None:
     live.write_bytes(b"being written")
     async with opened(root) as tier:
         assert not crashed.exists() and not ancient.exists() and live.exists()
-        assert tier.statistics()["temps_removed"] == 2
+        assert tier.statistics().as_dict()["temps_removed"] == 2
         assert await tier.list_keys() == [key_of(1)]
         assert await get_bytes(tier, key_of(1), 300) == data.numpy().tobytes()
     live.unlink()
@@ -365,7 +390,7 @@ async def test_hundreds_of_concurrent_puts_and_gets_lose_nothing(tmp_path: Path)
         assert all(got[i] == blobs[i].numpy().tobytes() for i in range(n))
         got = await asyncio.gather(*(get_bytes(tier, key_of(i), blobs[i].numel()) for i in range(2 * n)))
         assert all(g == b.numpy().tobytes() for g, b in zip(got, blobs))
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["records"] == 2 * n and stats["errors"] == 0 and stats["puts"] == 2 * n
         assert temp_files(tier.root) == []
 
@@ -407,7 +432,7 @@ async def test_close_is_idempotent_and_later_calls_raise(tmp_path: Path) -> None
         await tier.delete_many([key_of(1)])
     with pytest.raises(ClosedError):
         await tier.list_keys()
-    assert tier.statistics()["records"] == 1
+    assert tier.statistics().as_dict()["records"] == 1
     with pytest.raises(TypeError):
         FileTier(tmp_path, None, CodecConfig(), 1)
 
@@ -454,7 +479,7 @@ async def test_disk_full_is_typed_and_recoverable(tiny_tmpfs: Path) -> None:
         assert isinstance(full.__cause__, OSError) and full.__cause__.errno == errno.ENOSPC
         failed = len(stored)
         assert 3 <= failed < len(blobs)
-        assert tier.statistics()["degraded"] == 1
+        assert tier.statistics().as_dict()["degraded"] == 1
         # Nothing partial is visible, and everything stored earlier still reads back bit for bit.
         assert await tier.contains_many([key_of(failed)]) == [False]
         assert not tier.path_for(key_of(failed)).exists()
@@ -474,7 +499,7 @@ async def test_disk_full_is_typed_and_recoverable(tiny_tmpfs: Path) -> None:
         await tier.put_many([(key_of(i), meta_for(blobs[i]), raw_of(blobs[i])) for i in batch])
         for i in batch:
             assert await get_bytes(tier, key_of(i), size) == blobs[i].numpy().tobytes()
-        assert tier.statistics()["degraded"] == 0
+        assert tier.statistics().as_dict()["degraded"] == 0
         assert await tier.check() == []
     finally:
         await tier.close()

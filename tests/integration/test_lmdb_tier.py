@@ -82,7 +82,7 @@ async def test_round_trip_bitwise_for_kv_dtypes(tmp_path: Path) -> None:
         assert await tier.contains_many([items[0][0], _key(999)]) == [True, False]
         assert sorted(await tier.list_keys()) == sorted(it[0] for it in items)
         assert await tier.get_many_into([(_key(999), memoryview(bytearray(4)))]) == [None]
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["records"] == len(items) and stats["compressed_records"] > 0
         assert stats["hits"] == len(items) and stats["misses"] == 1
         assert await tier.delete_many([items[0][0], _key(999)]) == 1
@@ -96,7 +96,7 @@ async def test_wrong_buffer_size_is_a_miss_not_corruption(tmp_path: Path) -> Non
     async with await LmdbTier.open(tmp_path / "c") as tier:
         await tier.put_many([it])
         assert await tier.get_many_into([(it[0], memoryview(bytearray(it[2].nbytes + 1)))]) == [None]
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["mismatched"] == 1 and stats["corrupt"] == 0
         await _assert_served(tier, [it])
 
@@ -128,10 +128,10 @@ async def test_flipped_bytes_in_data_file_are_always_detected(tmp_path: Path) ->
         results = await _get(tier, victims)
         assert [m for m, _ in results] == [None] * len(victims)  # 100% detected, never returned
         await _assert_served(tier, control)
-        assert tier.statistics()["corrupt"] == len(victims)
+        assert tier.statistics().as_dict()["corrupt"] == len(victims)
         await tier.flush()  # the writer has quarantined them
         assert sorted(tier.quarantined_keys()) == sorted(k for k, _, _ in victims)
-        assert tier.statistics()["quarantined"] == len(victims)
+        assert tier.statistics().as_dict()["quarantined"] == len(victims)
         assert set(await tier.list_keys()) == {k for k, _, _ in control}
         assert await tier.contains_many([victims[0][0]]) == [False]
         assert tier.verify().corrupt == []
@@ -143,7 +143,7 @@ async def test_corruption_injected_while_open_is_quarantined_and_reported(tmp_pa
     items = [_item(i) for i in range(3)]
     removed: List[bytes] = []
     async with await LmdbTier.open(tmp_path / "c", max_quarantine_records=0) as tier:
-        tier.subscribe_removals(removed.extend)
+        tier.subscribe_removals(lambda removals: removed.extend(r.key for r in removals))
         await tier.put_many(items)
         await asyncio.to_thread(corrupt_stored_record, tier, items[1][0])
         report = await asyncio.to_thread(tier.verify, quarantine=False)
@@ -153,7 +153,7 @@ async def test_corruption_injected_while_open_is_quarantined_and_reported(tmp_pa
         await tier.flush()
         assert removed == [items[1][0]]
         assert tier.quarantined_keys() == []  # no room kept: deleted, still counted
-        assert tier.statistics()["quarantined"] == 1
+        assert tier.statistics().as_dict()["quarantined"] == 1
         # A good record written again under the key is served.
         await tier.put_many([items[1]])
         await _assert_served(tier, items)
@@ -169,7 +169,7 @@ async def test_map_grows_past_a_tiny_initial_map(tmp_path: Path) -> None:
         for i in range(0, 8, 2):
             await tier.put_many(chunks[i : i + 2])
         await tier.put_many(chunks[8:])  # 2 MiB in one batch
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["map_growths"] >= 2 and stats["map_size_bytes"] > 4 << 20
         assert not tier.degraded
         await _assert_served(tier, chunks)
@@ -185,17 +185,17 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     removed: List[bytes] = []
     path = tmp_path / "c"
     async with await LmdbTier.open(path, capacity_bytes=cap) as tier:
-        tier.subscribe_removals(removed.extend)
+        tier.subscribe_removals(lambda removals: removed.extend(r.key for r in removals))
         for it in items[:10]:  # 10 records fit
             await tier.put_many([it])
-        assert tier.statistics()["bytes"] == 10 * size <= cap
+        assert tier.statistics().as_dict()["bytes"] == 10 * size <= cap
         await _get(tier, [items[0]])  # record 0 becomes the most recently used
         await tier.put_many([items[10]])
         await tier.put_many([items[11]])
         present = await tier.contains_many([it[0] for it in items[:12]])
         assert present == [True, False, False] + [True] * 9  # 1 and 2 were least recently used
         assert removed == [items[1][0], items[2][0]]
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["evictions"] == 2 and stats["bytes"] <= cap
 
         with pytest.raises(TierFullError):
@@ -207,7 +207,7 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
         await tier.put_many([items[12]])
         assert await tier.contains_many([items[3][0], items[0][0], items[12][0]]) == [False, True, True]
         assert await asyncio.to_thread(tier.gc, 5 * size) == 5
-        assert tier.statistics()["bytes"] == 5 * size
+        assert tier.statistics().as_dict()["bytes"] == 5 * size
         assert await tier.contains_many([items[4][0], items[12][0]]) == [False, True]
         assert await tier.check() == []
     assert (path / "data.mdb").stat().st_size < 3 * cap
@@ -258,7 +258,7 @@ async def test_argument_validation_and_double_open(tmp_path: Path) -> None:
     async with await LmdbTier.open(tmp_path / "c") as tier:
         with pytest.raises(ValueError, match="already open in this process"):
             await LmdbTier.open(tmp_path / "c")
-        with pytest.raises(ValueError, match="keys"):
+        with pytest.raises(ValueError, match=r"chunk key length must be 1\.\.511, got 0"):
             await tier.put_many([(b"", _item(0)[1], _item(0)[2])])
     # Closed means the directory can be opened again.
     async with await LmdbTier.open(tmp_path / "c"):
@@ -282,7 +282,7 @@ async def test_reopen_after_close_serves_the_same_bytes(tmp_path: Path) -> None:
 
     async with await LmdbTier.open(tmp_path / "c") as again:
         await _assert_served(again, items)
-        stats = again.statistics()
+        stats = again.statistics().as_dict()
         assert stats["records"] == 4
         infos = list(again.iter_records())
         assert sorted(i.key for i in infos) == sorted(it[0] for it in items)
@@ -341,6 +341,44 @@ async def test_second_process_reads_without_corrupting(tmp_path: Path) -> None:
         assert report.checked == 6 and report.ok == 6
 
 
+_WRITER_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kvtier.tiers.base import ChunkMeta
+    from kvtier.tiers.lmdb import LmdbTier
+
+    async def main(path, key_hex):
+        async with await LmdbTier.open(path) as tier:
+            data = bytearray(b"x" * 64)
+            meta = ChunkMeta(b"child", 0, 7, "uint8", (64,))
+            print(await tier.put_many([(bytes.fromhex(key_hex), meta, memoryview(data))]))
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.asyncio
+async def test_the_sequence_orders_other_processes_writes(tmp_path: Path) -> None:
+    """The sequence lives in the environment: a write by another process gets the next one, a
+    snapshot sees it, and this process's next put is ordered after it."""
+    async with await LmdbTier.open(tmp_path / "c") as tier:
+        mine = await tier.put_many([_item(1)])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WRITER_CHILD, str(tmp_path / "c"), _key(2).hex(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        theirs = int(out.decode())
+        assert theirs > mine
+        snap = await tier.snapshot_keys()
+        assert snap.keys == {_key(1), _key(2)} and snap.sequence >= theirs
+        assert await tier.put_many([_item(3)]) > theirs
+    async with await LmdbTier.open(tmp_path / "c") as again:  # persisted with the data
+        assert again.sequence > theirs
+
+
 # ------------------------------------------------------------------------------------- concurrency
 
 
@@ -349,7 +387,7 @@ async def test_hundreds_of_concurrent_puts_and_gets(tmp_path: Path) -> None:
     items = [_item(i, shape=(8, 1000 + i)) for i in range(300)]
     async with await LmdbTier.open(tmp_path / "c", read_workers=2) as tier:
         await asyncio.gather(*(tier.put_many([it]) for it in items[:200]))
-        stats = tier.statistics()
+        stats = tier.statistics().as_dict()
         assert stats["puts"] == 200 and stats["put_commits"] < 200  # batches were committed together
 
         async def get_one(it: Item) -> None:
@@ -362,7 +400,7 @@ async def test_hundreds_of_concurrent_puts_and_gets(tmp_path: Path) -> None:
         )
         assert len(await tier.list_keys()) == 300
         await _assert_served(tier, items)
-        assert tier.statistics()["errors"] == 0
+        assert tier.statistics().as_dict()["errors"] == 0
         assert await tier.check() == []
 
 
@@ -385,7 +423,7 @@ async def test_cancelled_callers_do_not_break_the_writer(tmp_path: Path) -> None
         await _assert_served(tier, small)
         present = await tier.contains_many([it[0] for it in big])
         assert len(set(present)) == 1  # the cancelled batch landed whole or not at all
-        assert tier.statistics()["errors"] == 0
+        assert tier.statistics().as_dict()["errors"] == 0
         assert await tier.check() == []
 
 
@@ -429,7 +467,7 @@ async def test_disk_full_is_typed_degrades_and_recovers(tmp_path: Path) -> None:
             with pytest.raises(TierFullError) as info:
                 await tier.put_many(later)
             assert info.value.__cause__ is not None
-            assert tier.degraded and tier.statistics()["degraded"] == 1.0
+            assert tier.degraded and tier.statistics().as_dict()["degraded"] == 1.0
             await _assert_served(tier, early)  # reads keep working while degraded
             assert await tier.contains_many([later[0][0]]) == [False]  # all or nothing
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 CHILD = str(Path(__file__).with_name("remote_fleet_child.py"))
 

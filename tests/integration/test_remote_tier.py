@@ -273,8 +273,11 @@ async def test_noeviction_memory_full_fails_stores_cleanly_and_counts_them(valke
 
 @pytest.mark.asyncio
 async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factory):
-    node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru")
+    # Notifications off on the server: the tier turns them on (adding E and e to the flags).
+    node = valkey_factory.node(maxmemory="6mb", maxmemory_policy="allkeys-lru", notify_keyspace_events="")
     tier = await RemoteTier.open(node.url, namespace=namespace(), fingerprint=FP)
+    flags = node.command("CONFIG", "GET", "notify-keyspace-events")[b"notify-keyspace-events"]
+    assert b"E" in flags and b"e" in flags
     removed = []
     tier.subscribe_removals(removed.extend)
     try:
@@ -340,6 +343,8 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
                 break
             await asyncio.sleep(0.05)
         assert healed and bytes(bufs[0]) == bytes(items[0][2])
+        assert tier.degraded  # the refused put: degraded until a put lands
+        await tier.put_many(make_items(1, 10, seed=9))
         assert not tier.degraded and tier.statistics().extra["breaker_opens"] >= 1
     finally:
         await tier.close()
@@ -357,7 +362,7 @@ async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_fact
         items = make_items(48, 64 << 10, seed=8)  # one item per pipeline: ~16 per node
         calls = []
 
-        def kill_on_the_fifth_pipeline(node):
+        def kill_on_the_fifth_pipeline(node, commands):
             calls.append(node.name)
             if len(calls) == 5:
                 os.kill(victim.pid, signal.SIGKILL)
@@ -382,6 +387,8 @@ async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_fact
                 break
             await asyncio.sleep(0.05)
         assert present == [False] * 48
+        # The eviction listener of the restarted node reconnected (and asked for a listing).
+        assert await wait_for(lambda: tier.statistics().extra["listener_restarts"] >= 1, timeout_s=6.0)
         # And the tier works again on the healed cluster.
         await tier.put_many(items)
         metas, bufs = await read_back(tier, items)

@@ -30,3 +30,4 @@ def fault_seed(request: pytest.FixtureRequest) -> int:
 
     seed = request.config.getoption("--fault-seed")
     return int(seed) if seed is not None else int(time.time()) % 1_000_000
+from kvtier.tools.valkey_fixtures import valkey_cluster, valkey_factory, valkey_node  # noqa: F401,E402

@@ -12,9 +12,8 @@ Primitives, and the thread each runs on:
   blocking call: the aiofiles file operations (open, write, flush, read, close, replace, remove:
   aiofiles is handed this executor), ``os.fsync`` of files and directories, ``mkdir``, the scan at
   open, and the record codec (``encode_record``/``decode_record``; zstd and the checksums release
-  the GIL). The codec runs one hop per slice of a batch (about 8 MiB of raw bytes per slice, so a
-  batch of big chunks still uses several cores), never one hop per small chunk: an executor round
-  trip costs ~100 us, about what a 64 KiB chunk takes to encode. A get batch under 256 KiB in all
+  the GIL). The codec runs one hop per slice of a batch (``tiers.codec_pool``: at most one slice
+  per thread, at least 1 MiB each), never one hop per small chunk. A get batch under 256 KiB in all
   decodes on the loop, where the hop would cost more than the decode.
 
 On-disk layout: see ``layout``; the scan at open and in ``check``: see ``scan``.
@@ -41,10 +40,7 @@ import asyncio
 import errno
 import os
 import secrets
-import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import (
@@ -72,9 +68,23 @@ from kvtier.errors import (
     TierIOError,
 )
 
-from ..batching import slices as _slices
-from ..batching import wait_through_cancel as _wait_through_cancel
-from ..base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
+from ..base import (
+    NO_IO_HOOK,
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    IOHook,
+    KeySnapshot,
+    PutItem,
+    Removal,
+    RemovalCallback,
+    RemovalFeed,
+    TierStatistics,
+    check_key,
+)
+from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads, wait_through_cancel
+from ..lru import ByteLru
+from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
 from ..record import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -83,45 +93,32 @@ from ..record import (
     encode_record,
 )
 from .layout import (
+    DIR_MODE,
     HOST_TAG,
     QUARANTINE_DIR,
     RECORD_SUFFIX,
-    TEMP_SUFFIX,
-    DIR_MODE,
-    fanout,
     fsync_dir,
+    key_location,
     private_opener,
+    quarantine_name,
+    temp_name,
 )
 from .scan import scan_tree
 
 __all__ = ["FileTier"]
 
-# A key becomes a file name of 2 * len(key) hex digits plus a temp suffix of ~60 bytes; 100 bytes of
-# key stays well inside NAME_MAX (255) on every filesystem we target.
-_MAX_KEY_BYTES = 100
-# Slice size for codec hops: large enough that the ~100 us hop is noise, small enough that a batch
-# of 4 MiB chunks still spreads over several worker threads.
-_CODEC_SLICE_BYTES = 8 << 20
 # Below this many raw bytes in a whole get batch, decoding on the loop is cheaper than a hop.
 _INLINE_DECODE_BYTES = 256 << 10
 # A record is its header plus a payload never larger than the raw bytes (the codec keeps the
 # compressed form only when it is smaller), so a read is capped at raw size + this much; a file that
 # grew beyond that cannot be a valid record for the buffer and must not make us allocate its size.
 _MAX_RECORD_OVERHEAD = 1 << 20
-# Quarantine keeps evidence, but a disk that corrupts everything must not fill the root with it.
-_QUARANTINE_MAX_FILES = 256
 
 _T = TypeVar("_T")
 _OPEN_TOKEN = object()
-
-
-@dataclass
-class _Entry:
-    """Index entry; the OrderedDict position is the LRU order, ``last_access`` is for humans."""
-
-    __slots__ = ("size", "last_access")
-    size: int
-    last_access: float
+# Counters with a TierStatistics field of their own, and temps_removed (in ``extra``).
+_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
+             "evictions", "deletes", "errors", "temps_removed")
 
 
 def _map_os_error(exc: OSError, what: str) -> TierIOError:
@@ -185,6 +182,8 @@ class FileTier(ChunkTier):
         codec: CodecConfig,
         io_threads: int,
         _token: object = None,
+        *,
+        max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
     ) -> None:
         if _token is not _OPEN_TOKEN:
             # An unscanned tier would serve an empty index over a full directory.
@@ -194,12 +193,14 @@ class FileTier(ChunkTier):
         self._codec = codec
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-files")
         self._loop = asyncio.get_running_loop()
-        self._index: "OrderedDict[bytes, _Entry]" = OrderedDict()
-        self._used = 0  # sum of index sizes
+        self._io_threads = io_threads
+        self._index = ByteLru()  # key -> record file size, least recently read first
+        self._sequence = 0  # this instance's mutations (puts landing, removals), in order
+        self._removals = RemovalFeed()
         self._reserved = 0  # net growth of admitted batches not landed yet
         self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
-        self._dirs: Set[Tuple[str, str]] = set()  # leaf directories known to exist
-        self._dir_pending: Dict[Tuple[str, str], "asyncio.Future[None]"] = {}
+        self._dirs: Set[Tuple[str, ...]] = set()  # record directories known to exist
+        self._dir_pending: Dict[Tuple[str, ...], "asyncio.Future[None]"] = {}
         self._tasks: Set["asyncio.Task[Any]"] = set()
         self._ops = 0  # public calls in flight (close waits for them)
         self._idle = asyncio.Event()
@@ -208,12 +209,9 @@ class FileTier(ChunkTier):
         # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
         self._temp_tag = f"{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
         self._temp_seq = count()
-        self._quarantined_files = 0
+        self._quarantine_room = QuarantineRoom(max_quarantine_records, 0)
         self._io_hook: IOHook = NO_IO_HOOK
-        self._stats: Dict[str, int] = dict(
-            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, evictions=0, errors=0,
-            deletes=0, temps_removed=0, mismatches=0,
-        )
+        self._stats: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._degraded = False
 
     @classmethod
@@ -225,13 +223,15 @@ class FileTier(ChunkTier):
         *,
         io_threads: int = 8,
         stale_temp_s: float = 600.0,
+        max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
     ) -> "FileTier":
         """Open (creating it 0700 if absent) the tier at ``root`` and rebuild its index by scanning.
 
         Raises ``UnsafeDirectoryError`` for a root that is world-writable or owned by another uid,
         ``TierIOError`` when the scan fails. ``io_threads`` is the size of the tier's own pool (the
         disk wants several I/Os in flight); ``stale_temp_s`` is the age beyond which a temp file
-        of an unknown writer counts as abandoned. If ``capacity_bytes`` is below what the root
+        of an unknown writer counts as abandoned; ``max_quarantine_records`` caps the corrupt
+        records kept under ``quarantine/`` (``tiers.quarantine``). If ``capacity_bytes`` is below what the root
         already holds, the least recently used records are evicted now.
 
         Cancelling it: the scan thread runs to its end (it may already have removed stale temps);
@@ -246,12 +246,14 @@ class FileTier(ChunkTier):
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if stale_temp_s < 0:
             raise ValueError(f"stale_temp_s must be >= 0, got {stale_temp_s}")
+        check_max_quarantine_records(max_quarantine_records)
         self = cls(
             Path(os.fspath(root)).absolute(),
             capacity_bytes,
             codec if codec is not None else CodecConfig(),
             io_threads,
             _OPEN_TOKEN,
+            max_quarantine_records=max_quarantine_records,
         )
         try:
             try:
@@ -261,13 +263,11 @@ class FileTier(ChunkTier):
             except OSError as exc:
                 raise _map_os_error(exc, f"opening {self._root}") from exc
             self._dirs = scan.dirs
-            self._quarantined_files = scan.quarantined_files
+            self._quarantine_room.held = scan.quarantined_files
             self._stats["temps_removed"] = scan.temps_removed
-            for key, size, atime in scan.entries:
-                self._index[key] = _Entry(size, atime)
-                self._used += size
-            if self._capacity is not None and self._used > self._capacity:
-                victims = self._pick_victims(self._used - self._capacity)
+            self._index = ByteLru((key, size) for key, size, _ in scan.entries)
+            if self._capacity is not None and self._index.total_bytes > self._capacity:
+                victims = self._pick_victims(self._index.total_bytes - self._capacity)
                 await self._remove_files(victims)
         except BaseException:
             self._closed = True
@@ -282,48 +282,75 @@ class FileTier(ChunkTier):
         return self._root
 
     @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self._capacity
+    def sequence(self) -> int:
+        """The last mutation of this instance (a put landing, a removal)."""
+        return self._sequence
 
     def path_for(self, key: bytes) -> Path:
         """Where ``key``'s record lives (whether or not it exists)."""
-        self._check_key(key)
-        d1, d2 = fanout(key)
-        return self._root / d1 / d2 / (key.hex() + RECORD_SUFFIX)
+        dirs, name = key_location(check_key(key))
+        return self._root.joinpath(*dirs, name + RECORD_SUFFIX)
 
-    def statistics(self) -> Dict[str, float]:
-        """records, bytes (encoded, on disk), capacity_bytes (0 = unbounded), puts/gets/hits/misses
-        (items), put_batches, corrupt (records that failed decode), evictions, deletes, errors
-        (failed batches and failed per-file operations), mismatches (intact records whose raw
-        size differs from the caller's buffer: misses, left in place), temps_removed (at open),
-        quarantined_files, degraded (1 after a failed write until a write succeeds)."""
-        out: Dict[str, float] = {k: float(v) for k, v in self._stats.items()}
-        out["records"] = float(len(self._index))
-        out["bytes"] = float(self._used)
-        out["capacity_bytes"] = float(self._capacity or 0)
-        out["quarantined_files"] = float(self._quarantined_files)
-        out["degraded"] = 1.0 if self._degraded else 0.0
-        return out
+    def statistics(self) -> TierStatistics:
+        """The shared counters (``TierStatistics``; ``errors`` counts failed batches and failed
+        per-file operations) and, in ``extra``: ``temps_removed`` (at open) and
+        ``quarantine_held`` (records kept under ``quarantine/``, from every process)."""
+        counters = dict(self._stats)
+        extra = {"temps_removed": float(counters.pop("temps_removed")),
+                 "quarantine_held": float(self._quarantine_room.held)}
+        return TierStatistics(
+            records=len(self._index),
+            bytes=self._index.total_bytes,
+            capacity_bytes=self._capacity,
+            degraded=self._degraded,
+            extra=extra,
+            **counters,
+        )
+
+    def subscribe_removals(self, callback: RemovalCallback) -> None:
+        """Report every record this instance stops serving -- capacity eviction, quarantine,
+        ``delete_many``, a failed put that had replaced it, a file found gone on a read
+        (``"external"``) -- as ``Removal`` records, on the loop running now (``ChunkTier`` rules).
+        Records other processes remove are found only when read or at the next open."""
+        self._removals.subscribe(callback)
+
+    async def snapshot_keys(self) -> KeySnapshot:
+        """Every indexed key and this instance's sequence, atomically (the index lives on the loop).
+        Cancelling it: no effect."""
+        self._check_open()
+        return KeySnapshot(frozenset(self._index), self._sequence)
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _drop(self, keys: Sequence[bytes], reason: str) -> List[Tuple[bytes, int]]:
+        """Take ``keys`` out of the index as one mutation and report those that were in it."""
+        dropped = [(key, size) for key in keys for size in (self._index.pop(key),) if size is not None]
+        if dropped:
+            sequence = self._next_sequence()
+            self._removals.publish([Removal(key, sequence, reason) for key, _ in dropped])
+        return dropped
 
     # ---------------------------------------------------------------------------- public, async
 
-    async def put_many(self, items: Sequence[PutItem]) -> None:
-        """Encode and store a batch; durable when it returns. All or nothing: on error no item of
-        the batch is visible (a key the batch overwrote may then be absent: the old file was
-        already replaced). ``TierFullError`` when the batch exceeds ``capacity_bytes`` or the
-        filesystem is full (``__cause__`` is the ``OSError``), ``TierIOError`` for other I/O errors.
-        Duplicate keys in one batch: the last one wins.
+    async def put_many(self, items: Sequence[PutItem]) -> int:
+        """Encode and store a batch; durable when it returns; returns the sequence that made it
+        visible (``ChunkTier`` rules). All or nothing: on error no item of the batch is visible (a
+        key the batch overwrote may then be absent -- the old file was already replaced -- and is
+        reported as removed, ``"deleted"``). ``TierFullError`` when the batch exceeds
+        ``capacity_bytes`` or the filesystem is full (``__cause__`` is the ``OSError``),
+        ``TierIOError`` for other I/O errors. Duplicate keys in one batch: the last one wins.
 
         Cancelling it: the batch runs on as a tier task and still lands all or nothing (``close``
-        waits for it); the call does not return before the encoder has finished reading the raw
-        buffers, so the caller may reuse them as soon as it returns, cancelled or not. A process
-        killed mid-batch may leave temp files, which the next ``open`` removes; each rename either
-        happened or did not.
+        waits for it); the call returns only once the encoders have finished reading the raw
+        buffers, then re-raises ``CancelledError``. A process killed mid-batch may leave temp files,
+        which the next ``open`` removes; each rename either happened or did not.
         """
         self._check_open()
         batch = self._validate_puts(items)
         if not batch:
-            return
+            return self._sequence
         encoded: "asyncio.Future[None]" = self._loop.create_future()
         keys = [key for key, _, _ in batch]
         # In flight from this moment: eviction, deletes and quarantine keep off these names until
@@ -333,30 +360,29 @@ class FileTier(ChunkTier):
         task = self._spawn(self._put_batch(batch, encoded))
         task.add_done_callback(lambda _: self._unmark_writing(keys))
         try:
-            await asyncio.shield(task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
-            # The contract lets the caller reuse its buffers once we return; an encoder thread
-            # may still be reading them, so hold the return until it is done.
-            await _wait_through_cancel(encoded)
+            # The buffer rule: an encoder thread may still be reading the raw buffers.
+            await wait_through_cancel(encoded)
             raise
 
     async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
         """Read and decode each record into its buffer (which must have exactly the chunk's raw
         size). Per item the record's ``ChunkMeta``, or ``None`` on a miss: not in the index, gone
-        from disk, unreadable (counted in ``errors``), or corrupt (moved to ``quarantine/``,
-        dropped from the index, counted in ``corrupt``; its bytes are never returned), or intact
-        but of another raw size than the buffer (counted in ``mismatches``, left in place). A hit
-        makes the record most recently used. Keys missing from the index cost no disk access.
+        from disk (reported as removed, ``"external"``), unreadable (counted in ``errors``), or
+        corrupt (moved to ``quarantine/``, dropped from the index, counted in ``corrupt`` and
+        ``quarantined``, reported as removed; its bytes are never returned), or intact but of
+        another raw size than the buffer (counted in ``mismatched``, left in place). A hit makes
+        the record most recently used. Keys missing from the index cost no disk access.
 
-        Cancelling it: reads and decodes already handed to the I/O threads still finish, into the
-        buffers; keep them reserved until the tier is done with them (the engine pins the slots and
-        discards the late result). A corrupt record seen before the cancel may stay in place, to be
-        caught again on its next read.
+        Cancelling it: file reads (into the tier's own memory) are dropped; decode slices not yet
+        started are abandoned and running ones finish into the buffers before the call re-raises
+        ``CancelledError`` (the buffer rule); a quarantine already decided still happens.
         """
         self._check_open()
         checked: List[Tuple[bytes, memoryview]] = []
         for key, buf in items:
-            self._check_key(key)
+            check_key(key)
             view = buf if isinstance(buf, memoryview) else memoryview(buf)
             if view.readonly or not view.c_contiguous:
                 raise TypeError("get_many_into needs writable, C-contiguous buffers")
@@ -373,51 +399,40 @@ class FileTier(ChunkTier):
             )
             found = [(i, data) for i, data in zip(wanted, reads) if data is not None]
             jobs = [(checked[i][0], data, checked[i][1]) for i, data in found]
-            decoded = await self._run_codec(
-                _decode_slice, jobs, [buf.nbytes for _, _, buf in jobs], _INLINE_DECODE_BYTES
-            )
+            decoded = await self._run_codec(_decode_slice, jobs, [buf.nbytes for _, _, buf in jobs])
             corrupt: List[bytes] = []
-            now = time.time()
             for (i, _), outcome in zip(found, decoded):
                 key = checked[i][0]
                 if isinstance(outcome, CorruptRecordError):
                     corrupt.append(key)
                     continue
                 if isinstance(outcome, _Mismatch):
-                    self._stats["mismatches"] += 1
+                    self._stats["mismatched"] += 1
                     continue
                 results[i] = outcome
-                entry = self._index.get(key)
-                if entry is not None:
-                    entry.last_access = now
-                    self._index.move_to_end(key)
+                self._index.touch(key)
             if corrupt:
                 corrupt = list(dict.fromkeys(corrupt))  # one key asked twice is one bad file
                 self._stats["corrupt"] += len(corrupt)
-                await self._quarantine(corrupt)
+                await asyncio.shield(self._spawn(self._quarantine(corrupt)))
         hits = sum(1 for r in results if r is not None)
         self._stats["hits"] += hits
         self._stats["misses"] += len(checked) - hits
         return results
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Remove records; returns how many were in the index. A key with a put in flight is
-        deleted after that put lands. The records are misses from the moment the call returns.
-        Cancelling it: before the index changed, nothing is deleted; after, the removals run on
-        as a tier task (``close`` waits for them)."""
+        """Remove records; returns how many were in the index (each reported as removed,
+        ``"deleted"``). A key with a put in flight is deleted after that put lands. The records are
+        misses from the moment the call returns. Cancelling it: while it waits for such a put,
+        nothing is deleted; once the index changed, the removals run on as a tier task (``close``
+        waits for them)."""
         self._check_open()
-        for key in keys:
-            self._check_key(key)
-        while any(key in self._writing for key in keys):
+        checked = [check_key(key) for key in keys]
+        while any(key in self._writing for key in checked):
             # Unlinking a name whose put is in flight could remove the new file after its rename
             # and leave the index pointing at nothing; the delete is ordered after the put.
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        victims: List[Tuple[bytes, int]] = []
-        for key in dict.fromkeys(keys):
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry.size
-                victims.append((key, entry.size))
+        victims = self._drop(list(dict.fromkeys(checked)), "deleted")
         self._stats["deletes"] += len(victims)
         if victims:
             await asyncio.shield(self._spawn(self._remove_files(victims)))
@@ -426,12 +441,19 @@ class FileTier(ChunkTier):
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Which keys are in the index (no disk access, no checksum). Cancelling it: no effect."""
         self._check_open()
-        return [key in self._index for key in keys]
+        return [check_key(key) in self._index for key in keys]
 
     async def list_keys(self) -> List[bytes]:
         """Every key in the index, least recently used first. Cancelling it: no effect."""
         self._check_open()
         return list(self._index)
+
+    async def flush(self) -> None:
+        """Wait until every batch, delete and quarantine handed to the tier so far has finished
+        (a cancelled ``put_many`` runs on as a tier task). Cancelling it: no effect on them."""
+        self._check_open()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def check(self) -> List[str]:
         """Reconcile the index with the files (a self-check for tests and tools): rescans the tree
@@ -439,27 +461,12 @@ class FileTier(ChunkTier):
         flight are waited for first. Cancelling it: the scan thread finishes; nothing changes."""
         self._check_open()
         async with self._operation():
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self.flush()
             scan = await self._loop.run_in_executor(
                 self._io, scan_tree, self._root, float("inf"), False
             )
-        problems: List[str] = []
         on_disk = {key: size for key, size, _ in scan.entries}
-        for key, entry in self._index.items():
-            if key not in on_disk:
-                problems.append(f"indexed but missing on disk: {key.hex()}")
-            elif on_disk[key] != entry.size:
-                problems.append(
-                    f"size differs for {key.hex()}: index {entry.size}, disk {on_disk[key]}"
-                )
-        for key in on_disk.keys() - self._index.keys():
-            problems.append(f"on disk but not indexed: {key.hex()}")
-        if self._used != sum(e.size for e in self._index.values()):
-            problems.append("byte count out of step with the index")
-        if self._capacity is not None and self._used > self._capacity:
-            problems.append(f"over capacity: {self._used} > {self._capacity}")
-        return problems
+        return self._index.reconcile(on_disk, self._capacity, where="on disk")
 
     async def close(self) -> None:
         """Wait for batches and calls in flight, then release the thread pool. Safe to call twice;
@@ -481,18 +488,11 @@ class FileTier(ChunkTier):
         if self._closed:
             raise ClosedError(f"file tier at {self._root} is closed")
 
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes):
-            raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
-        if not 0 < len(key) <= _MAX_KEY_BYTES:
-            raise ValueError(f"chunk key length must be 1..{_MAX_KEY_BYTES}, got {len(key)}")
-
     def _validate_puts(self, items: Sequence[PutItem]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
         batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
         for item in items:
             key, meta, raw = item
-            self._check_key(key)
+            check_key(key)
             if not isinstance(meta, ChunkMeta):
                 raise TypeError(f"expected ChunkMeta, not {type(meta).__name__}")
             batch.pop(key, None)  # last one wins, and keeps its position
@@ -516,40 +516,40 @@ class FileTier(ChunkTier):
         return _Operation(self)
 
     async def _run_codec(
-        self,
-        fn: Callable[[Sequence[Any]], List[Any]],
-        jobs: Sequence[Any],
-        sizes: Sequence[int],
-        inline_below: int,
+        self, fn: Callable[[List[Any]], List[Any]], jobs: Sequence[Any], sizes: Sequence[int]
     ) -> List[Any]:
+        """Decode a get batch: on the loop when small (a hop would cost more), else in slices on
+        the I/O threads (``tiers.codec_pool``; the buffer rule when cancelled)."""
         if not jobs:
             return []
-        if sum(sizes) < inline_below:
-            return fn(jobs)
-        parts = await asyncio.gather(
-            *(
-                self._loop.run_in_executor(self._io, fn, [jobs[i] for i in r])
-                for r in _slices(sizes, _CODEC_SLICE_BYTES)
-            )
+        if sum(sizes) < _INLINE_DECODE_BYTES:
+            return fn(list(jobs))
+        decoding = map_slices(
+            self._io, fn, jobs, sizes, workers=self._io_threads, min_slice_bytes=MIN_SLICE_BYTES
         )
-        return [x for part in parts for x in part]
+        return await wait_threads(decoding, abandon_unstarted=True)
 
     # puts --------------------------------------------------------------------------------------
 
     async def _put_batch(
         self, batch: List[Tuple[bytes, ChunkMeta, memoryview]], encoded: "asyncio.Future[None]"
-    ) -> None:
-        """The body of ``put_many``, run as a tier task. Its keys are in ``_writing`` from the call
-        until this task is done (``put_many`` marks them, the task's done callback unmarks)."""
+    ) -> int:
+        """The body of ``put_many``, run as a tier task; returns the batch's sequence. Its keys are
+        in ``_writing`` from the call until this task is done (``put_many`` marks them, the task's
+        done callback unmarks). ``encoded`` is set once the encoders no longer read the batch."""
         keys = [key for key, _, _ in batch]
         try:
             codec = self._codec
-            records: List[bytes] = await self._run_codec(
+            # Encoding always leaves the loop: zstd of even a small batch is not free.
+            encoding = map_slices(
+                self._io,
                 lambda part: _encode_slice(part, codec),
                 batch,
                 [raw.nbytes for _, _, raw in batch],
-                0,  # encoding always leaves the loop: zstd of even a small batch is not free
+                workers=self._io_threads,
+                min_slice_bytes=MIN_SLICE_BYTES,
             )
+            records: List[bytes] = await asyncio.wrap_future(encoding)
         finally:
             if not encoded.done():
                 encoded.set_result(None)
@@ -563,7 +563,7 @@ class FileTier(ChunkTier):
         try:
             reservation = await self._admit(keys, new_bytes)
             try:
-                await self._write_batch(list(zip(keys, records)))
+                sequence = await self._write_batch(list(zip(keys, records)))
             finally:
                 self._reserved -= reservation
         except TierIOError as exc:
@@ -574,6 +574,7 @@ class FileTier(ChunkTier):
         self._degraded = False
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
+        return sequence
 
     def _mark_writing(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -589,10 +590,10 @@ class FileTier(ChunkTier):
 
     async def _admit(self, keys: Sequence[bytes], new_bytes: int) -> int:
         """Reserve room for a batch, evicting LRU records first; returns the reservation."""
-        replaced = sum(self._index[k].size for k in keys if k in self._index)
+        replaced = sum(self._index.get(k, 0) for k in keys)
         growth = max(0, new_bytes - replaced)
         if self._capacity is not None:
-            excess = self._used + self._reserved + growth - self._capacity
+            excess = self._index.total_bytes + self._reserved + growth - self._capacity
             if excess > 0:
                 victims = self._pick_victims(excess)
                 # Reserve before awaiting, so a concurrent batch sees the room as taken.
@@ -608,24 +609,15 @@ class FileTier(ChunkTier):
 
     def _pick_victims(self, excess: int) -> List[Tuple[bytes, int]]:
         """Drop least-recently-used records (not being written) from the index until ``excess``
-        bytes are freed; all or nothing: raises ``TierFullError`` and changes nothing otherwise."""
-        victims: List[Tuple[bytes, int]] = []
-        freed = 0
-        for key, entry in self._index.items():  # oldest first
-            if freed >= excess:
-                break
-            if key in self._writing:
-                continue
-            victims.append((key, entry.size))
-            freed += entry.size
-        if freed < excess:
+        bytes are freed, reported as evicted; all or nothing: raises ``TierFullError`` and changes
+        nothing otherwise."""
+        chosen = self._index.choose_victims(excess, keep=self._writing)
+        if chosen is None:
             raise TierFullError(
                 f"file tier: cannot free {excess} bytes under the capacity of {self._capacity} "
                 "bytes: the rest is being written"
             )
-        for key, size in victims:
-            del self._index[key]
-            self._used -= size
+        victims = self._drop([key for key, _ in chosen], "evicted")
         self._stats["evictions"] += len(victims)
         return victims
 
@@ -644,8 +636,8 @@ class FileTier(ChunkTier):
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _ensure_dirs(self, dirs: Iterable[Tuple[str, str]]) -> None:
-        """Create missing leaf directories, one hop per batch. Single-flight per directory: a
+    async def _ensure_dirs(self, dirs: Iterable[Tuple[str, ...]]) -> None:
+        """Create missing record directories, one hop per batch. Single-flight per directory: a
         second batch needing the same directory waits for the first one's parent fsync instead of
         renaming into a directory whose own entry may not be durable yet."""
         missing = [d for d in dict.fromkeys(dirs) if d not in self._dirs]
@@ -658,7 +650,7 @@ class FileTier(ChunkTier):
             for d in mine:
                 self._dir_pending[d] = fut
 
-            def settle(f: "asyncio.Future[None]", mine: List[Tuple[str, str]] = mine) -> None:
+            def settle(f: "asyncio.Future[None]", mine: List[Tuple[str, ...]] = mine) -> None:
                 for d in mine:
                     self._dir_pending.pop(d, None)
                 if not f.cancelled() and f.exception() is None:
@@ -669,33 +661,30 @@ class FileTier(ChunkTier):
         # Shielded: one waiter's cancellation must not cancel the creation others wait for.
         await asyncio.gather(*(asyncio.shield(f) for f in waits.values()))
 
-    def _make_dirs(self, dirs: Sequence[Tuple[str, str]]) -> None:
-        """Runs on an I/O thread: create leaf directories, fsync each new entry into its parent so
-        a record renamed into it cannot vanish with the directory after a power cut."""
+    def _make_dirs(self, dirs: Sequence[Tuple[str, ...]]) -> None:
+        """Runs on an I/O thread: create record directories level by level, fsync each new entry
+        into its parent so a record renamed into it cannot vanish with the directory after a
+        power cut."""
         synced: Set[str] = set()
         hook = self._io_hook
-        for d1, d2 in dirs:
-            p1 = self._root / d1
-            try:
-                hook.before("mkdir")
-                os.mkdir(p1, DIR_MODE)
-                synced.add(str(self._root))
-            except FileExistsError:
-                pass
-            try:
-                hook.before("mkdir")
-                os.mkdir(p1 / d2, DIR_MODE)
-                synced.add(str(p1))
-            except FileExistsError:
-                pass
+        for components in dirs:
+            parent = self._root
+            for name in components:
+                path = parent / name
+                try:
+                    hook.before("mkdir")
+                    os.mkdir(path, DIR_MODE)
+                    synced.add(str(parent))
+                except FileExistsError:
+                    pass
+                parent = path
         for path in synced:
             hook.before("fsync_dir")
             fsync_dir(path)
 
     def _temp_path(self, key: bytes) -> str:
-        d1, d2 = fanout(key)
-        name = f".{key.hex()}.{self._temp_tag}{next(self._temp_seq):x}{TEMP_SUFFIX}"
-        return os.path.join(self._root, d1, d2, name)
+        dirs, _ = key_location(key)
+        return os.path.join(self._root, *dirs, temp_name(key, f"{self._temp_tag}{next(self._temp_seq):x}"))
 
     async def _write_temp(self, tmp: str, record: bytes) -> None:
         # "xb" is O_CREAT|O_EXCL: a name collision (another process, a reused nonce) fails loudly
@@ -720,12 +709,12 @@ class FileTier(ChunkTier):
         self._io_hook.before("fsync_dir")
         await self._loop.run_in_executor(self._io, fsync_dir, path)
 
-    async def _write_batch(self, entries: Sequence[Tuple[bytes, bytes]]) -> None:
+    async def _write_batch(self, entries: Sequence[Tuple[bytes, bytes]]) -> int:
         """Phase 1 writes and fsyncs every temp file; only when all succeeded, phase 2 renames them
         and fsyncs their directories. A full disk (the usual failure) thus fails in phase 1, before
-        any reader could see a record of the batch."""
+        any reader could see a record of the batch. Returns the batch's sequence."""
         try:
-            await self._ensure_dirs(fanout(key) for key, _ in entries)
+            await self._ensure_dirs(key_location(key)[0] for key, _ in entries)
         except OSError as exc:
             raise _map_os_error(exc, "creating directories") from exc
         temps = [self._temp_path(key) for key, _ in entries]
@@ -739,7 +728,7 @@ class FileTier(ChunkTier):
             for (key, _), o in zip(entries, outcomes):
                 if isinstance(o, FileNotFoundError):
                     # The leaf directory was removed from outside: recreate it on the next put.
-                    self._dirs.discard(fanout(key))
+                    self._dirs.discard(key_location(key)[0])
             self._raise_first(outcomes, "writing records")
             outcomes = await asyncio.gather(
                 *(self._replace(t, f) for t, f in zip(temps, finals)),
@@ -756,13 +745,9 @@ class FileTier(ChunkTier):
         except BaseException:
             await self._rollback(entries, temps, finals, renamed)
             raise
-        now = time.time()
         for key, rec in entries:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._used -= old.size
-            self._index[key] = _Entry(len(rec), now)
-            self._used += len(rec)
+            self._index.put(key, len(rec))
+        return self._next_sequence()
 
     @staticmethod
     def _raise_first(outcomes: Sequence[Any], what: str) -> None:
@@ -788,10 +773,7 @@ class FileTier(ChunkTier):
         """Undo a failed batch: remove its renamed records and its temp files. Shielded from
         cancellation so the undo itself is not cut short; what still escapes is a temp file or an
         orphan record, both handled by the next open."""
-        for i in renamed:
-            old = self._index.pop(entries[i][0], None)  # its old file was replaced: gone
-            if old is not None:
-                self._used -= old.size
+        self._drop([entries[i][0] for i in renamed], "deleted")  # their old files were replaced: gone
         done = set(renamed)
         doomed = [finals[i] for i in renamed] + [t for i, t in enumerate(temps) if i not in done]
 
@@ -801,15 +783,15 @@ class FileTier(ChunkTier):
                 return_exceptions=True,
             )
 
-        await _wait_through_cancel(asyncio.ensure_future(undo()))
+        if await wait_through_cancel(undo()):
+            raise asyncio.CancelledError
 
     # gets --------------------------------------------------------------------------------------
 
     def _read_limit(self, item: Tuple[bytes, memoryview]) -> int:
         # The index size lets an intact record of the wrong size be read whole (then reported as a
         # mismatch, not quarantined as truncated); the buffer bound caps a file grown from outside.
-        entry = self._index.get(item[0])
-        return max(entry.size if entry is not None else 0, item[1].nbytes + _MAX_RECORD_OVERHEAD)
+        return max(self._index.get(item[0], 0) or 0, item[1].nbytes + _MAX_RECORD_OVERHEAD)
 
     async def _read_file(self, key: bytes, limit: int) -> Optional[bytes]:
         try:
@@ -817,11 +799,10 @@ class FileTier(ChunkTier):
             async with aiofiles.open(self.path_for(key), "rb", executor=self._io) as f:
                 return await f.read(limit)
         except FileNotFoundError:
-            # Evicted or deleted by us since the index lookup, or removed from outside.
+            # Evicted or deleted by us since the index lookup (then no longer indexed), or removed
+            # from outside: found gone.
             if key not in self._writing:
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._used -= entry.size
+                self._drop([key], "external")
             return None
         except OSError:
             # A read error is a miss for the caller (the chunk is recomputed) but must be visible.
@@ -829,22 +810,19 @@ class FileTier(ChunkTier):
             return None
 
     async def _quarantine(self, keys: Sequence[bytes]) -> None:
-        """Move corrupt records out of the tree (or delete them once the quarantine is full) and
-        drop them from the index, so they are never read again."""
+        """Move corrupt records out of the tree (or delete them once the quarantine holds
+        ``max_quarantine_records``) and drop them from the index, reported as quarantined, so they
+        are never read again."""
+        # A key being written is skipped: a fresh record is being renamed over the bad one, and
+        # moving the path now could take the good file instead. Its next read catches a bad one.
+        taken = [key for key in keys if key not in self._writing]
+        self._drop(taken, "quarantined")
+        self._stats["quarantined"] += len(taken)
         moves: List[Tuple[str, Optional[str]]] = []
-        for key in keys:
-            if key in self._writing:
-                # A fresh record is being renamed over the bad one; moving the path now could
-                # take the good file instead. The next read of a still-bad file catches it.
-                continue
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._used -= entry.size
+        for key in taken:
             src = str(self.path_for(key))
-            if self._quarantined_files < _QUARANTINE_MAX_FILES:
-                self._quarantined_files += 1
-                name = f"{key.hex()}.{secrets.token_hex(4)}{RECORD_SUFFIX}"
-                dst = str(self._root / QUARANTINE_DIR / name)
+            if self._quarantine_room.take():
+                dst = str(self._root / QUARANTINE_DIR / quarantine_name(key, secrets.token_hex(4)))
                 moves.append((src, dst))
             else:
                 moves.append((src, None))

@@ -168,11 +168,9 @@ class Maintenance(WriterSide):
 
             def apply() -> int:
                 for key in gone:
-                    size = self._lru.pop(key, None)
-                    if size is not None:
-                        self._total_bytes -= size
+                    self._lru.pop(key)
                 self._count(quarantined=len(gone))
-                self._notify_removed(gone)
+                self._report_removed(gone, "quarantined")
                 return len(gone)
 
             return apply

@@ -5,10 +5,12 @@ Primitives (any thread; a write transaction only on the writer thread):
 - ``Tables``: the four database handles of one environment, opened (and created) by ``open_tables``.
 - ``ATIME``: the value format of the ``atime`` side table (last access ns u64 | stored bytes u64).
 - ``index_entries``: every stored key with its last access and size, read from ``atime``.
+- ``read_sequence`` / ``bump_sequence``: the environment's mutation sequence (``meta``), bumped by
+  every write transaction of every process, so removals and puts are ordered across processes.
 
 Tables: ``chunks`` (key -> record, see ``tiers.record``), ``atime`` (key -> last access | stored
 bytes, the LRU side table, written in batches), ``quarantine`` (key -> a corrupt record, at most
-``max_quarantine_records`` kept), ``meta`` (format version).
+``max_quarantine_records`` kept), ``meta`` (format version; ``sequence``, a u64).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import lmdb
 
 from kvtier.errors import TierIOError
 
-__all__ = ["FORMAT_VERSION", "ATIME", "Tables", "open_tables", "index_entries"]
+__all__ = ["FORMAT_VERSION", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence"]
 
 FORMAT_VERSION = b"1"
 _DB_CHUNKS = b"chunks"
@@ -29,6 +31,8 @@ _DB_ATIME = b"atime"
 _DB_QUARANTINE = b"quarantine"
 _DB_META = b"meta"
 ATIME = struct.Struct("<QQ")  # last access (time_ns), stored record bytes
+_SEQUENCE_KEY = b"sequence"
+_SEQUENCE = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,16 @@ def index_entries(txn: lmdb.Transaction, tables: Tables) -> List[Tuple[int, byte
         (atimes.get(bytes(k), 0), bytes(k), len(v))
         for k, v in txn.cursor(db=tables.chunks).iternext(keys=True, values=True)
     ]
+
+
+def read_sequence(txn: lmdb.Transaction, tables: Tables) -> int:
+    """The last mutation sequence committed to this environment (0 for a new one)."""
+    value = txn.get(_SEQUENCE_KEY, db=tables.meta)
+    return _SEQUENCE.unpack(value)[0] if value is not None and len(value) == _SEQUENCE.size else 0
+
+
+def bump_sequence(txn: lmdb.Transaction, tables: Tables) -> int:
+    """Inside a write transaction: the next sequence, stored; it becomes visible with the commit."""
+    sequence = read_sequence(txn, tables) + 1
+    txn.put(_SEQUENCE_KEY, _SEQUENCE.pack(sequence), db=tables.meta)
+    return sequence

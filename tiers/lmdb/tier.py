@@ -37,11 +37,12 @@ writes. A forked child must open its own tier: every call from another pid raise
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
@@ -59,14 +60,29 @@ from kvtier.errors import (
     TierIOError,
 )
 
-from ..base import NO_IO_HOOK, ChunkMeta, ChunkTier, GetItem, IOHook, PutItem
+from ..base import (
+    NO_IO_HOOK,
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    IOHook,
+    KeySnapshot,
+    PutItem,
+    RemovalCallback,
+    RemovalFeed,
+    TierStatistics,
+    check_key,
+)
+from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads
+from ..lru import ByteLru
+from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
 from ..record import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
-from .tables import index_entries
+from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
 from .writes import PutJob
 
@@ -80,9 +96,11 @@ PathLike = Union[str, "os.PathLike[str]"]
 _MIN_MAP_SIZE = 1 << 20
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
-# A put batch at least this large is encoded in parallel slices (one per read worker); below it the
-# extra pool hop (~100 us) costs more than the second core saves.
-_PARALLEL_ENCODE_BYTES = 1 << 20
+# Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).
+_SHARED_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
+                    "evictions", "deletes", "errors")
+_EXTRA_COUNTERS = ("put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records", "map_growths",
+                   "stale_readers_cleared")
 
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
 # inheriting the parent's entries.
@@ -115,7 +133,7 @@ class LmdbTier(ChunkTier, Maintenance):
         reader_check_interval_s: float = 30.0,
         access_flush_interval_s: float = 5.0,
         readonly: bool = False,
-        max_quarantine_records: int = 64,
+        max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
         max_raw_bytes: int = 1 << 31,
         verify_structure: bool = False,
     ) -> None:
@@ -133,8 +151,7 @@ class LmdbTier(ChunkTier, Maintenance):
             raise ValueError(f"reader_check_interval_s must be > 0, got {reader_check_interval_s!r}")
         if not access_flush_interval_s > 0:
             raise ValueError(f"access_flush_interval_s must be > 0, got {access_flush_interval_s!r}")
-        if not isinstance(max_quarantine_records, int) or max_quarantine_records < 0:
-            raise ValueError(f"max_quarantine_records must be an int >= 0, got {max_quarantine_records!r}")
+        check_max_quarantine_records(max_quarantine_records)
 
         self._capacity = capacity_bytes
         self._max_map_size = max_map_size_bytes
@@ -150,35 +167,15 @@ class LmdbTier(ChunkTier, Maintenance):
         self._state_lock = threading.Lock()
         self._map_lock = SharedExclusiveLock()
         self._counters_lock = threading.Lock()
-        self._counters: Dict[str, int] = {
-            k: 0
-            for k in (
-                "puts",
-                "put_batches",
-                "put_commits",
-                "raw_bytes_in",
-                "stored_bytes_in",
-                "compressed_records",
-                "gets",
-                "hits",
-                "misses",
-                "corrupt",
-                "mismatched",
-                "quarantined",
-                "evictions",
-                "deletes",
-                "errors",
-                "map_growths",
-                "stale_readers_cleared",
-            )
-        }
+        self._counters: Dict[str, int] = dict.fromkeys(_SHARED_COUNTERS + _EXTRA_COUNTERS, 0)
         self._degraded = False
-        # Owned by the writer thread once it starts: key -> stored bytes, oldest access first.
-        self._lru: "OrderedDict[bytes, int]" = OrderedDict()
-        self._total_bytes = 0
+        # Owned by the writer thread once it starts: key -> stored bytes, least recently used first.
+        self._lru = ByteLru()
+        self._sequence = 0
         self._accesses: Deque[Tuple[bytes, int]] = deque()
-        self._removal_listeners: List[Callable[[List[bytes]], None]] = []
+        self._removals = RemovalFeed()
         self._io_hook: IOHook = NO_IO_HOOK
+        self._closing: "Optional[asyncio.Future[None]]" = None
 
         before = DirectorySnapshot(path)
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
@@ -290,14 +287,14 @@ class LmdbTier(ChunkTier, Maintenance):
             try:
                 with self._env.begin(buffers=True) as txn:
                     entries = index_entries(txn, self._tables)
+                    self._sequence = read_sequence(txn, self._tables)
                 break
             except lmdb.MapResizedError:
                 if attempt == 2:
                     raise
                 self._env.set_mapsize(0)  # another process grew the map since we opened it
         entries.sort()
-        self._lru = OrderedDict((key, size) for _, key, size in entries)
-        self._total_bytes = sum(size for _, _, size in entries)
+        self._lru = ByteLru((key, size) for _, key, size in entries)
 
     # ---------------------------------------------------------------------------------- properties
 
@@ -306,22 +303,12 @@ class LmdbTier(ChunkTier, Maintenance):
         return self._path
 
     @property
-    def degraded(self) -> bool:
-        """True after a write failed underneath (disk full, I/O error) until a later write succeeds.
-        Reads keep working while degraded."""
-        return self._degraded
-
-    @property
     def readonly(self) -> bool:
         return self._readonly
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self._capacity
 
     # ------------------------------------------------------------------------------- guards, utils
 
@@ -367,53 +354,50 @@ class LmdbTier(ChunkTier, Maintenance):
 
     # --------------------------------------------------------------------------------- async API
 
-    async def put_many(self, items: Sequence[PutItem]) -> None:
-        """Encode (on the read pool) and store a batch in one transaction; durable when it returns.
+    async def put_many(self, items: Sequence[PutItem]) -> int:
+        """Encode (on the read pool, in slices) and store a batch in one transaction; durable when it
+        returns; returns the sequence that made it visible (``ChunkTier`` rules).
 
         All or nothing. Raises ``TierFullError`` (batch larger than the capacity, disk full, map at
         its limit), ``TierIOError`` (LMDB failed; the tier is then ``degraded``), ``ClosedError``.
-        Cancelling the await stops nothing: the raw buffers are still read until encoding is done
-        and the batch may still land, so keep them unchanged (the slots pinned) until then.
+        Cancelling it: the batch still lands (or fails) all or nothing; the call returns only once
+        encoding has read the raw buffers, then re-raises ``CancelledError``.
         """
         self._check_usable(write=True)
         batch = []
         for key, meta, raw in items:
-            if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= 511:
-                raise ValueError(f"keys must be 1..511 bytes, got {key!r:.60}")
-            batch.append((bytes(key), meta, raw))
+            batch.append((check_key(key), meta, raw))
         if not batch:
-            return
+            return self._sequence
         assert self._writer is not None  # not readonly, checked above
         loop = asyncio.get_running_loop()
-        fut: "asyncio.Future[None]" = loop.create_future()
+        fut: "asyncio.Future[int]" = loop.create_future()
         done = loop_callback(loop, fut)
         writer = self._writer
-
-        # Encoding (zstd of the byte planes) is CPU work that releases the GIL: a batch worth
-        # splitting is cut into one contiguous slice per read worker, encoded in parallel, and the
-        # last slice to finish hands the whole batch, in order, to the writer.
         raw_in = sum(memoryview(raw).nbytes for _, _, raw in batch)
-        parts = min(self._read_workers, len(batch)) if raw_in >= _PARALLEL_ENCODE_BYTES else 1
-        step = -(-len(batch) // parts)
-        slices = [batch[i : i + step] for i in range(0, len(batch), step)]
-        encoded_slices: List[Optional[List[Tuple[bytes, bytes]]]] = [None] * len(slices)
-        failures: List[BaseException] = []
-        join = threading.Lock()
-        remaining = [len(slices)]
+        codec = self._codec
+        try:
+            encoding = map_slices(
+                self._pool,
+                lambda part: [(key, encode_record(key, meta, raw, codec)) for key, meta, raw in part],
+                batch,
+                [memoryview(raw).nbytes for _, _, raw in batch],
+                workers=self._read_workers,
+                min_slice_bytes=MIN_SLICE_BYTES,
+            )
+        except RuntimeError as exc:  # the pool is shut down: close() ran
+            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
 
-        def finish_slice(index: int, encoded: Optional[List[Tuple[bytes, bytes]]], exc: Optional[BaseException]) -> None:
-            with join:
-                encoded_slices[index] = encoded
-                if exc is not None:
-                    failures.append(exc)
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            if failures:
-                done(None, failures[0])
+        def hand_to_writer(encoded: "concurrent.futures.Future[List[Tuple[bytes, bytes]]]") -> None:
+            # On the encoding thread that finished last: the batch goes to the writer even if the
+            # caller was cancelled meanwhile (it still lands), and before close_sync's pool shutdown
+            # returns (so close commits it).
+            exc = encoded.exception()
+            if exc is not None:
+                done(None, exc)
                 return
+            records = encoded.result()
             try:
-                records = [item for part in encoded_slices for item in part]  # type: ignore[union-attr]
                 writer.submit(
                     PutJob(
                         fn=lambda: self._put_encoded(records, raw_in),
@@ -427,43 +411,38 @@ class LmdbTier(ChunkTier, Maintenance):
             except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
                 done(None, exc)
 
-        def encode_slice(index: int, part: List[Tuple[bytes, ChunkMeta, object]]) -> None:
-            try:
-                encoded = [(key, encode_record(key, meta, raw, self._codec)) for key, meta, raw in part]
-            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
-                finish_slice(index, None, exc)
-            else:
-                finish_slice(index, encoded, None)
-
-        for index, part in enumerate(slices):
-            try:
-                self._pool.submit(encode_slice, index, part)
-            except RuntimeError as exc:
-                closed = ClosedError(f"LmdbTier at {self._path} is closed")
-                if index == 0:
-                    raise closed from exc
-                for rest in range(index, len(slices)):  # never started: they fail the batch
-                    finish_slice(rest, None, closed)
-                break
-        await fut
+        encoding.add_done_callback(hand_to_writer)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            await wait_threads(encoding)  # the buffer rule: encoders no longer read the raw buffers
+            raise
 
     async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
         """Decode each record straight into its buffer (read pool; the batch is split across
         ``read_workers`` read transactions). Per item the meta, or ``None``: absent, corrupt (counted,
-        quarantined by the writer), or intact but of another size than the buffer (``mismatched``).
+        quarantined by the writer, reported as removed), or intact but of another size than the
+        buffer (``mismatched``).
 
-        Cancelling the await does not stop reads already running: they finish into the buffers, so
-        keep the buffers reserved until the tier is done with them (``flush()`` after a cancel).
+        Cancelling it: slices not yet started are abandoned, running ones finish into the buffers,
+        and only then does the call re-raise ``CancelledError`` (the buffer rule).
         """
         self._check_usable()
-        items = [(bytes(k), v) for k, v in items]
-        if not items:
+        checked = [(check_key(k), v) for k, v in items]
+        if not checked:
             return []
-        n = min(self._read_workers, len(items))
-        step = -(-len(items) // n)
-        slices = [items[i : i + step] for i in range(0, len(items), step)]
-        parts = await asyncio.gather(*(self._in_pool(lambda s=s: self._read_slice(s)) for s in slices))
-        return [meta for part in parts for meta in part]
+        try:
+            reading = map_slices(
+                self._pool,
+                self._read_slice,
+                checked,
+                [1] * len(checked),
+                workers=self._read_workers,
+                min_slice_bytes=1,
+            )
+        except RuntimeError as exc:  # the pool is shut down: close() ran
+            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
+        return await wait_threads(reading, abandon_unstarted=True)
 
     def _read_slice(self, items: List[GetItem]) -> List[Optional[ChunkMeta]]:
         corrupt: List[Tuple[bytes, int, str]] = []
@@ -514,36 +493,49 @@ class LmdbTier(ChunkTier, Maintenance):
         return results
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Remove records in one transaction; returns how many existed. Cancelling the await does
-        not stop the transaction."""
+        """Remove records in one transaction; returns how many existed (each reported as removed,
+        ``"deleted"``). Cancelling it: the transaction still runs; only the answer is dropped."""
         self._check_usable(write=True)
-        keys = [bytes(k) for k in keys]
-        if not keys:
+        checked = [check_key(k) for k in keys]
+        if not checked:
             return 0
         assert self._writer is not None
-        return await self._writer.submit_async(lambda: self._delete_keys(keys))
+        return await self._writer.submit_async(lambda: self._delete_keys(checked))
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Which keys have a record (one read transaction, no checksum). Cancelling drops the answer."""
         self._check_usable()
-        keys = [bytes(k) for k in keys]
-        if not keys:
+        checked = [check_key(k) for k in keys]
+        if not checked:
             return []
 
         def body(txn: lmdb.Transaction) -> List[bool]:
-            return [txn.get(k, db=self._tables.chunks) is not None for k in keys]
+            return [txn.get(k, db=self._tables.chunks) is not None for k in checked]
 
         return await self._in_pool(lambda: self._read_txn(body))
 
     async def list_keys(self) -> List[bytes]:
         """Every stored key, read from the ``atime`` side table (see ``tables.index_entries``: walking
         ``chunks`` would read every record from disk). Cancelling drops the answer."""
+        return list((await self.snapshot_keys()).keys)
+
+    async def snapshot_keys(self) -> KeySnapshot:
+        """Every stored key and the environment's sequence, read in one read transaction: exact,
+        including other processes' writes. Cancelling drops the answer."""
         self._check_usable()
 
-        def body(txn: lmdb.Transaction) -> List[bytes]:
-            return [key for _, key, _ in index_entries(txn, self._tables)]
+        def body(txn: lmdb.Transaction) -> KeySnapshot:
+            keys = frozenset(key for _, key, _ in index_entries(txn, self._tables))
+            return KeySnapshot(keys, read_sequence(txn, self._tables))
 
-        return await self._in_pool(lambda: self._read_txn(body))
+        snapshot = await self._in_pool(lambda: self._read_txn(body))
+        self._sequence = max(self._sequence, snapshot.sequence)
+        return snapshot
+
+    @property
+    def sequence(self) -> int:
+        """The environment's sequence as of this tier's last commit or snapshot."""
+        return self._sequence
 
     async def flush(self) -> None:
         """Wait until every write queued so far (puts, quarantines) is committed and persist access
@@ -562,21 +554,24 @@ class LmdbTier(ChunkTier, Maintenance):
             return await self._in_pool(self._check_index)
         return await self._writer.submit_async(self._check_index)
 
-    def subscribe_removals(self, callback: Callable[[List[bytes]], None]) -> None:
-        """Call ``callback(keys)`` whenever the tier itself drops records (capacity eviction, ``gc``,
-        quarantine), not for ``delete_many``. It runs on the writer thread, after the commit: hand
-        the keys to your loop with ``call_soon_threadsafe`` and return quickly."""
-        self._removal_listeners.append(callback)
+    def subscribe_removals(self, callback: RemovalCallback) -> None:
+        """Report every record this tier stops serving -- capacity eviction (also by ``gc``),
+        quarantine, ``delete_many`` -- as ``Removal`` records with the sequence of the commit that
+        removed them, on the loop running now (``ChunkTier`` rules). Removals by other processes
+        are not reported: ``snapshot_keys`` finds them."""
+        self._removals.subscribe(callback)
 
     async def close(self) -> None:
         """Let running reads and queued writes finish, persist access times, close the environment.
-        Safe to call twice. Runs on a worker thread; cancelling the await does not stop the close."""
+        Safe to call twice (a second call waits for the first). Runs on a worker thread; cancelling
+        the await does not stop the close."""
         if os.getpid() != self._pid:
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
-        if self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        await asyncio.shield(loop.run_in_executor(None, self.close_sync))
+        if self._closing is None:
+            if self._closed:  # closed by close_sync
+                return
+            self._closing = asyncio.get_running_loop().run_in_executor(None, self.close_sync)
+        await asyncio.shield(self._closing)
 
     def close_sync(self) -> None:
         """Blocking ``close`` for tools and tests without a loop. Safe to call twice."""
@@ -612,25 +607,28 @@ class LmdbTier(ChunkTier, Maintenance):
     def __exit__(self, *exc_info: object) -> None:
         self.close_sync()
 
-    def statistics(self) -> Dict[str, float]:
-        """Counters (floats): records, bytes, capacity_bytes (0: none), map_size_bytes, puts,
-        put_batches, put_commits, raw_bytes_in, stored_bytes_in, compressed_records, gets, hits,
-        misses, corrupt, mismatched, quarantined, evictions, deletes, errors, map_growths,
-        stale_readers_cleared, degraded (1.0 / 0.0). Cheap; any thread of the opening process (it
+    def statistics(self) -> TierStatistics:
+        """The shared counters (``TierStatistics``) and, in ``extra``: ``map_size_bytes``,
+        ``put_commits``, ``raw_bytes_in``, ``stored_bytes_in``, ``compressed_records``,
+        ``map_growths``, ``stale_readers_cleared``. Cheap; any thread of the opening process (it
         reads the environment's info, which a forked child must not touch)."""
         if os.getpid() != self._pid:
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
         with self._counters_lock:
-            stats: Dict[str, float] = {k: float(v) for k, v in self._counters.items()}
-        stats["records"] = float(len(self._lru))
-        stats["bytes"] = float(self._total_bytes)
-        stats["capacity_bytes"] = float(self._capacity or 0)
+            counters = dict(self._counters)
+        extra = {name: float(counters.pop(name)) for name in _EXTRA_COUNTERS}
         try:
-            stats["map_size_bytes"] = float(self._env.info()["map_size"]) if not self._closed else 0.0
+            extra["map_size_bytes"] = float(self._env.info()["map_size"]) if not self._closed else 0.0
         except lmdb.Error:
-            stats["map_size_bytes"] = 0.0
-        stats["degraded"] = 1.0 if self._degraded else 0.0
-        return stats
+            extra["map_size_bytes"] = 0.0
+        return TierStatistics(
+            records=len(self._lru),
+            bytes=self._lru.total_bytes,
+            capacity_bytes=self._capacity,
+            degraded=self._degraded,
+            extra=extra,
+            **counters,
+        )
 
     # ------------------------------------------------------------------------- timer-thread tasks
 

@@ -1,13 +1,15 @@
-"""The LMDB tier's writer side: every write transaction, and the in-memory LRU index it owns.
+"""The LMDB tier's writer side: every write transaction, the in-memory LRU index and the mutation
+sequence it owns.
 
 Runs on the tier's writer thread only (``tiers.writer.WriterThread``): each batch -- begin, LRU
-eviction, puts, access-time updates, commit -- is one closure passed to ``_write``, which commits
-and then applies the in-memory update the closure returned. It is also the only code that grows the
-map (``MapFullError``: abort, ``set_mapsize`` x2 under the exclusive map lock, retry) and the only
-code that touches ``_lru`` / ``_total_bytes`` after open.
+eviction, puts, access-time updates, commit -- is one closure passed to ``_write``, which bumps the
+sequence stored in the environment (so writes of other processes are ordered too), commits, and then
+applies the in-memory update the closure returned (which reports removals with that sequence). It is
+also the only code that grows the map (``MapFullError``: abort, ``set_mapsize`` x2 under the
+exclusive map lock, retry) and the only code that touches ``_lru`` after open.
 
 ``WriterSide`` is a mixin of ``LmdbTier``: it uses the environment, tables, locks, counters and
-removal listeners that ``LmdbTier.__init__`` sets up (declared below for readers and type checkers).
+removal feed that ``LmdbTier.__init__`` sets up (declared below for readers and type checkers).
 """
 
 from __future__ import annotations
@@ -16,20 +18,21 @@ import errno
 import logging
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import lmdb
 import xxhash
 
 from kvtier.errors import TierFullError, TierIOError
 
-from ..base import IOHook
+from ..base import IOHook, Removal, RemovalFeed
+from ..lru import ByteLru
+from ..quarantine import QuarantineRoom
 from ..record import read_header
 from ..writer import Job, SharedExclusiveLock
-from .tables import ATIME, Tables
+from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
 
@@ -47,7 +50,7 @@ class PutJob(Job):
 
 
 class WriterSide:
-    """Write transactions and the LRU index (writer thread). See the module docstring."""
+    """Write transactions, the LRU index and the sequence (writer thread). See the module docstring."""
 
     _env: lmdb.Environment
     _tables: Tables
@@ -58,12 +61,13 @@ class WriterSide:
     _capacity: Optional[int]
     _max_map_size: int
     _max_quarantine: int
-    # key -> stored bytes, oldest access first; built at open, then owned by the writer thread.
-    _lru: "OrderedDict[bytes, int]"
-    _total_bytes: int
+    # key -> stored bytes, least recently used first; built at open, then owned by the writer thread.
+    _lru: ByteLru
+    # The environment's mutation sequence as of our last commit (or the open, or a snapshot).
+    _sequence: int
     # (key, time_ns) of reads, appended by readers, drained by the writer into the LRU and ``atime``.
     _accesses: Deque[Tuple[bytes, int]]
-    _removal_listeners: List[Callable[[List[bytes]], None]]
+    _removals: RemovalFeed
 
     def _count(self, **deltas: int) -> None:
         raise NotImplementedError  # LmdbTier's
@@ -75,12 +79,14 @@ class WriterSide:
         raise NotImplementedError  # LmdbTier's
 
     def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
-        """Writer thread: run ``body`` in one write transaction and commit; ``body`` returns the
-        in-memory update to apply once the commit succeeded. MapFullError -> grow and retry."""
+        """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
+        commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
+        new ``_sequence``). MapFullError -> grow and retry."""
         while True:
             try:
                 with self._map_lock.shared():
                     with self._env.begin(write=True, buffers=True) as txn:
+                        sequence = bump_sequence(txn, self._tables)
                         apply = body(txn)
                         self._io_hook.before("commit")  # raising here aborts the transaction
             except lmdb.MapFullError as exc:
@@ -93,6 +99,7 @@ class WriterSide:
             except lmdb.Error as exc:
                 raise self._write_failed(exc, nbytes) from exc
             self._degraded = False
+            self._sequence = max(self._sequence, sequence)
             return apply()
 
     def _grow_map(self, nbytes: int, cause: BaseException) -> None:
@@ -142,12 +149,7 @@ class WriterSide:
             except IndexError:
                 break
             taken[key] = t
-        out = []
-        for key, t in taken.items():
-            if key in self._lru:
-                self._lru.move_to_end(key)
-                out.append((key, t))
-        return out
+        return [(key, t) for key, t in taken.items() if self._lru.touch(key)]
 
     def _put_access_times(self, txn: lmdb.Transaction, accesses: List[Tuple[bytes, int]], skip: object) -> None:
         for key, t in accesses:
@@ -167,23 +169,25 @@ class WriterSide:
         self._write(body)
 
     def _run_put_group(self, jobs: List[PutJob]) -> None:
-        """Writer thread: commit consecutive put batches in one transaction; if that fails, run each
-        alone so every caller gets its own outcome."""
+        """Writer thread: commit consecutive put batches in one transaction (they share its
+        sequence); if that fails, run each alone so every caller gets its own outcome."""
         if len(jobs) > 1:
             encoded = [item for j in jobs for item in j.encoded]
             raw_in = sum(j.raw_in for j in jobs)
             try:
-                self._put_encoded(encoded, raw_in, batches=len(jobs))
+                sequence = self._put_encoded(encoded, raw_in, batches=len(jobs))
             except Exception:
                 pass  # fall through: each batch alone decides its own fate
             else:
                 for j in jobs:
-                    j.done(None, None)
+                    j.done(sequence, None)
                 return
         for j in jobs:
             j.run()
 
-    def _put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> None:
+    def _put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> int:
+        """Writer thread: store encoded records, evicting least recently used ones for room in the
+        same transaction; returns the sequence that made them visible."""
         batch: Dict[bytes, bytes] = {}
         for key, record in encoded:
             batch[key] = record  # the later write of a key wins, as sequential puts would
@@ -194,18 +198,14 @@ class WriterSide:
         accesses = self._take_accesses()
         victims: List[bytes] = []
         if cap is not None:
-            projected = self._total_bytes + batch_bytes - sum(self._lru.get(k, 0) for k in batch)
-            if projected > cap:
-                for key, size in self._lru.items():  # oldest access first
-                    if key in batch:
-                        continue
-                    victims.append(key)
-                    projected -= size
-                    if projected <= cap:
-                        break
+            excess = self._lru.total_bytes + self._lru.growth({k: len(r) for k, r in batch.items()}) - cap
+            chosen = self._lru.choose_victims(excess, keep=batch)
+            # The batch fits the capacity, so every other record together always frees enough.
+            assert chosen is not None
+            victims = [key for key, _ in chosen]
         victim_set = set(victims)
 
-        def body(txn: lmdb.Transaction) -> Callable[[], None]:
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
             for key in victims:
                 txn.delete(key, db=self._tables.chunks)
@@ -216,15 +216,11 @@ class WriterSide:
                 txn.put(key, record, db=self._tables.chunks)
                 txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
 
-            def apply() -> None:
+            def apply() -> int:
                 for key in victims:
-                    self._total_bytes -= self._lru.pop(key)
+                    self._lru.pop(key)
                 for key, record in batch.items():
-                    old = self._lru.pop(key, None)
-                    if old is not None:
-                        self._total_bytes -= old
-                    self._lru[key] = len(record)
-                    self._total_bytes += len(record)
+                    self._lru.put(key, len(record))
                 compressed = sum(1 for r in batch.values() if read_header(r).codec != "raw")
                 self._count(
                     puts=len(encoded),
@@ -235,11 +231,12 @@ class WriterSide:
                     compressed_records=compressed,
                     evictions=len(victims),
                 )
-                self._notify_removed(victims)
+                self._report_removed(victims, "evicted")
+                return self._sequence
 
             return apply
 
-        self._write(body, batch_bytes)
+        return self._write(body, batch_bytes)
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()
@@ -253,10 +250,9 @@ class WriterSide:
 
             def apply() -> int:
                 for k in existed:
-                    size = self._lru.pop(k, None)
-                    if size is not None:
-                        self._total_bytes -= size
+                    self._lru.pop(k)
                 self._count(deletes=len(existed))
+                self._report_removed(existed, "deleted")
                 return len(existed)
 
             return apply
@@ -264,30 +260,27 @@ class WriterSide:
         return self._write(body)
 
     def _quarantine_entries(self, entries: List[Tuple[bytes, int, str]]) -> int:
-        """Writer thread: move records found corrupt to ``quarantine`` (or delete them once it holds
-        ``max_quarantine_records``), unless the key was rewritten since (its bytes changed)."""
+        """Writer thread: move records found corrupt to ``quarantine`` (deleting them instead once it
+        holds ``max_quarantine_records``), unless the key was rewritten since (its bytes changed)."""
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
-            room = self._max_quarantine - txn.stat(self._tables.quarantine)["entries"]
+            room = QuarantineRoom(self._max_quarantine, txn.stat(self._tables.quarantine)["entries"])
             moved: List[bytes] = []
             for key, digest, _reason in entries:
                 current = txn.get(key, db=self._tables.chunks)
                 if current is None or xxhash.xxh3_64_intdigest(current) != digest:
                     continue
-                if room > 0:
+                if room.take():
                     txn.put(key, bytes(current), db=self._tables.quarantine)
-                    room -= 1
                 txn.delete(key, db=self._tables.chunks)
                 txn.delete(key, db=self._tables.atime)
                 moved.append(key)
 
             def apply() -> int:
                 for key in moved:
-                    size = self._lru.pop(key, None)
-                    if size is not None:
-                        self._total_bytes -= size
+                    self._lru.pop(key)
                 self._count(quarantined=len(moved))
-                self._notify_removed(moved)
+                self._report_removed(moved, "quarantined")
                 return len(moved)
 
             return apply
@@ -296,13 +289,8 @@ class WriterSide:
 
     def _evict_to(self, max_bytes: int) -> int:
         accesses = self._take_accesses()
-        victims: List[bytes] = []
-        total = self._total_bytes
-        for key, size in self._lru.items():
-            if total <= max_bytes:
-                break
-            victims.append(key)
-            total -= size
+        chosen = self._lru.choose_victims(self._lru.total_bytes - max_bytes)
+        victims = [key for key, _ in chosen or ()]  # None only for max_bytes < 0, refused by gc
         victim_set = set(victims)
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
@@ -313,23 +301,20 @@ class WriterSide:
 
             def apply() -> int:
                 for key in victims:
-                    self._total_bytes -= self._lru.pop(key)
+                    self._lru.pop(key)
                 self._count(evictions=len(victims))
-                self._notify_removed(victims)
+                self._report_removed(victims, "evicted")
                 return len(victims)
 
             return apply
 
         return self._write(body)
 
-    def _notify_removed(self, keys: List[bytes]) -> None:
-        if not keys:
-            return
-        for listener in list(self._removal_listeners):
-            try:
-                listener(list(keys))
-            except Exception:
-                log.exception("kvtier lmdb: removal listener failed")
+    def _report_removed(self, keys: Sequence[bytes], reason: str) -> None:
+        """After a commit: report ``keys`` as removed at the sequence just committed."""
+        if keys:
+            sequence = self._sequence
+            self._removals.publish([Removal(key, sequence, reason) for key in keys])
 
     def _check_index(self) -> List[str]:
         """Writer thread (or any thread when read-only): compare the LRU index with the tables."""
@@ -340,18 +325,7 @@ class WriterSide:
             return sizes, times
 
         sizes, times = self._read_txn(body)
-        problems: List[str] = []
-        for key, size in self._lru.items():
-            if key not in sizes:
-                problems.append(f"indexed but not stored: {key.hex()}")
-            elif sizes[key] != size:
-                problems.append(f"size differs for {key.hex()}: index {size}, stored {sizes[key]}")
-        for key in sizes.keys() - self._lru.keys():
-            problems.append(f"stored but not indexed: {key.hex()}")
+        problems = self._lru.reconcile(sizes, self._capacity)
         for key in times - sizes.keys():
             problems.append(f"access time without a record: {key.hex()}")
-        if self._total_bytes != sum(self._lru.values()):
-            problems.append("byte count out of step with the index")
-        if self._capacity is not None and self._total_bytes > self._capacity:
-            problems.append(f"over capacity: {self._total_bytes} > {self._capacity}")
         return problems

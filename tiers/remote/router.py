@@ -68,9 +68,10 @@ class RemoteNode:
         self.slots = asyncio.Semaphore(concurrency)
         self._probe: Optional["asyncio.Future[bool]"] = None
         self.timeouts = 0
-        # Fault-injection point (like tiers.base.IOHook): called with the node right before each
-        # pipeline is sent; the fault suite kills or stops a server from it, mid-batch.
-        self.hook: Optional[Callable[["RemoteNode"], None]] = None
+        # Fault-injection point (like tiers.base.IOHook): called with the node and the pipeline's
+        # commands right before it is sent; the fault suite kills or stops a server from it
+        # mid-batch, or raises the error a broken connection would (mapped like the real one).
+        self.hook: Optional[Callable[["RemoteNode", Sequence[Tuple[Any, ...]]], None]] = None
 
     async def _ready(self) -> None:
         """Raise ``NodeUnavailableError`` unless calls may go (breaker closed, or healed by a probe)."""
@@ -110,9 +111,9 @@ class RemoteNode:
         already sent may still be applied by the server."""
         await self._ready()
         async with self.slots:
-            if self.hook is not None:
-                self.hook(self)
             try:
+                if self.hook is not None:
+                    self.hook(self, commands)
                 pipe = self.client.pipeline(transaction=False)
                 for args in commands:
                     pipe.execute_command(*args)
@@ -154,10 +155,11 @@ class NodeRouter:
         self._refreshing: Optional["asyncio.Task[None]"] = None
         self._last_refresh = -1e9
         self.refreshes = 0
-        self._hook: Optional[Callable[[RemoteNode], None]] = None
+        self._hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]] = None
 
-    def set_hook(self, hook: Optional[Callable[[RemoteNode], None]]) -> None:
-        """Install ``hook(node)``, called before every pipeline on every node (fault injection)."""
+    def set_hook(self, hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]]) -> None:
+        """Install ``hook(node, commands)``, called before every pipeline on every node (fault
+        injection)."""
         self._hook = hook
         for node in self.nodes.values():
             node.hook = hook

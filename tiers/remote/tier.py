@@ -54,8 +54,8 @@ from kvtier.errors import (
 )
 
 from ..base import ChunkMeta, ChunkTier, GetItem, PutItem
-from ..batching import slices as _slices
-from ..batching import wait_through_cancel
+from ..codec_pool import slices as _slices
+from ..codec_pool import wait_through_cancel
 from ..record import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -79,7 +79,6 @@ _EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
 _SCAN_COUNT = 1000
 _LISTENER_BACKOFF_S = (0.2, 5.0)
 
-_T = Any
 
 
 class _Mismatch:
@@ -148,6 +147,7 @@ class RemoteTier(ChunkTier):
         self._listing_task: Optional["asyncio.Task[None]"] = None
         self._listing_wakeup = asyncio.Event()
         self._closed = False
+        self._write_failed = False  # a put failed underneath; cleared by the next put that lands
         self._notifications_on: Dict[str, bool] = {}
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
@@ -244,9 +244,11 @@ class RemoteTier(ChunkTier):
         self._check_key(key)
         return self._prefix + key.hex().encode()
 
-    def set_call_hook(self, hook: Optional[Callable[[RemoteNode], None]]) -> None:
-        """Fault injection: ``hook(node)`` runs right before each pipeline is sent to ``node``
-        (``node.name`` is ``host:port``); an exception it raises fails that pipeline's call."""
+    def set_call_hook(self, hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]]) -> None:
+        """Fault injection: ``hook(node, commands)`` runs right before each pipeline is sent to
+        ``node`` (``node.name`` is ``host:port``; ``commands`` are tuples like ``("SET", name,
+        value)``). A ``redis.exceptions.ConnectionError`` or ``OSError`` it raises is, to the tier,
+        that pipeline's connection failing."""
         self._router.set_hook(hook)
 
     def _chunk_key(self, rkey: bytes) -> Optional[bytes]:
@@ -380,8 +382,9 @@ class RemoteTier(ChunkTier):
 
     @property
     def degraded(self) -> bool:
-        """True while any primary's circuit breaker is not closed."""
-        return self._router.any_open()
+        """True while any primary's circuit breaker is not closed, or after a put failed
+        underneath (not for a full server) until a later put lands."""
+        return self._write_failed or self._router.any_open()
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -486,6 +489,7 @@ class RemoteTier(ChunkTier):
             full = any(isinstance(r, OutOfMemoryError) for r in replies)
             await self._rollback([rkeys[i] for i in stored], [batch[i][0] for i in stored])
             self._stats["errors"] += 1
+            self._write_failed = not full
             if full:
                 self._extra["full"] += len(batch)
                 raise TierFullError(
@@ -498,6 +502,7 @@ class RemoteTier(ChunkTier):
                 bad = next((r for r in replies if isinstance(r, BaseException)), None)
                 raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: {bad}") from bad
             raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
+        self._write_failed = False
         seq = self._next_sequence()
         for (key, _, _), size in zip(batch, sizes):
             self._remember(key, seq, size)
@@ -744,10 +749,7 @@ class RemoteTier(ChunkTier):
         self._check_open()
         problems: List[str] = []
         for node in self._router.primaries():
-            state = node.breaker.state
-            if state != "closed":
-                problems.append(f"node {node.name}: circuit {state}")
-                continue
+            # A half-open breaker is probed by this call (and healed if the node answers).
             command: Tuple[Any, ...] = ("CLUSTER", "INFO") if self.address.cluster else ("PING",)
             try:
                 reply = (await node.call([command]))[0]

@@ -219,7 +219,7 @@ class TierSubject(DiskSubject):
         return time.perf_counter() - started
 
     async def restart(self) -> None:
-        self.stats = dict(self.tier.statistics())
+        self.stats = self.tier.statistics().as_dict()
         await self.tier.close()
         await self._open()
 

@@ -1,0 +1,381 @@
+"""The tier contract (``kvtier.tiers.base.ChunkTier``): one suite, run against every tier.
+
+Every test takes the ``kind`` fixture, parametrized over ``TIERS``: the LMDB tier, the file tier,
+and the fault wrapper (``kvtier.tools.faults.FaultyTier``, no faults scripted) around each. A tier
+is correct when it passes every test here; two tiers cannot drift apart quietly.
+
+Adding a tier (the remote tier, a chained tier): append a ``TierKind`` to ``TIERS`` (or, from a
+module that owns a server fixture, parametrize ``kind`` with your own ``TierKind`` through
+``pytest_generate_tests`` or a ``conftest.py`` override of the ``kind`` fixture). A ``TierKind``
+names three things:
+
+- ``open(path, capacity_bytes)``: an async factory returning a fresh, empty tier (``path`` is a
+  private temporary directory; ignore it if the tier keeps its bytes elsewhere, but then start
+  empty). Capacity is in stored (encoded) bytes; ``None`` means unbounded.
+- ``corrupt(tier, key)``: blocking; flips a byte of the stored record ``key`` so that the next read
+  must detect it (``kvtier.tools.faults.corrupt_stored_record`` knows LMDB and files).
+- ``break_writes(tier)``: makes every later write fail underneath (as a dying disk or a dropped
+  connection would) and returns a function that heals it.
+
+The suite's budget in the default run is a few seconds per tier (tiny records, small batches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+from kvtier.errors import ClosedError, TierIOError
+from kvtier.tiers.base import (
+    KEY_MAX_BYTES,
+    STATISTICS_FIELDS,
+    ChunkMeta,
+    ChunkTier,
+    KeySnapshot,
+    Removal,
+    TierStatistics,
+)
+from kvtier.tiers.files import FileTier
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.record import CodecConfig, encode_record
+from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
+
+
+@dataclass(frozen=True)
+class TierKind:
+    name: str
+    open: Callable[[Path, Optional[int]], Awaitable[ChunkTier]]
+    corrupt: Callable[[ChunkTier, bytes], None]
+    break_writes: Callable[[ChunkTier], Callable[[], None]]
+
+
+async def _open_lmdb(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    return await LmdbTier.open(path, capacity_bytes=capacity_bytes, map_size_bytes=8 << 20)
+
+
+async def _open_files(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    return await FileTier.open(path, capacity_bytes=capacity_bytes, io_threads=2)
+
+
+def _wrapped(open_inner: Callable[[Path, Optional[int]], Awaitable[ChunkTier]]):
+    async def open_faulty(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+        return FaultyTier(await open_inner(path, capacity_bytes))
+
+    return open_faulty
+
+
+def _break_disk(write_ops: Sequence[str]) -> Callable[[ChunkTier], Callable[[], None]]:
+    def break_writes(tier: ChunkTier) -> Callable[[], None]:
+        inject_io_faults(tier, fail_from=1, ops=write_ops)
+        return lambda: remove_io_faults(tier)
+
+    return break_writes
+
+
+_LMDB_WRITES = _break_disk(("commit",))
+_FILE_WRITES = _break_disk(("fsync",))
+
+TIERS: List[TierKind] = [
+    TierKind("lmdb", _open_lmdb, corrupt_stored_record, _LMDB_WRITES),
+    TierKind("files", _open_files, corrupt_stored_record, _FILE_WRITES),
+    TierKind("faulty-lmdb", _wrapped(_open_lmdb), lambda t, k: corrupt_stored_record(t.inner, k), _LMDB_WRITES),
+    TierKind("faulty-files", _wrapped(_open_files), lambda t, k: corrupt_stored_record(t.inner, k), _FILE_WRITES),
+]
+
+
+@pytest.fixture(params=TIERS, ids=lambda kind: kind.name)
+def kind(request: pytest.FixtureRequest) -> TierKind:
+    return request.param
+
+
+@pytest.fixture
+def opened(kind: TierKind, tmp_path: Path):
+    """``await opened(capacity_bytes=None)``: a fresh tier of this kind (each test closes it on its
+    own loop, in ``finally``)."""
+    count = [0]
+
+    async def open_tier(capacity_bytes: Optional[int] = None) -> ChunkTier:
+        count[0] += 1
+        return await kind.open(tmp_path / f"tier{count[0]}", capacity_bytes)
+
+    return open_tier
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+META = ChunkMeta(b"contract", 0, 0, "uint8", (0,))
+
+
+def key_of(i: int, length: int = 32) -> bytes:
+    return (i.to_bytes(8, "little") * (length // 8 + 1))[:length]
+
+
+def payload(i: int, nbytes: int) -> bytearray:
+    return bytearray(os.urandom(nbytes)) if i < 0 else bytearray((i * 7 + j) % 251 for j in range(nbytes))
+
+
+def item(key: bytes, data: bytearray, chunk_index: int = 0):
+    return key, dataclasses.replace(META, chunk_index=chunk_index, shape=(len(data),)), memoryview(data)
+
+
+async def read(tier: ChunkTier, keys: Sequence[bytes], nbytes: int) -> Tuple[List[Optional[ChunkMeta]], List[bytes]]:
+    bufs = [bytearray(nbytes) for _ in keys]
+    metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)])
+    return metas, [bytes(b) for b in bufs]
+
+
+class Removals:
+    """A subscriber that records every report, and the thread it ran on."""
+
+    def __init__(self, tier: ChunkTier) -> None:
+        self.seen: List[Removal] = []
+        self.loop = asyncio.get_running_loop()
+        self.wrong_loop = 0
+        tier.subscribe_removals(self)
+
+    def __call__(self, removals: Sequence[Removal]) -> None:
+        try:
+            if asyncio.get_running_loop() is not self.loop:
+                self.wrong_loop += 1
+        except RuntimeError:
+            self.wrong_loop += 1
+        self.seen.extend(removals)
+
+    def of(self, key: bytes) -> List[Removal]:
+        return [r for r in self.seen if r.key == key]
+
+
+async def settle(tier: ChunkTier) -> None:
+    """Let queued writes land and their reports (call_soon_threadsafe) run."""
+    await tier.flush()
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.asyncio
+async def test_round_trip_is_bitwise_and_sequences_increase(opened) -> None:
+    tier = await opened()
+    try:
+        keys = [key_of(1, 1), key_of(2), key_of(3, KEY_MAX_BYTES), key_of(4, 101)]
+        datas = [payload(i, 3000) for i in range(len(keys))]
+        first = await tier.put_many([item(k, d, i) for i, (k, d) in enumerate(zip(keys, datas))])
+        assert isinstance(first, int) and first >= 1 and tier.sequence >= first
+        metas, got = await read(tier, keys, 3000)
+        assert got == [bytes(d) for d in datas]
+        assert [m.chunk_index for m in metas] == [0, 1, 2, 3]  # type: ignore[union-attr]
+        assert await tier.contains_many(keys + [key_of(9)]) == [True] * 4 + [False]
+        assert sorted(await tier.list_keys()) == sorted(keys)
+        # Overwrite one key, add another: a later mutation has a larger sequence.
+        second = await tier.put_many([item(keys[1], payload(50, 3000)), item(key_of(5), payload(5, 10))])
+        assert second > first
+        _, got = await read(tier, [keys[1]], 3000)
+        assert got == [bytes(payload(50, 3000))]
+        assert await tier.put_many([]) == tier.sequence  # nothing new: the sequence as it is
+        assert await tier.check() == []
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_one_key_rule_in_every_method(opened) -> None:
+    tier = await opened()
+    try:
+        buf = memoryview(bytearray(8))
+        calls = {
+            "put_many": lambda k: tier.put_many([item(k, bytearray(8))]),
+            "get_many_into": lambda k: tier.get_many_into([(k, buf)]),
+            "contains_many": lambda k: tier.contains_many([k]),
+            "delete_many": lambda k: tier.delete_many([k]),
+        }
+        for name, call in calls.items():
+            for bad in (b"", bytes(KEY_MAX_BYTES + 1)):
+                with pytest.raises(ValueError, match=rf"^chunk key length must be 1\.\.{KEY_MAX_BYTES}, got {len(bad)}$"):
+                    await call(bad)
+            with pytest.raises(TypeError, match="^chunk keys are bytes, not str$"):
+                await call("abc")
+        assert await tier.list_keys() == [] and tier.statistics().puts == 0, "a refused call did something"
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_put_is_all_or_nothing_and_a_broken_write_degrades(kind: TierKind, opened) -> None:
+    tier = await opened()
+    try:
+        await tier.put_many([item(key_of(1), payload(1, 2000))])
+        heal = kind.break_writes(tier)
+        batch = [item(key_of(i), payload(i, 2000)) for i in range(2, 12)] + [item(key_of(1), payload(99, 2000))]
+        with pytest.raises(TierIOError):
+            await tier.put_many(batch)
+        assert tier.degraded and tier.statistics().degraded
+        assert tier.statistics().errors >= 1
+        assert await tier.contains_many([key_of(i) for i in range(2, 12)]) == [False] * 10
+        metas, got = await read(tier, [key_of(i) for i in range(2, 12)], 2000)
+        assert metas == [None] * 10
+        heal()
+        # The key the failed batch would have overwritten: the old record, or (file tier: its file
+        # was already replaced) a miss reported as removed -- never the failed batch's bytes.
+        metas, got = await read(tier, [key_of(1)], 2000)
+        assert got[0] != bytes(payload(99, 2000)) or metas[0] is None
+        await tier.put_many(batch)
+        assert not tier.degraded and not tier.statistics().degraded
+        metas, got = await read(tier, [key_of(i) for i in range(2, 12)], 2000)
+        assert got == [bytes(payload(i, 2000)) for i in range(2, 12)]
+        assert await tier.check() == []
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_removals_are_reported_once_with_their_sequence(kind: TierKind, opened) -> None:
+    size = 4000
+    record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
+    tier = await opened(capacity_bytes=4 * record)
+    try:
+        removals = Removals(tier)
+        puts: Dict[bytes, int] = {}
+        for i in range(4):
+            puts[key_of(i)] = await tier.put_many([item(key_of(i), payload(i, size))])
+        await read(tier, [key_of(0)], size)  # 0 becomes the most recently used: 1 is the oldest
+        fifth = await tier.put_many([item(key_of(4), payload(4, size))])
+        await settle(tier)
+        assert [(r.key, r.reason) for r in removals.seen] == [(key_of(1), "evicted")]
+        evicted = removals.seen[0]
+        assert puts[key_of(1)] < evicted.sequence <= fifth
+
+        # Quarantine: a corrupt record is a miss, counted, reported once.
+        await asyncio.to_thread(kind.corrupt, tier, key_of(2))
+        metas, _ = await read(tier, [key_of(2)], size)
+        assert metas == [None]
+        await settle(tier)
+        assert [r.reason for r in removals.of(key_of(2))] == ["quarantined"]
+        quarantined = removals.of(key_of(2))[0]
+        assert quarantined.sequence > puts[key_of(2)]
+        stats = tier.statistics()
+        assert (stats.corrupt, stats.quarantined, stats.evictions) == (1, 1, 1)
+
+        # Delete: reported as deleted, counted; a second delete of the same key reports nothing.
+        assert await tier.delete_many([key_of(3), key_of(3), key_of(77)]) == 1
+        assert await tier.delete_many([key_of(3)]) == 0
+        await settle(tier)
+        assert [r.reason for r in removals.of(key_of(3))] == ["deleted"]
+        assert removals.of(key_of(3))[0].sequence > quarantined.sequence
+        assert tier.statistics().deletes == 1
+
+        # The ordering rule: the later mutation wins.
+        again = await tier.put_many([item(key_of(1), payload(11, size))])
+        assert again > evicted.sequence
+        metas, got = await read(tier, [key_of(1)], size)
+        assert got == [bytes(payload(11, size))]
+        assert removals.wrong_loop == 0
+        assert len(removals.seen) == len({(r.key, r.sequence) for r in removals.seen}), "reported twice"
+        assert await tier.check() == []
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_snapshot_reflects_every_mutation_up_to_its_sequence(opened) -> None:
+    tier = await opened()
+    try:
+        removals = Removals(tier)
+        s1 = await tier.put_many([item(key_of(i), payload(i, 500)) for i in range(6)])
+        await tier.delete_many([key_of(0), key_of(1)])
+        await settle(tier)
+        snap = await tier.snapshot_keys()
+        assert isinstance(snap, KeySnapshot)
+        assert snap.keys == frozenset(key_of(i) for i in range(2, 6))
+        assert snap.sequence >= s1 and all(r.sequence <= snap.sequence for r in removals.seen)
+        later = await tier.put_many([item(key_of(0), payload(0, 500))])
+        assert later > snap.sequence
+        snap2 = await tier.snapshot_keys()
+        assert key_of(0) in snap2.keys and snap2.sequence >= later
+        assert set(await tier.list_keys()) == snap2.keys
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_statistics_use_the_shared_names(opened) -> None:
+    tier = await opened(capacity_bytes=1 << 20)
+    try:
+        await tier.put_many([item(key_of(i), payload(i, 100)) for i in range(3)])
+        await read(tier, [key_of(0), key_of(9)], 100)
+        stats = tier.statistics()
+        assert isinstance(stats, TierStatistics)
+        assert tuple(f.name for f in dataclasses.fields(stats)) == STATISTICS_FIELDS
+        flat = stats.as_dict()
+        assert set(STATISTICS_FIELDS) - {"extra"} <= set(flat)
+        assert all(isinstance(v, float) for v in flat.values())
+        assert (stats.records, stats.puts, stats.put_batches) == (3, 3, 1)
+        assert (stats.gets, stats.hits, stats.misses) == (2, 1, 1)
+        assert stats.capacity_bytes == tier.capacity_bytes == 1 << 20
+        assert 0 < stats.bytes <= 1 << 20 and flat["bytes"] == float(stats.bytes)
+        assert not set(stats.extra) & set(STATISTICS_FIELDS), "a shared name hidden in extra"
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelled_calls_keep_the_buffer_rule(opened) -> None:
+    """A cancelled put ends only when its buffers are no longer read, and still lands; a cancelled
+    get ends only when nothing writes into its buffers any more."""
+    tier = await opened()
+    try:
+        n, size = 24, 256 << 10  # 6 MiB: several encode/decode slices
+        datas = [payload(-1, size) for _ in range(n)]
+        keys = [key_of(100 + i) for i in range(n)]
+        expected = [bytes(d) for d in datas]
+        task = asyncio.ensure_future(tier.put_many([item(k, d) for k, d in zip(keys, datas)]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for d in datas:  # the caller reuses its buffers at once
+            d[:] = bytes(size)
+        await settle(tier)
+        await asyncio.sleep(0.05)
+        _, got = await read(tier, keys, size)
+        assert got == expected, "the cancelled put did not land intact"
+
+        bufs = [bytearray(b"\xaa") * size for _ in range(n)]
+        task = asyncio.ensure_future(tier.get_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        seen = [bytes(b) for b in bufs]
+        await settle(tier)
+        await asyncio.sleep(0.1)
+        assert [bytes(b) for b in bufs] == seen, "the tier wrote into buffers after the call ended"
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_close_twice_then_every_call_is_closed_error(opened) -> None:
+    tier = await opened()
+    await tier.put_many([item(key_of(1), payload(1, 10))])
+    assert await tier.check() == []
+    await tier.close()
+    await tier.close()
+    buf = memoryview(bytearray(10))
+    for call in (
+        lambda: tier.put_many([item(key_of(2), payload(2, 10))]),
+        lambda: tier.get_many_into([(key_of(1), buf)]),
+        lambda: tier.contains_many([key_of(1)]),
+        lambda: tier.delete_many([key_of(1)]),
+        tier.list_keys,
+        tier.snapshot_keys,
+    ):
+        with pytest.raises(ClosedError):
+            await call()
