@@ -31,9 +31,9 @@ from .tables import Tables, open_tables
 
 __all__ = ["DirectorySnapshot", "prepare_lock_file", "lock_for_readonly", "open_kvtier_tables", "is_disk_full"]
 
-# LMDB's lock file for py-lmdb's default 126 readers is 8 KiB (64-byte reader slots plus a header);
-# a larger file only raises LMDB's reader limit, so allocate a little more than it asks for.
-LOCK_FILE_BYTES = 16 * 1024
+# LMDB's lock file for py-lmdb's default 126 readers (kvtier's): 8 KiB, 64-byte reader slots plus
+# a header. Exactly that: a larger file would only raise LMDB's reader limit.
+LOCK_FILE_BYTES = 8 * 1024
 # The named databases of a kvtier environment (tables.py): anything else in the main database
 # means another program's LMDB.
 _KVTIER_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta"})
