@@ -892,8 +892,11 @@ class OffloadEngine:
         items = [(e.key, memoryview(self._pools[e.group_index].view(e.slot).numpy())) for e, _ in work]
         started = time.perf_counter()
         try:
+            # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record
+            # is gone (another process's gc, an eviction the index has not heard of): "missing".
+            bad_before = _bad_reads(self._disk)
             metas = await self._disk.get_many_into(items)
-            failure = "corrupt"
+            failure = "corrupt" if _bad_reads(self._disk) != bad_before else "missing"
         except KvtierError as exc:
             logger.warning("disk read of %d chunks failed: %s", len(items), exc)
             metas, failure = [None] * len(items), "tier_error"
@@ -1116,3 +1119,8 @@ class OffloadEngine:
                 problems.append(f"group {gi} host pool: {exc}")
         if problems:
             raise EngineInvariantError("; ".join(problems))
+
+
+def _bad_reads(tier: ChunkTier) -> int:
+    stats = tier.statistics()
+    return int(getattr(stats, "corrupt", 0)) + int(getattr(stats, "mismatched", 0))

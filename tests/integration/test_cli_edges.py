@@ -50,6 +50,8 @@ def inputs(tmp_path_factory):
     (root / "junk.jsonl").write_bytes(b"\xa8\xff\x00\x17" * 64)
     (root / "null.jsonl").write_text('{"token_ids": null}\n')
     (root / "a-file").write_text("not a directory\n")
+    (root / "damaged").mkdir(mode=0o700)
+    (root / "damaged" / "data.mdb").write_bytes(b"not an LMDB file " * 512)
     return root
 
 
@@ -69,6 +71,10 @@ def _cases(root: Path, readonly: Path):
         (["bench", "--quick", "--cache-dir", str(root / "a-file")], f"--cache-dir {root / 'a-file'} is not a directory"),
         (["bench", "--quick", "--cache-dir", str(readonly)], f"--cache-dir {readonly} is not writable: Read-only file system"),
         (["inspect", "--cache-dir", str(root / "nothing-here")], "no kvtier cache at"),
+        (["demo", "--cache-dir", str(root / "unmounted" / "kvtier")],
+         f"cannot create cache directory {root / 'unmounted' / 'kvtier'}: its parent {root / 'unmounted'} does not exist"),
+        (["verify", "--cache-dir", str(root / "damaged")],
+         f"no record was checked or quarantined: move {root / 'damaged'}'s data.mdb aside"),
     ]
 
 
@@ -85,6 +91,7 @@ def test_every_user_mistake_is_one_line_naming_the_file_or_option(inputs, tmp_pa
             assert len(lines) == 1 and lines[0].startswith("kvtier: error: "), (argv, err)
             assert message in lines[0], (argv, message, lines[0])
     assert not (inputs / "cache").exists()  # no case created the cache directory
+    assert not (inputs / "unmounted").exists()
 
 
 def test_a_closed_stdout_exits_quietly_and_an_interrupt_exits_130(tmp_path):

@@ -199,3 +199,49 @@ def test_quarantine_moves_only_kvtiers_files_and_works_on_a_mount_point(tmp_path
         assert listing(aside) == ["data.mdb", "lock.mdb"]
         assert (mount / "notes.txt").read_text() == "not kvtier's"
         assert verify_cache(str(mount)).ok > 0  # the fresh environment beside them works
+
+
+def test_after_an_external_gc_a_load_says_missing_and_lookup_stops_admitting_within_the_refresh(tmp_path):
+    cache = tmp_path / "cache"
+
+    async def scenario():
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+            producer = OffloadScenario(engine)
+            prompts = [producer.tokens(40), producer.tokens(40)]
+            for prompt in prompts:
+                assert (await producer.produce(prompt)).durable
+        # A serving engine over the directory (its chunks on disk only), and a cron gc beside it.
+        refreshed = config(cache, disk_index_refresh_interval_s=0.2)
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), refreshed, fingerprint=FINGERPRINT) as engine:
+            consumer = OffloadScenario(engine, seed=1)
+            first, second = (engine.request_keys(p + [1]) for p in prompts)
+            assert engine.lookup(first) == 32 and engine.lookup(second) == 32
+            gc = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "gc", "--cache-dir", str(cache),
+                                 "--max-bytes", "0"], capture_output=True, text=True, timeout=120)
+            assert gc.returncode == 0, gc.stderr
+            # The loop was blocked meanwhile: the index has not been refreshed, lookup still admits.
+            assert engine.lookup(first) == 32
+            result = await engine.load(first, 32, consumer.allocate(41))
+            assert (result.ok, result.reason) == (False, "missing")
+            assert engine.lookup(first) == 0  # the load's finding left the index at once
+            for _ in range(100):  # bounded: the refresh runs every 0.2 s
+                if engine.lookup(second) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.lookup(second) == 0
+            assert engine.disk_tier.statistics().corrupt == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_cache_directory_whose_parent_is_missing_is_an_error(tmp_path):
+    from kvtier.errors import TierIOError as Error
+
+    async def start():
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(tmp_path / "nvme" / "kvtier"),
+                                 fingerprint=FINGERPRINT):
+            pass
+
+    with pytest.raises(Error, match=r"its parent .*/nvme does not exist \(kvtier creates only the last component"):
+        asyncio.run(start())
+    assert listing(tmp_path) == []
