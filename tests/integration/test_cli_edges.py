@@ -111,11 +111,11 @@ def test_a_closed_stdout_exits_quietly_and_an_interrupt_exits_130(tmp_path):
     assert err.strip().splitlines()[-1] == "kvtier: interrupted"
     assert "Traceback" not in err and out == ""
 
-    # `kvtier inspect ... | head` where head is already gone: exit 141, nothing on stderr.
+    # `kvtier verify ... | head` where head is already gone: exit 141, nothing on stderr.
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "inspect", "--cache-dir", str(cache)],
+        result = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "verify", "--cache-dir", str(cache)],
                                 stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write_end)
