@@ -131,6 +131,10 @@ class EngineConfig:
     remote_breaker_reset_s: float = 5.0
     # The backstop listing for evictions whose notification was lost (pub/sub is at-most-once).
     remote_listing_interval_s: float = 30.0
+    # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
+    # them would otherwise grow the engine without bound. The oldest are dropped and counted
+    # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
+    events_max: int = 65536
 
     def __post_init__(self) -> None:
         # A path object is welcome; store its str so the record stays plain and hashable.
@@ -203,6 +207,7 @@ class EngineConfig:
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        _require_int("events_max", self.events_max, 1)
         self._validate_remote()
 
     def _validate_remote(self) -> None:

@@ -1,37 +1,54 @@
 """The asyncio offload engine: what a serving process embeds.
 
 Primitives: ``OffloadEngine`` (store / lookup / load / prefetch / fence / flush / close /
-statistics / take_events / check).
+statistics / take_events / check / check_disk). Its errors live in ``kvtier.errors``.
 
-Threads. Every state change happens on the event-loop thread that started the engine. Blocking
-work runs elsewhere and only reports back: device -> host copies on one copy thread, host -> device
-copies on another (the CPU stand-ins for the two CUDA copy streams), disk I/O on the disk tier's own
-threads (one LMDB writer, a small read pool). One executor hop per batch of chunks, never per chunk.
+Threads. Every state change happens on the event-loop thread that started the engine (a call from
+another loop or thread raises ``EngineUsageError``, from a forked child ``ForkedProcessError``,
+before anything is scheduled).
+Blocking work runs elsewhere and only reports back: device -> host copies on one copy thread, host
+-> device copies on another (the CPU stand-ins for the two CUDA copy streams), disk I/O on the disk
+tier's own threads. One executor hop per batch of chunks, never per chunk.
 
-States. A chunk with a host slot has a ``ChunkEntry``: PENDING (device -> host in flight), READY,
-LOADING (disk -> host in flight). A chunk only on disk is just a key in ``_on_disk``. ``lookup``
-maps these to ``ChunkState`` and asks ``longest_hit``. Pins (reference counts) keep a slot from
-eviction or release while any copy reads or writes it; an abandoned copy (timeout, close) bumps the
-entry's generation so its late completion is discarded and only then frees the slot.
+Layout. A chunk's life is one transition table (``lifecycle.py``); which keys the disk holds is the
+ordered ``DiskIndex`` (``disk_index.py``); write-behind and durable handles are the
+``SpillPipeline`` (``spill.py``); waiting on engine-owned work and keeping background loops alive
+is ``tasks.py``. This module holds the public calls and the host-slot bookkeeping between them.
+
+Work the engine starts (a store's copy, a load, a promotion, a spill) runs in engine-owned tasks
+that no caller's cancellation reaches: a public coroutine cancels only its own wait. Pins
+(reference counts) keep a slot from eviction or release while any copy reads or writes it; an
+abandoned copy (timeout) bumps the entry's generation so its late completion is discarded and only
+then frees the slot. Any exception at a worker boundary (not only ``KvtierError``) fails that work,
+is logged and counted (``kvtier_worker_errors_total``), and leaves the tables consistent.
+
+Streams (CUDA). ``store`` and ``load`` capture the calling thread's current CUDA stream when they
+are called and order their copies after the work queued on it so far: a store's gather waits for
+the kernels that wrote the blocks, a load's scatter for the kernels still reading their old
+contents. Call them on the thread (and stream) that computes, after queueing that work. ``load``
+returns once its copies completed, so any stream may read the blocks afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from kvtier.errors import EngineInvariantError
+from kvtier.errors import EngineInvariantError, EngineUsageError, ForkedProcessError
 from kvtier.policy import (
     ChunkState,
     ClosedError,
     DeviceError,
-    KvtierError,
     KeyChain,
+    KvtierError,
     ModelLayout,
+    TierIOError,
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan, store_chunk_indices
@@ -40,10 +57,15 @@ from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
 from .config import EngineConfig
+from .disk_index import DiskIndex, keys_of
 from .drop_log import DropLog, drop_detail
+from .events import EventLog
+from .lifecycle import DURABLE_LATER, EVICTABLE, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
-from .records import ChunkEntry, ChunkEvent, HostState, LoadResult, RequestKeys, StoreHandle
+from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
+from .spill import SpillPipeline
+from .tasks import Supervised, settle, wait_all
 from .validation import check_count, check_engine_settings, check_load_arguments, check_store_arguments, check_token_ids
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
@@ -54,8 +76,6 @@ TokensOrKeys = Union[Sequence[int], RequestKeys]
 BlockTable = Sequence[Sequence[int]]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-# Spill batches in flight at once: two let the disk tier encode one while it commits the other.
-_SPILL_BATCHES_IN_FLIGHT = 2
 
 
 class OffloadEngine:
@@ -104,23 +124,20 @@ class OffloadEngine:
         self._pressure: Optional[PressureMonitor] = None
         self._write_latency = LatencyEwma(alpha=0.2, high_latency_s=1.0)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[int] = None
+        self._pid = os.getpid()
         self._pools: List[HostSlabPool] = []
         self._chunk_nbytes: List[int] = []
         self._num_blocks: List[int] = []
         self._entries: Dict[bytes, ChunkEntry] = {}
-        self._on_disk: Set[bytes] = set()
-        self._spill_queue: Deque[ChunkEntry] = deque()
-        self._spill_wakeup: Optional[asyncio.Event] = None
-        self._spill_task: Optional[asyncio.Task] = None
-        self._refresh_task: Optional[asyncio.Task] = None
-        self._spill_idle: Optional[asyncio.Event] = None
-        self._spill_last_done = 0.0  # perf_counter() when the last spill batch finished
-        self._durable_watch: Dict[bytes, List[StoreHandle]] = {}
-        self._handle_waiting: Dict[StoreHandle, Set[bytes]] = {}
+        self._events = EventLog(self.config.events_max, on_drop=self.metrics.events_dropped)
+        self._index = DiskIndex(on_removed=self._index_removed)
+        self._spill: Optional[SpillPipeline] = None
+        self._spill_runner: Optional[Supervised] = None
+        self._refresh_runner: Optional[Supervised] = None
         # In-flight copy batches: completion future -> the (group, device block) pairs it touches.
         self._busy_batches: Dict[asyncio.Future, FrozenSet[Tuple[int, int]]] = {}
-        self._tasks: Set[asyncio.Task] = set()
-        self._events: List[ChunkEvent] = []
+        self._tasks: set = set()
         self._inflight_stores = 0
         self._d2h: Optional[ThreadPoolExecutor] = None
         self._h2d: Optional[ThreadPoolExecutor] = None
@@ -128,6 +145,7 @@ class OffloadEngine:
         self._started = False
         self._closing = False
         self._closed = False
+        self._failure: Optional[BaseException] = None
         self._quarantined_cache_dir: Optional[str] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,6 +173,8 @@ class OffloadEngine:
             raise RuntimeError("OffloadEngine.start() called twice")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._pid = os.getpid()
         config = self.config
         self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
         self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
@@ -166,6 +186,7 @@ class OffloadEngine:
             (str(self.device.chunk_dtype(g)).replace("torch.", ""), tuple(self.device.chunk_shape(g)))
             for g in range(len(self.layout.groups))
         ]
+        self.metrics.set_state_counts(self._state_counts)
         if self._disk is None and config.cache_dir is not None:
             self._disk = await self._open_cache_dir()
         if self._owns_disk and config.remote_url is not None:
@@ -173,27 +194,26 @@ class OffloadEngine:
 
             self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
             self.metrics.set_tier_statistics(self._disk_statistics)
+        self._spill = SpillPipeline(self)
         if self._disk is not None:
             self._subscribe_disk_evictions()
             try:
-                self._on_disk = set(await self._disk.list_keys())
+                keys, sequence = await self._disk_listing()
             except ClosedError:
                 raise
             except KvtierError as exc:
                 # Keep serving: without the index the disk's chunks are misses until the next start,
                 # and new stores still spill (or fail and are counted).
                 logger.warning("cannot list the disk tier's chunks, starting with an empty disk index: %s", exc)
-                self._on_disk = set()
-        self._spill_wakeup = asyncio.Event()
-        self._spill_idle = asyncio.Event()
-        self._spill_idle.set()
+                keys, sequence = [], None
+            self._index.replace_all(keys, sequence)
         if self._disk is not None and config.spill_enabled:
-            self._spill_task = self._loop.create_task(self._spill_loop(), name="kvtier-spill")
+            self._spill_runner = self._supervise("spill", self._spill.run)
         if self._disk is not None and config.disk_index_refresh_interval_s is not None:
-            self._refresh_task = self._loop.create_task(self._refresh_loop(), name="kvtier-disk-index")
+            self._refresh_runner = self._supervise("disk-index", self._refresh_loop)
         sources = self._pressure_sources
         if sources is None:
-            sources = {"host_memory": host_memory_source()}
+            sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes)}
             if config.device_kind == "cuda":
                 sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
             else:
@@ -207,7 +227,34 @@ class OffloadEngine:
             low_fraction=config.pressure_low_watermark_fraction,
             poll_interval_s=config.pressure_poll_interval_s,
         )
+        self.metrics.watch_pressure(lambda: self._pressure is not None and self._pressure.paused)
         await self._pressure.start()
+
+    def _host_slab_bytes(self) -> int:
+        # Read on the pressure monitor's thread: a plain sum over a list that no longer changes.
+        return sum(int(pool.statistics()["capacity_bytes"]) for pool in list(self._pools) if not pool.closed)
+
+    def _supervise(self, name: str, factory) -> Supervised:
+        def crashed(exc: BaseException) -> None:
+            self.metrics.worker_error(f"{name.replace('-', '_')}_loop")
+
+        runner = Supervised(
+            f"kvtier-{name}",
+            factory,
+            running=lambda: not self._closing,
+            on_crash=crashed,
+            on_give_up=self._fail,
+        )
+        runner.start()
+        return runner
+
+    def _fail(self, exc: BaseException) -> None:
+        """A background loop crashed for good: the engine refuses new work, loudly, and every
+        handle still waiting for the disk resolves ``False``."""
+        self._failure = exc
+        logger.critical("kvtier engine failed: a background loop keeps crashing (%r); closing is all that is left", exc)
+        if self._spill is not None:
+            self._spill.watch.fail_all()
 
     def _disk_statistics(self) -> Dict[str, float]:
         from kvtier.tiers.chain import tier_statistics_dict
@@ -218,7 +265,7 @@ class OffloadEngine:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
         from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
-        from kvtier.tiers.record import CodecConfig
+        from kvtier.tiers.record_format import CodecConfig
 
         config = self.config
         kwargs: Dict[str, Any] = dict(
@@ -248,6 +295,16 @@ class OffloadEngine:
         """Where ``start`` moved a damaged ``cache_dir`` (``None`` when it did not)."""
         return self._quarantined_cache_dir
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` finished."""
+        return self._closed
+
+    @property
+    def closing(self) -> bool:
+        """True from the moment ``close`` was called."""
+        return self._closing
+
     def _make_pools(self) -> List[HostSlabPool]:
         # Split the host budget in proportion to each group's chunk bytes, with a floor of a few
         # slots so that a tiny group can still hold the chunks of one request.
@@ -268,82 +325,71 @@ class OffloadEngine:
             )
         return pools
 
+    # ------------------------------------------------------------------ the disk index
+
+    @property
+    def disk_index(self) -> DiskIndex:
+        """Which keys the engine believes the disk tier holds (read-only use; see ``DiskIndex``)."""
+        return self._index
+
+    async def _disk_listing(self) -> Tuple[List[bytes], Optional[int]]:
+        """The tier's keys with the tier sequence they reflect (``snapshot_keys``, tier contract)."""
+        taken = await self._disk.snapshot_keys()
+        return list(taken.keys), taken.sequence
+
     def _subscribe_disk_evictions(self) -> None:
-        # A record the disk tier drops (capacity eviction, quarantine) must leave the index at once,
-        # or lookup would admit a hit whose chunk is gone. The tier calls back on this loop.
-        self._disk.subscribe_removals(self._disk_removed)
+        # A record the disk tier drops (capacity eviction, quarantine, delete) must leave the index
+        # at once, or lookup would admit a hit whose chunk is gone.
+        loop, loop_thread = self._loop, self._loop_thread
+
+        def on_removed(removals: Sequence[Removal]) -> None:
+            # The tier contract delivers on this loop; a tier that calls from its own thread is
+            # handed over rather than trusted.
+            removals = list(removals)
+            if threading.get_ident() == loop_thread:
+                self._disk_removed(removals)
+            else:
+                loop.call_soon_threadsafe(self._disk_removed, removals)
+
+        self._disk.subscribe_removals(on_removed)
 
     def _disk_removed(self, removals: Sequence[Removal]) -> None:
-        dropped = 0
-        for removal in removals:
-            if removal.reason != "deleted":  # deletes are asked for, not tier evictions
-                dropped += 1
-            key = removal.key
-            if key in self._on_disk:
-                self._on_disk.discard(key)
-                entry = self._entries.get(key)
-                group = entry.group_index if entry is not None else -1
-                self._events.append(ChunkEvent("removed", key, group, "disk"))
-        self.metrics.evicted("disk", dropped)
+        for key, sequence in keys_of(removals):
+            self._index.remove(key, sequence)
+        # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
+        self.metrics.evicted("disk", sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
 
-    async def close(self) -> None:
-        """Stop accepting work, let in-flight copies finish (they cannot be interrupted), fail their
-        waiters with ``ClosedError``, close the disk tier. Safe to call twice. Cancelling ``close``
-        leaves the engine closing; call it again to finish."""
-        if self._closed:
-            return
-        self._closing = True
-        if self._spill_wakeup is not None:
-            self._spill_wakeup.set()
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            await asyncio.gather(self._refresh_task, return_exceptions=True)
-        if self._spill_task is not None:
-            await asyncio.gather(self._spill_task, return_exceptions=True)
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        for handle in list(self._handle_waiting):
-            self._finish_durable(handle, False)
-        if self._pressure is not None:
-            await self._pressure.stop()
-        if self._disk is not None and self._owns_disk:
-            await self._disk.close()
-        for executor in (self._d2h, self._h2d):
-            if executor is not None:
-                executor.shutdown(wait=True)
-        self._closed = True
-
-    def _check_open(self) -> None:
-        if self._closing or self._closed:
-            raise ClosedError("the offload engine is closed")
-        if not self._started:
-            raise ClosedError("the offload engine is not started: use `async with OffloadEngine(...)`")
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _index_removed(self, key: bytes) -> None:
+        entry = self._entries.get(key)
+        self._events.append("removed", key, entry.group_index if entry is not None else -1, "disk")
 
     async def refresh_disk_index(self) -> Tuple[int, int]:
         """Re-read which chunks the disk tier holds, for a cache directory another process writes
         (a warmup beside a serving process). Returns (keys added, keys removed).
 
-        Keys this engine spills while the listing runs are kept; keys that were indexed before the
-        listing began and are absent from it were removed by another process and leave the index.
-        Cancelling the call leaves the index as it was."""
+        Keys this engine spills while the listing runs are kept; keys indexed before the listing
+        began and absent from it leave the index; a key the tier reports removed while the listing
+        ran stays out (``DiskIndex.refresh``). A tier failure is a ``TierIOError`` (a foreign exception
+        from the tier is its ``__cause__``) and leaves the index as it was. Queued spills of keys that turn out to be on disk
+        already are settled as durable by the spill pipeline. Cancelling the call leaves the index
+        as it was."""
         self._check_open()
         if self._disk is None:
             return 0, 0
-        before = set(self._on_disk)
-        listed = set(await self._disk.list_keys())
-        removed = before - listed
-        added = listed - self._on_disk
-        self._on_disk -= removed
-        self._on_disk |= listed
-        for key in removed:
-            self._events.append(ChunkEvent("removed", key, -1, "disk"))
-        return len(added), len(removed)
+        token = self._index.begin()
+        try:
+            keys, sequence = await self._disk_listing()
+            added, removed = self._index.refresh(keys, token, sequence)
+        except (KvtierError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a foreign tier error reaches the caller typed, its cause kept
+            self.metrics.worker_error("refresh")
+            raise TierIOError(f"listing the disk tier failed: {exc!r}") from exc
+        finally:
+            self._index.end(token)
+        if added and self._spill is not None and self._spill.queue:
+            self._spill.wake()
+        return added, removed
 
     async def _refresh_loop(self) -> None:
         interval = self.config.disk_index_refresh_interval_s
@@ -353,8 +399,97 @@ class OffloadEngine:
                 await self.refresh_disk_index()
             except ClosedError:
                 return
-            except KvtierError as exc:  # keep serving on the index we have; try again next time
-                logger.warning("refreshing the disk index failed: %s", exc)
+            except Exception as exc:  # keep serving on the index we have; try again next time
+                logger.warning("refreshing the disk index failed: %r", exc)
+                self.metrics.worker_error("refresh")
+
+    async def check_disk(self) -> None:
+        """Compare the disk index with the tier: every indexed key must be on the tier (else
+        ``lookup`` admits a hit that ``load`` fails), and the tier's own ``check()`` must pass.
+        Raises ``EngineInvariantError`` listing each problem. Meant for an idle engine (test
+        teardown, end of stress runs). Cancelling the call drops the answer only."""
+        self._check_started()
+        if self._disk is None:
+            return
+        problems: List[str] = []
+        before = self._index.keys()
+        listed = set(await self._disk.list_keys())
+        # Keys indexed before and after the listing (a removal meanwhile takes a key out).
+        ghosts = [k for k in before if k in self._index and k not in listed]
+        if ghosts:
+            problems.append(f"{len(ghosts)} indexed keys are not on the disk tier (first {ghosts[0].hex()[:12]})")
+        tier_check = getattr(self._disk, "check", None)
+        if tier_check is not None:
+            problems.extend(f"disk tier: {p}" for p in await tier_check())
+        if problems:
+            raise EngineInvariantError("; ".join(problems))
+
+    # ------------------------------------------------------------------ close
+
+    async def close(self) -> None:
+        """Stop accepting work, let the work in flight finish (copies cannot be interrupted; queued
+        spills are written), fail the durable waits left with ``False``, close the host pools and
+        the disk tier it opened. Safe to call twice. Cancelling ``close`` cancels its wait only: the
+        engine stays closing and its work runs on; call it again to finish."""
+        if self._closed:
+            return
+        self._closing = True
+        if self._refresh_runner is not None:
+            self._refresh_runner.cancel()
+            await self._refresh_runner.wait()
+        if self._spill_runner is not None:
+            self._spill.wake()
+            await self._spill_runner.wait()
+        while any(not t.done() for t in self._tasks):
+            await wait_all([t for t in self._tasks if not t.done()])
+        if self._spill is not None:
+            self._spill.watch.fail_all()
+        if self._pressure is not None:
+            await self._pressure.stop()
+        if self._disk is not None and self._owns_disk:
+            await self._disk.close()
+        for executor in (self._d2h, self._h2d):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        for pool in self._pools:
+            pool.close()
+        self.metrics.watch_pressure(None)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closing or self._closed:
+            raise ClosedError("the offload engine is closed")
+        if not self._started:
+            raise ClosedError("the offload engine is not started: use `async with OffloadEngine(...)`")
+        self._check_caller()
+
+    def _check_caller(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
+                "must start its own engine"
+            )
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise EngineUsageError(
+                "this OffloadEngine belongs to the event loop that started it; it was called from "
+                + ("another event loop" if running is not None else "a thread without a running event loop")
+            )
+        if self._failure is not None:
+            raise EngineUsageError(f"the offload engine failed: {self._failure!r}; close it and start a new one")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _compute_stream(self):
+        """The calling thread's current CUDA stream (``None`` on CPU): copies are ordered after it."""
+        return self.device.backend.current_stream()
 
     # ------------------------------------------------------------------ keys
 
@@ -373,8 +508,9 @@ class OffloadEngine:
 
     def _state(self, keys: RequestKeys) -> Callable[[int, int], ChunkState]:
         entries = self._entries
-        on_disk = self._on_disk
+        on_disk = self._index
         key_lists = keys.keys
+        lookup_state = LOOKUP_STATE
 
         def state(group_index: int, chunk_index: int) -> ChunkState:
             group_keys = key_lists[group_index]
@@ -383,11 +519,7 @@ class OffloadEngine:
             key = group_keys[chunk_index]
             entry = entries.get(key)
             if entry is not None:
-                if entry.state is HostState.READY:
-                    return ChunkState.READY
-                if entry.state is HostState.PENDING:
-                    return ChunkState.PENDING
-                return ChunkState.LOADING
+                return lookup_state[entry.state]
             return ChunkState.READY if key in on_disk else ChunkState.MISSING
 
         return state
@@ -408,9 +540,11 @@ class OffloadEngine:
         ``num_tokens`` (default: all tokens of the request) is how many tokens are final.
         Full-attention groups store every complete chunk; sliding-window groups only the chunks
         ``reachable_store_block_mask`` selects (MTP-widened). Chunks already stored or in flight are
-        skipped. Under memory pressure, a full store queue or a full host pool, the new chunks are
-        dropped and counted, never waited for. The caller must not overwrite the device blocks before
-        ``handle.wait_released()`` (or ``fence``).
+        skipped; the handle is durable only once those are on disk too. Under memory pressure, a
+        full store queue or a full host pool, the new chunks are dropped and counted, never waited
+        for. The caller must not overwrite the device blocks before ``handle.wait_released()`` (or
+        ``fence``). The copy is ordered after the work queued on the calling thread's current CUDA
+        stream (see the module docstring).
         """
         self._check_open()
         keys = self._keys(request, salt)
@@ -423,13 +557,22 @@ class OffloadEngine:
 
         jobs: List[Tuple[int, int, bytes, List[int]]] = []  # (group, chunk, key, device blocks)
         skipped: List[Tuple[int, int]] = []
+        wait_for: List[bytes] = []  # skipped chunks whose spill is still to land
+        never_durable = False  # a skipped chunk that is neither on disk nor on its way there
         for gi, group in enumerate(self.layout.groups):
             per_chunk = group.blocks_per_chunk
             table = block_table[gi]
             for chunk in store_chunk_indices(self.layout, gi, num_tokens):
                 key = keys.keys[gi][chunk]
-                if key in self._entries or key in self._on_disk:
+                entry = self._entries.get(key)
+                if entry is not None or key in self._index:
                     skipped.append((gi, chunk))
+                    if key in self._index:
+                        pass
+                    elif entry is not None and entry.state in DURABLE_LATER:
+                        wait_for.append(key)
+                    else:
+                        never_durable = True
                     continue
                 first = chunk * per_chunk
                 if len(table) < first + per_chunk:
@@ -442,7 +585,7 @@ class OffloadEngine:
                 jobs.append((gi, chunk, key, blocks))
 
         drop_reason = self._store_drop_reason(len(jobs))
-        allocations: Dict[int, List[int]] = {}
+        allocations: Optional[Dict[int, List[int]]] = {}
         if drop_reason is None and jobs:
             allocations = self._allocate_slots(g for g, _, _, _ in jobs)
             if allocations is None:
@@ -455,25 +598,25 @@ class OffloadEngine:
                     drop_reason, (g for g, _ in dropped), inflight=self._inflight_stores,
                     queue_max_chunks=self.config.store_queue_max_chunks, pool_slots=[p.num_slots for p in self._pools]))
             handle = StoreHandle(self._loop, (), skipped, dropped, drop_reason)
-            handle._released.set_result(None)
-            handle._durable.set_result(not dropped and self._disk is not None)
+            handle._mark_released()
+            handle._mark_durable(False)
             return handle
 
         handle = StoreHandle(self._loop, [(g, c) for g, c, _, _ in jobs], skipped, (), None)
+        spill_on = self._disk is not None and self.config.spill_enabled
+        if self._disk is None or never_durable or (jobs and not spill_on):
+            handle._mark_durable(False)
+        else:
+            self._spill.watch.watch(handle, [k for _, _, k, _ in jobs] + wait_for)
         if not jobs:
-            handle._released.set_result(None)
-            handle._durable.set_result(self._disk is not None)
+            handle._mark_released()
             return handle
         entries = self._new_entries([(g, c, k) for g, c, k, _ in jobs], HostState.PENDING, allocations)
         work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
         self._inflight_stores += len(work)
-        if self._disk is not None and self.config.spill_enabled:
-            waiting = {entry.key for entry, _, _ in work}
-            self._handle_waiting[handle] = waiting
-            for key in waiting:
-                self._durable_watch.setdefault(key, []).append(handle)
-        self._mark_busy([(e.group_index, b) for e, _, blocks in work for b in blocks], handle._released)
-        self._spawn(self._run_store(handle, work))
+        copied = self._loop.create_future()
+        self._mark_busy([(e.group_index, b) for e, _, blocks in work for b in blocks], copied)
+        self._spawn(self._run_store(handle, work, copied, self._compute_stream()))
         return handle
 
     def _store_drop_reason(self, count: int) -> Optional[str]:
@@ -487,14 +630,19 @@ class OffloadEngine:
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
         """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
-        groups; evicted chunks leave the index. ``None`` when the pools cannot make room."""
+        groups; evicted chunks leave the index. ``None`` when the pools cannot make room: then
+        nothing was evicted in any group (every group is checked before the first eviction)."""
         needed: Dict[int, int] = {}
         for gi in groups:
             needed[gi] = needed.get(gi, 0) + 1
+        for gi, count in needed.items():
+            pool = self._pools[gi]
+            if pool.num_free + pool.num_evictable < count:
+                return None
         granted: Dict[int, List[int]] = {}
         for gi, count in needed.items():
             allocation = self._pools[gi].allocate(count)
-            if allocation is None:
+            if allocation is None:  # cannot happen after the check above; stay all-or-nothing anyway
                 for g, slots in granted.items():
                     for slot in slots:
                         self._pools[g].release(slot)
@@ -524,190 +672,83 @@ class OffloadEngine:
             entry.dead = True
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
-            self._events.append(ChunkEvent("removed", entry.key, group_index, "host"))
-            if entry.key not in self._on_disk:
+            self._events.append("removed", entry.key, group_index, "host")
+            if entry.key not in self._index:
                 self.metrics.dropped("evicted", 1)
         if evicted:
             self.metrics.evicted("host", len(evicted))
 
-    async def _run_store(self, handle: StoreHandle, work) -> None:
+    async def _run_store(self, handle: StoreHandle, work, copied: asyncio.Future, stream) -> None:
         started = time.perf_counter()
         batch = [(e.group_index, blocks, self._pools[e.group_index].view(e.slot)) for e, _, blocks in work]
         error: Optional[BaseException] = None
         try:
-            await self._loop.run_in_executor(self._d2h, self.device.gather_many_groups, batch)
+            gather = functools.partial(self.device.gather_many_groups, batch, compute_stream=stream)
+            await settle(self._loop.run_in_executor(self._d2h, gather))
+        except asyncio.CancelledError:  # only an engine bug cancels its own task; finish the books
+            error = ClosedError("store cancelled")
         except Exception as exc:  # the copy failed: nothing it wrote is trusted
             error = exc
-            logger.warning("device -> host copy failed: %s", exc)
+            logger.warning("device -> host copy failed: %r", exc)
+            self.metrics.worker_error("store_copy")
         self._inflight_stores -= len(work)
         nbytes = 0
+        spill_on = self._disk is not None and self.config.spill_enabled
+        done: List[ChunkEntry] = []
         for entry, generation, _ in work:
             self._unpin(entry)
             if entry.generation != generation or entry.dead:
                 continue
             if error is not None or self._closing:
-                self._drop_entry(entry, "copy_error" if error is not None else "closed")
-                self._resolve_ready(entry, "copy_error" if error is not None else "closed")
+                reason = "copy_error" if error is not None else "closed"
+                self._drop_entry(entry, reason)
+                self._resolve_ready(entry, reason)
                 continue
-            entry.state = HostState.READY
             nbytes += self._chunk_nbytes[entry.group_index]
+            done.append(entry)
+        if spill_on:
+            self._spill.enqueue(done)
+        for entry in done:
+            if not spill_on:
+                self._settle_ready(entry)
+                self._spill.watch.resolve(entry.key, False)
             self._resolve_ready(entry, None)
-            self._events.append(ChunkEvent("stored", entry.key, entry.group_index, "host"))
-            if self._disk is not None and self.config.spill_enabled:
-                self._spill_queue.append(entry)
-            else:
-                self._pools[entry.group_index].mark_evictable(entry.slot, True)
+            self._events.append("stored", entry.key, entry.group_index, "host")
         if nbytes:
-            self.metrics.stored("host", len(work), nbytes)
+            self.metrics.stored("host", len(done), nbytes)
             self.metrics.latency("host", "store", time.perf_counter() - started)
-        if not handle._released.done():
-            handle._released.set_result(None)
-        if error is not None or self._closing or handle not in self._handle_waiting:
-            # Not watched (no disk tier, or spill off): the chunks will never be durable.
-            self._finish_durable(handle, False)
-        if self._spill_queue:
-            self._spill_idle.clear()
-            self._spill_wakeup.set()
+        if not copied.done():
+            copied.set_result(None)
+        handle._mark_released()
+        if error is not None or self._closing:
+            self._spill.watch.finish(handle, False)
+
+    def _settle_ready(self, entry: ChunkEntry) -> None:
+        """``entry``'s bytes are valid and nothing is in flight: READY, and evictable."""
+        move(entry, HostState.READY)
+        self._pools[entry.group_index].mark_evictable(entry.slot, True)
+
+    def _chunk_meta(self, entry: ChunkEntry) -> ChunkMeta:
+        dtype, shape = self._metas[entry.group_index]
+        return ChunkMeta(self.fingerprint, entry.group_index, entry.chunk_index, dtype, shape)
 
     def _resolve_ready(self, entry: ChunkEntry, reason: Optional[str]) -> None:
         if entry.ready is not None and not entry.ready.done():
             entry.ready.set_result(reason)
-
-    # ------------------------------------------------------------------ spill
-
-    async def _spill_loop(self) -> None:
-        """Write-behind: READY host chunks go to disk in batches; a slot becomes evictable only once
-        its chunk is on disk (or after a failed spill, when dropping it is deliberate and counted).
-
-        Up to ``_SPILL_BATCHES_IN_FLIGHT`` batches are in flight at once, so the disk tier encodes
-        the next batch on its pool while its writer thread commits the previous one; awaiting one
-        batch at a time left the disk idle during every encode."""
-        in_flight: Set[asyncio.Task] = set()
-        try:
-            while True:
-                if self._spill_queue and len(in_flight) < _SPILL_BATCHES_IN_FLIGHT:
-                    batch, batch_bytes = self._next_spill_batch()
-                    if batch:
-                        in_flight.add(self._loop.create_task(self._spill_batch(batch, batch_bytes)))
-                    continue
-                if not self._spill_queue and not in_flight:
-                    self._spill_idle.set()
-                    if self._closing:
-                        return
-                    await self._spill_wakeup.wait()
-                    self._spill_wakeup.clear()
-                    continue
-                # Pipeline full, or nothing queued while batches are in flight: wait for either.
-                wakeup = self._loop.create_task(self._spill_wakeup.wait())
-                try:
-                    finished, _ = await asyncio.wait([wakeup, *in_flight], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    wakeup.cancel()
-                self._spill_wakeup.clear()
-                for task in finished:
-                    if task is wakeup:
-                        continue
-                    in_flight.discard(task)
-                    task.result()  # _spill_batch handles tier errors; anything else is a bug: raise it
-        finally:
-            if in_flight:
-                await asyncio.gather(*in_flight, return_exceptions=True)
-
-    def _next_spill_batch(self) -> Tuple[List[ChunkEntry], int]:
-        """Take the next batch off the spill queue: up to ``spill_batch_max_chunks`` chunks and
-        ``spill_batch_max_bytes`` bytes (at least one chunk), skipping entries that no longer need it."""
-        config = self.config
-        batch: List[ChunkEntry] = []
-        batch_bytes = 0
-        while self._spill_queue and len(batch) < config.spill_batch_max_chunks:
-            entry = self._spill_queue[0]
-            size = self._chunk_nbytes[entry.group_index]
-            if batch and batch_bytes + size > config.spill_batch_max_bytes:
-                break
-            self._spill_queue.popleft()
-            if entry.dead or entry.state is not HostState.READY or entry.key in self._on_disk:
-                continue
-            batch.append(entry)
-            batch_bytes += size
-        return batch, batch_bytes
-
-    async def _spill_batch(self, batch: List[ChunkEntry], batch_bytes: int) -> None:
-        items = []
-        for entry in batch:
-            entry.spilling = True
-            self._pin(entry)
-            dtype, shape = self._metas[entry.group_index]
-            meta = ChunkMeta(self.fingerprint, entry.group_index, entry.chunk_index, dtype, shape)
-            items.append((entry.key, meta, memoryview(self._pools[entry.group_index].view(entry.slot).numpy())))
-        started = time.perf_counter()
-        error: Optional[BaseException] = None
-        try:
-            await self._disk.put_many(items)
-        except KvtierError as exc:
-            error = exc
-            logger.warning("spill of %d chunks failed: %s", len(batch), exc)
-        except asyncio.CancelledError:
-            error = ClosedError("spill cancelled")
-            raise
-        finally:
-            finished = time.perf_counter()
-            # Batches are pipelined: one may wait for the batch committed before it, so its own
-            # service time starts when that one finished (else the latency signal, and pressure,
-            # would double whenever two batches are in flight).
-            elapsed = finished - max(started, self._spill_last_done)
-            self._spill_last_done = finished
-            self._write_latency.observe(elapsed)
-            for entry in batch:
-                entry.spilling = False
-                self._unpin(entry)
-                if not entry.dead:
-                    # On disk, or deliberately droppable after a failed spill: either way evictable.
-                    self._pools[entry.group_index].mark_evictable(entry.slot, True)
-                if error is None:
-                    self._on_disk.add(entry.key)
-                    self._events.append(ChunkEvent("stored", entry.key, entry.group_index, "disk"))
-                self._notify_durable(entry.key, error is None)
-            if error is None:
-                self.metrics.stored("disk", len(batch), batch_bytes)
-                self.metrics.latency("disk", "put", elapsed)
-            else:
-                self.metrics.dropped("tier_error", len(batch))
-
-    def _notify_durable(self, key: bytes, ok: bool) -> None:
-        for handle in self._durable_watch.pop(key, ()):
-            if not ok:
-                self._finish_durable(handle, False)
-                continue
-            waiting = self._handle_waiting.get(handle)
-            if waiting is not None:
-                waiting.discard(key)
-                if not waiting:
-                    self._finish_durable(handle, True)
-
-    def _finish_durable(self, handle: StoreHandle, ok: bool) -> None:
-        waiting = self._handle_waiting.pop(handle, set())
-        for key in waiting:
-            watchers = self._durable_watch.get(key)
-            if watchers and handle in watchers:
-                watchers.remove(handle)
-                if not watchers:
-                    del self._durable_watch[key]
-        if not handle._durable.done():
-            handle._durable.set_result(ok)
 
     async def flush(self) -> None:
         """Wait until every operation started so far has finished: device copies of stores, their
         spills (with a disk tier), loads and prefetch reads. Cancelling the wait stops nothing."""
         self._check_started()
         while True:
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            # Done tasks leave _tasks in a done-callback, a loop iteration later: wait only for the
+            # running ones, or this loop would spin without ever yielding.
+            running = [t for t in self._tasks if not t.done()]
+            if running:
+                await wait_all(running)
                 continue
-            if self._spill_task is not None and not self._spill_task.done() and (
-                self._spill_queue or not self._spill_idle.is_set()
-            ):
-                self._spill_wakeup.set()
-                await self._spill_idle.wait()
+            if self._spill_runner is not None and not self._spill_runner.done.is_set() and not self._spill.idle:
+                await self._spill.drain()
                 continue
             return
 
@@ -728,7 +769,7 @@ class OffloadEngine:
 
         ``max_tokens`` defaults to all tokens but the last (the serving process must compute at
         least one token to sample from). ``None`` means chunks of a longer hit are in flight: ask
-        again next step.
+        again next step. A hit longer than the host pool holds is fine: ``load`` streams it.
         """
         self._check_open()
         keys = self._keys(request, salt)
@@ -757,12 +798,14 @@ class OffloadEngine:
     ) -> LoadResult:
         """Restore the retained chunks of a hit of ``hit_tokens`` into the device blocks of
         ``block_table`` (same shape as for ``store``; blocks a sliding-window group never restores
-        may hold any value). Reads disk -> host slot -> device; concurrent loads of one chunk share
-        one read. A chunk that turns out unreadable gives ``LoadResult(ok=False, reason=...)``.
+        may hold any value). Reads disk -> host slot -> device in windows of at most half of each
+        host pool, so a hit larger than the host pool still loads; concurrent loads of one chunk
+        share one read. A chunk that turns out unreadable gives ``LoadResult(ok=False, reason=...)``
+        (the blocks then hold some of the hit; recompute it).
 
-        Cancelling the caller does not stop copies already running: they finish into their slots
-        and device blocks, pins are released when they report, and ``fence`` waits for them. A load
-        interrupted by ``close`` raises ``ClosedError``.
+        Cancelling the caller cancels its wait only: the load runs on into its blocks, and
+        ``fence`` on them waits for it. A load interrupted by ``close`` before its copies raises
+        ``ClosedError``.
         """
         self._check_open()
         keys = self._keys(request, salt)
@@ -792,46 +835,77 @@ class OffloadEngine:
         if missing:
             self.metrics.miss("missing")
             return LoadResult(hit_tokens, False, (), reason="missing")
-        task = self._spawn(self._load(hit_tokens, jobs))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.cancelled() and self._closing:
-                raise ClosedError("the offload engine closed during the load") from None
-            raise
+        # The whole load fences its blocks from now until its last copy ended.
+        finished = self._loop.create_future()
+        self._mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
+        task = self._spawn(self._load(hit_tokens, jobs, finished, self._compute_stream()))
+        return await asyncio.shield(task)
 
-    async def _load(self, hit_tokens: int, jobs) -> LoadResult:
-        pinned: List[ChunkEntry] = []
-        scatter_done: Optional[asyncio.Future] = None
+    def _load_windows(self, jobs) -> List[list]:
+        """Split a load's jobs so that no window needs more than half of a group's host slots: the
+        other half stays for stores and other loads, and a hit of any size streams through."""
+        caps = [max(1, pool.num_slots // 2) for pool in self._pools]
+        windows: List[list] = []
+        current: list = []
+        counts: Dict[int, int] = {}
+        for job in jobs:
+            gi = job[0]
+            if counts.get(gi, 0) >= caps[gi]:
+                windows.append(current)
+                current, counts = [], {}
+            current.append(job)
+            counts[gi] = counts.get(gi, 0) + 1
+        if current:
+            windows.append(current)
+        return windows
+
+    async def _load(self, hit_tokens: int, jobs, finished: asyncio.Future, stream) -> LoadResult:
+        loaded: List[Tuple[int, int]] = []
+        from_disk = 0
         try:
-            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in jobs], pinned)
-            if reason is not None:
-                self.metrics.miss(reason)
-                return LoadResult(hit_tokens, False, (), reason=reason)
-            if self._closing:
-                raise ClosedError("the offload engine closed during the load")
-            batch = []
-            loaded: List[Tuple[int, int]] = []
-            for (gi, chunk, _key, targets), entry in zip(jobs, entries):
-                batch.append((gi, self._pools[gi].view(entry.slot), targets))
-                per_chunk = self.layout.groups[gi].blocks_per_chunk
-                loaded.extend((gi, chunk * per_chunk + i) for i, t in enumerate(targets) if t is not None)
-                self._pools[gi].touch(entry.slot)
-            scatter_done = self._loop.create_future()
-            self._mark_busy([(g, t) for g, _, targets in batch for t in targets if t is not None], scatter_done)
-            started = time.perf_counter()
-            await self._loop.run_in_executor(self._h2d, self.device.scatter_many_groups, batch)
-            nbytes = sum(self._chunk_nbytes[g] for g, _, _ in batch)
-            self.metrics.loaded("device", len(batch), nbytes)
-            self.metrics.latency("device", "load", time.perf_counter() - started)
-            if self._closing:
-                raise ClosedError("the offload engine closed during the load")
+            for window in self._load_windows(jobs):
+                reason, read = await self._load_window(window, loaded, stream)
+                from_disk += read
+                if reason is not None:
+                    self.metrics.miss(reason)
+                    return LoadResult(hit_tokens, False, (), reason=reason)
             return LoadResult(
                 hit_tokens, True, tuple(loaded), chunks_from_disk=from_disk, chunks_from_host=len(jobs) - from_disk
             )
         finally:
-            if scatter_done is not None and not scatter_done.done():
-                scatter_done.set_result(None)
+            if not finished.done():
+                finished.set_result(None)
+
+    async def _load_window(self, window, loaded: List[Tuple[int, int]], stream) -> Tuple[Optional[str], int]:
+        """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
+        pinned: List[ChunkEntry] = []
+        try:
+            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned)
+            if reason is not None:
+                return reason, from_disk
+            if self._closing:
+                raise ClosedError("the offload engine closed during the load")
+            batch = []
+            for (gi, chunk, _key, targets), entry in zip(window, entries):
+                batch.append((gi, self._pools[gi].view(entry.slot), targets))
+                per_chunk = self.layout.groups[gi].blocks_per_chunk
+                loaded.extend((gi, chunk * per_chunk + i) for i, t in enumerate(targets) if t is not None)
+                self._pools[gi].touch(entry.slot)
+            started = time.perf_counter()
+            try:
+                scatter = functools.partial(self.device.scatter_many_groups, batch, compute_stream=stream)
+                await settle(self._loop.run_in_executor(self._h2d, scatter))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("host -> device copy failed: %r", exc)
+                self.metrics.worker_error("load_copy")
+                return "copy_error", from_disk
+            nbytes = sum(self._chunk_nbytes[g] for g, _, _ in batch)
+            self.metrics.loaded("device", len(batch), nbytes)
+            self.metrics.latency("device", "load", time.perf_counter() - started)
+            return None, from_disk
+        finally:
             for entry in pinned:
                 self._unpin(entry)
 
@@ -843,7 +917,7 @@ class OffloadEngine:
         for gi, chunk, key in wanted:
             entry = self._entries.get(key)
             if entry is None:
-                if key not in self._on_disk:
+                if key not in self._index:
                     return [], 0, "missing"
                 to_promote.append((gi, chunk, key))
                 entries.append(None)
@@ -861,7 +935,7 @@ class OffloadEngine:
                 pinned.append(entry)
             it = iter(promoted)
             entries = [e if e is not None else next(it) for e in entries]
-        waits = [e.ready for e in entries if e.state is not HostState.READY]
+        waits = [e.ready for e in entries if e.state in (HostState.PENDING, HostState.LOADING)]
         if waits:
             try:
                 reasons = await asyncio.wait_for(
@@ -869,7 +943,7 @@ class OffloadEngine:
                 )
             except asyncio.TimeoutError:
                 for entry in entries:
-                    if entry.state is HostState.LOADING:
+                    if entry.state is HostState.LOADING and not entry.dead:
                         self._abandon(entry, "timeout")
                 return [], 0, "timeout"
             failed = [r for r in reasons if r is not None]
@@ -889,22 +963,35 @@ class OffloadEngine:
         return entries
 
     async def _promote(self, work: List[Tuple[ChunkEntry, int]]) -> None:
-        items = [(e.key, memoryview(self._pools[e.group_index].view(e.slot).numpy())) for e, _ in work]
+        items = [(e.key, self._pools[e.group_index].buffer(e.slot)) for e, _ in work]
         started = time.perf_counter()
+        # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record is
+        # gone (another process's gc, an eviction the index has not heard of): "missing".
+        bad_before = _bad_reads(self._disk)
+        read = asyncio.ensure_future(self._disk.get_many_into(items))
+        done, _ = await asyncio.wait([read], timeout=self.config.tier_timeout_s)
+        if not done:
+            # A stalled read: its waiters fail now and lookup answers from the disk index again;
+            # the slots stay pinned until the tier lets go of the buffers.
+            logger.warning("disk read of %d chunks took more than %.1f s; abandoned", len(items),
+                           self.config.tier_timeout_s)
+            self.metrics.worker_error("promote_timeout")
+            for entry, generation in work:
+                if entry.generation == generation and not entry.dead:
+                    self._abandon(entry, "timeout")
+            await wait_all([read])
         try:
-            # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record
-            # is gone (another process's gc, an eviction the index has not heard of): "missing".
-            bad_before = _bad_reads(self._disk)
-            metas = await self._disk.get_many_into(items)
+            metas = read.result()
             failure = "corrupt" if _bad_reads(self._disk) != bad_before else "missing"
-        except KvtierError as exc:
-            logger.warning("disk read of %d chunks failed: %s", len(items), exc)
+        except Exception as exc:  # any exception: a foreign one must not leave entries LOADING
+            logger.warning("disk read of %d chunks failed: %r", len(items), exc)
+            self.metrics.worker_error("promote")
             metas, failure = [None] * len(items), "tier_error"
         nbytes = 0
         for (entry, generation), meta in zip(work, metas):
             self._unpin(entry)
             if entry.generation != generation or entry.dead:
-                continue  # abandoned (timeout or close): the late result is discarded
+                continue  # abandoned (timeout): the late result is discarded
             expected_dtype, expected_shape = self._metas[entry.group_index]
             if meta is not None and (
                 meta.fingerprint != self.fingerprint
@@ -915,14 +1002,14 @@ class OffloadEngine:
             ):
                 meta, failure = None, "corrupt"
             if meta is None:
-                self._on_disk.discard(entry.key)
+                if failure == "corrupt":  # the record is gone (quarantined); a tier error may pass
+                    self._index.discard(entry.key)
                 self._drop_entry(entry, None)
                 self._resolve_ready(entry, failure)
                 continue
-            entry.state = HostState.READY
+            self._settle_ready(entry)
             nbytes += self._chunk_nbytes[entry.group_index]
-            self._pools[entry.group_index].mark_evictable(entry.slot, True)
-            self._events.append(ChunkEvent("stored", entry.key, entry.group_index, "host"))
+            self._events.append("stored", entry.key, entry.group_index, "host")
             self._resolve_ready(entry, None)
         if nbytes:
             self.metrics.loaded("disk", len(work), nbytes)
@@ -950,8 +1037,9 @@ class OffloadEngine:
 
         ``best_effort``: start the reads and return the number started. ``wait_complete``: wait for
         them and return how many landed. ``timeout``: wait at most ``timeout_s`` and return how many
-        landed by then. Paused under memory pressure (returns 0). Cancelling the wait does not stop
-        the reads; they still land in the host tier.
+        landed by then. Paused under memory pressure (returns 0). A read stalled past
+        ``tier_timeout_s`` is abandoned (lookup answers from the disk index again). Cancelling the
+        wait does not stop the reads; they still land in the host tier.
         """
         self._check_open()
         if policy not in PREFETCH_POLICIES:
@@ -969,7 +1057,7 @@ class OffloadEngine:
         for gi in range(len(self.layout.groups)):
             for chunk, _ in load_block_plan(self.layout, gi, hit_tokens):
                 key = keys.key(gi, chunk)
-                if key is not None and key not in self._entries and key in self._on_disk:
+                if key is not None and key not in self._entries and key in self._index:
                     wanted.append((gi, chunk, key))
         if not wanted:
             return 0
@@ -988,7 +1076,8 @@ class OffloadEngine:
 
     async def fence(self, block_ids: Iterable[int], group_index: Optional[int] = None) -> None:
         """Wait until no copy reads or writes the given device blocks (of one group, or of every
-        group when ``group_index`` is None). Cancelling the wait stops no copy."""
+        group when ``group_index`` is None), including loads whose caller was cancelled.
+        Cancelling the wait stops no copy."""
         blocks = list(block_ids)
         groups = range(len(self.layout.groups)) if group_index is None else [group_index]
         wanted = {(gi, int(block)) for gi in groups for block in blocks}
@@ -1018,12 +1107,15 @@ class OffloadEngine:
             pool.release(entry.slot)
 
     def _drop_entry(self, entry: ChunkEntry, reason: Optional[str]) -> None:
-        """Remove an entry from the index; its slot is released when its last pin goes."""
+        """Remove an entry from the index; its slot is released when its last pin goes. Handles
+        waiting for its spill learn it will not come."""
         if entry.dead:
             return
         entry.dead = True
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+        if entry.state in DURABLE_LATER and self._spill is not None:
+            self._spill.watch.resolve(entry.key, False)
         if entry.pins == 0:
             self._pools[entry.group_index].release(entry.slot)
         if reason is not None:
@@ -1058,28 +1150,43 @@ class OffloadEngine:
         return self._disk
 
     def take_events(self) -> List[ChunkEvent]:
-        """Stored/removed chunk events since the last call (key, group, tier), oldest first."""
-        events, self._events = self._events, []
-        return events
+        """Stored/removed chunk events since the last call (key, group, tier), oldest first. The
+        log keeps the newest ``config.events_max``; older ones are dropped and counted."""
+        return self._events.take()
+
+    def _state_counts(self) -> Dict[str, int]:
+        # May run on an exporter thread: read a copy of the values, never iterate the live dict.
+        counts = {state.value: 0 for state in HostState}
+        for entry in list(self._entries.values()):
+            counts[entry.state.value] += 1
+        counts["disk"] = len(self._index)
+        return counts
 
     def statistics(self) -> Dict[str, Any]:
-        """Counters and gauges as plain numbers: metrics, chunks per state, tiers, pressure."""
-        states = {state.value: 0 for state in HostState}
+        """Counters and gauges as plain numbers: metrics, chunks per state (``chunks_by_state`` in
+        lookup's words: pending / ready / loading; ``chunks_by_phase`` in the lifecycle table's),
+        tiers, pressure."""
+        phases = {state.value: 0 for state in HostState}
+        states = {name: 0 for name in ("pending", "ready", "loading")}
         for entry in self._entries.values():
-            states[entry.state.value] += 1
+            phases[entry.state.value] += 1
+            states[LEGACY_NAME[entry.state]] += 1
         stats: Dict[str, Any] = dict(self.metrics.snapshot())
         stats["chunks_by_state"] = states
-        stats["chunks_on_disk"] = len(self._on_disk)
+        stats["chunks_by_phase"] = phases
+        stats["chunks_on_disk"] = len(self._index)
         stats["host"] = [pool.statistics() for pool in self._pools]
         stats["disk"] = self._disk.statistics().as_dict() if self._disk is not None else None
         stats["pressure"] = self._pressure.state if self._pressure is not None else "unknown"
         stats["inflight_stores"] = self._inflight_stores
-        stats["spill_queue"] = len(self._spill_queue)
+        stats["spill_queue"] = len(self._spill.queue) if self._spill is not None else 0
         return stats
 
     def check(self) -> None:
-        """Reconcile entries, pins and host slots; raise ``EngineInvariantError`` listing every
-        disagreement. Meant for test teardown and the end of stress runs, when the engine is idle."""
+        """Reconcile entries, pins, host slots and the lifecycle table; raise
+        ``EngineInvariantError`` listing every disagreement. Meant for test teardown and the end of
+        stress runs, when the engine is idle (``check_disk`` also compares the disk index with the
+        tier)."""
         problems: List[str] = []
         owned: Dict[Tuple[int, int], ChunkEntry] = {}
         for key, entry in self._entries.items():
@@ -1093,26 +1200,38 @@ class OffloadEngine:
             if where in owned:
                 problems.append(f"slot {where} owned twice")
             owned[where] = entry
-        idle = not self._tasks and not self._spill_queue and (self._spill_idle is None or self._spill_idle.is_set())
+        spill_idle = self._spill is None or self._spill.idle or self._spill_runner is None
+        idle = not self._tasks and spill_idle
         if idle:
             for key, entry in self._entries.items():
-                if entry.state is not HostState.READY:
+                if entry.state is not HostState.READY and not (
+                    entry.state is HostState.QUEUED and (self._spill_runner is None or self._closed)
+                ):
                     problems.append(f"entry {key.hex()[:12]} stuck in {entry.state.value}")
                 if entry.pins != 0:
                     problems.append(f"entry {key.hex()[:12]} still has {entry.pins} pins while idle")
             for gi, pool in enumerate(self._pools):
+                if pool.closed:
+                    continue
                 stats = pool.statistics()
                 used = sum(1 for g, _ in owned if g == gi)
                 if stats["used_slots"] != used:
                     problems.append(f"group {gi}: pool has {stats['used_slots']} slots in use but {used} entries")
                 if stats["pinned_slots"] != 0:
                     problems.append(f"group {gi}: {stats.get('pinned_slots')} slots pinned while idle")
+                ready = sum(1 for e in self._entries.values() if e.group_index == gi and e.state in EVICTABLE)
+                if stats["evictable_slots"] != ready:
+                    problems.append(f"group {gi}: {stats['evictable_slots']} evictable slots but {ready} READY entries")
             if self._inflight_stores != 0:
                 problems.append(f"{self._inflight_stores} stores in flight while idle")
             if self._busy_batches:
                 fenced = set().union(*self._busy_batches.values())
                 problems.append(f"{len(fenced)} device blocks still fenced while idle")
+            if self._spill is not None and len(self._spill.watch) and self._spill_runner is not None:
+                problems.append(f"{len(self._spill.watch)} store handles still wait for durability while idle")
         for gi, pool in enumerate(self._pools):
+            if pool.closed:
+                continue
             try:
                 pool.check()
             except KvtierError as exc:

@@ -24,8 +24,13 @@ Names (with the default ``namespace="kvtier"``):
 ``kvtier_evictions_total{tier}``       counter    chunks evicted from a tier
 ``kvtier_latency_seconds{tier,op}``    histogram  duration of one tier operation (batch)
 ``kvtier_pressure_high``               gauge      1 while the pressure monitor pauses the engine
-``kvtier_chunks{state}``               gauge      chunks per state, read from a callback when
-                                                  collected
+                                                  (read from the monitor when collected)
+``kvtier_chunks{state}``               gauge      chunks per lifecycle state (pending, queued,
+                                                  spilling, ready, loading, disk), read from a
+                                                  callback when collected
+``kvtier_worker_errors_total{where}``  counter    exceptions caught at a worker boundary (spill,
+                                                  promote, store_copy, load_copy, refresh, loops)
+``kvtier_events_dropped_total``        counter    chunk events dropped because nobody took them
 =====================================  =========  ===================================================
 """
 
@@ -185,6 +190,16 @@ class EngineMetrics:
         self._pressure_high = Gauge(
             "pressure_high", "1 while memory pressure pauses prefetch and stores.", namespace=ns, registry=r
         )
+        self._worker_errors = Counter(
+            "worker_errors",
+            "Exceptions caught at a worker boundary (the work failed, states stayed consistent).",
+            ["where"],
+            namespace=ns,
+            registry=r,
+        )
+        self._events_dropped = Counter(
+            "events_dropped", "Chunk events dropped from the bounded event log.", namespace=ns, registry=r
+        )
         self._states = _ChunkStateCollector(f"{ns}_chunks", state_counts)
         r.register(self._states)
         self._tier_stats = _TierStatsCollector(f"{ns}_tier_stat")
@@ -246,6 +261,22 @@ class EngineMetrics:
         """Record whether the pressure monitor currently pauses the engine."""
         self._pressure_high.set(1 if paused else 0)
 
+    def watch_pressure(self, paused: Optional[Callable[[], bool]]) -> None:
+        """Read ``kvtier_pressure_high`` from ``paused()`` whenever the registry is collected (or
+        stop, with ``None``), so the gauge follows the monitor without the engine polling it."""
+        if paused is None:
+            self._pressure_high.set_function(lambda: float(self._pressure_high._value.get()))
+            return
+        self._pressure_high.set_function(lambda: 1.0 if paused() else 0.0)
+
+    def worker_error(self, where: str, n: int = 1) -> None:
+        """An exception was caught at the worker boundary ``where`` (a short identifier)."""
+        self._child(self._worker_errors, where).inc(n)
+
+    def events_dropped(self, n: int = 1) -> None:
+        """``n`` chunk events fell off the bounded event log."""
+        self._events_dropped.inc(n)
+
     def set_state_counts(self, state_counts: Optional[StateCounts]) -> None:
         """Attach (or detach, with ``None``) the chunks-per-state callback."""
         self._states.callback = state_counts
@@ -287,6 +318,8 @@ class EngineMetrics:
             "dropped": _by_label(self._dropped, "reason"),
             "evictions": _by_label(self._evictions, "tier"),
             "pressure_high": _value(self._pressure_high),
+            "worker_errors": _by_label(self._worker_errors, "where"),
+            "events_dropped": _value(self._events_dropped),
         }
         counts: Dict[str, Number] = {}
         sums: Dict[str, Number] = {}

@@ -14,7 +14,7 @@ Primitives and the thread each runs on:
 - ``LatencyEwma(alpha, high_latency_s)``: a tier's write latency as a moving average; tiers and the
   engine ``observe(seconds)`` from any thread; as a source it reads ``latency / high_latency_s``
   clipped to [0, 1].
-- ``ScriptedSource`` / ``FakeNvml``: scripted fractions for tests and the pytest plugin.
+- scripted sources for tests (``ScriptedSource``, ``FakeNvml``) live in ``kvtier.tools.testing``.
 - ``PressureMonitor``: the state machine. ``poll_once()`` reads and applies synchronously;
   ``start()`` polls every ``poll_interval_s`` on a dedicated one-thread executor and applies each
   result on the event-loop thread (the task resumes there after ``run_in_executor``, which hands
@@ -42,8 +42,6 @@ __all__ = [
     "PressureSource",
     "PressureMonitor",
     "LatencyEwma",
-    "ScriptedSource",
-    "FakeNvml",
     "nvml_device_memory_source",
     "host_memory_source",
     "default_sources",
@@ -145,31 +143,37 @@ def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None) -> Pre
 
 
 class _HostMemorySource:
-    def __init__(self) -> None:
+    def __init__(self, own_bytes: Optional[Callable[[], int]] = None) -> None:
         self.unknown_reason: Optional[str] = None
+        self._own_bytes = own_bytes
 
     def __call__(self) -> Optional[float]:
         try:
             import psutil
 
-            percent = psutil.virtual_memory().percent
+            memory = psutil.virtual_memory()
+            own = int(self._own_bytes()) if self._own_bytes is not None else 0
         except Exception as exc:  # psutil missing or /proc unreadable: unknown, not fatal
             self.unknown_reason = f"host memory unavailable ({_describe(exc)})"
             return None
         self.unknown_reason = None
-        return percent / 100.0
+        if not memory.total:
+            return None
+        return max(0.0, min(1.0, (memory.total - memory.available - own) / memory.total))
 
     def __repr__(self) -> str:
         return "host_memory_source()"
 
 
-def host_memory_source() -> PressureSource:
-    """A source reading host memory in use: ``psutil.virtual_memory().percent / 100``.
+def host_memory_source(own_bytes: Optional[Callable[[], int]] = None) -> PressureSource:
+    """A source reading host memory in use by *others*: ``(total - available - own) / total``.
 
-    psutil's percent counts memory not *available* (page cache that can be dropped is free), which
-    is the pressure that matters for a pinned slab.
+    psutil's ``available`` counts page cache that can be dropped as free, which is the pressure
+    that matters for a pinned slab. ``own_bytes()`` is memory the caller already holds (the
+    engine passes its host slabs, pre-faulted at start): counting it would let a large slab keep
+    the reading high by itself, and the engine would drop every store for good.
     """
-    return _HostMemorySource()
+    return _HostMemorySource(own_bytes)
 
 
 class LatencyEwma:
@@ -260,62 +264,6 @@ class LatencyEwma:
 
     def __repr__(self) -> str:
         return f"LatencyEwma(alpha={self.alpha}, high_latency_s={self.high_latency_s})"
-
-
-class ScriptedSource:
-    """A source that returns a scripted list of fractions, one per call, then holds the last one.
-
-    ``None`` entries script "unknown". ``extend()`` appends to the script and ``set()`` replaces the
-    rest of it with one value, so a test (or the pytest plugin's ``fake_nvml`` fixture) can drive a
-    monitor through a pressure curve. Thread-safe: the monitor calls it from its polling thread.
-    """
-
-    default_unknown_reason = "scripted source has no reading"
-
-    def __init__(self, values: Iterable[Optional[float]] = ()) -> None:
-        self._values: List[Optional[float]] = list(values)
-        self._position = 0
-        self._last: Optional[float] = None
-        self._lock = threading.Lock()
-        self.calls = 0
-        self.unknown_reason: Optional[str] = None
-
-    def __call__(self) -> Optional[float]:
-        with self._lock:
-            self.calls += 1
-            if self._position < len(self._values):
-                self._last = self._values[self._position]
-                self._position += 1
-            value = self._last
-            self.unknown_reason = self.default_unknown_reason if value is None else None
-            return value
-
-    def extend(self, values: Iterable[Optional[float]]) -> None:
-        """Append values to the script."""
-        with self._lock:
-            self._values.extend(values)
-
-    def set(self, value: Optional[float]) -> None:
-        """From the next call on, return ``value`` (drops what is left of the script)."""
-        with self._lock:
-            del self._values[self._position :]
-            self._values.append(value)
-
-    @property
-    def remaining(self) -> int:
-        """Scripted values not yet returned."""
-        with self._lock:
-            return len(self._values) - self._position
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(calls={self.calls}, remaining={self.remaining})"
-
-
-class FakeNvml(ScriptedSource):
-    """A scripted stand-in for ``nvml_device_memory_source``: device used-fractions, ``None`` for
-    "NVML unavailable"."""
-
-    default_unknown_reason = "NVML unavailable (fake NVML scripted no reading)"
 
 
 def default_sources(

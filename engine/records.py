@@ -1,34 +1,28 @@
 """The engine's bookkeeping types: per-chunk entries, store handles, load results, events.
 
-Primitives: ``HostState``, ``ChunkEntry``, ``StoreHandle``, ``LoadResult``, ``ChunkEvent``,
-``RequestKeys``. All of them are touched only on the engine's event-loop thread.
+Primitives: ``HostState`` (defined with the lifecycle table in ``lifecycle.py``), ``ChunkEntry``,
+``StoreHandle``, ``LoadResult``, ``ChunkEvent``, ``RequestKeys``. All of them are touched only on the engine's event-loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from kvtier.policy.keys import KeyChain, TokenIds
 
+from .lifecycle import HostState
+
 __all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult", "ChunkEvent", "RequestKeys"]
-
-
-class HostState(enum.Enum):
-    """Where a chunk that has a host slot stands. A chunk only on disk has no entry at all."""
-
-    PENDING = "pending"  # device -> host copy in flight into `slot`
-    READY = "ready"  # bytes in `slot` are valid
-    LOADING = "loading"  # disk -> host read in flight into `slot`
 
 
 @dataclass(eq=False)
 class ChunkEntry:
     """One chunk with a host slot. ``pins`` counts readers and writers of the slot; a pinned slot
     is never evicted or released. ``generation`` changes whenever an in-flight operation is
-    abandoned (timeout, close), so its late completion is recognised and discarded."""
+    abandoned (timeout, close), so its late completion is recognised and discarded. ``state`` moves
+    only through ``lifecycle.move`` (the transition table)."""
 
     key: bytes
     group_index: int
@@ -37,7 +31,6 @@ class ChunkEntry:
     slot: int
     pins: int = 0
     generation: int = 0
-    spilling: bool = False
     dead: bool = False  # removed from the index; the slot is released when the last pin goes
     # Resolves when the in-flight copy ends: None when READY, else the failure reason.
     ready: Optional[asyncio.Future] = None
@@ -98,6 +91,21 @@ class StoreHandle:
     @property
     def released(self) -> bool:
         return self._released.done()
+
+    @property
+    def durable_known(self) -> bool:
+        """Whether ``wait_durable()`` would answer at once."""
+        return self._durable.done()
+
+    # The engine resolves a handle through these two, never by touching its futures; both are
+    # idempotent, so a late or repeated resolution cannot raise on the event loop.
+    def _mark_released(self) -> None:
+        if not self._released.done():
+            self._released.set_result(None)
+
+    def _mark_durable(self, ok: bool) -> None:
+        if not self._durable.done():
+            self._durable.set_result(bool(ok))
 
     async def _wait(self) -> StoreResult:
         await self.wait_released()

@@ -27,7 +27,7 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
     if config.remote_url is None:
         return disk
     from kvtier.tiers.chain import ChainedTier
-    from kvtier.tiers.record import CodecConfig
+    from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
     try:

@@ -17,7 +17,9 @@ by cause:
 - ``ForkedProcessError``: a forked child touched an environment its parent opened.
 - ``SlotStateError``: a host slot used against its state (a bug in the caller's bookkeeping).
 - ``EngineInvariantError``: ``OffloadEngine.check`` found its tables disagreeing.
-- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.faults``); a ``TierIOError``
+- ``EngineUsageError``: the engine was called from another event loop or thread than its own, or
+  after a background loop of it failed for good (a forked child gets ``ForkedProcessError``).
+- ``InjectedFault``: a fault the test harness scripted (``kvtier.tools.testing.faults``); a ``TierIOError``
   so it travels the same paths as a real one.
 
 Warnings: ``KvtierWarning`` is the base (the test suite turns it into an error);
@@ -45,6 +47,7 @@ __all__ = [
     "ForkedProcessError",
     "SlotStateError",
     "EngineInvariantError",
+    "EngineUsageError",
     "InjectedFault",
 ]
 
@@ -126,6 +129,11 @@ class EngineInvariantError(KvtierError):
     """``OffloadEngine.check`` found the engine's tables disagreeing with each other."""
 
 
+class EngineUsageError(KvtierError, RuntimeError):
+    """The engine was called where it cannot work: from another event loop or thread than the one
+    that started it, or after one of its background loops failed for good."""
+
+
 class InjectedFault(TierIOError):
-    """Raised by ``kvtier.tools.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
+    """Raised by ``kvtier.tools.testing.faults.FaultyTier`` where a fault was scripted; a ``TierIOError``
     like a real one."""

@@ -203,7 +203,7 @@ class IOHook:
     ``"fsync"``, ``"rename"``, ``"fsync_dir"``, ``"read"`` and ``"remove"``. ``before(op)`` runs on
     whichever thread is about to do the operation (the event loop, an I/O thread, the LMDB writer).
     An exception raised there is, to the tier, that operation failing: the fault suite installs a
-    hook that raises the error the real call would raise (``kvtier.tools.faults.inject_io_faults``).
+    hook that raises the error the real call would raise (``kvtier.tools.testing.faults.inject_io_faults``).
     """
 
     __slots__ = ()
@@ -223,7 +223,7 @@ GetItem = Tuple[bytes, memoryview]
 
 
 class ChunkTier(abc.ABC):
-    """An async store of encoded chunk records (see ``tiers.record``) keyed by chunk keys.
+    """An async store of encoded chunk records (see ``tiers.record_format``) keyed by chunk keys.
 
     Rules every tier keeps (``tests/integration/test_tier_contract.py`` checks each):
 

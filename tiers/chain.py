@@ -31,9 +31,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvtier.errors import ClosedError
 
-from .base import ChunkMeta, ChunkTier, GetItem, PutItem
+from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from .codec_pool import wait_through_cancel
-from .remote._contract import KeySnapshot, Removal, TierStatistics
+from .remote.tier import PutAbortedError
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
 
@@ -43,6 +43,17 @@ WRITE_POLICIES = ("write_through", "write_back_on_evict")
 # Background copies (write-behind, promotions) in flight at once; past it a copy is skipped and
 # counted: the first tier holds the chunk already, so skipping costs a remote hit, not data.
 _MAX_BACKGROUND = 64
+
+
+def _settle(gate: "asyncio.Future[None]", primary: "asyncio.Future[Any]") -> None:
+    if gate.done():
+        return
+    if primary.cancelled():
+        gate.cancel()
+    elif primary.exception() is not None:
+        gate.set_exception(primary.exception())
+    else:
+        gate.set_result(None)
 
 
 def tier_statistics_dict(tier: ChunkTier) -> Dict[str, float]:
@@ -77,7 +88,7 @@ class ChainedTier(ChunkTier):
         self._fill = writeback_fill_fraction
         self._loop = asyncio.get_running_loop()
         self._sequence = 0
-        self._subscribers: List[Tuple[asyncio.AbstractEventLoop, Callable[[Sequence[Removal]], None]]] = []
+        self._removal_feed = RemovalFeed()
         self._background: Set["asyncio.Task[Any]"] = set()
         self._closed = False
         # write_back_on_evict: keys in the first tier not copied down yet, oldest first.
@@ -166,11 +177,7 @@ class ChainedTier(ChunkTier):
         self._extra["removals_held"] += sum(held)
         if removals:
             self._stats["evictions"] += len(removals)
-            for loop, callback in self._subscribers:
-                try:
-                    loop.call_soon_threadsafe(callback, tuple(removals))
-                except RuntimeError:
-                    pass
+            self._removal_feed.publish(removals)
 
     # --------------------------------------------------------------------------- contract
 
@@ -188,7 +195,7 @@ class ChainedTier(ChunkTier):
 
     def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
         """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
-        self._subscribers.append((asyncio.get_running_loop(), callback))
+        self._removal_feed.subscribe(callback)
 
     async def put_many(self, items: Sequence[PutItem]) -> int:
         """Store in the first tier (durable when it returns, all or nothing, its errors raised as
@@ -200,25 +207,39 @@ class ChainedTier(ChunkTier):
         reading the caller's buffers."""
         self._check_open()
         items = list(items)
+        for key, _, _ in items:
+            check_key(key)  # before any tier starts: a refused batch starts nothing anywhere
         if not items:
             return self._sequence
         first = self.tiers[0]
+        # Lower tiers encode while the first tier writes, but send only after it succeeded: a
+        # failed put is then visible in no tier (all or nothing for the chain too).
+        gate: "asyncio.Future[None]" = self._loop.create_future()
         lower_started: List["asyncio.Future[Any]"] = []
+        generic: List[ChunkTier] = []
         if self.write_policy == "write_through":
             for tier in self.tiers[1:]:
-                lower_started.append(self._write_behind(tier, items))
+                started = self._write_behind(tier, items, gate)
+                if started is None:
+                    generic.append(tier)
+                else:
+                    lower_started.append(started)
         primary = asyncio.ensure_future(first.put_many(items))
+        primary.add_done_callback(lambda p: _settle(gate, p))
         try:
             await asyncio.shield(primary)
-        except asyncio.CancelledError:
-            for fut in (primary, *lower_started):
-                await wait_through_cancel(fut)
-            raise
         finally:
-            # A failed first-tier put still lets the lower stores finish: their records are valid
-            # (content-addressed), only not indexed until a listing finds them.
+            # The buffer rule, cancelled or not: wait until every tier has stopped reading them.
+            cancelled = await wait_through_cancel(primary)
             for fut in lower_started:
-                await wait_through_cancel(fut)
+                cancelled = await wait_through_cancel(fut) or cancelled
+            if generic and not primary.cancelled() and primary.exception() is None:
+                for tier in generic:  # no encode/send split: copied whole before returning
+                    task = asyncio.ensure_future(tier.put_many(items))
+                    self._track_lower_put(task, len(items))
+                    cancelled = await wait_through_cancel(task) or cancelled
+            if cancelled:
+                raise asyncio.CancelledError
         seq = self._next_sequence()
         self._stats["puts"] += len(items)
         self._stats["put_batches"] += 1
@@ -229,29 +250,31 @@ class ChainedTier(ChunkTier):
             self._maybe_write_back()
         return seq
 
-    def _write_behind(self, tier: ChunkTier, items: List[PutItem]) -> "asyncio.Future[Any]":
-        """Start a lower tier's store; the returned future is done once the caller's buffers are
-        no longer read (the remote tier encodes first and says so; another tier is awaited whole)."""
+    def _write_behind(self, tier: ChunkTier, items: List[PutItem], gate: "asyncio.Future[None]"
+                      ) -> Optional["asyncio.Future[Any]"]:
+        """Start a lower tier's store that sends once ``gate`` succeeded; returns a future done
+        once the caller's buffers are no longer read, or ``None`` for a tier without ``start_put``
+        (the caller then copies to it after the first tier's success)."""
         start = getattr(tier, "start_put", None)
+        if start is None:
+            return None
         if len(self._background) >= _MAX_BACKGROUND:
             self._extra["writebehind_skipped"] += 1
             done: "asyncio.Future[Any]" = self._loop.create_future()
             done.set_result(None)
             return done
-        if start is not None:
-            encoded, task = start(items)
-            self._track_lower_put(task, len(items))
-            return encoded
-        task = asyncio.ensure_future(tier.put_many(items))
+        encoded, task = start(items, after=gate)
         self._track_lower_put(task, len(items))
-        return task
+        return encoded
 
     def _track_lower_put(self, task: "asyncio.Future[Any]", count: int) -> None:
         self._background.add(task)  # type: ignore[arg-type]
 
         def done(t: "asyncio.Future[Any]") -> None:
             self._background.discard(t)  # type: ignore[arg-type]
-            if t.cancelled() or t.exception() is not None:
+            if not t.cancelled() and isinstance(t.exception(), PutAbortedError):
+                self._extra["writebehind_skipped"] += count  # the first tier's put failed
+            elif t.cancelled() or t.exception() is not None:
                 self._extra["writebehind_failed"] += count
                 if not t.cancelled():
                     logger.debug("write-behind of %d chunks failed: %s", count, t.exception())
@@ -450,7 +473,8 @@ class ChainedTier(ChunkTier):
             corrupt=int(sum(tier_statistics_dict(t).get("corrupt", 0) for t in self.tiers)),
             mismatched=int(sum(tier_statistics_dict(t).get("mismatched", 0) for t in self.tiers)),
             quarantined=int(sum(tier_statistics_dict(t).get("quarantined", 0) for t in self.tiers)),
-            evictions=s["evictions"], deletes=s["deletes"], errors=s["errors"],
+            evictions=s["evictions"], deletes=s["deletes"],
+            errors=s["errors"] + int(sum(tier_statistics_dict(t).get("errors", 0) for t in self.tiers)),
             degraded=self.degraded, extra=extra,
         )
 

@@ -35,7 +35,7 @@ import torch
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout, layout_fingerprint
 
-from .scenario import OffloadScenario, make_cpu_device
+from .testing.scenario import OffloadScenario, make_cpu_device
 
 __all__ = ["DEMO_LAYOUT", "DemoSummary", "run_demo", "format_summary"]
 

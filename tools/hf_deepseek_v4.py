@@ -66,8 +66,14 @@ def _rows_to_blocks(rows: torch.Tensor, tensor: torch.Tensor, table: Sequence[Op
     num_blocks = cdiv(count, per_block)
     if len(table) < num_blocks:
         raise ValueError(f"block table has {len(table)} blocks, {count} rows need {num_blocks}")
-    if tuple(rows.shape[1:]) != tuple(tensor.shape[2:]):
-        raise ValueError(f"rows of shape {tuple(rows.shape[1:])} do not fit blocks of {tuple(tensor.shape[2:])}")
+    lossless = rows.dtype == tensor.dtype or (
+        tensor.dtype == torch.float32 and rows.dtype in (torch.bfloat16, torch.float16)
+    )
+    if tuple(rows.shape[1:]) != tuple(tensor.shape[2:]) or not lossless:
+        raise ValueError(
+            f"rows {tuple(rows.shape[1:])} {rows.dtype} do not fit blocks of {tuple(tensor.shape[2:])} "
+            f"{tensor.dtype} (only an exact widening to float32 is allowed)"
+        )
     staged = torch.zeros(num_blocks * per_block, *rows.shape[1:], dtype=tensor.dtype, device=tensor.device)
     staged[:count] = rows[:count]
     staged = staged.view(num_blocks, per_block, *rows.shape[1:])
@@ -160,8 +166,10 @@ class DeepseekV4CachePlan:
         return shapes
 
     def group_dtypes(self, dtype: torch.dtype) -> List[torch.dtype]:
-        """The sliding K in the model dtype; compressor entries and state in float32 (transformers
-        keeps the compressor projections in float32 and attends over the float32 entries)."""
+        """The sliding K in the model dtype; compressor entries and carried state in float32: the
+        compressors run in float32 or in the model dtype depending on how the model was loaded
+        (``_keep_in_fp32_modules``), and the gate carry is float32 either way (float32 position
+        bias). Widening bf16/fp16 to float32 is exact; ``build_cache`` casts back."""
         return [dtype if role.kind == SLIDING else torch.float32 for role in self.roles]
 
     def items_per_block(self, group_index: int) -> int:
@@ -269,7 +277,7 @@ class DeepseekV4CachePlan:
                     # The cache's overlap is (gate.view(windows, rate, -1) + position_bias)[-1, :, :dim]:
                     # the same float32 add per token, so the stored state equals it bit for bit.
                     bias = module.position_bias[torch.arange(n, device=gate.device) % rate]
-                    state += [kv[:, :dim], (gate + bias)[:, :dim]]
+                    state += [kv[:, :dim].float(), (gate + bias)[:, :dim].float()]
                 overlap[index] = torch.cat(state, dim=-1)
         return DeepseekV4Capture(
             num_tokens=n, sliding=[sliding[i].transpose(0, 1) for i in range(len(self.layer_types))], entries=entries, overlap=overlap
@@ -322,8 +330,11 @@ class DeepseekV4CachePlan:
             splits = [("compressor", 0, self.head_dim)]
             if self.layer_types[layer] == CSA:
                 splits.append(("indexer", self.head_dim, self.head_dim + self.index_head_dim))
+            compressor = model.model.layers[layer].self_attn.compressor
+            modules = {"compressor": compressor, "indexer": getattr(compressor, "indexer", None)}
             for name, lo, hi in splits:
-                layer_cache.compressed_kv[name] = entries[:, lo:hi].unsqueeze(0).contiguous()
+                kv_dtype = modules[name].kv_proj.weight.dtype  # what the compressor computes in
+                layer_cache.compressed_kv[name] = entries[:, lo:hi].to(kv_dtype).unsqueeze(0).contiguous()
                 layer_cache.entry_count[name] = count
                 layer_cache.buffer_kv[name] = layer_cache.buffer_gate[name] = None  # empty at H
             if self.layer_types[layer] != CSA:
@@ -332,7 +343,9 @@ class DeepseekV4CachePlan:
             state = _blocks_to_rows(kv_caches[g][self.layer_groups[g].index(layer)], block_tables[g], hit_tokens - rate, hit_tokens)
             offset = 0
             for name, dim in (("compressor", self.head_dim), ("indexer", self.index_head_dim)):
-                layer_cache.overlap_kv[name] = state[:, offset : offset + dim].unsqueeze(0).contiguous()
-                layer_cache.overlap_gate[name] = state[:, offset + dim : offset + 2 * dim].unsqueeze(0).contiguous()
+                kv_dtype = modules[name].kv_proj.weight.dtype
+                gate_dtype = torch.promote_types(modules[name].gate_proj.weight.dtype, modules[name].position_bias.dtype)
+                layer_cache.overlap_kv[name] = state[:, offset : offset + dim].to(kv_dtype).unsqueeze(0).contiguous()
+                layer_cache.overlap_gate[name] = state[:, offset + dim : offset + 2 * dim].to(gate_dtype).unsqueeze(0).contiguous()
                 offset += 2 * dim
         return cache

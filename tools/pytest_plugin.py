@@ -15,7 +15,7 @@ Fixtures for serving-process authors who test their integration asynchronously (
 - ``fake_nvml``: a scripted device-memory source; pass ``{"device_memory": fake_nvml}`` as
   ``pressure_sources`` and ``fake_nvml.extend([...])`` to script a curve.
 - ``faulty_tier``: ``faulty_tier(inner, fail_at=N | fail_from=N | delay_s=... | corrupt_puts=True)``
-  wraps a tier (see ``kvtier.tools.faults.FaultyTier``).
+  wraps a tier (see ``kvtier.tools.testing.faults.FaultyTier``).
 
 Async fixtures run on the test's event loop, so use them from ``@pytest.mark.asyncio`` tests.
 """
@@ -45,7 +45,7 @@ def _async_fixture(fn):
 @pytest.fixture
 def kvtier_layout():
     """Full attention (block 16) + sliding window (block 4, W 8, MTP extra 3): the seed layout."""
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT
 
     return DEFAULT_TEST_LAYOUT
 
@@ -67,7 +67,7 @@ def kvtier_config(tmp_path):
 @pytest.fixture
 def fake_nvml():
     """A scripted device-memory source (fractions in [0, 1]; ``None`` means unknown)."""
-    from kvtier.engine.pressure import FakeNvml
+    from kvtier.tools.testing.pressure import FakeNvml
 
     return FakeNvml([0.0])
 
@@ -75,7 +75,7 @@ def fake_nvml():
 @pytest.fixture
 def faulty_tier():
     """Factory: ``faulty_tier(inner, **faults)`` -> ``FaultyTier``."""
-    from kvtier.tools.faults import FaultyTier
+    from kvtier.tools.testing.faults import FaultyTier
 
     def make(inner, **faults):
         return FaultyTier(inner, **faults)
@@ -88,7 +88,7 @@ async def kvtier_engine_factory(kvtier_layout, kvtier_config):
     """``await factory(config=None, device=None, **engine_kwargs)``: entered engines, closed and
     self-checked after the test."""
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import make_cpu_device
+    from kvtier.tools.testing.scenario import make_cpu_device
 
     engines = []
 
@@ -108,10 +108,11 @@ async def kvtier_engine_factory(kvtier_layout, kvtier_config):
     yield factory
     problems = []
     for engine in engines:
-        if not engine._closed:
+        if not engine.closed:
             await engine.flush()
             try:
                 engine.check()
+                await engine.check_disk()
             except Exception as exc:  # report every engine, then fail
                 problems.append(exc)
             await engine.close()
@@ -128,6 +129,6 @@ async def kvtier_engine(kvtier_engine_factory):
 @_async_fixture
 async def kvtier_scenario(kvtier_engine):
     """An ``OffloadScenario`` over ``kvtier_engine``."""
-    from kvtier.tools.scenario import OffloadScenario
+    from kvtier.tools.testing.scenario import OffloadScenario
 
     return OffloadScenario(kvtier_engine)

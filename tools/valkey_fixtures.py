@@ -17,6 +17,7 @@ on CI's machine it is a declared dependency, so they run.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import random
 import signal
@@ -28,7 +29,7 @@ import pytest
 from .valkey import LocalValkey, LocalValkeyCluster, start_cluster, start_node, valkey_available
 
 __all__ = ["valkey_node", "valkey_cluster", "valkey_factory", "ValkeyFactory", "make_items", "read_back",
-           "wait_for", "TEST_FINGERPRINT"]
+           "wait_for", "TEST_FINGERPRINT", "shared_node"]
 
 TEST_FINGERPRINT = b"remote-test-model"
 
@@ -59,6 +60,20 @@ async def wait_for(predicate: Callable[[], Any], timeout_s: float = 5.0, step_s:
             return True
         await asyncio.sleep(step_s)
     return bool(predicate())
+
+
+_SHARED: List[LocalValkey] = []
+
+
+def shared_node() -> LocalValkey:
+    """One node for the whole test process, started on first use and stopped at exit: for code that
+    cannot take a fixture (a tier factory in a parametrized suite). Skips when Valkey cannot run."""
+    _require()
+    if not _SHARED or not _SHARED[0].alive():
+        node = start_node()
+        atexit.register(node.stop)
+        _SHARED[:] = [node]
+    return _SHARED[0]
 
 
 def _require() -> None:

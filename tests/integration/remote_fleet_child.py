@@ -15,7 +15,7 @@ import sys
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
-from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
 PROMPT = list(range(1000, 1033))  # 33 tokens: FA chunks {0, 1}, SWA chunks up to block 7
 

@@ -15,8 +15,8 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.drop_log import DropLog
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 FINGERPRINT = b"api-edges"
 

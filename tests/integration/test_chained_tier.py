@@ -162,7 +162,7 @@ async def test_write_back_on_evict_copies_down_only_near_capacity(tmp_path, valk
 @pytest.mark.asyncio
 async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_remote(tmp_path, valkey_node):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
     config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "c"), "remote_url": valkey_node.url, "host_capacity_bytes": "1MiB",
                                      "remote_namespace": "cfg", "remote_timeout_s": "0.5",
@@ -200,7 +200,7 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
 @pytest.mark.asyncio
 async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
     from kvtier.tools.valkey import restart_node
 
     cluster = valkey_factory.cluster(3)
@@ -248,3 +248,43 @@ async def test_primary_killed_during_write_behind_leaves_no_half_visible_request
         scenario = OffloadScenario(a2)
         scenario.producer_bytes = producer_bytes
         await scenario.consume(prompt + [1], expect_hit=32)
+
+
+@pytest.mark.asyncio
+async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path, valkey_factory):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="allkeys-lru")
+    layout = DEFAULT_TEST_LAYOUT
+
+    def config(name: str) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=node.url,
+                            remote_namespace="evict")
+
+    async with OffloadEngine(layout, make_cpu_device(layout), config("a"), fingerprint=b"evict-model") as a:
+        scenario = OffloadScenario(a)
+        prompt = scenario.tokens(33)
+        await scenario.produce(prompt)
+    # Host B knows A's chunks only through the remote (its LMDB is empty).
+    async with OffloadEngine(layout, make_cpu_device(layout), config("b"), fingerprint=b"evict-model") as b:
+        remote = b.disk_tier.tiers[1]
+        a_keys = set(b.disk_index.keys())
+        assert len(a_keys) == 8 and b.lookup(prompt + [1]) == 32
+        filler = await RemoteTier.open(node.url, namespace="evict", fingerprint=b"evict-model")
+        try:
+            for round_ in range(20):  # bounded: up to 20 x 1 MiB into a 4 MiB server
+                await filler.put_many(make_items(4, 256 << 10, seed=500 + round_, fingerprint=b"evict-model"))
+                if not all(await remote.contains_many(list(a_keys))):
+                    break
+        finally:
+            await filler.close()
+        on_server = {k for k, p in zip(a_keys, await remote.contains_many(list(a_keys))) if p}
+        assert on_server != a_keys, "nothing of A's was evicted"
+        # Within the bound (notifications: milliseconds; 2 s allowed), B's index holds exactly the
+        # chunks the server still has, and a lookup admits no hit whose chunks are gone.
+        assert await wait_for(lambda: set(b.disk_index.keys()) & a_keys == on_server, timeout_s=2.0)
+        hit = b.lookup(prompt + [1])
+        if hit:  # what is left is loadable (the chunks the hit needs were not evicted)
+            result = await b.load(prompt + [1], hit, OffloadScenario(b).allocate(34))
+            assert result.ok

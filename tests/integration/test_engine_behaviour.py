@@ -10,11 +10,11 @@ import threading
 import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
-from kvtier.engine.pressure import FakeNvml, ScriptedSource
+from kvtier.tools.testing.pressure import FakeNvml, ScriptedSource
 from kvtier.policy import AttentionGroup, ClosedError, ModelLayout
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.faults import FaultyTier
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.faults import FaultyTier
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))  # R = 0
 STORED = {0: {0, 1}, 1: {2, 3, 6, 7}}

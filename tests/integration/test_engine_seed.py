@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 
 def seed_layout(extra: int) -> ModelLayout:

@@ -10,14 +10,14 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
     from kvtier.engine import EngineConfig, OffloadEngine
     from kvtier.policy import AttentionGroup, ModelLayout
-    from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
     async def main(cache_dir):
         layout = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))

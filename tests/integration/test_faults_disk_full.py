@@ -18,7 +18,7 @@ import pytest
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.files import FileTier
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 from mounts import tmpfs
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))

@@ -19,8 +19,8 @@ from kvtier.policy import AttentionGroup, CorruptRecordError, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig, _checksum, decode_record, encode_record, validate_record
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tiers.record_format import CodecConfig, _checksum, decode_record, encode_record, validate_record
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
 REPO = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ _FIXED = struct.Struct("<BBBBIQQQ")
 
 def forge(codec: int, raw_length: int, payload: bytes, planes: List[Tuple[int, int]], *, valid_checksum: bool,
           payload_length: int = -1, header_length: int = -1, key: bytes = KEY) -> bytes:
-    """A record for ``key`` with the header fields given (see tiers.record's layout), checksummed
+    """A record for ``key`` with the header fields given (see tiers.record_format's layout), checksummed
     (as only someone who can write the cache directory could) or not."""
     fp, dt = META.fingerprint, META.dtype.encode()
     body = (

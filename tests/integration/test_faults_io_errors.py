@@ -1,5 +1,5 @@
 """Fault suite, I/O error at call N: a shim under the LMDB tier and under the file tier
-(``kvtier.tools.faults.inject_io_faults``) fails the Nth low-level operation -- LMDB: a record put,
+(``kvtier.tools.testing.faults.inject_io_faults``) fails the Nth low-level operation -- LMDB: a record put,
 a transaction commit, a read transaction; files: mkdir, open, write, fsync, rename, directory fsync,
 read, remove -- once, or from then on, for N = 1, 2, ... until the engine workload (produce three
 prompts, load one back, restart, load all three) completes without reaching call N.
@@ -29,8 +29,8 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.faults import FILE_IO_OPS, LMDB_IO_OPS, FaultyTier, IOFaultPlan, inject_io_faults
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.faults import FILE_IO_OPS, LMDB_IO_OPS, FaultyTier, IOFaultPlan, inject_io_faults
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))  # R = 0
 FINGERPRINT = b"fault-suite-io"

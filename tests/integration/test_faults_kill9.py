@@ -4,8 +4,8 @@ at a random moment 0.2-2 s after it started storing, reopens the directory and c
 acknowledged chunk is there with a valid checksum and its exact bytes, that every batch is all or
 nothing, and that the tier's index agrees with its tables.
 
-The child is ``python -m kvtier.tools.fault_child spill|engine-spill``; chunk bytes are a function of
-the key (``kvtier.tools.fault_child.chunk_content``), which spells batch id, index and batch size.
+The child is ``python -m kvtier.tools.testing.fault_child spill|engine-spill``; chunk bytes are a function of
+the key (``kvtier.tools.testing.fault_child.chunk_content``), which spells batch id, index and batch size.
 Iterations come in chains of two on one directory (the second child starts on what the first one's
 death left). ``KVTIER_FAULT_SEED`` replays a run; ``tests/stress/test_kill9_stress.py`` runs more.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.fault_child import run_kill_chains, summarize_kills
+from kvtier.tools.testing.fault_child import run_kill_chains, summarize_kills
 
 BASE_SEED = int(os.environ.get("KVTIER_FAULT_SEED", "20240607"))
 ITERATIONS = 20

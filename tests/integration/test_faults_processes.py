@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.policy import ForkedProcessError
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.fault_child import (
+from kvtier.tools.testing.fault_child import (
     check_cache,
     chunk_content,
     make_batch,
@@ -28,7 +28,7 @@ from kvtier.tools.fault_child import (
     run_child,
     spawn_reader,
 )
-from kvtier.tools.faults import corrupt_stored_record
+from kvtier.tools.testing.faults import corrupt_stored_record
 
 CHUNK = 64 << 10
 

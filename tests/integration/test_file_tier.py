@@ -24,7 +24,7 @@ from kvtier.tiers.base import KEY_MAX_BYTES, ChunkMeta
 from kvtier.tiers.files import layout as files_layout
 from kvtier.tiers.files import QUARANTINE_DIR, RECORD_SUFFIX, TEMP_SUFFIX, FileTier
 from kvtier.tiers.quarantine import DEFAULT_MAX_QUARANTINE_RECORDS
-from kvtier.tiers.record import CodecConfig, encode_record, read_header
+from kvtier.tiers.record_format import CodecConfig, encode_record, read_header
 
 FP = b"test-layout-fp-v1"
 

@@ -26,8 +26,8 @@ from kvtier.errors import TierIOError
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.cli import main
 from kvtier.tools.maintenance import gc_cache, verify_cache
-from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
-from kvtier.tools.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 from mounts import bind_mount, fill_up, tmpfs
 
 FINGERPRINT = b"lmdb-open-edges"

@@ -27,8 +27,8 @@ from kvtier.errors import (
 )
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig, encode_record, read_header
-from kvtier.tools.faults import corrupt_stored_record
+from kvtier.tiers.record_format import CodecConfig, encode_record, read_header
+from kvtier.tools.testing.faults import corrupt_stored_record
 
 Item = Tuple[bytes, ChunkMeta, memoryview]
 

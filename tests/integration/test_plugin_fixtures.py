@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.faults import FaultyTier, InjectedFault
+from kvtier.tools.testing.faults import FaultyTier, InjectedFault
 
 
 @pytest.mark.asyncio
@@ -49,7 +49,7 @@ async def test_faulty_tier_fails_the_nth_call_then_heals(kvtier_engine, faulty_t
 
 @pytest.mark.asyncio
 async def test_factory_restart_on_the_same_directory_serves_from_disk(kvtier_engine_factory):
-    from kvtier.tools.scenario import OffloadScenario
+    from kvtier.tools.testing.scenario import OffloadScenario
 
     first = await kvtier_engine_factory()
     producer = OffloadScenario(first)

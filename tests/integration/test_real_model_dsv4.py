@@ -94,6 +94,8 @@ async def test_deepseek_v4_restores_exactly(model_dir, tmp_path):
     cache_dir = tmp_path / "cache"
     summary = await run_warmup(model_dir, corpus, cache_dir, progress=False, block_size=BLOCK, extra_retained_tokens=R)
     assert summary.tokens == PREFIX_TOKENS and summary.chunks_stored > 0 and summary.chunks_dropped == 0
+    again = await run_warmup(model_dir, corpus, cache_dir, progress=False, block_size=BLOCK, extra_retained_tokens=R)
+    assert (again.skipped, again.tokens, again.chunks_stored) == (1, 0, 0)  # resumable: nothing recomputed
 
     model = load_model(model_dir)
     plan = cache_plan(model.config, block_size=BLOCK, extra_retained_tokens=R)
@@ -175,3 +177,19 @@ def test_a_restore_between_rates_is_refused(model_dir):
     kv_caches = plan.allocate(8, torch.float32)
     with pytest.raises(ValueError, match="multiple of 16"):
         plan.build_cache(None, kv_caches, [[0] * 8] * 4, 24)
+
+
+def test_deepseek_v4_in_bfloat16_restores_through_float32_blocks(model_dir):
+    """Loaded in bfloat16, transformers runs the compressors in bfloat16 (the gate carry stays
+    float32): kvtier widens entries and carry to float32 blocks (exact) and casts back on restore."""
+    model = load_model(model_dir, dtype="bfloat16")
+    plan = cache_plan(model.config, block_size=BLOCK, extra_retained_tokens=R)
+    ids = list(range(3, 3 + PREFIX_TOKENS + 10))
+    tables = [list(range(-(-PREFIX_TOKENS // g.block_size))) for g in plan.layout.groups]
+    kv_caches = plan.allocate([len(t) for t in tables], torch.bfloat16)
+    assert [t[0].dtype for t in kv_caches] == [torch.bfloat16] + [torch.float32] * 3
+    plan.write(plan.capture(model, ids[:PREFIX_TOKENS]), kv_caches, tables, PREFIX_TOKENS)
+    logits = next_token_logits(model, plan.build_cache(model, kv_caches, tables, 64), ids, 64)
+    # Bitwise equal on this machine; bounded by bf16 rounding (2^-8 relative) wherever kernels differ.
+    reference = full_logits(model, ids)
+    assert (logits - reference).abs().max().item() <= 2.0**-8 * reference.abs().max().item()

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.errors import ClosedError, TierFullError, TierIOError
 from kvtier.tiers.base import ChunkMeta
-from kvtier.tiers.record import CodecConfig
+from kvtier.tiers.record_format import CodecConfig
 from kvtier.tiers.remote import RemoteTier, parse_remote_url
 from kvtier.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT, make_items, read_back, wait_for
@@ -208,7 +208,7 @@ async def test_values_of_another_namespace_or_fingerprint_are_never_hits(valkey_
         assert b.statistics().corrupt == 1 and raw_b.exists(b.rkey(keys[0])) == 0
         # A record of another model written under this tier's own name (re-encoded with a valid
         # checksum for that name) is a miss too: the fingerprint in its header differs.
-        from kvtier.tiers.record import encode_record
+        from kvtier.tiers.record_format import encode_record
 
         foreign = encode_record(b.rkey(keys[1]), ChunkMeta(b"another-model", 0, 1, "bfloat16", (5000,)),
                                 bytes(items[1][2]))

@@ -1,7 +1,7 @@
 """The tier contract (``kvtier.tiers.base.ChunkTier``): one suite, run against every tier.
 
 Every test takes the ``kind`` fixture, parametrized over ``TIERS``: the LMDB tier, the file tier,
-and the fault wrapper (``kvtier.tools.faults.FaultyTier``, no faults scripted) around each. A tier
+and the fault wrapper (``kvtier.tools.testing.faults.FaultyTier``, no faults scripted) around each. A tier
 is correct when it passes every test here; two tiers cannot drift apart quietly.
 
 Adding a tier (the remote tier, a chained tier): append a ``TierKind`` to ``TIERS`` (or, from a
@@ -13,7 +13,7 @@ names three things:
   private temporary directory; ignore it if the tier keeps its bytes elsewhere, but then start
   empty). Capacity is in stored (encoded) bytes; ``None`` means unbounded.
 - ``corrupt(tier, key)``: blocking; flips a byte of the stored record ``key`` so that the next read
-  must detect it (``kvtier.tools.faults.corrupt_stored_record`` knows LMDB and files).
+  must detect it (``kvtier.tools.testing.faults.corrupt_stored_record`` knows LMDB and files).
 - ``break_writes(tier)``: makes every later write fail underneath (as a dying disk or a dropped
   connection would) and returns a function that heals it.
 
@@ -43,8 +43,8 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig, encode_record
-from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
+from kvtier.tiers.record_format import CodecConfig, encode_record
+from kvtier.tools.testing.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class TierKind:
     open: Callable[[Path, Optional[int]], Awaitable[ChunkTier]]
     corrupt: Callable[[ChunkTier, bytes], None]
     break_writes: Callable[[ChunkTier], Callable[[], None]]
+    # False for a tier whose capacity is not its own (the remote's is the server's maxmemory, its
+    # evictions the server's: tests/integration/test_remote_tier.py covers them).
+    bounded: bool = True
 
 
 async def _open_lmdb(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
@@ -81,11 +84,61 @@ def _break_disk(write_ops: Sequence[str]) -> Callable[[ChunkTier], Callable[[], 
 _LMDB_WRITES = _break_disk(("commit",))
 _FILE_WRITES = _break_disk(("fsync",))
 
+async def _open_remote(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    from kvtier.tiers.remote import RemoteTier
+    from kvtier.tools.valkey_fixtures import shared_node
+
+    # A fresh namespace per tier: the shared server starts "empty" for this tier.
+    return await RemoteTier.open(shared_node().url, namespace=f"contract-{os.getpid()}-{path.name}-{path.parent.name}"[:64])
+
+
+def _remote_of(tier: ChunkTier) -> ChunkTier:
+    return tier.tiers[1] if hasattr(tier, "tiers") else tier  # a chain's remote, or the tier itself
+
+
+def _corrupt_remote(tier: ChunkTier, key: bytes) -> None:
+    from kvtier.tools.valkey_fixtures import shared_node
+
+    node, name = shared_node(), _remote_of(tier).rkey(key)  # type: ignore[attr-defined]
+    value = bytearray(node.command("GET", name))
+    value[-1] ^= 0xFF
+    node.command("SET", name, bytes(value))
+
+
+def _break_remote_writes(tier: ChunkTier) -> Callable[[], None]:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    def refuse_stores(node, commands) -> None:
+        if any(c[0] == "SET" for c in commands):
+            raise RedisConnectionError("injected: connection reset by peer")
+
+    _remote_of(tier).set_call_hook(refuse_stores)  # type: ignore[attr-defined]
+    return lambda: _remote_of(tier).set_call_hook(None)  # type: ignore[attr-defined]
+
+
+async def _open_chain(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    from kvtier.tiers.chain import ChainedTier
+
+    return ChainedTier([await _open_lmdb(path / "lmdb", None), await _open_remote(path, None)])
+
+
+def _corrupt_chain(tier: ChunkTier, key: bytes) -> None:
+    corrupt_stored_record(tier.tiers[0], key)  # type: ignore[attr-defined]
+    _corrupt_remote(tier, key)
+
+
+def _break_chain_writes(tier: ChunkTier) -> Callable[[], None]:
+    heal_lmdb = _LMDB_WRITES(tier.tiers[0])  # type: ignore[attr-defined]
+    return heal_lmdb  # the first tier failing fails the chain's put; nothing reaches the remote
+
+
 TIERS: List[TierKind] = [
     TierKind("lmdb", _open_lmdb, corrupt_stored_record, _LMDB_WRITES),
     TierKind("files", _open_files, corrupt_stored_record, _FILE_WRITES),
     TierKind("faulty-lmdb", _wrapped(_open_lmdb), lambda t, k: corrupt_stored_record(t.inner, k), _LMDB_WRITES),
     TierKind("faulty-files", _wrapped(_open_files), lambda t, k: corrupt_stored_record(t.inner, k), _FILE_WRITES),
+    TierKind("remote", _open_remote, _corrupt_remote, _break_remote_writes, bounded=False),
+    TierKind("chain-lmdb-remote", _open_chain, _corrupt_chain, _break_chain_writes, bounded=False),
 ]
 
 
@@ -237,6 +290,8 @@ async def test_put_is_all_or_nothing_and_a_broken_write_degrades(kind: TierKind,
 
 @pytest.mark.asyncio
 async def test_removals_are_reported_once_with_their_sequence(kind: TierKind, opened) -> None:
+    if not kind.bounded:
+        pytest.skip(f"{kind.name}: no capacity of its own (server evictions: test_remote_tier.py)")
     size = 4000
     record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
     tier = await opened(capacity_bytes=4 * record)
@@ -305,8 +360,9 @@ async def test_snapshot_reflects_every_mutation_up_to_its_sequence(opened) -> No
 
 
 @pytest.mark.asyncio
-async def test_statistics_use_the_shared_names(opened) -> None:
-    tier = await opened(capacity_bytes=1 << 20)
+async def test_statistics_use_the_shared_names(kind: TierKind, opened) -> None:
+    capacity = 1 << 20 if kind.bounded else None
+    tier = await opened(capacity_bytes=capacity)
     try:
         await tier.put_many([item(key_of(i), payload(i, 100)) for i in range(3)])
         await read(tier, [key_of(0), key_of(9)], 100)
@@ -318,7 +374,7 @@ async def test_statistics_use_the_shared_names(opened) -> None:
         assert all(isinstance(v, float) for v in flat.values())
         assert (stats.records, stats.puts, stats.put_batches) == (3, 3, 1)
         assert (stats.gets, stats.hits, stats.misses) == (2, 1, 1)
-        assert stats.capacity_bytes == tier.capacity_bytes == 1 << 20
+        assert stats.capacity_bytes == tier.capacity_bytes == capacity
         assert 0 < stats.bytes <= 1 << 20 and flat["bytes"] == float(stats.bytes)
         assert not set(stats.extra) & set(STATISTICS_FIELDS), "a shared name hidden in extra"
     finally:

@@ -11,6 +11,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine-iterations", type=int, default=10, help="kill -9 iterations of the engine child (default 10)"
     )
+    group.addoption("--sim-seeds", type=int, default=20, help="seeds of the engine's stateful test (default 20)")
+    group.addoption("--sim-steps", type=int, default=2000, help="steps per seed of the stateful test (default 2000)")
     group.addoption("--fault-seed", type=int, default=None, help="base seed (default: from the clock, printed)")
 
 
@@ -30,4 +32,16 @@ def fault_seed(request: pytest.FixtureRequest) -> int:
 
     seed = request.config.getoption("--fault-seed")
     return int(seed) if seed is not None else int(time.time()) % 1_000_000
+
+
+@pytest.fixture
+def sim_seeds(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--sim-seeds"))
+
+
+@pytest.fixture
+def sim_steps(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--sim-steps"))
+
+
 from kvtier.tools.valkey_fixtures import valkey_cluster, valkey_factory, valkey_node  # noqa: F401,E402

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.fault_child import run_kill_chains, summarize_kills
+from kvtier.tools.testing.fault_child import run_kill_chains, summarize_kills
 
 pytestmark = pytest.mark.stress
 

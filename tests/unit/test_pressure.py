@@ -11,14 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.engine.pressure import (
-    FakeNvml,
     LatencyEwma,
     PressureMonitor,
-    ScriptedSource,
     default_sources,
     host_memory_source,
     nvml_device_memory_source,
 )
+from kvtier.tools.testing.pressure import FakeNvml, ScriptedSource
 
 LOGGER = "kvtier.engine.pressure"
 

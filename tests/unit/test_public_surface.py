@@ -21,11 +21,54 @@ def test_engine_public_names_import():
     assert OffloadEngine.__aenter__ and EngineConfig().cache_dir is None
 
 
-def test_every_exported_name_exists_once():
-    module = kvtier.engine
-    assert len(module.__all__) == len(set(module.__all__))
+PUBLIC_PACKAGES = ("kvtier.errors", "kvtier.policy", "kvtier.tiers", "kvtier.engine", "kvtier.tools.testing")
+# Names a package re-exports from another for compatibility (kvtier.policy held the error family
+# before kvtier.errors did; kvtier.engine exported EngineInvariantError before it moved).
+COMPAT = {"kvtier.policy": "kvtier.errors", "kvtier.engine": "kvtier.errors"}
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_every_exported_name_resolves_and_is_listed_once(package):
+    module = importlib.import_module(package)
+    assert len(module.__all__) == len(set(module.__all__)), package
     for name in module.__all__:
-        assert hasattr(module, name), f"kvtier.engine.{name}"
+        assert getattr(module, name, None) is not None, f"{package}.{name}"
+
+
+def test_every_public_name_has_one_home():
+    """Like trio's test_exports: a public name is exported by one package only; the exceptions are
+    the compatibility re-exports in COMPAT, and those are the very same objects."""
+    homes = {}
+    for package in PUBLIC_PACKAGES:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            homes.setdefault(name, []).append(package)
+    for name, packages in homes.items():
+        if len(packages) == 1:
+            continue
+        owners = {COMPAT.get(p, p) for p in packages}
+        assert len(owners) == 1, f"{name} is exported by {packages}"
+        objects = {id(getattr(importlib.import_module(p), name)) for p in packages}
+        assert len(objects) == 1, f"{name} differs between {packages}"
+
+
+def test_readme_imports_work():
+    """Every ``from kvtier... import ...`` line of README's code blocks runs as written."""
+    readme = (ROOT / "README.md").read_text()
+    lines = []
+    in_code = False
+    for line in readme.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        stripped = line.strip()
+        if in_code and (stripped.startswith("from kvtier") or stripped.startswith("import kvtier")):
+            lines.append(stripped)
+    assert lines, "README shows no kvtier imports"
+    for line in lines:
+        if line.endswith("("):  # a parenthesised import: take the block up to the closing paren
+            continue
+        exec(compile(line, "README.md", "exec"), {})
 
 
 LAYER_RANK = {"errors": -1, "policy": 0, "tiers": 1, "engine": 2, "tools": 3}
@@ -81,13 +124,13 @@ def test_error_family_has_one_home():
     """Every kvtier exception class is defined in kvtier.errors; the old homes re-export it."""
     import kvtier.errors
     import kvtier.tiers.host
-    import kvtier.tiers.record
-    import kvtier.tools.faults
+    import kvtier.tiers.record_format
+    import kvtier.tools.testing.faults
 
     for name in kvtier.errors.__all__:
         assert getattr(kvtier.errors, name).__module__ == "kvtier.errors", name
-    assert kvtier.tiers.record.RecordChecksumError is kvtier.errors.RecordChecksumError
+    assert kvtier.tiers.record_format.RecordChecksumError is kvtier.errors.RecordChecksumError
     assert kvtier.tiers.host.SlotStateError is kvtier.errors.SlotStateError
-    assert kvtier.tools.faults.InjectedFault is kvtier.errors.InjectedFault
+    assert kvtier.tools.testing.faults.InjectedFault is kvtier.errors.InjectedFault
     assert kvtier.engine.EngineInvariantError is kvtier.errors.EngineInvariantError
     assert issubclass(kvtier.errors.TierTimeoutError, kvtier.errors.TierIOError)

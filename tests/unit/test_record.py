@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import CorruptRecordError, KvtierError
 from kvtier.tiers.base import ChunkMeta
-from kvtier.tiers.record import (
+from kvtier.tiers.record_format import (
     CODEC_RAW,
     CODEC_ZSTD_PLANES,
     MAX_HEADER_BYTES,

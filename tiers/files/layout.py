@@ -2,7 +2,7 @@
 
 Layout (``root`` is 0700 and owned by the current user)::
 
-    root/ab/cd/<hex key>.kvr                  one record (tiers.record format)
+    root/ab/cd/<hex key>.kvr                  one record (tiers.record_format)
     root/ab/cd/.<hex key>.<host>-<pid>-<nonce>.tmp   a write in flight, or left by a crash
     root/quarantine/<hex key>.<nonce>.kvr     records that failed to decode, kept for inspection
 

@@ -85,7 +85,7 @@ from ..base import (
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads, wait_through_cancel
 from ..lru import ByteLru
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
-from ..record import (
+from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,

@@ -20,7 +20,7 @@ import xxhash
 
 from kvtier.errors import CorruptRecordError
 
-from ..record import RecordHeader, decode_record, read_header, validate_record
+from ..record_format import RecordHeader, decode_record, read_header, validate_record
 from ..writer import WriterThread
 from .tables import ATIME
 from .writes import WriterSide

@@ -8,7 +8,7 @@ Primitives (any thread; a write transaction only on the writer thread):
 - ``read_sequence`` / ``bump_sequence``: the environment's mutation sequence (``meta``), bumped by
   every write transaction of every process, so removals and puts are ordered across processes.
 
-Tables: ``chunks`` (key -> record, see ``tiers.record``), ``atime`` (key -> last access | stored
+Tables: ``chunks`` (key -> record, see ``tiers.record_format``), ``atime`` (key -> last access | stored
 bytes, the LRU side table, written in batches), ``quarantine`` (key -> a corrupt record, at most
 ``max_quarantine_records`` kept), ``meta`` (format version; ``sequence``, a u64).
 """

@@ -76,7 +76,7 @@ from ..base import (
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads
 from ..lru import ByteLru
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
-from ..record import CodecConfig, decode_record, encode_record
+from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance

@@ -30,7 +30,7 @@ from kvtier.errors import TierFullError, TierIOError
 from ..base import IOHook, Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
-from ..record import read_header
+from ..record_format import read_header
 from ..writer import Job, SharedExclusiveLock
 from .tables import ATIME, Tables, bump_sequence
 

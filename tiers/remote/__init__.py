@@ -1,7 +1,8 @@
 """The remote tier: kvtier's records in a Valkey/Redis server or cluster shared by a fleet.
 
 Modules, one job each: ``url`` (``redis://`` / ``redis+cluster://`` addresses), ``breaker`` (the
-per-node circuit breaker), ``router`` (slot map, one client per primary, bounded pipelines),
+per-node circuit breaker), ``router`` (slot map, one client per primary, bounded pipelines), ``notify`` (eviction
+notifications from every primary),
 ``tier`` (``RemoteTier``, the ``ChunkTier`` facade: records, namespaces, evictions reported).
 """
 

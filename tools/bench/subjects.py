@@ -26,7 +26,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig
+from kvtier.tiers.record_format import CodecConfig
 
 from .kv import KVGeometry
 from .report import BenchReport, BenchRow, judge

@@ -1,0 +1,251 @@
+"""Write-behind to the disk tier, and which store handles wait for which chunks to get there.
+
+Primitives: ``SpillPipeline`` (the queue of QUEUED chunks, the loop that writes them in batches,
+``enqueue`` / ``drain`` / ``stop``), ``DurableWatch`` (handle <-> key bookkeeping behind
+``StoreHandle.wait_durable``). Event-loop thread only; the tier does its blocking work on its own
+threads.
+
+Rules this module keeps (issue 10):
+
+- a chunk's host slot becomes evictable only once its chunk is on disk, or once the engine gave up
+  writing it (a failed put: the drop is counted, the host copy stays usable until evicted);
+- *any* exception from the tier is a failed batch: logged, counted, nothing marked durable or
+  indexed (a foreign ``ValueError`` from a codec used to be reported durable);
+- a handle resolves durable only when every chunk it waits for was added to the disk index by a
+  put that no later removal overtook (``DiskIndex.add``);
+- a queued chunk whose key reached the disk another way (another process, found by a refresh) is
+  settled as durable, not silently dropped;
+- the loop is supervised by the engine: a crash restarts it, repeated crashes fail the engine.
+
+Up to ``BATCHES_IN_FLIGHT`` batches are in flight at once, so the disk tier encodes the next batch
+on its pool while its writer thread commits the previous one; awaiting one batch at a time left
+the disk idle during every encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Set, Tuple
+
+from .lifecycle import HostState, move
+from .records import ChunkEntry, StoreHandle
+from .tasks import settle
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import OffloadEngine
+
+__all__ = ["SpillPipeline", "DurableWatch", "BATCHES_IN_FLIGHT"]
+
+logger = logging.getLogger("kvtier.engine")
+
+BATCHES_IN_FLIGHT = 2
+
+
+class DurableWatch:
+    """Which handles wait for which keys. A handle resolves ``True`` when its last key resolved
+    ``True``, ``False`` as soon as one key resolves ``False``."""
+
+    def __init__(self) -> None:
+        self._by_key: Dict[bytes, List[StoreHandle]] = {}
+        self._waiting: Dict[StoreHandle, Set[bytes]] = {}
+
+    def watch(self, handle: StoreHandle, keys: Iterable[bytes]) -> None:
+        waiting = self._waiting.setdefault(handle, set())
+        for key in keys:
+            if key not in waiting:
+                waiting.add(key)
+                self._by_key.setdefault(key, []).append(handle)
+        if not waiting:
+            self.finish(handle, True)
+
+    def resolve(self, key: bytes, ok: bool) -> None:
+        """``key``'s chunk reached the disk (``ok``) or will not (for now)."""
+        for handle in self._by_key.pop(key, ()):
+            waiting = self._waiting.get(handle)
+            if waiting is None:
+                continue
+            waiting.discard(key)
+            if not ok:
+                self.finish(handle, False)
+            elif not waiting:
+                self.finish(handle, True)
+
+    def finish(self, handle: StoreHandle, ok: bool) -> None:
+        for key in self._waiting.pop(handle, ()):
+            watchers = self._by_key.get(key)
+            if watchers and handle in watchers:
+                watchers.remove(handle)
+                if not watchers:
+                    del self._by_key[key]
+        handle._mark_durable(ok)
+
+    def fail_all(self) -> None:
+        for handle in list(self._waiting):
+            self.finish(handle, False)
+
+    def watched_keys(self) -> Set[bytes]:
+        return set(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+class SpillPipeline:
+    """The spill queue and its loop, for one engine (see the module docstring)."""
+
+    def __init__(self, engine: "OffloadEngine") -> None:
+        self._engine = engine
+        self.queue: Deque[ChunkEntry] = deque()
+        self.watch = DurableWatch()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight: Set[asyncio.Task] = set()
+        self._last_done = 0.0  # perf_counter() when the last batch finished
+
+    # -- the engine's side -----------------------------------------------------------------------
+
+    def enqueue(self, entries: Iterable[ChunkEntry]) -> None:
+        for entry in entries:
+            move(entry, HostState.QUEUED)
+            self.queue.append(entry)
+        if self.queue:
+            self._idle.clear()
+            self._wakeup.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self._in_flight and self._idle.is_set()
+
+    async def drain(self) -> None:
+        """Wait until the queue is empty and no batch is in flight. Cancelling the wait stops
+        nothing."""
+        while not self.idle:
+            self._wakeup.set()
+            await self._idle.wait()
+            await asyncio.sleep(0)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The spill loop (supervised by the engine). Returns once the engine is closing and the
+        queue is drained."""
+        engine = self._engine
+        in_flight = self._in_flight
+        try:
+            while True:
+                if self.queue and len(in_flight) < BATCHES_IN_FLIGHT:
+                    batch, batch_bytes = self._next_batch()
+                    if batch:
+                        in_flight.add(asyncio.get_running_loop().create_task(self._write(batch, batch_bytes)))
+                    continue
+                if not self.queue and not in_flight:
+                    self._idle.set()
+                    if engine.closing:
+                        return
+                    await self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                # Pipeline full, or nothing queued while batches are in flight: wait for either.
+                wakeup = asyncio.get_running_loop().create_task(self._wakeup.wait())
+                try:
+                    finished, _ = await asyncio.wait([wakeup, *in_flight], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wakeup.cancel()
+                self._wakeup.clear()
+                for task in finished:
+                    if task is wakeup:
+                        continue
+                    in_flight.discard(task)
+                    task.result()  # _write handles every exception of the tier; anything else is a bug
+        finally:
+            # A crash (or the loop's own cancellation) must not orphan batches: they settle on
+            # their own, and the restarted loop finds the rest of the queue.
+            for task in list(in_flight):
+                task.add_done_callback(in_flight.discard)
+
+    def _next_batch(self) -> Tuple[List[ChunkEntry], int]:
+        """Take the next batch off the queue: up to ``spill_batch_max_chunks`` chunks and
+        ``spill_batch_max_bytes`` bytes (at least one chunk). A queued chunk already on disk (another
+        writer put it there) is settled at once as durable."""
+        engine = self._engine
+        config = engine.config
+        batch: List[ChunkEntry] = []
+        batch_bytes = 0
+        while self.queue and len(batch) < config.spill_batch_max_chunks:
+            entry = self.queue[0]
+            size = engine._chunk_nbytes[entry.group_index]
+            if batch and batch_bytes + size > config.spill_batch_max_bytes:
+                break
+            self.queue.popleft()
+            if entry.dead or entry.state is not HostState.QUEUED:
+                continue
+            if entry.key in engine.disk_index:
+                move(entry, HostState.READY)
+                engine._pools[entry.group_index].mark_evictable(entry.slot, True)
+                self.watch.resolve(entry.key, True)
+                continue
+            batch.append(entry)
+            batch_bytes += size
+        return batch, batch_bytes
+
+    async def _write(self, batch: List[ChunkEntry], batch_bytes: int) -> None:
+        engine = self._engine
+        items = []
+        for entry in batch:
+            move(entry, HostState.SPILLING)
+            engine._pin(entry)
+            items.append((entry.key, engine._chunk_meta(entry), engine._pools[entry.group_index].buffer(entry.slot)))
+        started = time.perf_counter()
+        error: Optional[BaseException] = None
+        sequence: Optional[int] = None
+        token = engine.disk_index.begin()
+        try:
+            answer = await settle(engine.disk_tier.put_many(items))
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                sequence = answer
+        except asyncio.CancelledError:
+            error = asyncio.CancelledError()
+            raise
+        except Exception as exc:  # any exception: a third-party tier or codec is no exception
+            error = exc
+            logger.warning("spill of %d chunks failed: %r", len(batch), exc)
+            engine.metrics.worker_error("spill")
+        finally:
+            finished = time.perf_counter()
+            # Batches are pipelined: one may wait for the batch committed before it, so its own
+            # service time starts when that one finished (else the latency signal, and pressure,
+            # would double whenever two batches are in flight).
+            elapsed = finished - max(started, self._last_done)
+            self._last_done = finished
+            engine._write_latency.observe(elapsed)
+            self._settle(batch, batch_bytes, token, sequence, error, elapsed)
+
+    def _settle(self, batch, batch_bytes: int, token: int, sequence: Optional[int], error, elapsed: float) -> None:
+        engine = self._engine
+        index = engine.disk_index
+        lost = 0
+        for entry in batch:
+            engine._unpin(entry)
+            if not entry.dead:
+                # On disk, or deliberately droppable after a failed spill: either way settled.
+                move(entry, HostState.READY)
+                engine._pools[entry.group_index].mark_evictable(entry.slot, True)
+            ok = error is None and index.add(entry.key, token, sequence)
+            if ok:
+                engine._events.append("stored", entry.key, entry.group_index, "disk")
+            elif error is None:
+                lost += 1  # written, then removed before the engine heard of the write
+            self.watch.resolve(entry.key, ok)
+        index.end(token)
+        if error is None:
+            engine.metrics.stored("disk", len(batch), batch_bytes)
+            engine.metrics.latency("disk", "put", elapsed)
+        else:
+            engine.metrics.dropped("tier_error", len(batch))

@@ -1,0 +1,110 @@
+"""How the engine waits for work it owns, and keeps its background loops alive.
+
+Primitives: ``settle`` (await a future to its end even when the awaiting task is cancelled),
+``wait_all`` (wait for tasks without ever cancelling them), ``Supervised`` (a background loop that
+is restarted when it crashes, and fails the engine loudly when it keeps crashing). Event-loop
+thread only.
+
+The rule these serve: a caller's cancellation cancels its own wait, never the engine's work. A copy
+thread or a tier keeps reading or writing a buffer after an ``await`` on it is cancelled, so the
+engine may release a pin or a fence only once that work really ended: ``settle`` waits for the end
+and only then lets a ``CancelledError`` through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Iterable, Optional, TypeVar
+
+__all__ = ["settle", "wait_all", "Supervised"]
+
+logger = logging.getLogger("kvtier.engine")
+
+T = TypeVar("T")
+
+
+async def settle(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` (wrapped in a future) to its end. If the awaiting task is cancelled
+    meanwhile, keep waiting until the work finished, then raise ``CancelledError``."""
+    future = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller learns of the cancel, not of this outcome
+        raise asyncio.CancelledError()
+    return future.result()
+
+
+async def wait_all(tasks: Iterable[asyncio.Future]) -> None:
+    """Wait until every task is done. Cancelling the wait cancels none of them (``asyncio.wait``
+    never does, unlike ``gather``)."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        await asyncio.wait(pending)
+
+
+class Supervised:
+    """Runs ``factory()`` as a task named ``name``; when it ends with an exception while
+    ``running()`` is still true, logs it, calls ``on_crash(exc)`` and starts it again, up to
+    ``max_restarts`` times in a row; then calls ``on_give_up(exc)`` (the engine fails loudly).
+    A run that ends normally, or after ``running()`` turned false, is not restarted."""
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Awaitable[None]],
+        *,
+        running: Callable[[], bool],
+        on_crash: Callable[[BaseException], None],
+        on_give_up: Callable[[BaseException], None],
+        max_restarts: int = 3,
+    ) -> None:
+        self.name = name
+        self._factory = factory
+        self._running = running
+        self._on_crash = on_crash
+        self._on_give_up = on_give_up
+        self._max_restarts = max_restarts
+        self.restarts = 0
+        self.task: Optional[asyncio.Task] = None
+        self.done = asyncio.Event()  # set when the loop ended for good
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._factory(), name=self.name)
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self.done.set()
+            return
+        exc = task.exception()
+        if exc is None or not self._running():
+            if exc is not None:
+                logger.error("kvtier %s loop failed while closing: %r", self.name, exc, exc_info=exc)
+            self.done.set()
+            return
+        self._on_crash(exc)
+        if self.restarts >= self._max_restarts:
+            logger.error("kvtier %s loop crashed %d times; giving up", self.name, self.restarts + 1, exc_info=exc)
+            self._on_give_up(exc)
+            self.done.set()
+            return
+        self.restarts += 1
+        logger.error("kvtier %s loop crashed (%r); restarting it", self.name, exc, exc_info=exc)
+        self.start()
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def wait(self) -> None:
+        """Wait until the loop ended for good (never cancels it)."""
+        if self.task is None:
+            return
+        await self.done.wait()

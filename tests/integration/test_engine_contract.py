@@ -1,0 +1,584 @@
+"""The engine keeps its promises on every path (issue 10): one plain regression test per defect
+found from the outside, and one per suspicion, settled.
+
+Each test drives a real engine over a real LMDB tier (or FileTier), with a ``SeamTier`` in front of
+it where a test needs a tier call to fail with a foreign exception, to be held, or to stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.errors import ClosedError, KvtierError
+from kvtier.policy import AttentionGroup, ModelLayout
+from kvtier.tiers.files import FileTier
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tools.testing.pressure import ScriptedSource
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.tier_seam import SeamTier
+
+FULL = ModelLayout(groups=(AttentionGroup(16),))
+HYBRID = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
+FINGERPRINT = b"contract"
+
+
+def config(tmp_path, **overrides) -> EngineConfig:
+    values = dict(
+        cache_dir=None,
+        host_capacity_bytes=1 << 20,
+        pressure_poll_interval_s=3600.0,
+        tier_timeout_s=5.0,
+    )
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+class Rig:
+    """An engine over SeamTier(LmdbTier) with a scenario; ``close()`` self-checks and closes all."""
+
+    def __init__(self, engine: OffloadEngine, seam: SeamTier, scenario: OffloadScenario) -> None:
+        self.engine, self.seam, self.scenario = engine, seam, scenario
+
+    async def close(self, check: bool = True) -> None:
+        self.seam.heal()
+        if check and not self.engine.closed:
+            await asyncio.wait_for(self.engine.flush(), 10)
+            self.engine.check()
+        await asyncio.wait_for(self.engine.close(), 10)
+        await self.seam.inner.close()
+
+
+async def rig(tmp_path, layout=FULL, *, inner=None, num_blocks=128, sources=None, **overrides) -> Rig:
+    if inner is None:
+        inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20)
+    seam = SeamTier(inner)
+    engine = OffloadEngine(
+        layout,
+        make_cpu_device(layout, num_blocks=num_blocks),
+        config(tmp_path, **overrides),
+        fingerprint=FINGERPRINT,
+        disk_tier=seam,
+        pressure_sources=sources if sources is not None else {"host_memory": ScriptedSource([0.0])},
+    )
+    await engine.start()
+    return Rig(engine, seam, OffloadScenario(engine))
+
+
+class GatedCopies:
+    """Holds the engine's device copies (one direction) on their copy thread until ``open()``."""
+
+    def __init__(self, engine: OffloadEngine, method: str = "gather_many_groups") -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.finished = threading.Event()
+        real = getattr(engine.device, method)
+
+        def gated(*args, **kwargs):
+            self.entered.set()
+            self.gate.wait(10)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.finished.set()
+
+        setattr(engine.device, method, gated)
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.get_running_loop().run_in_executor(None, self.entered.wait, 5)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+async def cancel_soon(coro, *, ticks: int = 3):
+    """Start ``coro``, let it reach its first waits, cancel it; returns the cancelled task."""
+    task = asyncio.ensure_future(coro)
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return task
+
+
+# ---------------------------------------------------------------------------------- defect 1
+
+
+@pytest.mark.asyncio
+async def test_cancelling_flush_does_not_cancel_an_in_flight_store(tmp_path):
+    r = await rig(tmp_path)
+    gate = GatedCopies(r.engine)
+    prompt = r.scenario.tokens(33)
+    table = r.scenario.allocate(33)
+    handle = r.engine.store(prompt, table)
+    await gate.wait_entered()
+    await cancel_soon(r.engine.flush())
+    gate.open()
+    await asyncio.wait_for(handle.wait_released(), 5)
+    assert await asyncio.wait_for(handle.wait_durable(), 5) is True
+    assert r.engine.lookup(prompt + [1]) == 32
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_close_lets_a_load_finish_into_its_own_blocks(tmp_path):
+    r = await rig(tmp_path)
+    prompt = r.scenario.tokens(33)
+    await r.scenario.produce(prompt)
+    gate = GatedCopies(r.engine, "scatter_many_groups")
+    table = r.scenario.allocate(33)
+    load = asyncio.ensure_future(r.engine.load(prompt + [1], 32, table))
+    await gate.wait_entered()
+    await cancel_soon(r.engine.close())
+    # The load's copy still runs: its slots stay pinned and its blocks fenced until it ends.
+    fence = asyncio.ensure_future(r.engine.fence(table[0]))
+    await asyncio.sleep(0.05)
+    assert not fence.done()
+    gate.open()
+    await asyncio.wait_for(fence, 5)
+    # The caller was never cancelled: it gets a result or ClosedError, never CancelledError.
+    try:
+        result = await asyncio.wait_for(load, 5)
+    except ClosedError:
+        pass
+    else:
+        assert result.ok
+    r.scenario._check_bytes(r.engine.request_keys(prompt), table, {0: {0, 1}})
+    await asyncio.wait_for(r.engine.close(), 5)  # the second close finishes
+    assert r.engine.closed
+    assert all(p.closed for p in r.engine._pools)
+    await r.seam.inner.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_load_never_lets_a_late_copy_write_into_reused_blocks(tmp_path):
+    r = await rig(tmp_path)
+    prompt = r.scenario.tokens(33)
+    await r.scenario.produce(prompt)
+    gate = GatedCopies(r.engine, "scatter_many_groups")
+    table = r.scenario.allocate(33)
+    await cancel_soon(r.engine.load(prompt + [1], 32, table), ticks=5)
+    await gate.wait_entered()
+    fence = asyncio.ensure_future(r.engine.fence(table[0]))
+    await asyncio.sleep(0.02)
+    assert not fence.done(), "the blocks of a cancelled load are still being written"
+    gate.open()
+    await asyncio.wait_for(fence, 5)
+    r.scenario._check_bytes(r.engine.request_keys(prompt), table, {0: {0, 1}})
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("error", [ValueError("codec: unknown dtype float4_e2m1"), MemoryError(), ConnectionResetError()])
+async def test_a_spill_failing_with_a_foreign_exception_is_not_durable(tmp_path, error, caplog):
+    r = await rig(tmp_path)
+    r.seam.fail_next("put_many", error)
+    prompt = r.scenario.tokens(33)
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+        first = await r.scenario.produce(prompt)
+    assert first.durable is False
+    assert any("spill" in rec.getMessage() for rec in caplog.records)
+    assert r.engine.statistics()["chunks_on_disk"] == 0
+    assert await r.seam.inner.contains_many(list(r.engine.request_keys(prompt).keys[0])) == [False, False]
+    assert r.engine.metrics.snapshot()["dropped"].get("tier_error") == 2
+    # The spill loop survived: the next store reaches the disk.
+    other = r.scenario.tokens(33)
+    assert (await r.scenario.produce(other)).durable is True
+    # The failed chunks stay usable from host and their slots are evictable.
+    await r.scenario.consume(prompt + [1], expect_hit=32)
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 3
+
+
+@pytest.mark.asyncio
+async def test_file_tier_evictions_leave_the_engine_index(tmp_path):
+    inner = await FileTier.open(tmp_path / "files", capacity_bytes=6000)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=4 * 1024)
+    prompts = [r.scenario.tokens(17) for _ in range(12)]
+    for prompt in prompts:
+        await r.scenario.produce(prompt)
+    await r.engine.flush()
+    on_disk = set(await inner.list_keys())
+    assert len(on_disk) < 12, "the tier's capacity must have evicted something"
+    for prompt in prompts:
+        keys = r.engine.request_keys(prompt + [1])
+        hit = r.engine.lookup(keys)
+        if keys.keys[0][0] in r.engine._entries:
+            continue
+        assert (hit == 16) == (keys.keys[0][0] in on_disk)
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 4
+
+
+@pytest.mark.asyncio
+async def test_a_hit_larger_than_the_host_pool_loads_in_windows(tmp_path):
+    # 4 host slots (the floor); the prompt has 24 chunks, stored by "chunked prefill".
+    r = await rig(tmp_path, host_capacity_bytes=1, num_blocks=64)
+    prompt = r.scenario.tokens(24 * 16 + 1)
+    table = r.scenario.allocate(len(prompt))
+    for g, blocks in enumerate(table):
+        for layer in r.scenario._layers(g):
+            for block in blocks:
+                layer[block].copy_(torch.randn_like(layer[block]))
+    keys = r.engine.request_keys(prompt)
+    for step in range(1, 25):
+        handle = r.engine.store(keys, table, step * 16)
+        result = await handle
+        assert result.durable, (step, result.drop_reason)
+        for g, chunk in handle.scheduled:
+            r.scenario.producer_bytes[keys.keys[g][chunk]] = [r.scenario._block_bytes(g, table[g][chunk])]
+    r.scenario.free(table)
+    assert r.engine.lookup(keys) == 24 * 16
+    await r.scenario.consume(prompt, expect_hit=24 * 16, expect_loaded={0: set(range(24))})
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 5
+
+
+@pytest.mark.asyncio
+async def test_refresh_does_not_drop_a_queued_spill(tmp_path):
+    r = await rig(tmp_path)
+    hold = r.seam.hold_next("put_many")
+    first = r.scenario.tokens(17)
+    await r.scenario.produce(first, wait_durable=False)
+    await hold.entered.wait()  # the spill loop is busy with the first batch
+    prompt = r.scenario.tokens(17)
+    table = r.scenario.allocate(17)
+    handle = r.engine.store(prompt, table)
+    await handle.wait_released()  # queued behind the held batch
+    # Another writer puts the same chunk meanwhile, and a refresh tells the engine.
+    key = r.engine.request_keys(prompt).keys[0][0]
+    entry = r.engine._entries[key]
+    items = [(key, r.engine._chunk_meta(entry), memoryview(r.engine._pools[0].view(entry.slot).numpy()))]
+    await r.seam.inner.put_many(items)
+    await r.engine.refresh_disk_index()
+    hold.release()
+    assert await asyncio.wait_for(handle.wait_durable(), 5) is True
+    await r.engine.flush()
+    assert r.engine._pools[0].statistics()["evictable_slots"] == 2
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 6
+
+
+@pytest.mark.asyncio
+async def test_a_store_finding_its_chunks_in_flight_is_durable_only_when_they_are(tmp_path):
+    r = await rig(tmp_path)
+    gate = GatedCopies(r.engine)
+    prompt = r.scenario.tokens(33)
+    table = r.scenario.allocate(33)
+    first = r.engine.store(prompt, table)
+    await gate.wait_entered()
+    second = r.engine.store(prompt, table)  # finds both chunks PENDING
+    assert second.skipped == ((0, 0), (0, 1))
+    r.seam.fail_next("put_many", KvtierError("disk gone"))
+    gate.open()
+    assert await asyncio.wait_for(first.wait_durable(), 5) is False
+    assert await asyncio.wait_for(second.wait_durable(), 5) is False
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path):
+    r = await rig(tmp_path)
+    hold = r.seam.hold_next("put_many")
+    prompt = r.scenario.tokens(33)
+    table = r.scenario.allocate(33)
+    first = r.engine.store(prompt, table)
+    await hold.entered.wait()
+    second = r.engine.store(prompt, table)
+    await asyncio.sleep(0.02)
+    assert not second._durable.done()
+    hold.release()
+    assert await asyncio.wait_for(second.wait_durable(), 5) is True
+    assert await first.wait_durable() is True
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 7
+
+
+@pytest.mark.asyncio
+async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_path):
+    # Disk capacity for ~2 chunks: batch 2's commit evicts batch 1's chunk; batch 1's put answer is
+    # held until that removal has reached the engine.
+    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    r = await rig(tmp_path, inner=inner)
+    hold = r.seam.hold_next("put_many", after=True)
+    first = r.scenario.tokens(17)
+    await r.scenario.produce(first, wait_durable=False)
+    await hold.entered.wait()  # batch 1 committed; its answer waits
+    for _ in range(3):
+        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
+    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
+    key = r.engine.request_keys(first).keys[0][0]
+    assert await inner.contains_many([key]) == [False]
+    hold.release()
+    await r.engine.flush()
+    assert r.engine.lookup(first + [1]) == (16 if key in r.engine._entries else 0)
+    assert key not in r.engine.disk_index
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path):
+    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=1)
+    prompt = r.scenario.tokens(17)
+    await r.scenario.produce(prompt)
+    key = r.engine.request_keys(prompt).keys[0][0]
+    hold = r.seam.hold_next("list_keys", after=True)
+    refresh = asyncio.ensure_future(r.engine.refresh_disk_index())
+    await hold.entered.wait()  # the listing holds the key
+    for _ in range(3):
+        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
+    await asyncio.sleep(0.05)
+    assert await inner.contains_many([key]) == [False]
+    hold.release()
+    await refresh
+    assert key not in r.engine.disk_index
+    await r.close()
+
+
+def _raw_item(engine: OffloadEngine, key: bytes):
+    """A record another writer puts straight into the tier (same layout and meta as the engine's)."""
+    nbytes = engine._chunk_nbytes[0]
+    dtype, shape = engine._metas[0]
+    from kvtier.tiers.base import ChunkMeta
+
+    return key, ChunkMeta(engine.fingerprint, 0, 0, dtype, shape), memoryview(bytearray(os.urandom(nbytes)))
+
+
+# ---------------------------------------------------------------------------------- defect 8, 9
+
+
+@pytest.mark.asyncio
+async def test_a_read_failing_with_a_foreign_exception_fails_the_load_at_once(tmp_path):
+    r = await rig(tmp_path, host_capacity_bytes=1, tier_timeout_s=30.0)
+    prompt = r.scenario.tokens(17 * 4)
+    await r.scenario.produce(prompt)
+    for _ in range(4):  # evict the host copies so the load reads the disk
+        await r.scenario.produce(r.scenario.tokens(17 * 4))
+    r.seam.fail_next("get_many_into", ValueError("third-party tier bug"))
+    table = r.scenario.allocate(len(prompt))
+    result = await asyncio.wait_for(r.engine.load(prompt, 64, table), 2)
+    assert (result.ok, result.reason) == (False, "tier_error")
+    assert r.engine.lookup(prompt) == 64  # nothing left LOADING
+    await r.scenario.consume(prompt, expect_hit=64)
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_prefetch_read_times_out(tmp_path):
+    r = await rig(tmp_path, host_capacity_bytes=1, tier_timeout_s=0.2)
+    prompt = r.scenario.tokens(17 * 4)
+    await r.scenario.produce(prompt)
+    for _ in range(4):
+        await r.scenario.produce(r.scenario.tokens(17 * 4))
+    r.seam.stall("get_many_into")
+    assert await r.engine.prefetch(prompt) == 4
+    assert r.engine.lookup(prompt) is None
+    await asyncio.sleep(0.4)
+    assert r.engine.lookup(prompt) == 64, "an abandoned read leaves lookup answering from disk again"
+    r.seam.heal()
+    await r.engine.flush()  # the abandoned read ends; its slots are released
+    await r.scenario.consume(prompt, expect_hit=64)
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- defect 10, 12
+
+
+@pytest.mark.asyncio
+async def test_events_are_bounded_and_drops_counted(tmp_path):
+    r = await rig(tmp_path, events_max=8)
+    for _ in range(4):
+        await r.scenario.produce(r.scenario.tokens(33))
+    events = r.engine.take_events()
+    assert len(events) == 8
+    assert r.engine.metrics.snapshot()["events_dropped"] == 4 * 2 * 2 - 8
+    assert [e.kind for e in events][-1] == "stored"
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_pressure_metric_and_chunk_states_are_exported(tmp_path):
+    source = ScriptedSource([0.0])
+    r = await rig(tmp_path, sources={"host_memory": source}, pressure_poll_interval_s=0.01)
+    prompt = r.scenario.tokens(33)
+    await r.scenario.produce(prompt)
+    text = r.engine.metrics.exposition().decode()
+    assert 'kvtier_chunks{state="ready"} 2.0' in text
+    assert "kvtier_pressure_high 0.0" in text
+    source.extend([0.99])
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if r.engine.pressure.paused:
+            break
+    handle = r.engine.store(r.scenario.tokens(33), r.scenario.allocate(33))
+    assert handle.drop_reason == "pressure"
+    assert "kvtier_pressure_high 1.0" in r.engine.metrics.exposition().decode()
+    await r.close()
+
+
+# ---------------------------------------------------------------------------------- suspicions
+
+
+@pytest.mark.asyncio
+async def test_a_failed_second_group_allocation_evicts_nothing_in_the_first(tmp_path):
+    # Four slots per group. A is on disk (evictable); with spills stalled, B and C fill group 1
+    # with unspilled chunks. D then needs group-0 slots (one free, A's evictable) and group-1
+    # slots (none): the store fails, and A's host copy must survive the attempt.
+    r = await rig(tmp_path, HYBRID, host_capacity_bytes=1)
+    assert [p.num_slots for p in r.engine._pools] == [4, 4]
+    a = r.scenario.tokens(16)
+    await r.scenario.produce(a)
+    r.seam.stall("put_many")
+    await r.scenario.produce(r.scenario.tokens(16), wait_durable=False)
+    await r.scenario.produce(r.scenario.tokens(16), wait_durable=False)
+    a_key = r.engine.request_keys(a).keys[0][0]
+    assert a_key in r.engine._entries
+    handle = r.engine.store(r.scenario.tokens(33), r.scenario.allocate(33))
+    assert handle.drop_reason == "host_full"
+    assert a_key in r.engine._entries, "nothing may be evicted for an allocation that fails"
+    await r.close()
+
+
+def test_host_memory_source_leaves_out_the_engines_own_slab():
+    from kvtier.engine.pressure import host_memory_source
+
+    import psutil
+
+    vm = psutil.virtual_memory()
+    slab = vm.total // 4
+    plain = host_memory_source()()
+    own = host_memory_source(own_bytes=lambda: slab)()
+    assert plain is not None and own is not None
+    assert own == pytest.approx(max(0.0, (vm.total - vm.available - slab) / vm.total), abs=0.05)
+    assert own < plain
+
+
+@pytest.mark.asyncio
+async def test_an_engine_used_in_a_forked_child_says_so(tmp_path):
+    r = await rig(tmp_path)
+    r.engine._pid = -1  # what a forked child sees: another pid than the one that started it
+    with pytest.raises(KvtierError, match="pid"):
+        r.engine.lookup([1] * 33)
+    with pytest.raises(KvtierError, match="pid"):
+        r.engine.store([1] * 33, [[1, 2]])
+    r.engine._pid = os.getpid()
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_store_and_load_order_copies_after_the_callers_compute_stream(tmp_path):
+    r = await rig(tmp_path)
+    backend = r.engine.device.backend
+    seen = []
+    caller = threading.get_ident()
+    backend.current_stream = lambda: ("stream-of", threading.get_ident())
+    for method in ("gather_many_groups", "scatter_many_groups"):
+        real = getattr(r.engine.device, method)
+
+        def recording(items, *, compute_stream=None, wait=True, _real=real, _name=method):
+            seen.append((_name, compute_stream))
+            return _real(items, compute_stream=compute_stream, wait=wait)
+
+        setattr(r.engine.device, method, recording)
+    prompt = r.scenario.tokens(33)
+    await r.scenario.produce(prompt)
+    await r.scenario.consume(prompt + [1], expect_hit=32)
+    assert seen == [
+        ("gather_many_groups", ("stream-of", caller)),
+        ("scatter_many_groups", ("stream-of", caller)),
+    ]
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_called_from_another_event_loop_refuses_before_scheduling(tmp_path):
+    r = await rig(tmp_path)
+    prompt = r.scenario.tokens(33)
+    table = r.scenario.allocate(33)
+    errors = []
+
+    def other_loop():
+        async def call():
+            try:
+                r.engine.store(prompt, table)
+            except KvtierError as exc:
+                errors.append(exc)
+
+        asyncio.run(call())
+
+    thread = threading.Thread(target=other_loop)
+    thread.start()
+    thread.join(5)
+    assert len(errors) == 1 and "event loop" in str(errors[0])
+    assert not r.engine._entries
+    await r.close()
+
+
+
+# ---------------------------------------------------------------------------------- supervision
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_spill_loop_restarts_and_then_the_engine_fails_loudly(tmp_path, caplog):
+    from kvtier.errors import EngineUsageError
+
+    r = await rig(tmp_path)
+    spill = r.engine._spill
+    real = spill._next_batch
+    crashes = {"left": 1}
+
+    def flaky():
+        if crashes["left"]:
+            crashes["left"] -= 1
+            raise RuntimeError("a bug in the spill loop")
+        return real()
+
+    spill._next_batch = flaky
+    with caplog.at_level(logging.ERROR, logger="kvtier.engine"):
+        assert (await r.scenario.produce(r.scenario.tokens(33))).durable is True  # restarted
+    assert any("restarting" in rec.getMessage() for rec in caplog.records)
+    assert r.engine.metrics.snapshot()["worker_errors"]["spill_loop"] == 1
+
+    crashes["left"] = 10  # keeps crashing: the engine gives up and says so
+    handle = r.engine.store(r.scenario.tokens(33), r.scenario.allocate(33))
+    assert await asyncio.wait_for(handle.wait_durable(), 5) is False
+    with pytest.raises(EngineUsageError, match="failed"):
+        r.engine.lookup([1] * 33)
+    spill._next_batch = real
+    await r.close(check=False)
+
+
+@pytest.mark.asyncio
+async def test_the_lifecycle_table_refuses_a_move_it_does_not_list(tmp_path):
+    from kvtier.engine.lifecycle import HostState, IllegalTransition, move
+    from kvtier.engine.records import ChunkEntry
+
+    entry = ChunkEntry(b"k" * 32, 0, 0, HostState.READY, 0)
+    with pytest.raises(IllegalTransition, match="ready -> spilling"):
+        move(entry, HostState.SPILLING)
+    entry = ChunkEntry(b"k" * 32, 0, 0, HostState.PENDING, 0)
+    move(entry, HostState.QUEUED)
+    move(entry, HostState.SPILLING)
+    move(entry, HostState.READY)
+    assert entry.state is HostState.READY

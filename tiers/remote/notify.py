@@ -1,0 +1,133 @@
+"""Eviction notifications from every primary: ``EvictionListener``. Event-loop thread only.
+
+A Valkey/Redis server evicts silently (a GET just misses); with ``notify-keyspace-events Ee`` it
+publishes each evicted (and expired) key on ``__keyevent@0__:evicted`` / ``:expired``. The messages
+are node-local, so there is one subscription per primary, each on its own connection (a pub/sub
+connection cannot serve commands, and must not take a slot of the node's bounded pool). Pub/sub is
+at-most-once: a subscription that drops and comes back calls ``on_gap`` so the owner runs its
+listing (the backstop) soon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Dict, List
+
+import redis.asyncio as aioredis
+
+from .router import NodeRouter, RemoteNode
+
+__all__ = ["EvictionListener", "EVICTION_CHANNELS"]
+
+logger = logging.getLogger("kvtier.tiers.remote")
+
+EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
+_BACKOFF_S = (0.2, 5.0)  # reconnect delay: first, cap
+_DRAIN_MAX = 1000  # messages handed over in one burst
+
+
+class EvictionListener:
+    """Keeps one subscription per primary of ``router``; ``on_keys(names)`` gets the evicted key
+    names (raw server names; the owner filters its namespace), ``on_gap()`` is called after a
+    subscription was re-established. ``configure``: add ``Ee`` to each primary's
+    ``notify-keyspace-events`` (keeping its other flags)."""
+
+    def __init__(self, router: NodeRouter, *, timeout_s: float, connect_timeout_s: float, configure: bool,
+                 on_keys: Callable[[List[bytes]], None], on_gap: Callable[[], None]) -> None:
+        self._router = router
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._configure = configure
+        self._on_keys = on_keys
+        self._on_gap = on_gap
+        self._tasks: Dict[str, "asyncio.Task[None]"] = {}
+        self.enabled: Dict[str, bool] = {}  # node name -> notifications known to be on
+        self.restarts = 0
+        self._closed = False
+
+    async def sync(self) -> None:
+        """Subscribe on primaries new to the slot map, stop listening to nodes that left it."""
+        primaries = {node.name: node for node in self._router.primaries()}
+        for name in [n for n in self._tasks if n not in primaries]:
+            self._tasks.pop(name).cancel()
+            self.enabled.pop(name, None)
+        for name, node in primaries.items():
+            if name in self._tasks:
+                continue
+            if self._configure and node.breaker.state == "closed":
+                await self._enable(node)
+            self._tasks[name] = asyncio.get_running_loop().create_task(
+                self._listen(node.host, node.port, name), name=f"kvtier-remote-notify-{name}"
+            )
+
+    async def _enable(self, node: RemoteNode) -> None:
+        try:
+            reply = (await node.call([("CONFIG", "GET", "notify-keyspace-events")]))[0]
+            if isinstance(reply, BaseException):
+                raise reply
+            raw = reply.get(b"notify-keyspace-events", b"") if isinstance(reply, dict) else bytes(reply[1])
+            flags = raw.decode()
+            wanted = flags + "".join(c for c in "Ee" if c not in flags and not (c == "e" and "A" in flags))
+            if wanted != flags:
+                res = (await node.call([("CONFIG", "SET", "notify-keyspace-events", wanted)]))[0]
+                if isinstance(res, BaseException):
+                    raise res
+            self.enabled[node.name] = True
+        except Exception as exc:  # a managed server may forbid CONFIG: the listing still works
+            self.enabled[node.name] = False
+            logger.warning("remote tier: cannot enable eviction notifications on %s (%s); "
+                           "evictions are seen by the periodic listing only", node.name, exc)
+
+    async def _listen(self, host: str, port: int, name: str) -> None:
+        """Subscribe for as long as the listener is open; reconnect with bounded backoff."""
+        delay = _BACKOFF_S[0]
+        first = True
+        while not self._closed:
+            client = aioredis.Redis(host=host, port=port, socket_connect_timeout=self._connect_timeout_s,
+                                    socket_timeout=None, retry=None, decode_responses=False)
+            pubsub = client.pubsub()
+            try:
+                await asyncio.wait_for(pubsub.subscribe(*EVICTION_CHANNELS), self._timeout_s)
+                if not first:
+                    self.restarts += 1
+                    self._on_gap()  # the gap may have swallowed evictions
+                first = False
+                delay = _BACKOFF_S[0]
+                while not self._closed:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is None:
+                        continue
+                    batch = [message]
+                    for _ in range(_DRAIN_MAX):  # what is already there: one report per burst
+                        more = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.0)
+                        if more is None:
+                            break
+                        batch.append(more)
+                    self._on_keys(_names(batch))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection lost, node down: retry later
+                logger.debug("remote tier: eviction listener on %s: %s", name, exc)
+            finally:
+                try:
+                    await pubsub.aclose()
+                    await client.aclose()
+                except Exception:
+                    pass
+            if self._closed:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_S[1])
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+
+def _names(messages: List[Dict[str, Any]]) -> List[bytes]:
+    return [bytes(m["data"]) for m in messages if m.get("type") == "message"]

@@ -1,0 +1,566 @@
+"""A seeded, model-based simulation of the engine: random interleavings, cancellations and faults.
+
+Primitives: ``simulate(tmp_dir, seed=..., steps=..., tier="lmdb"|"files")`` -> ``SimReport``;
+``SimViolation`` (an invariant broke: the message says which, with the seed to replay it).
+Runs on the caller's event loop; the engine under test is real (real LMDB or file tier, real host
+pools, real copy threads over CPU tensors); faults enter through ``SeamTier`` (the tier seam) and
+through the device view's two batch-copy methods.
+
+What it does, per step, chosen by a ``random.Random(seed)``: start an actor (store, lookup+load,
+prefetch, fence, flush, refresh_disk_index, a second writer putting records straight into the
+tier), cancel a random actor at whatever ``await`` it is in, inject a fault (a ``TierIOError`` or a
+foreign ``ValueError`` / ``MemoryError`` / ``ConnectionResetError``, before or after the tier did
+the work; a delay; a stall of one tier operation; a failing device copy), heal, or let time pass.
+Actors run concurrently, so these interleave.
+
+The model kept by the simulation, and what it checks (after every step, and at the end):
+
+- chunk bytes are a pure function of (key, block of the chunk, layer), so every writer of a key
+  writes the same bytes; every block a successful load writes must hold exactly those bytes, never
+  another request's;
+- device blocks the simulation freed hold a sentinel pattern until they are reused: a late copy
+  writing into a freed block is caught (blocks are freed only after ``wait_released`` or ``fence``,
+  as the engine's contract tells a serving process);
+- ``wait_durable() == True``: every chunk of the handle is on the tier, unless the tier reported
+  its removal (capacity eviction) in the meantime;
+- a hit ``lookup`` admits is loaded, unless a fault was injected, or a chunk was evicted (host or
+  disk), after the lookup (``host_full`` and ``timeout`` count as capacity answers, not bugs);
+- ``engine.check()`` after every step; once faults stop, every waiting call (``wait_released``,
+  ``fence``, ``flush``, loads) resolves within ``settle_s``; at the end ``check()`` and
+  ``check_disk()`` pass, a fresh lookup+load of stored prompts returns the right bytes, and
+  ``close()`` leaves no pinned slot, no task and no engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+
+from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.errors import KvtierError, TierIOError
+from kvtier.policy import AttentionGroup, ModelLayout
+from kvtier.tiers.base import ChunkMeta
+from kvtier.tools.testing.pressure import ScriptedSource
+
+from .testing.scenario import make_cpu_device
+from .tier_seam import SeamTier
+
+__all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]
+
+SIM_LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
+SENTINEL = 0xA5
+FOREIGN_ERRORS: Tuple[Callable[[], BaseException], ...] = (
+    lambda: TierIOError("sim: injected I/O error"),
+    lambda: ValueError("sim: codec does not know this dtype"),
+    lambda: MemoryError(),
+    lambda: ConnectionResetError("sim: peer reset"),
+)
+SEAM_FAULT_OPS = ("put_many", "get_many_into", "list_keys")
+# What one step does, with its weight: start an actor, cancel one, inject a fault, heal, or wait.
+STEP_WEIGHTS: Dict[str, float] = {
+    "store": 22, "load": 18, "prefetch": 6, "fence": 4, "flush": 3, "refresh": 3, "second_writer": 3,
+    "cancel": 10, "inject": 6, "heal": 5, "wait": 20,
+}  # fmt: skip
+ACTORS = ("store", "load", "prefetch", "fence", "flush", "refresh", "second_writer")
+# Load failures that are capacity answers (the serving process recomputes), never a broken promise.
+CAPACITY_REASONS = {"host_full", "timeout"}
+
+
+class SimViolation(AssertionError):
+    """An invariant of the engine's contract broke during a simulation."""
+
+
+@dataclass
+class SimReport:
+    seed: int
+    tier: str
+    steps: int = 0
+    actors: Dict[str, int] = field(default_factory=dict)
+    cancelled: int = 0
+    faults: int = 0
+    max_concurrency: int = 0
+    overlapping_steps: int = 0  # steps that began with two or more actors in flight
+    loads_ok: int = 0
+    loads_failed: Dict[str, int] = field(default_factory=dict)
+    durable_checked: int = 0
+    bytes_checked: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"seed {self.seed} ({self.tier}): {self.steps} steps, {sum(self.actors.values())} actors "
+            f"{dict(sorted(self.actors.items()))}, {self.cancelled} cancelled, {self.faults} faults, "
+            f"{self.overlapping_steps} steps with >= 2 actors in flight (max {self.max_concurrency}), "
+            f"{self.loads_ok} loads ok, failed {self.loads_failed}, {self.durable_checked} durable "
+            f"handles checked on the tier, {self.bytes_checked} blocks compared"
+        )
+
+
+class _Device:
+    """The simulated serving process's device blocks: a free list per group, sentinel-filled."""
+
+    def __init__(self, engine: OffloadEngine, rng: random.Random) -> None:
+        self.engine = engine
+        self.layout = engine.layout
+        self.layers = [list(engine.device._groups[g].layers) for g in range(len(self.layout.groups))]
+        self.free: List[List[int]] = []
+        for g in range(len(self.layout.groups)):
+            blocks = list(range(1, engine.device.num_blocks(g)))
+            rng.shuffle(blocks)
+            self.free.append(blocks)
+            for layer in self.layers[g]:
+                layer.view(torch.uint8).fill_(SENTINEL)
+        self._content: Dict[Tuple[bytes, int, int], torch.Tensor] = {}
+
+    def allocate(self, num_tokens: int) -> Optional[List[List[int]]]:
+        table = []
+        for g, group in enumerate(self.layout.groups):
+            count = -(-num_tokens // group.block_size)
+            if len(self.free[g]) < count:
+                for taken, blocks in enumerate(table):
+                    self.free[taken].extend(blocks)
+                return None
+            table.append([self.free[g].pop() for _ in range(count)])
+        return table
+
+    def release(self, table: Sequence[Sequence[int]]) -> None:
+        for g, blocks in enumerate(table):
+            for block in blocks:
+                for layer in self.layers[g]:
+                    layer[block].view(torch.uint8).fill_(SENTINEL)
+                self.free[g].append(block)
+
+    def content(self, key: bytes, offset: int, layer: int, g: int) -> torch.Tensor:
+        """The bytes every writer of chunk ``key`` puts in block ``offset`` of it, layer ``layer``."""
+        cached = self._content.get((key, offset, layer))
+        if cached is None:
+            nbytes = self.layers[g][layer][0].numel() * self.layers[g][layer].element_size()
+            seed = int.from_bytes(hashlib.blake2b(key + bytes([offset, layer]), digest_size=8).digest(), "little")
+            data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+            cached = torch.from_numpy(data)
+            self._content[(key, offset, layer)] = cached
+        return cached
+
+    def fill(self, keys, table, num_tokens: int) -> None:
+        """Write each complete chunk's content into its blocks (what the model's forward would)."""
+        for g, group in enumerate(self.layout.groups):
+            per_chunk = group.blocks_per_chunk
+            for chunk, key in enumerate(keys.keys[g]):
+                for offset in range(per_chunk):
+                    block = chunk * per_chunk + offset
+                    if block >= len(table[g]):
+                        break
+                    for li, layer in enumerate(self.layers[g]):
+                        layer[table[g][block]].view(torch.uint8).view(-1).copy_(self.content(key, offset, li, g))
+
+    def expect(self, keys, table, loaded, seed: int) -> int:
+        checked = 0
+        for g, block in loaded:
+            per_chunk = self.layout.groups[g].blocks_per_chunk
+            chunk, offset = divmod(block, per_chunk)
+            key = keys.keys[g][chunk]
+            for li, layer in enumerate(self.layers[g]):
+                got = layer[table[g][block]].view(torch.uint8).reshape(-1)
+                if not torch.equal(got, self.content(key, offset, li, g)):
+                    raise SimViolation(
+                        f"seed {seed}: group {g} logical block {block} (device block {table[g][block]}) "
+                        f"layer {li} holds bytes that are not its chunk's"
+                    )
+                checked += 1
+        return checked
+
+    def check_free(self, seed: int) -> None:
+        for g, blocks in enumerate(self.free):
+            for block in blocks:
+                for li, layer in enumerate(self.layers[g]):
+                    data = layer[block].view(torch.uint8)
+                    if int(data.min()) != SENTINEL or int(data.max()) != SENTINEL:
+                        raise SimViolation(
+                            f"seed {seed}: free device block {block} of group {g} (layer {li}) was written "
+                            "after the simulation released it"
+                        )
+
+
+class _Sim:
+    def __init__(self, engine: OffloadEngine, seam: SeamTier, inner, seed: int, tier: str, settle_s: float) -> None:
+        self.engine = engine
+        self.seam = seam
+        self.inner = inner
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.report = SimReport(seed, tier)
+        self.device = _Device(engine, self.rng)
+        self.settle_s = settle_s
+        self.actors: Set[asyncio.Task] = set()
+        self.reapers: Set[asyncio.Task] = set()
+        self.fault_epoch = 0  # bumps at every injected fault
+        self.copy_faults: List[BaseException] = []
+        self.copy_faults_fired = 0  # counted on the copy threads
+        self.prompts: List[List[int]] = []
+        self.removed: Dict[bytes, int] = {}  # key -> count of removals the tier reported
+        self._started = 0
+        self._wrap_copies()
+        subscribe = getattr(inner, "subscribe_removals", None)
+        if subscribe is not None:
+            loop = asyncio.get_running_loop()
+
+            def record(removals) -> None:
+                keys = [bytes(r) if isinstance(r, (bytes, bytearray)) else bytes(r.key) for r in removals]
+                loop.call_soon_threadsafe(self._removed, keys)
+
+            subscribe(record)
+
+    def _removed(self, keys: List[bytes]) -> None:
+        for key in keys:
+            self.removed[key] = self.removed.get(key, 0) + 1
+
+    def _wrap_copies(self) -> None:
+        device = self.engine.device
+        for name in ("gather_many_groups", "scatter_many_groups"):
+            real = getattr(device, name)
+
+            def copy(*args, _real=real, **kwargs):
+                if self.copy_faults:
+                    self.copy_faults_fired += 1
+                    raise self.copy_faults.pop()
+                return _real(*args, **kwargs)
+
+            setattr(device, name, copy)
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def prompt(self) -> List[int]:
+        """A prompt sharing a prefix with an earlier one most of the time (so stores overlap)."""
+        rng = self.rng
+        if self.prompts and rng.random() < 0.7:
+            base = rng.choice(self.prompts)
+            cut = rng.randrange(0, len(base) + 1)
+            tail = [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+            prompt = (base[:cut] + tail)[:96]
+        else:
+            prompt = [rng.randrange(50) for _ in range(rng.randrange(8, 96))]
+        if len(self.prompts) < 64:
+            self.prompts.append(prompt)
+        else:
+            self.prompts[rng.randrange(64)] = prompt
+        return prompt
+
+    # -- actors ----------------------------------------------------------------------------------
+
+    def start(self, name: str, coro) -> None:
+        self.report.actors[name] = self.report.actors.get(name, 0) + 1
+        task = asyncio.ensure_future(coro)
+        task.sim_name = name  # type: ignore[attr-defined]
+        self._started += 1
+        task.sim_order = self._started  # type: ignore[attr-defined]
+        self.actors.add(task)
+        task.add_done_callback(self.actors.discard)
+
+    def reap(self, table, blocks_done: Callable[[], Any]) -> None:
+        """Free ``table`` once ``blocks_done()`` (a fence or wait_released) resolves, uncancelled:
+        what a serving process does with the blocks of a request it aborted."""
+
+        async def reaper():
+            await asyncio.wait_for(blocks_done(), self.settle_s * 4)
+            self.device.release(table)
+
+        task = asyncio.ensure_future(reaper())
+        self.reapers.add(task)
+        task.add_done_callback(self.reapers.discard)
+
+    def fence_all(self, table):
+        async def fenced():
+            for g, blocks in enumerate(table):
+                await self.engine.fence(blocks, g)
+
+        return fenced
+
+    async def act_store(self) -> None:
+        # A third of the stores repeat a prompt exactly: they find their chunks stored or in flight.
+        prompt = self.rng.choice(self.prompts) if self.prompts and self.rng.random() < 0.33 else self.prompt()
+        table = self.device.allocate(len(prompt))
+        if table is None:
+            return
+        keys = self.engine.request_keys(prompt)
+        self.device.fill(keys, table, len(prompt))
+        num_tokens = self.rng.choice([len(prompt), self.rng.randrange(0, len(prompt) + 1)])
+        handle = self.engine.store(keys, table, num_tokens)
+        wanted = [keys.keys[g][c] for g, c in list(handle.scheduled) + list(handle.skipped)]
+        removals_at_store = {k: self.removed.get(k, 0) for k in wanted}
+        try:
+            await handle.wait_released()
+        except asyncio.CancelledError:
+            self.reap(table, handle.wait_released)
+            raise
+        self.device.release(table)
+        if handle.drop_reason is None and self.rng.random() < 0.8:
+            if await handle.wait_durable():
+                await self.check_durable(wanted, removals_at_store)
+
+    async def check_durable(self, wanted: List[bytes], removals_at_store: Dict[bytes, int]) -> None:
+        """Every chunk of a durable handle is on the tier, or the tier reported removing it since
+        the store (a capacity eviction after the promise was kept)."""
+        present = await self.inner.contains_many(wanted)
+        missing = [k for k, there in zip(wanted, present) if not there]
+        if missing:
+            flush = getattr(self.inner, "flush", None)
+            if flush is not None:
+                await flush()
+            await asyncio.sleep(0.01)  # removal reports run on the loop
+            unexplained = [k for k in missing if self.removed.get(k, 0) <= removals_at_store[k]]
+            if unexplained:
+                raise SimViolation(
+                    f"seed {self.seed}: wait_durable() was True but {len(unexplained)} chunks are not on the tier "
+                    f"and it reported no removal of them (first {unexplained[0].hex()[:12]})"
+                )
+        self.report.durable_checked += 1
+
+    async def act_load(self) -> None:
+        prompt = self.rng.choice(self.prompts) if self.prompts else self.prompt()
+        keys = self.engine.request_keys(prompt)
+        faults, evictions = self._faults_fired(), self._evictions()
+        hit = self.engine.lookup(keys)
+        if not hit:
+            return
+        table = self.device.allocate(len(prompt))
+        if table is None:
+            return
+        try:
+            result = await self.engine.load(keys, hit, table)
+        except asyncio.CancelledError:
+            self.reap(table, self.fence_all(table))
+            raise
+        if result.ok:
+            self.report.loads_ok += 1
+            self.report.bytes_checked += self.device.expect(keys, table, result.loaded, self.seed)
+        else:
+            self.report.loads_failed[result.reason] = self.report.loads_failed.get(result.reason, 0) + 1
+            explained = (
+                result.reason in CAPACITY_REASONS
+                or self._faults_fired() != faults
+                or self._evictions() != evictions
+            )
+            if not explained:
+                raise SimViolation(
+                    f"seed {self.seed}: lookup admitted a hit of {hit} tokens that load failed with "
+                    f"{result.reason!r}, with no fault and no eviction in between"
+                )
+        self.device.release(table)
+
+    def _faults_fired(self) -> Tuple[int, int, int]:
+        """Changes whenever a fault is injected or a scripted one fires (a fault scripted before a
+        lookup may fire at a call made after it)."""
+        return self.fault_epoch, self.seam.faults, self.copy_faults_fired
+
+    def _evictions(self) -> Tuple[int, int]:
+        evictions = self.engine.metrics.snapshot()["evictions"]
+        return int(evictions.get("host", 0)), int(evictions.get("disk", 0))
+
+    async def act_prefetch(self) -> None:
+        if not self.prompts:
+            return
+        policy = self.rng.choice(["best_effort", "wait_complete", "timeout"])
+        await self.engine.prefetch(self.rng.choice(self.prompts), policy=policy,
+                                   timeout_s=0.05 if policy == "timeout" else None)
+
+    async def act_fence(self) -> None:
+        g = self.rng.randrange(len(self.device.layout.groups))
+        blocks = self.rng.sample(range(self.engine.device.num_blocks(g)), 8)
+        await self.engine.fence(blocks, g)
+
+    async def act_flush(self) -> None:
+        await self.engine.flush()
+
+    async def act_refresh(self) -> None:
+        await self.engine.refresh_disk_index()
+
+    async def act_second_writer(self) -> None:
+        """Another process (here: a direct write into the same tier) stores a prompt's chunks."""
+        prompt = self.prompt()
+        keys = self.engine.request_keys(prompt)
+        items = []
+        for g, group in enumerate(self.device.layout.groups):
+            per_chunk = group.blocks_per_chunk
+            for chunk, key in enumerate(keys.keys[g][: len(prompt) // (group.block_size * per_chunk)]):
+                # A host slot holds the chunk layer-major: [layer][block of the chunk][bytes].
+                ordered = [self.device.content(key, off, li, g) for li in range(len(self.device.layers[g]))
+                           for off in range(per_chunk)]
+                raw = torch.cat(ordered).numpy().tobytes()
+                dtype, shape = self.engine._metas[g]
+                items.append((key, ChunkMeta(self.engine.fingerprint, g, chunk, dtype, shape), memoryview(bytearray(raw))))
+        if items:
+            await self.inner.put_many(items[: 8])
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def inject(self) -> None:
+        rng = self.rng
+        self.fault_epoch += 1
+        self.report.faults += 1
+        kind = rng.random()
+        op = rng.choice(SEAM_FAULT_OPS)
+        if kind < 0.45:
+            self.seam.fail_next(op, rng.choice(FOREIGN_ERRORS)(), after=rng.random() < 0.3 and op != "get_many_into")
+        elif kind < 0.7:
+            self.seam.delay_next(op, rng.choice([0.001, 0.01, 0.05]))
+        elif kind < 0.85:
+            self.seam.stall(op)
+        else:
+            self.copy_faults.append(rng.choice(FOREIGN_ERRORS)())
+
+    def heal(self) -> None:
+        self.seam.heal()
+        self.copy_faults.clear()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def step(self) -> None:
+        rng = self.rng
+        report = self.report
+        report.steps += 1
+        if len(self.actors) >= 2:
+            report.overlapping_steps += 1
+        report.max_concurrency = max(report.max_concurrency, len(self.actors))
+        action = rng.choices(list(STEP_WEIGHTS), weights=list(STEP_WEIGHTS.values()))[0]
+        if action in ACTORS:
+            self.start(action, getattr(self, f"act_{action}")())
+        elif action == "cancel":
+            if self.actors:
+                victim = rng.choice(sorted(self.actors, key=lambda t: t.sim_order))
+                if not victim.done():
+                    victim.cancel()
+                    report.cancelled += 1
+        elif action == "inject":
+            self.inject()
+        elif action == "heal":
+            self.heal()
+        else:  # let time pass: a few loop turns, sometimes a real sleep
+            for _ in range(rng.randrange(1, 6)):
+                await asyncio.sleep(0)
+            if rng.random() < 0.2:
+                await asyncio.sleep(rng.choice([0.001, 0.005, 0.02]))
+        await asyncio.sleep(0)
+        self.harvest()
+        self.engine.check()
+        if report.steps % 25 == 0:
+            self.device.check_free(self.seed)
+
+    def harvest(self) -> None:
+        for task in [t for t in list(self.actors) + list(self.reapers) if t.done()]:
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is None:
+                continue
+            if isinstance(exc, SimViolation):
+                raise exc
+            if isinstance(exc, KvtierError) and not isinstance(exc, AssertionError):
+                continue  # a typed engine error (e.g. ClosedError) is an answer
+            raise SimViolation(f"seed {self.seed}: actor {getattr(task, 'sim_name', '?')} raised {exc!r}") from exc
+
+    async def finish(self) -> None:
+        """Faults stop; everything in flight must resolve within ``settle_s``."""
+        self.heal()
+        pending = [t for t in self.actors | self.reapers if not t.done()]
+        if pending:
+            done, still = await asyncio.wait(pending, timeout=self.settle_s)
+            if still:
+                names = sorted(getattr(t, "sim_name", "reaper") for t in still)
+                raise SimViolation(f"seed {self.seed}: {len(still)} calls still waiting {self.settle_s} s after the "
+                                   f"faults stopped: {names}")
+        self.harvest()
+        try:
+            await asyncio.wait_for(self.engine.flush(), self.settle_s)
+        except asyncio.TimeoutError:
+            raise SimViolation(f"seed {self.seed}: flush() did not return within {self.settle_s} s of healing") from None
+        self.engine.check()
+        await self.engine.check_disk()
+        self.device.check_free(self.seed)
+        # Every prompt the engine still answers for loads the right bytes.
+        for prompt in self.prompts[:16]:
+            keys = self.engine.request_keys(prompt)
+            evictions = self._evictions()
+            hit = self.engine.lookup(keys)
+            if not hit:
+                continue
+            table = self.device.allocate(len(prompt))
+            if table is None:
+                break
+            result = await asyncio.wait_for(self.engine.load(keys, hit, table), self.settle_s)
+            if result.ok:
+                self.report.bytes_checked += self.device.expect(keys, table, result.loaded, self.seed)
+            elif result.reason not in CAPACITY_REASONS and self._evictions() == evictions:
+                self.report.loads_failed[result.reason] = self.report.loads_failed.get(result.reason, 0) + 1
+                raise SimViolation(f"seed {self.seed}: after healing, an admitted hit failed with {result.reason!r}")
+            self.device.release(table)
+        await self.engine.flush()
+        self.engine.check()
+        for gi, pool in enumerate(self.engine._pools):
+            if pool.statistics()["pinned_slots"]:
+                raise SimViolation(f"seed {self.seed}: group {gi} has pinned slots once idle")
+
+
+async def simulate(
+    directory: Path,
+    *,
+    seed: int,
+    steps: int = 300,
+    tier: str = "lmdb",
+    disk_capacity_records: Optional[int] = 48,
+    settle_s: float = 10.0,
+) -> SimReport:
+    """Run one simulation (see the module docstring) in ``directory``; raises ``SimViolation``."""
+    from kvtier.tiers.files import FileTier
+    from kvtier.tiers.lmdb import LmdbTier
+
+    directory = Path(directory)
+    layout = SIM_LAYOUT
+    device = make_cpu_device(layout, num_blocks=160)
+    record_bytes = max(device.chunk_nbytes(g) for g in range(len(layout.groups))) + 256
+    capacity = disk_capacity_records * record_bytes if disk_capacity_records else None
+    if tier == "lmdb":
+        inner = await LmdbTier.open(directory / "lmdb", map_size_bytes=64 << 20, capacity_bytes=capacity)
+    elif tier == "files":
+        inner = await FileTier.open(directory / "files", capacity_bytes=capacity)
+    else:
+        raise ValueError(f"tier must be 'lmdb' or 'files', got {tier!r}")
+    seam = SeamTier(inner)
+    config = EngineConfig(
+        host_capacity_bytes=24 * device.chunk_nbytes(0),
+        tier_timeout_s=0.3,
+        pressure_poll_interval_s=3600.0,
+        spill_batch_max_chunks=4,
+        store_queue_max_chunks=64,
+        events_max=256,
+    )
+    engine = OffloadEngine(layout, device, config, fingerprint=b"sim", disk_tier=seam,
+                           pressure_sources={"host_memory": ScriptedSource([0.0])})
+    threads_before = {t.ident for t in threading.enumerate()}
+    await engine.start()
+    sim = _Sim(engine, seam, inner, seed, tier, settle_s)
+    try:
+        for _ in range(steps):
+            await sim.step()
+        await sim.finish()
+    finally:
+        sim.heal()
+        for task in list(sim.actors | sim.reapers):
+            task.cancel()
+        await asyncio.wait_for(engine.close(), settle_s)
+        await inner.close()
+    if engine._tasks:
+        raise SimViolation(f"seed {seed}: {len(engine._tasks)} engine tasks left after close")
+    # The engine's own threads (its two copy threads); a tier's threads are the tier's business.
+    leaked = [t.name for t in threading.enumerate()
+              if t.ident not in threads_before and t.name.startswith(("kvtier-d2h", "kvtier-h2d"))]
+    if leaked:
+        raise SimViolation(f"seed {seed}: engine threads alive after close: {leaked}")
+    return sim.report

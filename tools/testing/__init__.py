@@ -1,0 +1,53 @@
+"""kvtier.tools.testing: what tests (yours and kvtier's) use to drive kvtier, in one package.
+
+- ``faults``: ``FaultyTier`` (a ``ChunkTier`` wrapper that fails on purpose, raising
+  ``kvtier.errors.InjectedFault``), ``IOFaultPlan`` /
+  ``inject_io_faults`` / ``remove_io_faults`` (errors under a tier's own I/O calls),
+  ``corrupt_stored_record`` (flip a stored byte; forensics kept out of the shipped tiers).
+- ``scenario``: ``OffloadScenario`` (a producer and consumers on CPU tensors, exact stored and
+  loaded sets), ``make_cpu_device``, ``DEFAULT_TEST_LAYOUT``.
+- ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings).
+- ``fault_child``: the child process of the kill -9 and multi-process tests
+  (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
+
+The pytest plugin (``kvtier.tools.pytest_plugin``) builds its fixtures from these. The scenario
+names load on first use: they import torch, which a fault child does not need.
+"""
+
+from typing import Any
+
+from .faults import (
+    FILE_IO_OPS,
+    LMDB_IO_OPS,
+    FaultyTier,
+    IOFaultPlan,
+    corrupt_stored_record,
+    inject_io_faults,
+    remove_io_faults,
+)
+from .pressure import FakeNvml, ScriptedSource
+
+__all__ = [
+    "FaultyTier",
+    "IOFaultPlan",
+    "inject_io_faults",
+    "remove_io_faults",
+    "corrupt_stored_record",
+    "LMDB_IO_OPS",
+    "FILE_IO_OPS",
+    "ScriptedSource",
+    "FakeNvml",
+    "OffloadScenario",
+    "make_cpu_device",
+    "DEFAULT_TEST_LAYOUT",
+]
+
+_SCENARIO = ("OffloadScenario", "make_cpu_device", "DEFAULT_TEST_LAYOUT")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SCENARIO:
+        from . import scenario
+
+        return getattr(scenario, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,759 @@
+"""Child processes of the fault suite, and the deterministic chunks they share with the parent.
+
+Run as ``python -m kvtier.tools.testing.fault_child COMMAND ...`` (or, for ``spawn_reader``, as a
+``multiprocessing`` spawn target). Commands:
+
+- ``spill``: open an ``LmdbTier`` and store batches of chunks from a few concurrent writers until
+  killed; after each ``put_many`` returned (durable) it writes one line ``ack <batch> <key hex>...``.
+  Another coroutine reads acknowledged chunks back and checks them. For kill -9 tests.
+- ``engine-spill``: the same through an ``OffloadEngine`` with a cache directory: ``ack <request>``
+  once a request's store is durable. The parent regenerates the request from ``(seed, request)``.
+- ``hold-reader``: open the directory read-only with plain LMDB, begin a read transaction and keep
+  it (a reader slot pinning a snapshot), print ``holding``, sleep. For kill -9 of a reader.
+- ``warmup-writer``: write batches for ``--duration-s`` seconds, deleting batches older than
+  ``--window`` (a warmup process that recycles space): ``ack <batch> <keys>`` / ``del <batch>``.
+- ``corrupt-trials``: copy a pristine cache directory, flip bytes, and check what every read, the
+  verifier and ``kvtier verify`` say; one JSON line per trial (a crash names its trial).
+
+Parent side: ``kill_during_spill`` runs one kill -9 iteration (start a ``spill`` or
+``engine-spill`` child, SIGKILL it after a delay, reopen and check: ``check_cache`` /
+``check_engine_requests``); ``run_child`` starts any command with its stderr in a file.
+
+Chunk content is a function of the key alone (``chunk_content``): the key spells seed, batch, index
+in batch, batch size and length, so any record found on disk can be checked without a manifest, and
+"every batch present is complete" can be checked from the keys. Output lines are written with one
+``os.write`` each (atomic for a pipe below PIPE_BUF), so a SIGKILL never leaves a half line that
+parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from kvtier.policy import KvtierError
+from kvtier.tiers.base import ChunkMeta
+
+if TYPE_CHECKING:
+    import subprocess
+
+__all__ = [
+    "KeyInfo",
+    "chunk_key",
+    "parse_key",
+    "chunk_content",
+    "chunk_meta",
+    "make_batch",
+    "check_cache",
+    "CacheCheck",
+    "lmdb_page_kinds",
+    "flip_bytes",
+    "spawn_reader",
+    "engine_request",
+    "ENGINE_FINGERPRINT",
+    "KillResult",
+    "kill_during_spill",
+    "run_kill_chains",
+    "summarize_kills",
+    "check_engine_requests",
+    "run_child",
+    "read_line",
+]
+
+_KEY_MAGIC = b"KVFT"
+_KEY = struct.Struct("<4sIIHHI")  # magic, seed, batch, index, batch size, length: 20 bytes
+_KEY_BYTES = 32
+FINGERPRINT = b"kvtier-fault-suite"
+ENGINE_FINGERPRINT = b"kvtier-fault-suite-engine"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    seed: int
+    batch: int
+    index: int
+    batch_size: int
+    nbytes: int
+
+
+def chunk_key(seed: int, batch: int, index: int, batch_size: int, nbytes: int) -> bytes:
+    """A 32-byte key that spells the chunk's identity; the last 12 bytes are a hash of the first 20
+    (so a key with a flipped byte is recognisably not one of ours)."""
+    head = _KEY.pack(_KEY_MAGIC, seed, batch, index, batch_size, nbytes)
+    return head + hashlib.blake2b(head, digest_size=_KEY_BYTES - _KEY.size).digest()
+
+
+def parse_key(key: bytes) -> Optional[KeyInfo]:
+    """The identity a key spells, or ``None`` for a key that is not a well-formed fault-suite key."""
+    if len(key) != _KEY_BYTES:
+        return None
+    head = bytes(key[: _KEY.size])
+    if hashlib.blake2b(head, digest_size=_KEY_BYTES - _KEY.size).digest() != bytes(key[_KEY.size :]):
+        return None
+    magic, seed, batch, index, batch_size, nbytes = _KEY.unpack(head)
+    if magic != _KEY_MAGIC or not index < batch_size:
+        return None
+    return KeyInfo(seed, batch, index, batch_size, nbytes)
+
+
+def chunk_content(key: bytes) -> bytes:
+    """The bytes stored under ``key``: its identity (batch id first), then seeded noise; even
+    indices are low-entropy (the zstd byte-plane codec keeps them), odd ones incompressible (raw)."""
+    info = parse_key(key)
+    if info is None:
+        raise ValueError(f"not a fault-suite key: {bytes(key).hex()}")
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    noise = np.random.default_rng(seed).integers(0, 256, size=info.nbytes, dtype=np.uint8)
+    if info.index % 2 == 0:
+        noise &= 0x0F
+    out = bytearray(noise.tobytes())
+    ident = _KEY.pack(_KEY_MAGIC, info.seed, info.batch, info.index, info.batch_size, info.nbytes)
+    n = min(len(ident), len(out))
+    out[:n] = ident[:n]
+    return bytes(out)
+
+
+def chunk_meta(key: bytes) -> ChunkMeta:
+    info = parse_key(key)
+    assert info is not None
+    return ChunkMeta(FINGERPRINT, 0, info.batch * 65536 + info.index, "uint8", (info.nbytes,))
+
+
+def make_batch(seed: int, batch: int, sizes: Sequence[int]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
+    """The put items of one batch: ``len(sizes)`` chunks of the given lengths."""
+    items = []
+    for index, nbytes in enumerate(sizes):
+        key = chunk_key(seed, batch, index, len(sizes), nbytes)
+        items.append((key, chunk_meta(key), memoryview(chunk_content(key))))
+    return items
+
+
+def _emit(line: str) -> None:
+    os.write(1, (line + "\n").encode())
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+@dataclass
+class CacheCheck:
+    """What ``check_cache`` found in a cache directory."""
+
+    records: int = 0
+    intact: int = 0
+    batches: int = 0
+    complete_batches: int = 0
+    foreign_keys: int = 0
+    problems: List[str] = field(default_factory=list)
+    keys: Set[bytes] = field(default_factory=set)
+
+
+def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = False) -> CacheCheck:
+    """Open the LMDB tier at ``path`` (blocking) and check: the tier verifies clean, its index
+    agrees with its tables, every record decodes to ``chunk_content(key)``, every batch present is
+    complete, and every key in ``acked`` is present. Problems are listed, not raised."""
+    from kvtier.tiers.lmdb import LmdbTier
+
+    out = CacheCheck()
+    # verify_structure: the LMDB file itself must be sound after whatever happened to its writer.
+    with LmdbTier(path, readonly=readonly, map_size_bytes=1 << 20, verify_structure=True) as tier:
+        report = tier.verify(quarantine=False)
+        for key, reason in report.corrupt:
+            out.problems.append(f"verify: corrupt record {key.hex()}: {reason}")
+        keys = [info.key for info in tier.iter_records()]
+        out.records = len(keys)
+        out.keys = set(keys)
+        ours = []
+        for key in keys:
+            if parse_key(key) is None:
+                out.foreign_keys += 1
+                out.problems.append(f"a key no writer wrote: {key.hex()}")
+            else:
+                ours.append(key)
+
+        async def read_all() -> List[Tuple[bytes, Optional[ChunkMeta], bytearray]]:
+            if not readonly:  # the tier's LRU index agrees with its tables
+                out.problems.extend(f"index: {p}" for p in await tier.check())
+            found = []
+            for i in range(0, len(ours), 64):
+                part = ours[i : i + 64]
+                bufs = [bytearray(parse_key(k).nbytes) for k in part]  # type: ignore[union-attr]
+                metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(part, bufs)])
+                found.extend(zip(part, metas, bufs))
+            return found
+
+        by_batch: Dict[Tuple[int, int], Set[int]] = {}
+        sizes: Dict[Tuple[int, int], int] = {}
+        for key, meta, buf in asyncio.run(read_all()):
+            info = parse_key(key)
+            assert info is not None
+            if meta is None:
+                out.problems.append(f"record {key.hex()} listed but unreadable")
+            elif bytes(buf) != chunk_content(key) or meta != chunk_meta(key):
+                out.problems.append(f"record {key.hex()} holds wrong bytes")
+            else:
+                out.intact += 1
+            bid = (info.seed, info.batch)
+            by_batch.setdefault(bid, set()).add(info.index)
+            sizes[bid] = info.batch_size
+        out.batches = len(by_batch)
+        for bid, present in by_batch.items():
+            if len(present) == sizes[bid]:
+                out.complete_batches += 1
+            else:
+                out.problems.append(f"batch {bid} half visible: {len(present)} of {sizes[bid]} chunks")
+    for key in acked:
+        if key not in out.keys:
+            out.problems.append(f"acknowledged chunk {key.hex()} lost")
+    return out
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+async def _spill(args: argparse.Namespace) -> None:
+    from kvtier.tiers.lmdb import LmdbTier
+
+    tier = await LmdbTier.open(
+        args.dir,
+        map_size_bytes=args.map_size_bytes,
+        access_flush_interval_s=0.05,
+        reader_check_interval_s=0.2,
+    )
+    _emit("ready")
+    rng = random.Random(args.seed)
+    next_batch = iter(range(1 << 30))
+    acked: List[bytes] = []
+
+    async def writer() -> None:
+        while True:
+            batch = next(next_batch)
+            sizes = [rng.choice((700, 4096, 30000, 65536, 131072)) for _ in range(rng.randint(1, args.max_batch))]
+            items = make_batch(args.seed, batch, sizes)
+            await tier.put_many(items)
+            _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
+            acked.extend(k for k, _, _ in items)
+
+    async def reader() -> None:  # reads make access-time writes: more writer work to interrupt
+        while True:
+            await asyncio.sleep(0.01)
+            if not acked:
+                continue
+            keys = rng.sample(acked, min(4, len(acked)))
+            bufs = [bytearray(parse_key(k).nbytes) for k in keys]  # type: ignore[union-attr]
+            metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)])
+            for k, m, b in zip(keys, metas, bufs):
+                if m is None or bytes(b) != chunk_content(k):
+                    _emit(f"BAD {k.hex()}")
+
+    await asyncio.gather(*(writer() for _ in range(args.writers)), reader())
+
+
+def engine_request(seed: int, index: int) -> Tuple[List[int], int]:
+    """Tokens of engine request ``index`` and the seed of its block contents."""
+    rng = random.Random(seed * 1_000_003 + index)
+    n = 16 * rng.randint(2, 6)
+    return [rng.randrange(32000) for _ in range(n)], rng.randrange(1 << 62)
+
+
+_ENGINE_SHAPE = dict(num_layers=2, kv_heads=2, head_dim=16)  # 4 KiB per block and layer
+
+
+def engine_layout():
+    from kvtier.policy import AttentionGroup, ModelLayout
+
+    return ModelLayout(groups=(AttentionGroup(16),))
+
+
+def fill_blocks(device, table: Sequence[int], content_seed: int) -> None:
+    """Fill the request's device blocks (group 0, every layer) with bytes derived from its seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(content_seed)
+    for layer in device._groups[0].layers:
+        for block in table:
+            raw = layer[block].view(torch.uint8).view(-1)
+            raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=gen))
+
+
+async def _engine_spill(args: argparse.Namespace) -> None:
+    from kvtier.engine import EngineConfig, OffloadEngine
+    from kvtier.tools.testing.scenario import make_cpu_device
+
+    layout = engine_layout()
+    device = make_cpu_device(layout, num_blocks=512, **_ENGINE_SHAPE)
+    config = EngineConfig(
+        cache_dir=args.dir,
+        host_capacity_bytes=4 << 20,
+        lmdb_map_size_bytes=args.map_size_bytes,
+        pressure_poll_interval_s=3600.0,
+        spill_batch_max_chunks=16,
+    )
+    async with OffloadEngine(layout, device, config, fingerprint=ENGINE_FINGERPRINT, pressure_sources={}) as engine:
+        _emit("ready")
+        counter = iter(range(1 << 30))
+
+        async def producer(lane: int) -> None:
+            blocks = list(range(1 + lane * 8, 1 + lane * 8 + 8))
+            while True:
+                index = next(counter)
+                tokens, content_seed = engine_request(args.seed, index)
+                table = blocks[: len(tokens) // 16]
+                fill_blocks(device, table, content_seed)
+                handle = engine.store(tokens, [table])
+                result = await handle
+                if result.durable and not result.dropped:
+                    _emit(f"ack {index}")
+                await asyncio.sleep(args.pause_s)
+
+        await asyncio.gather(*(producer(lane) for lane in range(args.writers)))
+
+
+def _hold_reader(args: argparse.Namespace) -> None:
+    import lmdb
+
+    env = lmdb.open(args.dir, readonly=True, lock=True, max_dbs=4, subdir=True)
+    txn = env.begin()
+    chunks = env.open_db(b"chunks", txn=txn, create=False)
+    n = txn.stat(chunks)["entries"]
+    _emit(f"holding {os.getpid()} {n}")
+    time.sleep(3600)
+
+
+async def _warmup_writer(args: argparse.Namespace) -> None:
+    from kvtier.tiers.lmdb import LmdbTier
+
+    rng = random.Random(args.seed)
+    async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2) as tier:
+        _emit("ready")
+        deadline = time.monotonic() + args.duration_s
+        batch = 0
+        written = 0
+        live: Dict[int, List[bytes]] = {}
+        while time.monotonic() < deadline:
+            sizes = [rng.choice((4096, 30000, 65536)) for _ in range(rng.randint(1, 6))]
+            items = make_batch(args.seed, batch, sizes)
+            await tier.put_many(items)
+            written += sum(sizes)
+            live[batch] = [k for k, _, _ in items]
+            _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
+            old = batch - args.window
+            if old in live:
+                await tier.delete_many(live.pop(old))
+                _emit(f"del {old}")
+            batch += 1
+            await asyncio.sleep(args.pause_s)
+        stats = tier.statistics()
+        _emit("done " + json.dumps({"batches": batch, "written_bytes": written, "errors": stats.errors,
+                                     "map_growths": stats.extra["map_growths"]}))
+
+
+
+# ------------------------------------------------------------------------------- corruption
+
+
+def lmdb_page_kinds(data: bytes, psize: int = 4096) -> List[str]:
+    """Per page of a ``data.mdb`` image: "meta", "branch", "leaf", "overflow" (every page of a
+    large value) or "free" (anything else: freed or never written)."""
+    npages = len(data) // psize
+    kinds = ["free"] * npages
+    i = 0
+    while i < npages:
+        off = i * psize
+        pgno, _pad, flags = struct.unpack_from("<QHH", data, off)
+        if pgno == i and flags & 0x04:  # P_OVERFLOW: its page count follows the flags
+            (count,) = struct.unpack_from("<I", data, off + 12)
+            for j in range(i, min(npages, i + max(1, count))):
+                kinds[j] = "overflow"
+            i += max(1, count)
+            continue
+        if pgno == i and flags & 0x08:
+            kinds[i] = "meta"
+        elif pgno == i and flags & 0x01:
+            kinds[i] = "branch"
+        elif pgno == i and flags & 0x02:
+            kinds[i] = "leaf"
+        i += 1
+    return kinds
+
+
+def flip_bytes(path: Path, rng: random.Random, count: int, where: str, psize: int = 4096) -> List[int]:
+    """XOR ``count`` bytes of the file with random non-zero masks; ``where`` picks the pages:
+    "records" (overflow and leaf pages), "structure" (meta, branch and leaf pages) or "anywhere".
+    Returns the offsets flipped."""
+    data = bytearray(path.read_bytes())
+    kinds = lmdb_page_kinds(bytes(data), psize)
+    wanted = {"records": {"overflow", "leaf"}, "structure": {"meta", "branch", "leaf"}}.get(where)
+    pages = [i for i, k in enumerate(kinds) if wanted is None or k in wanted] or list(range(len(kinds)))
+    offsets = []
+    for _ in range(count):
+        page = rng.choice(pages)
+        off = page * psize + rng.randrange(psize)
+        data[off] ^= rng.randrange(1, 256)
+        offsets.append(off)
+    path.write_bytes(bytes(data))
+    return offsets
+
+
+async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, object]:
+    """Open read-write (reads quarantine what they find corrupt, as in a serving process) and read
+    every original key and every listed one, one key per call so that a typed failure is local."""
+    from kvtier.tiers.lmdb import LmdbTier
+
+    out: Dict[str, object] = {"open": "ok", "hits": 0, "misses": 0, "wrong": [], "typed_read_errors": 0,
+                              "missed_keys": [], "listed": 0}
+    try:
+        tier = await LmdbTier.open(path, map_size_bytes=1 << 20, verify_structure=True)
+    except KvtierError as exc:
+        out["open"] = f"{type(exc).__name__}: {exc}"
+        return out
+    async with tier:
+        try:
+            # Both listings: list_keys (the engine's index) and the records themselves.
+            listed = list(dict.fromkeys(await tier.list_keys() + [i.key for i in tier.iter_records()]))
+        except KvtierError:
+            listed = []
+            out["typed_read_errors"] = 1
+        out["listed"] = len(listed)
+        candidates = list(dict.fromkeys(list(originals) + listed))
+        for key in candidates:
+            info = parse_key(key)
+            size = info.nbytes if info is not None else None
+            if size is None:
+                # Not one of ours (a flipped key byte): size the buffer from its header if it parses.
+                try:
+                    [rec] = [i for i in tier.iter_records() if i.key == key] or [None]
+                except KvtierError:
+                    rec = None
+                size = rec.header.raw_length if rec is not None and rec.header is not None else 16
+                size = min(size, 1 << 24)
+            buf = bytearray(size)
+            try:
+                [meta] = await tier.get_many_into([(key, memoryview(buf))])
+            except KvtierError:
+                out["typed_read_errors"] += 1  # type: ignore[operator]
+                continue
+            if meta is None:
+                out["misses"] += 1  # type: ignore[operator]
+                if key in listed:
+                    out["missed_keys"].append(key.hex())  # type: ignore[union-attr]
+                continue
+            if info is None or bytes(buf) != chunk_content(key) or meta != chunk_meta(key):
+                out["wrong"].append(key.hex())  # type: ignore[union-attr]
+            else:
+                out["hits"] += 1  # type: ignore[operator]
+    return out
+
+
+def _corrupt_trials(args: argparse.Namespace) -> None:
+    from kvtier.tools import cli
+    from kvtier.tools.maintenance import verify_cache
+
+    src = Path(args.src)
+    originals = [bytes.fromhex(k) for k in Path(args.keys).read_text().split()]
+    work = Path(args.work)
+    for trial in range(args.first, args.first + args.trials):
+        rng = random.Random(args.seed * 100_003 + trial)
+        where = ("records", "structure", "anywhere")[trial % 3]
+        count = rng.randint(1, args.max_flips)
+        d = work / f"trial-{trial}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(mode=0o700, parents=True)
+        shutil.copyfile(src / "data.mdb", d / "data.mdb")
+        os.chmod(d / "data.mdb", 0o600)
+        offsets = flip_bytes(d / "data.mdb", rng, count, where)
+        _emit(f"start {trial} {where} {count}")
+        result: Dict[str, object] = {"trial": trial, "where": where, "flips": count, "offsets": offsets}
+        # 1. The verifier, read-only, before any read moves records.
+        try:
+            report = verify_cache(str(d), quarantine=False)
+            result["verify"] = {"checked": report.checked, "ok": report.ok,
+                                "bad": sorted(k.hex() for k, _ in report.corrupt)}
+        except KvtierError as exc:
+            result["verify"] = f"{type(exc).__name__}: {exc}"
+        # 2. The command line says the same.
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = cli.main(["verify", "--cache-dir", str(d), "--no-quarantine", "--json"])
+        result["cli"] = {"rc": rc, "out": stdout.getvalue().strip(), "err": stderr.getvalue().strip()}
+        # 3. Every read: the original bytes or a miss.
+        result["reads"] = asyncio.run(_read_every_key(str(d), originals))
+        _emit("result " + json.dumps(result))
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ spawn
+
+
+def spawn_reader(path: str, keys_hex: Sequence[str], readonly: bool = True) -> None:
+    """A ``multiprocessing`` spawn target: open the tier at ``path`` in this fresh process and read
+    ``keys_hex`` back; exits 0 when each holds ``chunk_content(key)``, 3 when not, 4 on a kvtier
+    error."""
+
+    async def main() -> int:
+        from kvtier.tiers.lmdb import LmdbTier
+
+        async with await LmdbTier.open(path, readonly=readonly) as tier:
+            keys = [bytes.fromhex(k) for k in keys_hex]
+            bufs = [bytearray(parse_key(k).nbytes) for k in keys]  # type: ignore[union-attr]
+            metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)])
+            ok = all(m is not None and bytes(b) == chunk_content(k) for k, m, b in zip(keys, metas, bufs))
+            return 0 if ok else 3
+
+    try:
+        code = asyncio.run(main())
+    except KvtierError:
+        code = 4
+    sys.exit(code)
+
+
+# ------------------------------------------------------------------------------- parent side
+
+
+def run_child(args: Sequence[str], stderr_path: Path) -> "subprocess.Popen[bytes]":
+    """Start ``python -m kvtier.tools.testing.fault_child ARGS`` with stdout piped and stderr to a file."""
+    import subprocess
+
+    with open(stderr_path, "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvtier.tools.testing.fault_child", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def read_line(proc: "subprocess.Popen[bytes]", timeout_s: float) -> str:
+    """The child's next stdout line; ``TimeoutError`` after ``timeout_s``, ``EOFError`` at its end."""
+    import select
+
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise TimeoutError(f"no line from the child within {timeout_s} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise EOFError("the child closed its stdout")
+    return line.decode().rstrip("\n")
+
+
+@dataclass
+class KillResult:
+    """One kill -9 iteration: what the child acknowledged and what the reopened cache holds."""
+
+    mode: str
+    seed: int
+    delay_s: float
+    acked_batches: int = 0
+    acked: List[bytes] = field(default_factory=list)  # chunk keys (tier) or b"<request index>" (engine)
+    check: Optional[CacheCheck] = None
+    problems: List[str] = field(default_factory=list)
+    data_bytes: int = 0
+
+
+def kill_during_spill(
+    directory: Path,
+    seed: int,
+    delay_s: float,
+    *,
+    mode: str = "tier",
+    earlier_acked: Sequence[bytes] = (),
+    ready_timeout_s: float = 60.0,
+) -> KillResult:
+    """Start a ``spill`` (``mode="tier"``) or ``engine-spill`` (``"engine"``) child on
+    ``directory``, SIGKILL it ``delay_s`` after it said ``ready``, then reopen the directory here
+    and check it (blocking). ``earlier_acked``: keys acknowledged by earlier children on the same
+    directory, which must still be there too."""
+    command = "spill" if mode == "tier" else "engine-spill"
+    result = KillResult(mode, seed, delay_s)
+    err_path = directory.with_name(directory.name + f".stderr-{seed}")
+    proc = run_child([command, "--dir", str(directory), "--seed", str(seed)], err_path)
+    try:
+        first = read_line(proc, ready_timeout_s)
+        if first != "ready":
+            result.problems.append(f"child said {first!r} instead of ready")
+        time.sleep(delay_s)
+    finally:
+        proc.kill()
+        out = proc.stdout.read() if proc.stdout is not None else b""  # type: ignore[union-attr]
+        proc.wait()
+    stderr = err_path.read_text(errors="replace") if err_path.exists() else ""
+    err_path.unlink(missing_ok=True)
+    if proc.returncode != -9:
+        result.problems.append(f"child ended with {proc.returncode} before the kill: {stderr[-2000:]}")
+    lines = out.decode().split("\n")
+    complete = lines[:-1]  # the last element is "" or a line cut by the kill (never parsed)
+    for line in complete:
+        parts = line.split()
+        if parts and parts[0] == "ack":
+            result.acked_batches += 1
+            if mode == "tier":
+                result.acked.extend(bytes.fromhex(k) for k in parts[2:])
+            else:
+                result.acked.append(parts[1].encode())
+        elif parts and parts[0] == "BAD":
+            result.problems.append(f"the child read back wrong bytes: {line}")
+    data = directory / "data.mdb"
+    result.data_bytes = data.stat().st_size if data.exists() else 0
+    if mode == "tier":
+        result.check = check_cache(str(directory), list(earlier_acked) + result.acked)
+        result.problems.extend(result.check.problems)
+    else:
+        indices = [int(a) for a in result.acked]
+        result.problems.extend(asyncio.run(check_engine_requests(str(directory), seed, indices)))
+    return result
+
+
+def run_kill_chains(
+    root: Path, iterations: int, *, mode: str, base_seed: int, chain: int = 2, lanes: int = 2
+) -> List[KillResult]:
+    """Run ``iterations`` kill -9 iterations, ``chain`` per directory under ``root`` (each child
+    after the first starts on what the previous one's death left, and everything acknowledged on
+    that directory so far must survive), ``lanes`` chains side by side. Delays are uniform in
+    0.2-2 s, seeded by ``base_seed``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chains = [list(range(start, min(iterations, start + chain))) for start in range(0, iterations, chain)]
+
+    def run_chain(members: List[int]) -> List[KillResult]:
+        directory = root / f"chain-{members[0]}"
+        acked: List[bytes] = []
+        out = []
+        for i in members:
+            rng = random.Random(base_seed * 7919 + i)
+            result = kill_during_spill(directory, base_seed + i, rng.uniform(0.2, 2.0), mode=mode, earlier_acked=acked)
+            acked.extend(result.acked)
+            out.append(result)
+        return out
+
+    with ThreadPoolExecutor(max_workers=lanes) as pool:
+        return [r for members in pool.map(run_chain, chains) for r in members]
+
+
+def summarize_kills(results: Sequence[KillResult]) -> str:
+    head = (
+        f"{len(results)} kill -9 iterations ({results[0].mode}), delays "
+        f"{min(r.delay_s for r in results):.2f}-{max(r.delay_s for r in results):.2f} s, "
+    )
+    if results[0].mode == "engine":
+        return head + (
+            f"{sum(r.acked_batches for r in results)} requests acknowledged durable, each a full hit "
+            f"that loaded bitwise after the restart"
+        )
+    records = sum(r.check.records for r in results if r.check is not None)
+    batches = sum(r.check.batches for r in results if r.check is not None)
+    return head + (
+        f"{sum(r.acked_batches for r in results)} acknowledged batches / {sum(len(r.acked) for r in results)} "
+        f"acknowledged chunks, all found intact; {records} records in {batches} batches (every one whole) "
+        f"verified after the kills"
+    )
+
+
+async def check_engine_requests(directory: str, seed: int, indices: Sequence[int]) -> List[str]:
+    """Restart an engine over ``directory`` and load every acknowledged request of an
+    ``engine-spill`` child with that seed: a full hit whose blocks equal the bytes the child put on
+    its device. Returns the problems found (empty: nothing acknowledged was lost or changed)."""
+    from kvtier.engine import EngineConfig, OffloadEngine
+    from kvtier.tools.testing.scenario import make_cpu_device
+
+    layout = engine_layout()
+    device = make_cpu_device(layout, num_blocks=8, **_ENGINE_SHAPE)
+    expected_device = make_cpu_device(layout, num_blocks=8, **_ENGINE_SHAPE)
+    config = EngineConfig(cache_dir=directory, host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0,
+                          quarantine_corrupt_cache_dir=False)
+    problems: List[str] = []
+    async with OffloadEngine(layout, device, config, fingerprint=ENGINE_FINGERPRINT, pressure_sources={}) as engine:
+        for index in indices:
+            tokens, content_seed = engine_request(seed, index)
+            n = len(tokens) // 16
+            table = list(range(1, 1 + n))
+            fill_blocks(expected_device, table, content_seed)
+            for layer in device._groups[0].layers:
+                layer[1 : 1 + n].zero_()
+            hit = engine.lookup(tokens + [0])
+            if hit != len(tokens):
+                problems.append(f"request {index}: acknowledged, but the hit is {hit} of {len(tokens)} tokens")
+                continue
+            result = await engine.load(tokens + [0], hit, [table + [0]])
+            if not result.ok:
+                problems.append(f"request {index}: load failed: {result.reason}")
+                continue
+            for got, want in zip(device._groups[0].layers, expected_device._groups[0].layers):
+                if got[1 : 1 + n].numpy().tobytes() != want[1 : 1 + n].numpy().tobytes():
+                    problems.append(f"request {index}: loaded bytes differ")
+                    break
+        await engine.flush()
+        engine.check()
+    return problems
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.testing.fault_child")
+    sub = parser.add_subparsers(dest="command", required=True)
+    spill = sub.add_parser("spill")
+    spill.add_argument("--dir", required=True)
+    spill.add_argument("--seed", type=int, required=True)
+    spill.add_argument("--writers", type=int, default=3)
+    spill.add_argument("--max-batch", type=int, default=6)
+    spill.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    engine = sub.add_parser("engine-spill")
+    engine.add_argument("--dir", required=True)
+    engine.add_argument("--seed", type=int, required=True)
+    engine.add_argument("--writers", type=int, default=2)
+    engine.add_argument("--pause-s", type=float, default=0.01)
+    engine.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    hold = sub.add_parser("hold-reader")
+    hold.add_argument("--dir", required=True)
+    warm = sub.add_parser("warmup-writer")
+    warm.add_argument("--dir", required=True)
+    warm.add_argument("--seed", type=int, required=True)
+    warm.add_argument("--duration-s", type=float, default=3.0)
+    warm.add_argument("--window", type=int, default=8)
+    warm.add_argument("--pause-s", type=float, default=0.0)
+    warm.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    trials = sub.add_parser("corrupt-trials")
+    trials.add_argument("--src", required=True)
+    trials.add_argument("--keys", required=True, help="file of the pristine keys, hex, whitespace-separated")
+    trials.add_argument("--work", required=True)
+    trials.add_argument("--seed", type=int, required=True)
+    trials.add_argument("--first", type=int, default=0)
+    trials.add_argument("--trials", type=int, default=30)
+    trials.add_argument("--max-flips", type=int, default=24)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "spill":
+        asyncio.run(_spill(args))
+    elif args.command == "engine-spill":
+        asyncio.run(_engine_spill(args))
+    elif args.command == "hold-reader":
+        _hold_reader(args)
+    elif args.command == "warmup-writer":
+        asyncio.run(_warmup_writer(args))
+    elif args.command == "corrupt-trials":
+        _corrupt_trials(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
