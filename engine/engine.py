@@ -1002,7 +1002,7 @@ class OffloadEngine:
             ):
                 meta, failure = None, "corrupt"
             if meta is None:
-                if failure == "corrupt":  # the record is gone (quarantined); a tier error may pass
+                if failure in ("corrupt", "missing"):  # the record is gone; a tier error may pass
                     self._index.discard(entry.key)
                 self._drop_entry(entry, None)
                 self._resolve_ready(entry, failure)
