@@ -18,7 +18,10 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .lru import ByteLru
 
 __all__ = [
     "ChunkMeta",
@@ -138,6 +141,19 @@ class TierStatistics:
             out[name] = float(value)
         return out
 
+    @classmethod
+    def from_counters(
+        cls, counters: Mapping[str, float], index: "ByteLru", *, capacity_bytes: Optional[int], degraded: bool,
+        **extra: float,
+    ) -> "TierStatistics":
+        """Build a tier's record from its counter table (names of fields go to the fields, the rest
+        to ``extra``), its byte index (``records``, ``bytes``) and ``extra`` values."""
+        shared = {name: int(value) for name, value in counters.items() if name in _COUNTER_FIELDS}
+        rest = {name: float(value) for name, value in counters.items() if name not in _COUNTER_FIELDS}
+        rest.update(extra)
+        return cls(records=len(index), bytes=index.total_bytes, capacity_bytes=capacity_bytes,
+                   degraded=degraded, extra=rest, **shared)
+
     def with_extra(self, **extra: float) -> "TierStatistics":
         """A copy with more tier-specific counters (a wrapper adding its own)."""
         merged = dict(self.extra)
@@ -146,6 +162,8 @@ class TierStatistics:
 
 
 STATISTICS_FIELDS: Tuple[str, ...] = tuple(f.name for f in fields(TierStatistics))
+# The fields a tier counts itself (the rest come from its index, its configuration and its state).
+_COUNTER_FIELDS = frozenset(STATISTICS_FIELDS) - {"records", "bytes", "capacity_bytes", "degraded", "extra"}
 
 RemovalCallback = Callable[[Sequence[Removal]], None]
 

@@ -253,7 +253,7 @@ async def test_primary_killed_during_write_behind_leaves_no_half_visible_request
 @pytest.mark.asyncio
 async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path, valkey_factory):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
     node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="allkeys-lru")
     layout = DEFAULT_TEST_LAYOUT

@@ -60,7 +60,8 @@ def _check_schema(report: BenchReport) -> dict:
 
 def test_tiers_and_engine_on_tiny_sizes(tmp_path):
     report = asyncio.run(
-        run_bench(sizes=(64 << 10,), total_bytes=1 << 20, rounds=2, parts={"tiers", "engine"}, cache_dir=str(tmp_path))
+        run_bench(sizes=(64 << 10,), total_bytes=1 << 20, rounds=2, parts={"tiers", "engine"}, cache_dir=str(tmp_path),
+                  peers=False)
     )
     doc = _check_schema(report)
     assert report.failures == []  # every byte read back (LMDB, files, baseline, engine) matched
@@ -79,6 +80,11 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
         "engine cold load (zstd) 64KiB",
     ):
         assert expected in names
+    skipped = report.machine.get("peers_skipped", [])
+    assert any(s.startswith("peers (vLLM fs") for s in skipped)  # peers=False
+    if not any(s.startswith("O_DIRECT limit") for s in skipped):  # the limit runs where O_DIRECT works
+        assert "O_DIRECT write+fdatasync, 4 in flight 64KiB" in names
+        assert "kvtier lmdb cold read vs O_DIRECT limit 64KiB" in names
     assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
     text = format_report(report)
     assert "targets:" in text and "machine:" in text
@@ -113,3 +119,14 @@ def test_compression_and_bookkeeping():
     assert abs(bk.total_us_per_chunk - parts) < 1e-6 * parts
     bk = asyncio.run(measure_bookkeeping(chunks_per_request=4, requests=2, rounds=1, hybrid=True, with_copies=True))
     assert bk.total_us_per_chunk > 0
+
+
+def test_keys_bench_before_and_after_agree():
+    from kvtier.tools.bench_keys import measure_keys
+
+    result = asyncio.run(measure_keys(tokens=2048, repeat=1, grow_steps=4))
+    cases = result["cases"]
+    assert set(cases) == {"keys", "lookup miss", "lookup hit", "grow: keys/step", "grow: lookup/step"}
+    assert cases["lookup hit"]["hit_tokens"] == 2048  # v1 and v2 keys found the same full hit
+    for row in cases.values():
+        assert row["v1"]["best_ms"] > 0 and row["v2"]["best_ms"] > 0

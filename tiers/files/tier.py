@@ -295,16 +295,9 @@ class FileTier(ChunkTier):
         """The shared counters (``TierStatistics``; ``errors`` counts failed batches and failed
         per-file operations) and, in ``extra``: ``temps_removed`` (at open) and
         ``quarantine_held`` (records kept under ``quarantine/``, from every process)."""
-        counters = dict(self._stats)
-        extra = {"temps_removed": float(counters.pop("temps_removed")),
-                 "quarantine_held": float(self._quarantine_room.held)}
-        return TierStatistics(
-            records=len(self._index),
-            bytes=self._index.total_bytes,
-            capacity_bytes=self._capacity,
-            degraded=self._degraded,
-            extra=extra,
-            **counters,
+        return TierStatistics.from_counters(
+            self._stats, self._index, capacity_bytes=self._capacity, degraded=self._degraded,
+            quarantine_held=float(self._quarantine_room.held),
         )
 
     def subscribe_removals(self, callback: RemovalCallback) -> None:
@@ -431,7 +424,7 @@ class FileTier(ChunkTier):
         while any(key in self._writing for key in checked):
             # Unlinking a name whose put is in flight could remove the new file after its rename
             # and leave the index pointing at nothing; the delete is ordered after the put.
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._wait_for_tasks()
         victims = self._drop(list(dict.fromkeys(checked)), "deleted")
         self._stats["deletes"] += len(victims)
         if victims:
@@ -453,7 +446,7 @@ class FileTier(ChunkTier):
         (a cancelled ``put_many`` runs on as a tier task). Cancelling it: no effect on them."""
         self._check_open()
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._wait_for_tasks()
 
     async def check(self) -> List[str]:
         """Reconcile the index with the files (a self-check for tests and tools): rescans the tree
@@ -477,7 +470,7 @@ class FileTier(ChunkTier):
         """
         self._closed = True
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._wait_for_tasks()
         await self._idle.wait()
         # Threads still running work of cancelled reads finish on their own; nothing awaits them.
         self._io.shutdown(wait=False)
@@ -498,6 +491,15 @@ class FileTier(ChunkTier):
             batch.pop(key, None)  # last one wins, and keeps its position
             batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
         return list(batch.values())
+
+    async def _wait_for_tasks(self) -> None:
+        """Wait for the tier's own tasks. ``asyncio.wait``, not ``gather``: cancelling the waiter
+        (a ``flush``, ``close`` or ``delete_many``) must not cancel a put handed to the tier."""
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:
+            await asyncio.wait(pending)
+        else:
+            await asyncio.sleep(0)  # done tasks leave ``_tasks`` in their done callbacks
 
     def _spawn(self, coro: Awaitable[_T]) -> "asyncio.Task[_T]":
         task = asyncio.ensure_future(coro)

@@ -80,6 +80,7 @@ from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance
+from .readahead import advise_willneed
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
@@ -97,10 +98,9 @@ _MIN_MAP_SIZE = 1 << 20
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
 # Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).
-_SHARED_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
-                    "evictions", "deletes", "errors")
-_EXTRA_COUNTERS = ("put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records", "map_growths",
-                   "stale_readers_cleared")
+_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined", "evictions",
+             "deletes", "errors", "put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records",
+             "map_growths", "stale_readers_cleared")
 
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
 # inheriting the parent's entries.
@@ -167,7 +167,7 @@ class LmdbTier(ChunkTier, Maintenance):
         self._state_lock = threading.Lock()
         self._map_lock = SharedExclusiveLock()
         self._counters_lock = threading.Lock()
-        self._counters: Dict[str, int] = dict.fromkeys(_SHARED_COUNTERS + _EXTRA_COUNTERS, 0)
+        self._counters: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._degraded = False
         # Owned by the writer thread once it starts: key -> stored bytes, least recently used first.
         self._lru = ByteLru()
@@ -451,8 +451,9 @@ class LmdbTier(ChunkTier, Maintenance):
         def body(txn: lmdb.Transaction) -> List[Optional[ChunkMeta]]:
             results: List[Optional[ChunkMeta]] = []
             corrupt.clear()
-            for key, buf in items:
-                record = txn.get(key, db=self._tables.chunks)
+            records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
+            advise_willneed(r for r in records if r is not None)  # the whole slice's pages in flight
+            for (key, buf), record in zip(items, records):
                 if record is None:
                     results.append(None)
                     continue
@@ -616,18 +617,12 @@ class LmdbTier(ChunkTier, Maintenance):
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
         with self._counters_lock:
             counters = dict(self._counters)
-        extra = {name: float(counters.pop(name)) for name in _EXTRA_COUNTERS}
         try:
-            extra["map_size_bytes"] = float(self._env.info()["map_size"]) if not self._closed else 0.0
+            map_size = float(self._env.info()["map_size"]) if not self._closed else 0.0
         except lmdb.Error:
-            extra["map_size_bytes"] = 0.0
-        return TierStatistics(
-            records=len(self._lru),
-            bytes=self._lru.total_bytes,
-            capacity_bytes=self._capacity,
-            degraded=self._degraded,
-            extra=extra,
-            **counters,
+            map_size = 0.0
+        return TierStatistics.from_counters(
+            counters, self._lru, capacity_bytes=self._capacity, degraded=self._degraded, map_size_bytes=map_size
         )
 
     # ------------------------------------------------------------------------- timer-thread tasks

@@ -36,6 +36,7 @@ from .settings import (
     label_of,
     mb_s,
 )
+from .peers import PEER_SKIPS, peer_specs
 from .subjects import TIER_SUBJECTS, DiskSubject, EngineSubject, RawFile, RowContext
 
 __all__ = ["run_bench", "run_bench_command"]
@@ -59,12 +60,15 @@ async def run_bench(
     gemma_seq_len: Optional[int] = None,
     rounds: int = ROUNDS,
     progress: bool = False,
+    peers: Optional[bool] = None,
 ) -> BenchReport:
     """Run the benchmark (see the module docstring). ``parts`` limits it to some of ``"tiers"``
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
     ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
     cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/remote.py``); ``total_bytes`` overrides the
-    bytes moved per chunk size, ``rounds`` the paired rounds per size. The cache directory gets a
+    bytes moved per chunk size, ``rounds`` the paired rounds per size. ``peers`` (default: not
+    ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
+    take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. The cache directory gets a
     fresh ``kvtier-bench-*`` subdirectory, removed at the end. Torch runs one intra-op thread
     meanwhile (restored after): on 2 cores its second thread only adds wake-up jitter to the copies,
     and the tiers' own threads need the other core."""
@@ -72,14 +76,15 @@ async def run_bench(
     torch.set_num_threads(1)
     try:
         return await _run_bench(quick=quick, cache_dir=cache_dir, sizes=sizes, total_bytes=total_bytes,
-                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds, progress=progress)
+                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds, progress=progress,
+                                peers=not quick if peers is None else peers)
     finally:
         torch.set_num_threads(threads)
 
 
 async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: Optional[int],
                      parts: Optional[Set[str]], gemma_seq_len: Optional[int], rounds: int,
-                     progress: bool) -> BenchReport:
+                     progress: bool, peers: bool) -> BenchReport:
     all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression", "remote"}
     parts = set(all_parts if parts is None else parts)
     unknown = parts - all_parts
@@ -118,7 +123,8 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
     try:
         free = shutil.disk_usage(work).free
         if "tiers" in parts or "engine" in parts:
-            need = 6 * total + 256 * MiB  # every subject keeps its copy until the size is done
+            # every subject keeps its copy until the size is done
+            need = (len(TIER_SUBJECTS) + len(peer_specs(work, peers=peers)) + 3) * total + 256 * MiB
             if free < need:
                 raise ValueError(f"{parent} has {free >> 20} MiB free; the bench needs about {need >> 20} MiB")
         raw_write_ref: Dict[int, float] = {}
@@ -128,7 +134,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             say(f"generating {total >> 20} MiB of bf16 KV-like bytes")
             kv = make_kv_bytes(total)
             for size in sizes:
-                await _bench_size(report, work, kv, size, total, parts, rounds, raw_write_ref, say)
+                await _bench_size(report, work, kv, size, total, parts, rounds, raw_write_ref, say, peers)
             del kv
             gc.collect()
         if "bookkeeping" in parts:
@@ -212,7 +218,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
 
 async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: int, total: int,
                       parts: Set[str], rounds: int, raw_write_ref: Dict[int, float],
-                      say: Callable[[str], None]) -> None:
+                      say: Callable[[str], None], peers: bool) -> None:
     label = label_of(size)
     geometry = KVGeometry.for_chunk(size)
     n = total // size
@@ -221,7 +227,9 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
     view = geometry.device_view(kv, n)
     pool = HostSlabPool(size, n)
     slots = [pool.view(s) for s in pool.allocate(n).slots]
-    restore = torch.zeros(n * size, dtype=torch.uint8)
+    # Page-aligned, like the host slab: the O_DIRECT limit and vLLM's fs tier read into it directly.
+    restore_raw = torch.empty(n * size + 4096, dtype=torch.uint8)
+    restore = restore_raw[(-restore_raw.data_ptr()) % 4096 :][: n * size]
     restore.fill_(1)  # pre-fault: the copies below must not pay first-touch
     chunks = [memoryview(s.numpy()) for s in slots]
     outs = [memoryview(restore[i * size : (i + 1) * size].numpy()) for i in range(n)]
@@ -247,7 +255,10 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
     step = n // k
     ranges = [range(i * step, (i + 1) * step if i < k - 1 else n) for i in range(k)]
     subjects: List[DiskSubject] = [RawFile(work / f"raw-{label}", chunks, outs)]
-    specs = list(TIER_SUBJECTS) if "tiers" in parts else []
+    specs = list(TIER_SUBJECTS) + peer_specs(work, peers=peers) if "tiers" in parts else []
+    for skipped in PEER_SKIPS if "tiers" in parts else []:
+        if skipped not in report.machine.setdefault("peers_skipped", []):
+            report.machine["peers_skipped"].append(skipped)
     if specs:
         subjects += [spec.make(work / f"{spec.directory}-{label}", chunks, outs) for spec in specs]
     engine: Optional[EngineSubject] = None
@@ -284,7 +295,7 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
                    ratio_of(released, memcpy) if memcpy else None, "memcpy" if memcpy else None)
         add(f"engine store until durable (zstd) {label}", "engine", "write", "raw", "raw fdatasync write")
         add(f"engine cold load (zstd) {label}", "engine", "read", "raw", "raw cold read")
-    del pool, slots, chunks, outs, restore
+    del pool, slots, chunks, outs, restore, restore_raw
     gc.collect()
 
 

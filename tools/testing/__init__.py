@@ -7,6 +7,10 @@
 - ``scenario``: ``OffloadScenario`` (a producer and consumers on CPU tensors, exact stored and
   loaded sets), ``make_cpu_device``, ``DEFAULT_TEST_LAYOUT``.
 - ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings).
+- ``tier_seam``: ``SeamTier`` (fail a tier call with any exception, hold it before or after the
+  inner tier did the work, stall it) -- the seam of the engine's contract tests.
+- ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random
+  interleavings, cancellations and faults, checked against a model after every step).
 - ``fault_child``: the child process of the kill -9 and multi-process tests
   (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
 

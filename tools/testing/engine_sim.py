@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tools.testing.pressure import ScriptedSource
 
-from .testing.scenario import make_cpu_device
+from .scenario import make_cpu_device
 from .tier_seam import SeamTier
 
 __all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]
