@@ -25,27 +25,20 @@ def _describe(st: os.stat_result) -> str:
 
 
 def ensure_private_dir(path: PathLike, *, create: bool = True, files: Iterable[str] = ()) -> Path:
-    """Return the resolved directory, creating it with mode 0700 when missing and ``create`` is true
-    (its parent must exist).
+    """Return the resolved directory, creating it with mode 0700 (parents with the default mode) when
+    missing and ``create`` is true.
 
     Raises ``UnsafeDirectoryError`` when the directory (after following symlinks) is not a directory,
     is world-writable, or is not owned by the effective uid; likewise for any of ``files`` that exist
-    inside it. Raises ``TierIOError`` when it is missing and ``create`` is false, when its parent is
-    missing, or when it cannot be made.
+    inside it. Raises ``TierIOError`` when it is missing and ``create`` is false, or cannot be made.
     An existing directory's mode is left as it is (only world-writable is refused).
     """
     p = Path(os.fspath(path)).expanduser()
     if not p.exists():
         if not create:
             raise TierIOError(f"cache directory {p} does not exist")
-        if not p.absolute().parent.is_dir():
-            # Only the last component is made: a missing parent is most often a disk that is not
-            # mounted, and a cache silently created on the root filesystem would fill it instead.
-            raise TierIOError(
-                f"cannot create cache directory {p}: its parent {p.absolute().parent} does not exist "
-                "(kvtier creates only the last component; mount or create the parent first)"
-            )
         try:
+            p.parent.mkdir(parents=True, exist_ok=True)
             os.mkdir(p, 0o700)
         except FileExistsError:
             pass  # another process made it first: fall through to the same checks

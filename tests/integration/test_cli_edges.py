@@ -72,7 +72,7 @@ def _cases(root: Path, readonly: Path):
         (["bench", "--quick", "--cache-dir", str(readonly)], f"--cache-dir {readonly} is not writable: Read-only file system"),
         (["inspect", "--cache-dir", str(root / "nothing-here")], "no kvtier cache at"),
         (["demo", "--cache-dir", str(root / "unmounted" / "kvtier")],
-         f"cannot create cache directory {root / 'unmounted' / 'kvtier'}: its parent {root / 'unmounted'} does not exist"),
+         f"cache_dir '{root / 'unmounted' / 'kvtier'}': its parent {root / 'unmounted'} does not exist"),
         (["verify", "--cache-dir", str(root / "damaged")],
          f"no record was checked or quarantined: move {root / 'damaged'}'s data.mdb aside"),
     ]
