@@ -55,4 +55,4 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
         raise
     if disk is None:
         return remote
-    return ChainedTier([disk, remote], write_policy=config.remote_write_policy)
+    return ChainedTier([disk, remote], write_policy=config.remote_write_policy, promote=config.remote_promote_to_disk)

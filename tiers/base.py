@@ -52,7 +52,7 @@ REMOVAL_REASONS = ("evicted", "quarantined", "deleted", "external")
 def check_key(key: object) -> bytes:
     """The one key rule: ``bytes`` of length 1..``KEY_MAX_BYTES``. Returns the key; raises
     ``TypeError`` for another type and ``ValueError`` naming the length otherwise."""
-    if type(key) is not bytes:
+    if not isinstance(key, bytes):
         raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
     if not 0 < len(key) <= KEY_MAX_BYTES:
         raise ValueError(f"chunk key length must be 1..{KEY_MAX_BYTES}, got {len(key)}")

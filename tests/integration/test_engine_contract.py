@@ -635,7 +635,7 @@ async def test_the_lifecycle_table_refuses_a_move_it_does_not_list(tmp_path):
 async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_path, monkeypatch, waiter):
     # Suspicion settled (it reproduced): FileTier's flush/close/delete_many gathered over the tier's
     # own tasks, so cancelling one of them cancelled a put another caller was awaiting.
-    import kvtier.tiers.files.tier as file_tier_module
+    import kvtier.tiers.files.writes as file_tier_module  # the put path (encoding) lives there
     from kvtier.tiers.base import ChunkMeta
 
     entered, gate = threading.Event(), threading.Event()
