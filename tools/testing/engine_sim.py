@@ -513,7 +513,7 @@ async def simulate(
     seed: int,
     steps: int = 300,
     tier: str = "lmdb",
-    disk_capacity_records: Optional[int] = 48,
+    disk_capacity_records: Optional[int] = None,
     settle_s: float = 10.0,
 ) -> SimReport:
     """Run one simulation (see the module docstring) in ``directory``; raises ``SimViolation``."""
@@ -524,6 +524,10 @@ async def simulate(
     layout = SIM_LAYOUT
     device = make_cpu_device(layout, num_blocks=160)
     record_bytes = max(device.chunk_nbytes(g) for g in range(len(layout.groups))) + 256
+    if disk_capacity_records is None:
+        # Per seed: a disk so small that each batch evicts the one before (the add/removal races
+        # of the disk index), a tight one, or a roomy one.
+        disk_capacity_records = random.Random(seed ^ 0x5EED).choice([5, 12, 48])
     capacity = disk_capacity_records * record_bytes if disk_capacity_records else None
     if tier == "lmdb":
         inner = await LmdbTier.open(directory / "lmdb", map_size_bytes=64 << 20, capacity_bytes=capacity)
@@ -532,12 +536,15 @@ async def simulate(
     else:
         raise ValueError(f"tier must be 'lmdb' or 'files', got {tier!r}")
     seam = SeamTier(inner)
+    # Per seed, too: a host pool from tight to roomy, spill batches from one chunk to many, a
+    # store queue that drops or never does.
+    shape = random.Random(seed ^ 0xC0F1)
     config = EngineConfig(
-        host_capacity_bytes=24 * device.chunk_nbytes(0),
+        host_capacity_bytes=shape.choice([8, 24, 64]) * device.chunk_nbytes(0),
         tier_timeout_s=0.3,
         pressure_poll_interval_s=3600.0,
-        spill_batch_max_chunks=4,
-        store_queue_max_chunks=64,
+        spill_batch_max_chunks=shape.choice([1, 4, 16]),
+        store_queue_max_chunks=shape.choice([16, 64, 4096]),
         events_max=256,
     )
     engine = OffloadEngine(layout, device, config, fingerprint=b"sim", disk_tier=seam,
