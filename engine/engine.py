@@ -449,7 +449,7 @@ class OffloadEngine:
         the disk tier it opened. Safe to call twice. Cancelling ``close`` cancels its wait only: the
         engine stays closing and its work runs on; call it again to finish. A tier call that never
         returns (a stalled disk) keeps ``close`` waiting: a tier may still write into a host slot
-        until it returns (the buffer rule), so the slab cannot be released before.
+        until it returns (the buffer rule), so the slab cannot be released before."""
         if self._closed:
             return
         self._closing = True
