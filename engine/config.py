@@ -100,9 +100,10 @@ class EngineConfig:
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
     lmdb_verify_on_open: bool = True
     # On: a cache_dir whose LMDB environment is damaged (not an LMDB file, truncated, tables that do
-    # not parse) is renamed aside to `<dir>.corrupt-<time>-<pid>` and recreated empty, so the
-    # serving process starts with a cold cache instead of failing. Off: start() raises
-    # CorruptCacheError and leaves the directory alone.
+    # not parse) has its data.mdb and lock.mdb moved aside to `<dir>.corrupt-<time>-<pid>` (inside
+    # the directory when it is a mount point) and recreated empty, so the serving process starts
+    # with a cold cache instead of failing. Off: start() raises CorruptCacheError and leaves the
+    # directory alone.
     quarantine_corrupt_cache_dir: bool = True
     # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
     device_kind: str = "cpu"

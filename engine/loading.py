@@ -170,6 +170,9 @@ class LoadPath:
         engine = self._engine
         items = [(e.key, engine._pools[e.group_index].buffer(e.slot)) for e, _ in work]
         started = time.perf_counter()
+        # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record is
+        # gone (another process's gc, an eviction the index has not heard of): "missing".
+        bad_before = _bad_reads(engine._disk)
         read = asyncio.ensure_future(engine._disk.get_many_into(items))
         done, _ = await asyncio.wait([read], timeout=engine.config.tier_timeout_s)
         if not done:
@@ -184,7 +187,7 @@ class LoadPath:
             await wait_all([read])
         try:
             metas = read.result()
-            failure = "corrupt"
+            failure = "corrupt" if _bad_reads(engine._disk) != bad_before else "missing"
         except Exception as exc:  # any exception: a foreign one must not leave entries LOADING
             logger.warning("disk read of %d chunks failed: %r", len(items), exc)
             engine.metrics.worker_error("promote")
@@ -204,7 +207,7 @@ class LoadPath:
             ):
                 meta, failure = None, "corrupt"
             if meta is None:
-                if failure == "corrupt":  # the record is gone (quarantined); a tier error may pass
+                if failure in ("corrupt", "missing"):  # the record is gone; a tier error may pass
                     engine._index.discard(entry.key)
                 engine._drop_entry(entry, None)
                 engine._resolve_ready(entry, failure)
@@ -224,3 +227,9 @@ class LoadPath:
         entry.generation += 1
         engine._drop_entry(entry, None)
         engine._resolve_ready(entry, reason)
+
+
+def _bad_reads(tier) -> int:
+    """Records the tier counted bad on reads so far (checksum or parse failures, wrong sizes)."""
+    stats = tier.statistics()
+    return int(getattr(stats, "corrupt", 0)) + int(getattr(stats, "mismatched", 0))

@@ -20,7 +20,6 @@ second host) is served from the remote alone.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import os

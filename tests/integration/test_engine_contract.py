@@ -337,7 +337,7 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
     await hold.entered.wait()
     second = r.engine.store(prompt, table)
     await asyncio.sleep(0.02)
-    assert not second._durable.done()
+    assert not second.durable_known
     hold.release()
     assert await asyncio.wait_for(second.wait_durable(), 5) is True
     assert await first.wait_durable() is True

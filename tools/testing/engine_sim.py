@@ -536,12 +536,15 @@ async def simulate(
     else:
         raise ValueError(f"tier must be 'lmdb' or 'files', got {tier!r}")
     seam = SeamTier(inner)
+    # Per seed, too: a host pool from tight to roomy, spill batches from one chunk to many, a
+    # store queue that drops or never does.
+    shape = random.Random(seed ^ 0xC0F1)
     config = EngineConfig(
-        host_capacity_bytes=24 * device.chunk_nbytes(0),
+        host_capacity_bytes=shape.choice([8, 24, 64]) * device.chunk_nbytes(0),
         tier_timeout_s=0.3,
         pressure_poll_interval_s=3600.0,
-        spill_batch_max_chunks=4,
-        store_queue_max_chunks=64,
+        spill_batch_max_chunks=shape.choice([1, 4, 16]),
+        store_queue_max_chunks=shape.choice([16, 64, 4096]),
         events_max=256,
     )
     engine = OffloadEngine(layout, device, config, fingerprint=b"sim", disk_tier=seam,
