@@ -447,7 +447,9 @@ class OffloadEngine:
         """Stop accepting work, let the work in flight finish (copies cannot be interrupted; queued
         spills are written), fail the durable waits left with ``False``, close the host pools and
         the disk tier it opened. Safe to call twice. Cancelling ``close`` cancels its wait only: the
-        engine stays closing and its work runs on; call it again to finish."""
+        engine stays closing and its work runs on; call it again to finish. A tier call that never
+        returns (a stalled disk) keeps ``close`` waiting: a tier may still write into a host slot
+        until it returns (the buffer rule), so the slab cannot be released before."""
         if self._closed:
             return
         self._closing = True
