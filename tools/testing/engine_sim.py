@@ -28,7 +28,10 @@ The model kept by the simulation, and what it checks (after every step, and at t
 - ``engine.check()`` after every step; once faults stop, every waiting call (``wait_released``,
   ``fence``, ``flush``, loads) resolves within ``settle_s``; at the end ``check()`` and
   ``check_disk()`` pass, a fresh lookup+load of stored prompts returns the right bytes, and
-  ``close()`` leaves no pinned slot, no task and no engine thread.
+  ``close()`` leaves no pinned slot, no task and no engine thread;
+- a third of the seeds end instead with ``close()`` amid work in flight (a first close cancelled
+  at a random await, then a second): every actor ends within ``settle_s`` and no late copy writes
+  into a freed block.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class SimReport:
     loads_failed: Dict[str, int] = field(default_factory=dict)
     durable_checked: int = 0
     bytes_checked: int = 0
+    closed_under_load: bool = False  # the run ended with close() amid work in flight
 
     def summary(self) -> str:
         return (
@@ -100,6 +104,7 @@ class SimReport:
             f"{self.overlapping_steps} steps with >= 2 actors in flight (max {self.max_concurrency}), "
             f"{self.loads_ok} loads ok, failed {self.loads_failed}, {self.durable_checked} durable "
             f"handles checked on the tier, {self.bytes_checked} blocks compared"
+            + (", closed under load" if self.closed_under_load else "")
         )
 
 
@@ -465,6 +470,35 @@ class _Sim:
                 continue  # a typed engine error (e.g. ClosedError) is an answer
             raise SimViolation(f"seed {self.seed}: actor {getattr(task, 'sim_name', '?')} raised {exc!r}") from exc
 
+    async def finish_by_closing(self) -> None:
+        """Faults stop and the engine closes with work in flight: a first ``close`` cancelled at a
+        random await, a second one to finish. Every actor must then end (with a result or a
+        ``ClosedError``) within ``settle_s``, and no late copy may write into a freed block."""
+        self.heal()
+        closing = asyncio.ensure_future(self.engine.close())
+        for _ in range(self.rng.randrange(0, 6)):
+            await asyncio.sleep(0)
+        if not closing.done():
+            closing.cancel()
+            self.report.cancelled += 1
+        await asyncio.gather(closing, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.engine.close(), self.settle_s)
+        except asyncio.TimeoutError:
+            raise SimViolation(f"seed {self.seed}: close() did not finish within {self.settle_s} s") from None
+        pending = [t for t in self.actors | self.reapers if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=self.settle_s)
+            if still:
+                names = sorted(getattr(t, "sim_name", "reaper") for t in still)
+                raise SimViolation(f"seed {self.seed}: {len(still)} calls still waiting after close: {names}")
+        self.harvest()
+        self.device.check_free(self.seed)
+        if self.engine._tasks and any(not t.done() for t in self.engine._tasks):
+            raise SimViolation(f"seed {self.seed}: engine tasks still running after close")
+        if not all(pool.closed for pool in self.engine._pools):
+            raise SimViolation(f"seed {self.seed}: close() left a host pool open")
+
     async def finish(self) -> None:
         """Faults stop; everything in flight must resolve within ``settle_s``."""
         self.heal()
@@ -555,7 +589,11 @@ async def simulate(
     try:
         for _ in range(steps):
             await sim.step()
-        await sim.finish()
+        if random.Random(seed ^ 0xC105E).random() < 1 / 3:
+            sim.report.closed_under_load = True
+            await sim.finish_by_closing()
+        else:
+            await sim.finish()
     finally:
         sim.heal()
         for task in list(sim.actors | sim.reapers):
