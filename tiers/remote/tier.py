@@ -539,7 +539,8 @@ class RemoteTier(ChunkTier):
             first = timeouts[0] if timeouts else (failures[0] if failures else None)
             if first is None:
                 bad = next((r for r in replies if isinstance(r, BaseException)), None)
-                raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: {bad}") from bad
+                raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: "
+                                  f"{type(bad).__name__}: {bad}") from bad
             raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
         self._write_failed = False
         seq = self._next_sequence()
