@@ -100,9 +100,10 @@ class EngineConfig:
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
     lmdb_verify_on_open: bool = True
     # On: a cache_dir whose LMDB environment is damaged (not an LMDB file, truncated, tables that do
-    # not parse) is renamed aside to `<dir>.corrupt-<time>-<pid>` and recreated empty, so the
-    # serving process starts with a cold cache instead of failing. Off: start() raises
-    # CorruptCacheError and leaves the directory alone.
+    # not parse) has its data.mdb and lock.mdb moved aside to `<dir>.corrupt-<time>-<pid>` (inside
+    # the directory when it is a mount point) and recreated empty, so the serving process starts
+    # with a cold cache instead of failing. Off: start() raises CorruptCacheError and leaves the
+    # directory alone.
     quarantine_corrupt_cache_dir: bool = True
     # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
     device_kind: str = "cpu"
@@ -130,6 +131,9 @@ class EngineConfig:
     remote_breaker_reset_s: float = 5.0
     # The backstop listing for evictions whose notification was lost (pub/sub is at-most-once).
     remote_listing_interval_s: float = 30.0
+    # On: a chunk loaded from the remote is also written into LMDB (in the background), so the next
+    # load of it on this host is local; off keeps LMDB for this host's own spills.
+    remote_promote_to_disk: bool = True
     # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
     # them would otherwise grow the engine without bound. The oldest are dropped and counted
     # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
@@ -227,6 +231,7 @@ class EngineConfig:
         _require_int("remote_breaker_failures", self.remote_breaker_failures, 1)
         _require_seconds("remote_breaker_reset_s", self.remote_breaker_reset_s)
         _require_seconds("remote_listing_interval_s", self.remote_listing_interval_s)
+        _require_bool("remote_promote_to_disk", self.remote_promote_to_disk)
 
     # -- conversions and loaders ----------------------------------------------------------------
 
@@ -339,7 +344,8 @@ _FLOAT_FIELDS = frozenset(
     }
 )
 _BOOL_FIELDS = frozenset(
-    {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open"}
+    {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open",
+     "remote_promote_to_disk"}
 )
 _OPTIONAL_FIELDS = frozenset(
     {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "remote_url"}

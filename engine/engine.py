@@ -12,8 +12,9 @@ tier's own threads. One executor hop per batch of chunks, never per chunk.
 
 Layout. A chunk's life is one transition table (``lifecycle.py``); which keys the disk holds is the
 ordered ``DiskIndex`` (``disk_index.py``); write-behind and durable handles are the
-``SpillPipeline`` (``spill.py``); waiting on engine-owned work and keeping background loops alive
-is ``tasks.py``. This module holds the public calls and the host-slot bookkeeping between them.
+``SpillPipeline`` (``spill.py``); loads and promotions are the ``LoadPath`` (``loading.py``);
+waiting on engine-owned work and keeping background loops alive is ``tasks.py``. This module holds
+the public calls and the host-slot bookkeeping between them.
 
 Work the engine starts (a store's copy, a load, a promotion, a spill) runs in engine-owned tasks
 that no caller's cancellation reaches: a public coroutine cancels only its own wait. Pins
@@ -61,6 +62,7 @@ from .disk_index import DiskIndex, keys_of
 from .drop_log import DropLog, drop_detail
 from .events import EventLog
 from .lifecycle import DURABLE_LATER, EVICTABLE, LEGACY_NAME, LOOKUP_STATE, HostState, move
+from .loading import LoadPath
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
@@ -76,6 +78,18 @@ TokensOrKeys = Union[Sequence[int], RequestKeys]
 BlockTable = Sequence[Sequence[int]]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+# Forks of this process so far, counted in the child: an int compare per public call instead of a
+# getpid() system call on the lookup path.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
 
 
 class OffloadEngine:
@@ -126,6 +140,7 @@ class OffloadEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[int] = None
         self._pid = os.getpid()
+        self._forks = _forks
         self._pools: List[HostSlabPool] = []
         self._chunk_nbytes: List[int] = []
         self._num_blocks: List[int] = []
@@ -133,6 +148,7 @@ class OffloadEngine:
         self._events = EventLog(self.config.events_max, on_drop=self.metrics.events_dropped)
         self._index = DiskIndex(on_removed=self._index_removed)
         self._spill: Optional[SpillPipeline] = None
+        self._loads = LoadPath(self)
         self._spill_runner: Optional[Supervised] = None
         self._refresh_runner: Optional[Supervised] = None
         # In-flight copy batches: completion future -> the (group, device block) pairs it touches.
@@ -175,6 +191,7 @@ class OffloadEngine:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._pid = os.getpid()
+        self._forks = _forks
         config = self.config
         self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
         self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
@@ -430,7 +447,9 @@ class OffloadEngine:
         """Stop accepting work, let the work in flight finish (copies cannot be interrupted; queued
         spills are written), fail the durable waits left with ``False``, close the host pools and
         the disk tier it opened. Safe to call twice. Cancelling ``close`` cancels its wait only: the
-        engine stays closing and its work runs on; call it again to finish."""
+        engine stays closing and its work runs on; call it again to finish. A tier call that never
+        returns (a stalled disk) keeps ``close`` waiting: a tier may still write into a host slot
+        until it returns (the buffer rule), so the slab cannot be released before."""
         if self._closed:
             return
         self._closing = True
@@ -464,7 +483,7 @@ class OffloadEngine:
         self._check_caller()
 
     def _check_caller(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             raise ForkedProcessError(
                 f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
                 "must start its own engine"
@@ -838,186 +857,8 @@ class OffloadEngine:
         # The whole load fences its blocks from now until its last copy ended.
         finished = self._loop.create_future()
         self._mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
-        task = self._spawn(self._load(hit_tokens, jobs, finished, self._compute_stream()))
+        task = self._spawn(self._loads.run(hit_tokens, jobs, finished, self._compute_stream()))
         return await asyncio.shield(task)
-
-    def _load_windows(self, jobs) -> List[list]:
-        """Split a load's jobs so that no window needs more than half of a group's host slots: the
-        other half stays for stores and other loads, and a hit of any size streams through."""
-        caps = [max(1, pool.num_slots // 2) for pool in self._pools]
-        windows: List[list] = []
-        current: list = []
-        counts: Dict[int, int] = {}
-        for job in jobs:
-            gi = job[0]
-            if counts.get(gi, 0) >= caps[gi]:
-                windows.append(current)
-                current, counts = [], {}
-            current.append(job)
-            counts[gi] = counts.get(gi, 0) + 1
-        if current:
-            windows.append(current)
-        return windows
-
-    async def _load(self, hit_tokens: int, jobs, finished: asyncio.Future, stream) -> LoadResult:
-        loaded: List[Tuple[int, int]] = []
-        from_disk = 0
-        try:
-            for window in self._load_windows(jobs):
-                reason, read = await self._load_window(window, loaded, stream)
-                from_disk += read
-                if reason is not None:
-                    self.metrics.miss(reason)
-                    return LoadResult(hit_tokens, False, (), reason=reason)
-            return LoadResult(
-                hit_tokens, True, tuple(loaded), chunks_from_disk=from_disk, chunks_from_host=len(jobs) - from_disk
-            )
-        finally:
-            if not finished.done():
-                finished.set_result(None)
-
-    async def _load_window(self, window, loaded: List[Tuple[int, int]], stream) -> Tuple[Optional[str], int]:
-        """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
-        pinned: List[ChunkEntry] = []
-        try:
-            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned)
-            if reason is not None:
-                return reason, from_disk
-            if self._closing:
-                raise ClosedError("the offload engine closed during the load")
-            batch = []
-            for (gi, chunk, _key, targets), entry in zip(window, entries):
-                batch.append((gi, self._pools[gi].view(entry.slot), targets))
-                per_chunk = self.layout.groups[gi].blocks_per_chunk
-                loaded.extend((gi, chunk * per_chunk + i) for i, t in enumerate(targets) if t is not None)
-                self._pools[gi].touch(entry.slot)
-            started = time.perf_counter()
-            try:
-                scatter = functools.partial(self.device.scatter_many_groups, batch, compute_stream=stream)
-                await settle(self._loop.run_in_executor(self._h2d, scatter))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning("host -> device copy failed: %r", exc)
-                self.metrics.worker_error("load_copy")
-                return "copy_error", from_disk
-            nbytes = sum(self._chunk_nbytes[g] for g, _, _ in batch)
-            self.metrics.loaded("device", len(batch), nbytes)
-            self.metrics.latency("device", "load", time.perf_counter() - started)
-            return None, from_disk
-        finally:
-            for entry in pinned:
-                self._unpin(entry)
-
-    async def _acquire_chunks(self, wanted, pinned: List[ChunkEntry]):
-        """Pin a host entry for every wanted chunk, promoting disk-only chunks (single flight).
-        Returns (entries, chunks read from disk, failure reason or None)."""
-        entries: List[Optional[ChunkEntry]] = []
-        to_promote = []
-        for gi, chunk, key in wanted:
-            entry = self._entries.get(key)
-            if entry is None:
-                if key not in self._index:
-                    return [], 0, "missing"
-                to_promote.append((gi, chunk, key))
-                entries.append(None)
-                continue
-            self._pin(entry)
-            pinned.append(entry)
-            entries.append(entry)
-        promoted: List[ChunkEntry] = []
-        if to_promote:
-            promoted = self._start_promotion(to_promote)
-            if promoted is None:
-                return [], 0, "host_full"
-            for entry in promoted:
-                self._pin(entry)
-                pinned.append(entry)
-            it = iter(promoted)
-            entries = [e if e is not None else next(it) for e in entries]
-        waits = [e.ready for e in entries if e.state in (HostState.PENDING, HostState.LOADING)]
-        if waits:
-            try:
-                reasons = await asyncio.wait_for(
-                    asyncio.gather(*(asyncio.shield(w) for w in waits)), self.config.tier_timeout_s
-                )
-            except asyncio.TimeoutError:
-                for entry in entries:
-                    if entry.state is HostState.LOADING and not entry.dead:
-                        self._abandon(entry, "timeout")
-                return [], 0, "timeout"
-            failed = [r for r in reasons if r is not None]
-            if failed:
-                return [], 0, failed[0]
-        return entries, len(promoted), None
-
-    def _start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:
-        """Allocate slots and start one disk read for ``wanted`` (group, chunk, key) chunks; the
-        read runs in an engine-owned task, so no caller's cancellation can cut it short."""
-        slots = self._allocate_slots(g for g, _, _ in wanted)
-        if slots is None:
-            return None
-        # The read's own pin is held until the worker reports.
-        entries = self._new_entries(wanted, HostState.LOADING, slots)
-        self._spawn(self._promote([(e, e.generation) for e in entries]))
-        return entries
-
-    async def _promote(self, work: List[Tuple[ChunkEntry, int]]) -> None:
-        items = [(e.key, self._pools[e.group_index].buffer(e.slot)) for e, _ in work]
-        started = time.perf_counter()
-        read = asyncio.ensure_future(self._disk.get_many_into(items))
-        done, _ = await asyncio.wait([read], timeout=self.config.tier_timeout_s)
-        if not done:
-            # A stalled read: its waiters fail now and lookup answers from the disk index again;
-            # the slots stay pinned until the tier lets go of the buffers.
-            logger.warning("disk read of %d chunks took more than %.1f s; abandoned", len(items),
-                           self.config.tier_timeout_s)
-            self.metrics.worker_error("promote_timeout")
-            for entry, generation in work:
-                if entry.generation == generation and not entry.dead:
-                    self._abandon(entry, "timeout")
-            await wait_all([read])
-        try:
-            metas = read.result()
-            failure = "corrupt"
-        except Exception as exc:  # any exception: a foreign one must not leave entries LOADING
-            logger.warning("disk read of %d chunks failed: %r", len(items), exc)
-            self.metrics.worker_error("promote")
-            metas, failure = [None] * len(items), "tier_error"
-        nbytes = 0
-        for (entry, generation), meta in zip(work, metas):
-            self._unpin(entry)
-            if entry.generation != generation or entry.dead:
-                continue  # abandoned (timeout): the late result is discarded
-            expected_dtype, expected_shape = self._metas[entry.group_index]
-            if meta is not None and (
-                meta.fingerprint != self.fingerprint
-                or meta.group_index != entry.group_index
-                or meta.chunk_index != entry.chunk_index
-                or meta.dtype != expected_dtype
-                or tuple(meta.shape) != expected_shape
-            ):
-                meta, failure = None, "corrupt"
-            if meta is None:
-                if failure == "corrupt":  # the record is gone (quarantined); a tier error may pass
-                    self._index.discard(entry.key)
-                self._drop_entry(entry, None)
-                self._resolve_ready(entry, failure)
-                continue
-            self._settle_ready(entry)
-            nbytes += self._chunk_nbytes[entry.group_index]
-            self._events.append("stored", entry.key, entry.group_index, "host")
-            self._resolve_ready(entry, None)
-        if nbytes:
-            self.metrics.loaded("disk", len(work), nbytes)
-            self.metrics.latency("disk", "get", time.perf_counter() - started)
-
-    def _abandon(self, entry: ChunkEntry, reason: str) -> None:
-        """Give up on an in-flight read: waiters fail now; the slot stays reserved (pinned by the
-        read) until the worker reports, and its late result is discarded by generation."""
-        entry.generation += 1
-        self._drop_entry(entry, None)
-        self._resolve_ready(entry, reason)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -1058,7 +899,7 @@ class OffloadEngine:
                     wanted.append((gi, chunk, key))
         if not wanted:
             return 0
-        entries = self._start_promotion(wanted)
+        entries = self._loads.start_promotion(wanted)
         if entries is None:
             self.metrics.dropped("host_full", len(wanted))
             return 0

@@ -7,6 +7,7 @@ disk tier either way (``tiers/chain.py`` does the chaining, ``tiers/remote`` the
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from kvtier.tiers.base import ChunkTier
@@ -14,6 +15,8 @@ from kvtier.tiers.base import ChunkTier
 from .config import EngineConfig
 
 __all__ = ["attach_remote_tier"]
+
+logger = logging.getLogger("kvtier.engine")
 
 
 async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fingerprint: bytes) -> Optional[ChunkTier]:
@@ -26,6 +29,9 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
     Cancelling it: the remote tier is not opened; ``disk`` is closed."""
     if config.remote_url is None:
         return disk
+    if config.disk_index_refresh_interval_s is None:
+        logger.warning("remote tier without disk_index_refresh_interval_s: chunks other hosts write become "
+                       "hits here only after a restart (set it, e.g. 10 s)")
     from kvtier.tiers.chain import ChainedTier
     from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
@@ -55,4 +61,4 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
         raise
     if disk is None:
         return remote
-    return ChainedTier([disk, remote], write_policy=config.remote_write_policy)
+    return ChainedTier([disk, remote], write_policy=config.remote_write_policy, promote=config.remote_promote_to_disk)

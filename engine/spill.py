@@ -230,18 +230,17 @@ class SpillPipeline:
     def _settle(self, batch, batch_bytes: int, token: int, sequence: Optional[int], error, elapsed: float) -> None:
         engine = self._engine
         index = engine.disk_index
-        lost = 0
         for entry in batch:
             engine._unpin(entry)
             if not entry.dead:
                 # On disk, or deliberately droppable after a failed spill: either way settled.
                 move(entry, HostState.READY)
                 engine._pools[entry.group_index].mark_evictable(entry.slot, True)
+            # A write the tier already removed again (an eviction that overtook the answer) is not
+            # indexed, and its handles are not durable.
             ok = error is None and index.add(entry.key, token, sequence)
             if ok:
                 engine._events.append("stored", entry.key, entry.group_index, "disk")
-            elif error is None:
-                lost += 1  # written, then removed before the engine heard of the write
             self.watch.resolve(entry.key, ok)
         index.end(token)
         if error is None:

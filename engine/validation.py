@@ -14,6 +14,7 @@ integer: a Python int, or a numpy / torch integer scalar; never a bool, a float 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -171,8 +172,19 @@ def check_load_arguments(
 
 def check_engine_settings(config: Any, layout: ModelLayout, device: Any) -> None:
     """Settings that only make sense against the layout and the machine, checked when the engine
-    is built: a host pool larger than the machine's memory can never be allocated (``ValueError``);
-    a pool smaller than four chunks per group is raised to that floor, and the log says so."""
+    is built: a ``cache_dir`` whose parent does not exist and a host pool larger than the machine's
+    memory are ``ValueError``; a pool smaller than four chunks per group is raised to that floor,
+    and the log says so."""
+    if config.cache_dir is not None:
+        cache_dir = os.path.abspath(os.path.expanduser(config.cache_dir))
+        parent = os.path.dirname(cache_dir)
+        if not os.path.exists(cache_dir) and not os.path.isdir(parent):
+            # Only the last component is made: a missing parent is most often a disk that is not
+            # mounted, and a cache created on the root filesystem instead would fill it.
+            raise ValueError(
+                f"cache_dir {config.cache_dir!r}: its parent {parent} does not exist (kvtier creates only "
+                "the last component; mount or create the parent first)"
+            )
     try:
         import psutil
 

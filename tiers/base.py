@@ -18,7 +18,10 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .lru import ByteLru
 
 __all__ = [
     "ChunkMeta",
@@ -49,7 +52,7 @@ REMOVAL_REASONS = ("evicted", "quarantined", "deleted", "external")
 def check_key(key: object) -> bytes:
     """The one key rule: ``bytes`` of length 1..``KEY_MAX_BYTES``. Returns the key; raises
     ``TypeError`` for another type and ``ValueError`` naming the length otherwise."""
-    if type(key) is not bytes:
+    if not isinstance(key, bytes):
         raise TypeError(f"chunk keys are bytes, not {type(key).__name__}")
     if not 0 < len(key) <= KEY_MAX_BYTES:
         raise ValueError(f"chunk key length must be 1..{KEY_MAX_BYTES}, got {len(key)}")
@@ -138,6 +141,19 @@ class TierStatistics:
             out[name] = float(value)
         return out
 
+    @classmethod
+    def from_counters(
+        cls, counters: Mapping[str, float], index: "ByteLru", *, capacity_bytes: Optional[int], degraded: bool,
+        **extra: float,
+    ) -> "TierStatistics":
+        """Build a tier's record from its counter table (names of fields go to the fields, the rest
+        to ``extra``), its byte index (``records``, ``bytes``) and ``extra`` values."""
+        shared = {name: int(value) for name, value in counters.items() if name in _COUNTER_FIELDS}
+        rest = {name: float(value) for name, value in counters.items() if name not in _COUNTER_FIELDS}
+        rest.update(extra)
+        return cls(records=len(index), bytes=index.total_bytes, capacity_bytes=capacity_bytes,
+                   degraded=degraded, extra=rest, **shared)
+
     def with_extra(self, **extra: float) -> "TierStatistics":
         """A copy with more tier-specific counters (a wrapper adding its own)."""
         merged = dict(self.extra)
@@ -146,6 +162,8 @@ class TierStatistics:
 
 
 STATISTICS_FIELDS: Tuple[str, ...] = tuple(f.name for f in fields(TierStatistics))
+# The fields a tier counts itself (the rest come from its index, its configuration and its state).
+_COUNTER_FIELDS = frozenset(STATISTICS_FIELDS) - {"records", "bytes", "capacity_bytes", "degraded", "extra"}
 
 RemovalCallback = Callable[[Sequence[Removal]], None]
 

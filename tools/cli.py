@@ -21,6 +21,7 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
+from kvtier.errors import CorruptCacheError
 from kvtier.policy import KvtierError
 
 __all__ = ["main", "build_parser", "user_error_message"]
@@ -105,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--cache-dir", required=True)
     inspect.add_argument("--json", action="store_true")
 
-    verify = sub.add_parser("verify", help="read and check every record; exit 1 when any is bad")
+    verify = sub.add_parser(
+        "verify",
+        help="read and check every record; exit 1 when any is bad (moved to quarantine), 2 when the file "
+        "itself is damaged (nothing checked; the message says what to do)",
+    )
     verify.add_argument("--cache-dir", required=True)
     verify.add_argument("--no-quarantine", action="store_true", help="only report bad records, move nothing")
     verify.add_argument("--json", action="store_true")
@@ -217,7 +222,15 @@ def _cmd_inspect(args) -> int:
 def _cmd_verify(args) -> int:
     from .maintenance import verify_cache
 
-    report = verify_cache(args.cache_dir, quarantine=not args.no_quarantine)
+    try:
+        report = verify_cache(args.cache_dir, quarantine=not args.no_quarantine)
+    except CorruptCacheError as exc:
+        # The file itself, not a record: nothing can be checked or quarantined record by record.
+        raise CorruptCacheError(
+            f"{exc}; no record was checked or quarantined: move {args.cache_dir}'s data.mdb aside (or "
+            "delete it) and warm the cache again; an engine started with quarantine_corrupt_cache_dir "
+            "on (the default) moves it aside itself"
+        ) from exc
     bad = [(key.hex(), reason) for key, reason in report.corrupt]
     if args.json:
         print(json.dumps({"checked": report.checked, "ok": report.ok, "bad": [{"key": k, "reason": r} for k, r in bad],

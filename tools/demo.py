@@ -20,7 +20,6 @@ second host) is served from the remote alone.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import os
@@ -36,7 +35,7 @@ import torch
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout, layout_fingerprint
 
-from .scenario import OffloadScenario, make_cpu_device
+from .testing.scenario import OffloadScenario, make_cpu_device
 
 __all__ = ["DEMO_LAYOUT", "DemoSummary", "run_demo", "format_summary"]
 
@@ -124,7 +123,9 @@ async def run_demo(
     remote = {}
     if remote_url is not None:
         # A fresh namespace per run: the demo proves its own bytes, not a previous run's.
-        remote = dict(remote_url=remote_url, remote_namespace=f"demo-{os.getpid()}-{time.time_ns()}")
+        # A fleet member refreshes its index so other hosts' chunks become hits without a restart.
+        remote = dict(remote_url=remote_url, remote_namespace=f"demo-{os.getpid()}-{time.time_ns()}",
+                      disk_index_refresh_interval_s=10.0)
     config = EngineConfig(cache_dir=cache_dir, host_capacity_bytes=96 << 20, lmdb_map_size_bytes=256 << 20, **remote)
     tick = progress or (lambda n: None)
     failures: List[str] = []

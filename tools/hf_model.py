@@ -2,11 +2,17 @@
 
 Primitives (plain functions, no engine logic; call them from one thread at a time, the model's):
 
+- ``cache_plan``: the model family's plan (``StandardCachePlan`` here, ``DeepseekV4CachePlan`` in
+  ``hf_deepseek_v4``) with one set of verbs: ``layout``, ``allocate``, ``capture``, ``write``,
+  ``build_cache``, ``fingerprint_shapes``. Config-level refusals (KV shared between layers, lossy
+  or per-loop caches, chunked or bidirectional attention) raise ``ValueError`` here.
 - ``layer_types_from_config`` / ``layout_from_config``: which layers are full attention and which are
-  sliding window, and the ``ModelLayout`` (one FA group, one SWA group) with ``layer_groups[g]``, the
-  model layer indices of group ``g``.
-- ``kv_head_shape`` / ``allocate_kv_blocks``: the serving-side paged KV tensors, per group a list of
-  per-layer tensors ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (K and V stacked).
+  sliding window, and the ``ModelLayout`` (groups per attention type and K/V shape) with
+  ``layer_groups[g]``, the model layer indices of group ``g``.
+- ``layer_kv_shapes`` / ``allocate_kv_blocks``: per layer ``(kv_heads, k_dim, v_dim)`` and the
+  paged tensors, per group a list of per-layer tensors ``[num_blocks, 2, block_size, heads, dim]``
+  (K and V stacked), or ``[num_blocks, block_size, heads, k_dim + v_dim]`` when K and V differ.
+  ``check_captured_shapes`` refuses a model whose cache differs from what its config says.
 - ``load_model``: ``AutoModelForCausalLM.from_pretrained`` of a local directory, never a download.
 - ``capture_kv``: every layer's K/V for every position of a prompt (post-norm, post-RoPE: what an
   attention kernel caches).
@@ -197,7 +203,7 @@ def layer_types_from_config(config: Any) -> Tuple[List[str], Optional[int]]:
         if unknown:
             raise ValueError(
                 f"unsupported model config ({model_type}): layer types {unknown} (kvtier supports "
-                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})"
+                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}; compressed attention goes through cache_plan)"
             )
     if SLIDING_ATTENTION in layer_types:
         window = _positive_int(config, "sliding_window")
@@ -288,7 +294,7 @@ def kv_head_shape(config: Any) -> Tuple[int, int]:
     if len(shapes) != 1 or len({(h, k) for h, k, v in shapes if k == v}) != 1:
         raise ValueError(
             f"K/V shapes (kv_heads, k_dim, v_dim) differ per layer or between K and V: {sorted(shapes)}; "
-            "use layer_kv_shapes / group_block_shape"
+            "use layer_kv_shapes / group_block_shapes"
         )
     heads, k_dim, _ = shapes.pop()
     return heads, k_dim

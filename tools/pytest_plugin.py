@@ -5,7 +5,8 @@ Fixtures for serving-process authors who test their integration asynchronously (
 - ``kvtier_layout``: the layout the engine fixtures use (override it in your conftest).
 - ``kvtier_config``: the ``EngineConfig`` for them, over a temporary cache directory (override too).
 - ``kvtier_engine``: an entered ``OffloadEngine`` over that directory and CPU device tensors; closed
-  after the test, and its self-check (``engine.check()``) must pass at teardown.
+  after the test, and its self-checks (``engine.check()``, ``engine.check_disk()``) must pass at
+  teardown.
 - ``kvtier_engine_factory``: ``await factory(**overrides)`` for more engines (``layout=``,
   ``config=``, ``disk_tier=``, ``pressure_sources=``, ``device=``), all closed after. They share
   ``kvtier_config``'s directory unless ``config=`` says otherwise; one process holds a directory

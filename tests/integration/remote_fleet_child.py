@@ -59,7 +59,7 @@ async def main(mode: str, url: str, cache_dir: str, namespace: str, bytes_file: 
                         pos += n
                     blocks.append(layers)
                 scenario.producer_bytes[bytes.fromhex(entry["key"])] = blocks
-            chunks_indexed = len(engine._on_disk) if hasattr(engine, "_on_disk") else None
+            chunks_indexed = len(engine.disk_index)
             record = await scenario.consume(PROMPT + [7])  # checks every loaded byte
             out = {"hit": record.hit, "ok": record.ok,
                    "loaded": {g: sorted(b) for g, b in record.loaded.items()},

@@ -58,6 +58,7 @@ async def test_bad_token_ids_and_counts_are_typed_errors_naming_the_argument():
         assert engine.request_keys(np.arange(33, dtype=np.int64)) == as_list
         assert engine.request_keys(torch.arange(33)) == as_list
         assert engine.request_keys(range(33)) == as_list
+        assert engine.request_keys(t for t in tokens) == as_list  # an iterator is read once
         handle = engine.store(tokens, table, np.int64(32))
         assert handle.scheduled and not handle.dropped
         await handle.wait_released()

@@ -11,12 +11,13 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
+from kvtier.errors import TierFullError
 from kvtier.tiers.chain import ChainedTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
 
-from kvtier.tools.valkey_fixtures import TEST_FINGERPRINT as FP
-from kvtier.tools.valkey_fixtures import make_items, read_back, wait_for
+from kvtier.tools.testing.valkey import TEST_FINGERPRINT as FP
+from kvtier.tools.testing.valkey import make_items, read_back, wait_for
 
 _ns = itertools.count()
 
@@ -166,11 +167,13 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
 
     config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "c"), "remote_url": valkey_node.url, "host_capacity_bytes": "1MiB",
                                      "remote_namespace": "cfg", "remote_timeout_s": "0.5",
-                                     "remote_write_policy": "write_back_on_evict"})
+                                     "remote_write_policy": "write_back_on_evict",
+                                     "remote_promote_to_disk": "false"})
     async with OffloadEngine(DEFAULT_TEST_LAYOUT, make_cpu_device(DEFAULT_TEST_LAYOUT), config,
                              fingerprint=b"cfg-model") as engine:
         chain = engine.disk_tier
         assert isinstance(chain, ChainedTier) and chain.write_policy == "write_back_on_evict"
+        assert chain.promote is False
         assert [t.name for t in chain.tiers] == ["lmdb", "remote"] and chain.tiers[1].namespace == "cfg"
         text = engine.metrics.exposition().decode()
         assert 'kvtier_tier_stat{stat="breaker_open",tier="remote"} 0.0' in text
@@ -253,7 +256,7 @@ async def test_primary_killed_during_write_behind_leaves_no_half_visible_request
 @pytest.mark.asyncio
 async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path, valkey_factory):
     from kvtier.engine import OffloadEngine
-    from kvtier.tools.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
 
     node = valkey_factory.node(maxmemory="4mb", maxmemory_policy="allkeys-lru")
     layout = DEFAULT_TEST_LAYOUT
@@ -274,7 +277,10 @@ async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path
         filler = await RemoteTier.open(node.url, namespace="evict", fingerprint=b"evict-model")
         try:
             for round_ in range(20):  # bounded: up to 20 x 1 MiB into a 4 MiB server
-                await filler.put_many(make_items(4, 256 << 10, seed=500 + round_, fingerprint=b"evict-model"))
+                try:
+                    await filler.put_many(make_items(4, 256 << 10, seed=500 + round_, fingerprint=b"evict-model"))
+                except TierFullError:
+                    pass  # allkeys-lru too refuses a write it cannot make room for
                 if not all(await remote.contains_many(list(a_keys))):
                     break
         finally:
@@ -288,3 +294,21 @@ async def test_server_evictions_leave_the_engine_index_within_the_bound(tmp_path
         if hit:  # what is left is loadable (the chunks the hit needs were not evicted)
             result = await b.load(prompt + [1], hit, OffloadScenario(b).allocate(34))
             assert result.ok
+
+
+@pytest.mark.asyncio
+async def test_promotion_off_keeps_remote_hits_out_of_lmdb(tmp_path, valkey_node):
+    ns = f"chain{os.getpid()}-nopromote"
+    lmdb = await LmdbTier.open(str(tmp_path / "lmdb"))
+    remote = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
+    chain = ChainedTier([lmdb, remote], promote=False)
+    try:
+        items = make_items(3, 4096, seed=40)
+        await remote.put_many(items)
+        metas, bufs = await read_back(chain, items)
+        assert all(m is not None for m in metas) and bytes(bufs[1]) == bytes(items[1][2])
+        await chain.flush()
+        assert await lmdb.contains_many([k for k, _, _ in items]) == [False] * 3
+        assert chain.statistics().extra["promotions"] == 0
+    finally:
+        await chain.close()

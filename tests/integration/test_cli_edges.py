@@ -10,10 +10,8 @@ read-only disks are real tmpfs mounts (root only; skipped with the reason elsewh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import lmdb
 import pytest
 
 from kvtier.tools.cli import main
+from mounts import tmpfs
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,24 +31,6 @@ def run_cli(*args: str, timeout: float = 120, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, timeout=timeout, **kwargs
     )
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, options: str):
-    """A real tmpfs at ``where`` (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root to mount a tmpfs; running as uid {os.geteuid()}")
-    if shutil.which("mount") is None:
-        pytest.skip("needs the mount command")
-    where.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +50,8 @@ def inputs(tmp_path_factory):
     (root / "junk.jsonl").write_bytes(b"\xa8\xff\x00\x17" * 64)
     (root / "null.jsonl").write_text('{"token_ids": null}\n')
     (root / "a-file").write_text("not a directory\n")
+    (root / "damaged").mkdir(mode=0o700)
+    (root / "damaged" / "data.mdb").write_bytes(b"not an LMDB file " * 512)
     return root
 
 
@@ -88,6 +71,10 @@ def _cases(root: Path, readonly: Path):
         (["bench", "--quick", "--cache-dir", str(root / "a-file")], f"--cache-dir {root / 'a-file'} is not a directory"),
         (["bench", "--quick", "--cache-dir", str(readonly)], f"--cache-dir {readonly} is not writable: Read-only file system"),
         (["inspect", "--cache-dir", str(root / "nothing-here")], "no kvtier cache at"),
+        (["demo", "--cache-dir", str(root / "unmounted" / "kvtier")],
+         f"cache_dir '{root / 'unmounted' / 'kvtier'}': its parent {root / 'unmounted'} does not exist"),
+        (["verify", "--cache-dir", str(root / "damaged")],
+         f"no record was checked or quarantined: move {root / 'damaged'}'s data.mdb aside"),
     ]
 
 
@@ -104,6 +91,7 @@ def test_every_user_mistake_is_one_line_naming_the_file_or_option(inputs, tmp_pa
             assert len(lines) == 1 and lines[0].startswith("kvtier: error: "), (argv, err)
             assert message in lines[0], (argv, message, lines[0])
     assert not (inputs / "cache").exists()  # no case created the cache directory
+    assert not (inputs / "unmounted").exists()
 
 
 def test_a_closed_stdout_exits_quietly_and_an_interrupt_exits_130(tmp_path):
@@ -123,11 +111,11 @@ def test_a_closed_stdout_exits_quietly_and_an_interrupt_exits_130(tmp_path):
     assert err.strip().splitlines()[-1] == "kvtier: interrupted"
     assert "Traceback" not in err and out == ""
 
-    # `kvtier inspect ... | head` where head is already gone: exit 141, nothing on stderr.
+    # `kvtier verify ... | head` where head is already gone: exit 141, nothing on stderr.
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "inspect", "--cache-dir", str(cache)],
+        result = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "verify", "--cache-dir", str(cache)],
                                 stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write_end)

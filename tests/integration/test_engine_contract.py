@@ -22,7 +22,7 @@ from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.pressure import ScriptedSource
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
-from kvtier.tools.tier_seam import SeamTier
+from kvtier.tools.testing.tier_seam import SeamTier
 
 FULL = ModelLayout(groups=(AttentionGroup(16),))
 HYBRID = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
@@ -247,6 +247,39 @@ async def test_a_hit_larger_than_the_host_pool_loads_in_windows(tmp_path):
     await r.close()
 
 
+@pytest.mark.asyncio
+async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path):
+    # 131072 tokens = 512 chunks of 256 tokens, stored two chunks at a time (chunked prefill);
+    # the host pool holds 4 chunks. The load streams them through in windows of 2.
+    layout = ModelLayout(groups=(AttentionGroup(256),))
+    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20)
+    seam = SeamTier(inner)
+    device = make_cpu_device(layout, num_blocks=1025, num_layers=1, kv_heads=1, head_dim=2)
+    engine = OffloadEngine(layout, device, config(tmp_path, host_capacity_bytes=1), fingerprint=FINGERPRINT,
+                           disk_tier=seam, pressure_sources={"host_memory": ScriptedSource([0.0])})
+    await engine.start()
+    assert engine._pools[0].num_slots == 4
+    layer = device._groups[0].layers[0]
+    prompt = list(range(131073))
+    keys = engine.request_keys(prompt)
+    produced = list(range(1, 513))
+    layer[produced] = torch.randn_like(layer[produced])
+    expected = layer[produced].clone()
+    for step in range(1, 257):
+        result = await engine.store(keys, [produced], step * 512)
+        assert result.durable and len(result.scheduled) == 2, (step, result)
+    layer[produced] = 0
+    assert engine.lookup(keys) == 131072
+    consumer = list(range(513, 1025))
+    loaded = await engine.load(keys, 131072, [consumer])
+    assert loaded.ok and loaded.chunks_from_disk >= 508 and len(loaded.loaded) == 512
+    assert torch.equal(layer[consumer], expected)
+    await engine.flush()
+    engine.check()
+    await engine.close()
+    await inner.close()
+
+
 # ---------------------------------------------------------------------------------- defect 5
 
 
@@ -304,7 +337,7 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
     await hold.entered.wait()
     second = r.engine.store(prompt, table)
     await asyncio.sleep(0.02)
-    assert not second._durable.done()
+    assert not second.durable_known
     hold.release()
     assert await asyncio.wait_for(second.wait_durable(), 5) is True
     assert await first.wait_durable() is True
@@ -476,13 +509,23 @@ def test_host_memory_source_leaves_out_the_engines_own_slab():
 
 @pytest.mark.asyncio
 async def test_an_engine_used_in_a_forked_child_says_so(tmp_path):
+    from kvtier.errors import ForkedProcessError
+
     r = await rig(tmp_path)
-    r.engine._pid = -1  # what a forked child sees: another pid than the one that started it
-    with pytest.raises(KvtierError, match="pid"):
-        r.engine.lookup([1] * 33)
-    with pytest.raises(KvtierError, match="pid"):
-        r.engine.store([1] * 33, [[1, 2]])
-    r.engine._pid = os.getpid()
+    prompt = r.scenario.tokens(33)
+    pid = os.fork()
+    if pid == 0:  # the child: every call refuses before touching the parent's threads or tiers
+        code = 1
+        try:
+            r.engine.lookup(prompt)
+        except ForkedProcessError as exc:
+            code = 0 if "pid" in str(exc) else 3
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert r.engine.lookup(prompt) == 0  # the parent is unaffected
     await r.close()
 
 
@@ -582,3 +625,42 @@ async def test_the_lifecycle_table_refuses_a_move_it_does_not_list(tmp_path):
     move(entry, HostState.SPILLING)
     move(entry, HostState.READY)
     assert entry.state is HostState.READY
+
+
+# ---------------------------------------------------------------------------------- FileTier suspicion
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("waiter", ["flush", "close", "delete_many"])
+async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_path, monkeypatch, waiter):
+    # Suspicion settled (it reproduced): FileTier's flush/close/delete_many gathered over the tier's
+    # own tasks, so cancelling one of them cancelled a put another caller was awaiting.
+    import kvtier.tiers.files.writes as file_tier_module  # the put path (encoding) lives there
+    from kvtier.tiers.base import ChunkMeta
+
+    entered, gate = threading.Event(), threading.Event()
+    real_encode = file_tier_module._encode_slice
+
+    def held_encode(part, codec):
+        entered.set()
+        gate.wait(10)
+        return real_encode(part, codec)
+
+    monkeypatch.setattr(file_tier_module, "_encode_slice", held_encode)
+    tier = await FileTier.open(tmp_path / "files")
+    key = os.urandom(32)
+    raw = memoryview(bytearray(os.urandom(1 << 16)))
+    put = asyncio.ensure_future(tier.put_many([(key, ChunkMeta(b"x", 0, 0, "uint8", (1 << 16,)), raw)]))
+    assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+    wait = asyncio.ensure_future(tier.delete_many([key]) if waiter == "delete_many" else getattr(tier, waiter)())
+    await asyncio.sleep(0.02)
+    wait.cancel()
+    await asyncio.sleep(0.02)
+    gate.set()
+    assert isinstance(await asyncio.wait_for(put, 5), int), "the put's caller was never cancelled"
+    await asyncio.gather(wait, return_exceptions=True)
+    await tier.close()
+    monkeypatch.undo()
+    reopened = await FileTier.open(tmp_path / "files")
+    assert await reopened.contains_many([key]) == [True]
+    await reopened.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.engine_sim import simulate
+from kvtier.tools.testing.engine_sim import simulate
 
 STEPS = 600
 LMDB_SEEDS = range(1, 13)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import List
@@ -22,6 +19,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.files import FileTier
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+from mounts import tmpfs
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
 FINGERPRINT = b"fault-suite-disk-full"
@@ -30,20 +28,8 @@ FINGERPRINT = b"fault-suite-disk-full"
 @pytest.fixture
 def small_fs(tmp_path: Path):
     """A 12 MiB tmpfs mounted under ``tmp_path`` (unmounted afterwards)."""
-    where = tmp_path / "mnt"
-    if os.geteuid() != 0:
-        pytest.skip(f"the disk-full test needs root to mount a small tmpfs; running as uid {os.geteuid()}")
-    if shutil.which("mount") is None:
-        pytest.skip("the disk-full test needs the mount command")
-    where.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m,mode=0700", "tmpfs", str(where)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "size=12m,mode=0700") as where:
         yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def fill(path: Path) -> int:

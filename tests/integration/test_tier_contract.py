@@ -86,7 +86,7 @@ _FILE_WRITES = _break_disk(("fsync",))
 
 async def _open_remote(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
     from kvtier.tiers.remote import RemoteTier
-    from kvtier.tools.valkey_fixtures import shared_node
+    from kvtier.tools.testing.valkey import shared_node
 
     # A fresh namespace per tier: the shared server starts "empty" for this tier.
     return await RemoteTier.open(shared_node().url, namespace=f"contract-{os.getpid()}-{path.name}-{path.parent.name}"[:64])
@@ -97,7 +97,7 @@ def _remote_of(tier: ChunkTier) -> ChunkTier:
 
 
 def _corrupt_remote(tier: ChunkTier, key: bytes) -> None:
-    from kvtier.tools.valkey_fixtures import shared_node
+    from kvtier.tools.testing.valkey import shared_node
 
     node, name = shared_node(), _remote_of(tier).rkey(key)  # type: ignore[attr-defined]
     value = bytearray(node.command("GET", name))

@@ -44,4 +44,4 @@ def sim_steps(request: pytest.FixtureRequest) -> int:
     return int(request.config.getoption("--sim-steps"))
 
 
-from kvtier.tools.valkey_fixtures import valkey_cluster, valkey_factory, valkey_node  # noqa: F401,E402
+from kvtier.tools.testing.valkey import valkey_cluster, valkey_factory, valkey_node  # noqa: F401,E402

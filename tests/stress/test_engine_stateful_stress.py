@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.engine_sim import simulate
+from kvtier.tools.testing.engine_sim import simulate
 
 pytestmark = pytest.mark.stress
 

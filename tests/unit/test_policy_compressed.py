@@ -18,7 +18,7 @@ exactly the blocks holding needed items.
 from __future__ import annotations
 
 from math import lcm
-from typing import Dict, List, Set, Tuple
+from typing import Dict, Set
 
 import pytest
 from hypothesis import given, settings

@@ -165,15 +165,7 @@ class Maintenance(WriterSide):
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             gone = [k for k in keys if txn.get(k, db=self._tables.chunks) is None and txn.delete(k, db=self._tables.atime)]
-
-            def apply() -> int:
-                for key in gone:
-                    self._lru.pop(key)
-                self._count(quarantined=len(gone))
-                self._report_removed(gone, "quarantined")
-                return len(gone)
-
-            return apply
+            return lambda: self._forget(gone, "quarantined", quarantined=len(gone))
 
         return self._write(body)
 

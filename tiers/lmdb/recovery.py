@@ -6,7 +6,7 @@ when it moves a damaged directory aside):
 - ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS).
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
   process has the environment open.
-- ``quarantine_cache_dir``: rename a damaged directory aside so a fresh one can be made.
+- ``quarantine_cache_dir``: move a damaged environment's files aside so a fresh one can be made.
 - ``CORRUPT_LMDB_ERRORS``: the LMDB errors that mean "these bytes are not a sound environment".
 """
 
@@ -102,7 +102,7 @@ def check_data_file(directory: Path) -> None:
         )
 
 
-def verify_structure_at_rest(directory: Path) -> None:
+def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> None:
     """Check ``data.mdb`` with py-lmdb's offline verifier when no other process has the environment
     open; raise ``CorruptCacheError`` listing what it found.
 
@@ -112,6 +112,8 @@ def verify_structure_at_rest(directory: Path) -> None:
     writing it, and it is being served, so it cannot be damaged in a way LMDB has not met already.
     The caller must not have the environment open in this process (closing our descriptor drops
     every fcntl lock this process holds on the file): the tier's one-open-per-process registry guarantees it.
+    ``create_lock=False`` (a read-only open) never creates ``lock.mdb``: without one no process has
+    the environment open, so the file is checked without taking the lock.
     """
     data = directory / "data.mdb"
     if not data.exists():
@@ -123,11 +125,12 @@ def verify_structure_at_rest(directory: Path) -> None:
         return
     fd = -1
     try:
-        fd = os.open(directory / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
-        except OSError:
-            return  # open in another process: see the docstring
+        if create_lock or (directory / "lock.mdb").exists():
+            fd = os.open(directory / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+            except OSError:
+                return  # open in another process: see the docstring
         try:
             problems = lmdb_verify.verify(str(directory))
         except lmdb_verify.VerifyError:
@@ -147,19 +150,52 @@ def verify_structure_at_rest(directory: Path) -> None:
 
 
 def quarantine_cache_dir(path: PathLike) -> Path:
-    """Rename a damaged cache directory aside, to ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and
-    return the new path. Blocking. The directory is kept (mode unchanged) for inspection; nothing in
-    it is read again. Raises ``TierIOError`` when the rename fails."""
+    """Move a damaged environment's files (``data.mdb``, ``lock.mdb``: only what kvtier owns) aside
+    into a new directory ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and return that path.
+    Blocking. Nothing else in the directory is touched, and the directory itself stays, so this
+    works when it is a mount point (renaming a mount point fails with EBUSY) and never moves other
+    people's files. When the sibling is on another filesystem (the directory is a mount point, or
+    its parent cannot be written), the aside directory is made inside: ``<dir>/.kvtier-corrupt-...``.
+    The files are kept (mode unchanged) for inspection; nothing in them is read again. Raises
+    ``TierIOError`` when they cannot be moved."""
     src = Path(os.fspath(path)).expanduser().absolute()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}")
+    owned = [src / name for name in ("data.mdb", "lock.mdb") if (src / name).exists()]
+    errors = []
+    for parent, prefix in ((src.parent, f"{src.name}.corrupt"), (src, ".kvtier-corrupt")):
+        if parent == src.parent and os.path.ismount(src):
+            continue  # a rename out of a mount point is EXDEV: go straight to the inside
+        dst = _new_aside_dir(parent, f"{prefix}-{stamp}-{os.getpid()}", errors)
+        if dst is None:
+            continue
+        try:
+            for file in owned:
+                os.rename(file, dst / file.name)
+        except OSError as exc:
+            errors.append(f"{dst}: {exc}")
+            for file in owned:  # put back what moved, so the next try moves both or none
+                if (dst / file.name).exists() and not file.exists():
+                    os.rename(dst / file.name, file)
+            try:
+                dst.rmdir()
+            except OSError:
+                pass
+            continue
+        log.error("kvtier lmdb: damaged LMDB files of %s moved aside to %s", src, dst)
+        return dst
+    raise TierIOError(f"cannot move the damaged LMDB files of {src} aside: {'; '.join(errors)}")
+
+
+def _new_aside_dir(parent: Path, name: str, errors: list) -> Optional[Path]:
+    dst = parent / name
     n = 0
-    while dst.exists():
-        n += 1
-        dst = src.with_name(f"{src.name}.corrupt-{stamp}-{os.getpid()}-{n}")
-    try:
-        os.rename(src, dst)
-    except OSError as exc:
-        raise TierIOError(f"cannot move the damaged cache directory {src} aside: {exc}") from exc
-    log.error("kvtier lmdb: damaged cache directory %s moved aside to %s", src, dst)
-    return dst
+    while True:
+        try:
+            os.mkdir(dst, 0o700)
+            return dst
+        except FileExistsError:
+            n += 1
+            dst = parent / f"{name}-{n}"
+        except OSError as exc:
+            errors.append(f"{dst}: {exc}")
+            return None

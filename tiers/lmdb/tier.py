@@ -56,6 +56,7 @@ from kvtier.errors import (
     CorruptRecordError,
     ForkedProcessError,
     RecordSizeMismatchError,
+    TierFullError,
     TierIOError,
 )
 
@@ -81,7 +82,8 @@ from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance
 from .readahead import advise_willneed
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
-from .tables import index_entries, open_tables, read_sequence
+from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
+from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
 from .writes import PutJob
 
@@ -96,10 +98,9 @@ _MIN_MAP_SIZE = 1 << 20
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
 # Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).
-_SHARED_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
-                    "evictions", "deletes", "errors")
-_EXTRA_COUNTERS = ("put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records", "map_growths",
-                   "stale_readers_cleared")
+_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined", "evictions",
+             "deletes", "errors", "put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records",
+             "map_growths", "stale_readers_cleared")
 
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
 # inheriting the parent's entries.
@@ -166,7 +167,7 @@ class LmdbTier(ChunkTier, Maintenance):
         self._state_lock = threading.Lock()
         self._map_lock = SharedExclusiveLock()
         self._counters_lock = threading.Lock()
-        self._counters: Dict[str, int] = dict.fromkeys(_SHARED_COUNTERS + _EXTRA_COUNTERS, 0)
+        self._counters: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._degraded = False
         # Owned by the writer thread once it starts: key -> stored bytes, least recently used first.
         self._lru = ByteLru()
@@ -176,6 +177,7 @@ class LmdbTier(ChunkTier, Maintenance):
         self._io_hook: IOHook = NO_IO_HOOK
         self._closing: "Optional[asyncio.Future[None]]" = None
 
+        before = DirectorySnapshot(path)
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
         st = os.stat(self._path)
         self._dir_id = (st.st_dev, st.st_ino)
@@ -194,12 +196,14 @@ class LmdbTier(ChunkTier, Maintenance):
                 raise CorruptCacheError(f"the LMDB environment in {self._path} is damaged: {exc}") from exc
             except lmdb.Error as exc:
                 raise TierIOError(f"cannot read the index of {self._path}: {exc}") from exc
-        except BaseException:
+        except BaseException as exc:
             with _OPEN_DIRS_LOCK:
                 _OPEN_DIRS.pop(self._dir_id, None)
             env = getattr(self, "_env", None)
             if env is not None:
                 env.close()
+            if isinstance(exc, TierFullError):
+                before.restore()  # a full disk: leave the directory as it was
             raise
 
         self._pool = ThreadPoolExecutor(max_workers=read_workers, thread_name_prefix="kvtier-lmdb-read")
@@ -232,8 +236,13 @@ class LmdbTier(ChunkTier, Maintenance):
 
     def _open_env(self, map_size_bytes: int) -> None:
         check_data_file(self._path)
+        # Read-only: no lock file is created (that would be a write); otherwise it is allocated
+        # before LMDB maps it, so a full disk is TierFullError instead of SIGBUS.
+        use_lock = lock_for_readonly(self._path) if self._readonly else True
+        if use_lock and not self._readonly:
+            prepare_lock_file(self._path)
         if self._verify_structure and not hasattr(self, "_env"):  # not on a reopen after MDB_PANIC
-            verify_structure_at_rest(self._path)
+            verify_structure_at_rest(self._path, create_lock=not self._readonly)
         try:
             self._env = lmdb.open(
                 str(self._path),
@@ -250,19 +259,23 @@ class LmdbTier(ChunkTier, Maintenance):
                 readonly=self._readonly,
                 create=not self._readonly,
                 mode=0o600,
-                lock=True,
+                lock=use_lock,
             )
         except CORRUPT_LMDB_ERRORS as exc:
             raise CorruptCacheError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
         except lmdb.Error as exc:
+            if is_disk_full(exc):
+                raise TierFullError(f"no space left to open the LMDB environment at {self._path}: {exc}") from exc
             raise TierIOError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
         try:
-            self._tables = open_tables(self._env, self._path, self._readonly)
+            self._tables = open_kvtier_tables(self._env, self._path, self._readonly)
         except CORRUPT_LMDB_ERRORS as exc:
             self._env.close()
             raise CorruptCacheError(f"the tables in {self._path} are damaged: {exc}") from exc
         except lmdb.Error as exc:
             self._env.close()
+            if is_disk_full(exc):
+                raise TierFullError(f"no space left to create the tables in {self._path}: {exc}") from exc
             raise TierIOError(f"cannot open tables in {self._path}: {exc}") from exc
         except BaseException:
             self._env.close()
@@ -270,9 +283,16 @@ class LmdbTier(ChunkTier, Maintenance):
 
     def _load_index(self) -> None:
         """Rebuild the LRU index: (last access, key, stored bytes), older first."""
-        with self._env.begin(buffers=True) as txn:
-            entries = index_entries(txn, self._tables)
-            self._sequence = read_sequence(txn, self._tables)
+        for attempt in range(3):
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    entries = index_entries(txn, self._tables)
+                    self._sequence = read_sequence(txn, self._tables)
+                break
+            except lmdb.MapResizedError:
+                if attempt == 2:
+                    raise
+                self._env.set_mapsize(0)  # another process grew the map since we opened it
         entries.sort()
         self._lru = ByteLru((key, size) for _, key, size in entries)
 
@@ -597,18 +617,12 @@ class LmdbTier(ChunkTier, Maintenance):
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
         with self._counters_lock:
             counters = dict(self._counters)
-        extra = {name: float(counters.pop(name)) for name in _EXTRA_COUNTERS}
         try:
-            extra["map_size_bytes"] = float(self._env.info()["map_size"]) if not self._closed else 0.0
+            map_size = float(self._env.info()["map_size"]) if not self._closed else 0.0
         except lmdb.Error:
-            extra["map_size_bytes"] = 0.0
-        return TierStatistics(
-            records=len(self._lru),
-            bytes=self._lru.total_bytes,
-            capacity_bytes=self._capacity,
-            degraded=self._degraded,
-            extra=extra,
-            **counters,
+            map_size = 0.0
+        return TierStatistics.from_counters(
+            counters, self._lru, capacity_bytes=self._capacity, degraded=self._degraded, map_size_bytes=map_size
         )
 
     # ------------------------------------------------------------------------- timer-thread tasks

@@ -207,9 +207,7 @@ class WriterSide:
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
-            for key in victims:
-                txn.delete(key, db=self._tables.chunks)
-                txn.delete(key, db=self._tables.atime)
+            self._delete_records(txn, victims)
             now = time.time_ns()
             for key, record in batch.items():
                 self._io_hook.before("put")
@@ -217,8 +215,7 @@ class WriterSide:
                 txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
 
             def apply() -> int:
-                for key in victims:
-                    self._lru.pop(key)
+                self._forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
                     self._lru.put(key, len(record))
                 compressed = sum(1 for r in batch.values() if read_header(r).codec != "raw")
@@ -229,9 +226,7 @@ class WriterSide:
                     raw_bytes_in=raw_in,
                     stored_bytes_in=batch_bytes,
                     compressed_records=compressed,
-                    evictions=len(victims),
                 )
-                self._report_removed(victims, "evicted")
                 return self._sequence
 
             return apply
@@ -244,18 +239,9 @@ class WriterSide:
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, gone)
-            existed = [k for k in dict.fromkeys(keys) if txn.delete(k, db=self._tables.chunks)]
-            for k in existed:
-                txn.delete(k, db=self._tables.atime)
-
-            def apply() -> int:
-                for k in existed:
-                    self._lru.pop(k)
-                self._count(deletes=len(existed))
-                self._report_removed(existed, "deleted")
-                return len(existed)
-
-            return apply
+            existed = [k for k in dict.fromkeys(keys) if txn.get(k, db=self._tables.chunks) is not None]
+            self._delete_records(txn, existed)
+            return lambda: self._forget(existed, "deleted", deletes=len(existed))
 
         return self._write(body)
 
@@ -272,18 +258,9 @@ class WriterSide:
                     continue
                 if room.take():
                     txn.put(key, bytes(current), db=self._tables.quarantine)
-                txn.delete(key, db=self._tables.chunks)
-                txn.delete(key, db=self._tables.atime)
                 moved.append(key)
-
-            def apply() -> int:
-                for key in moved:
-                    self._lru.pop(key)
-                self._count(quarantined=len(moved))
-                self._report_removed(moved, "quarantined")
-                return len(moved)
-
-            return apply
+            self._delete_records(txn, moved)
+            return lambda: self._forget(moved, "quarantined", quarantined=len(moved))
 
         return self._write(body)
 
@@ -295,20 +272,24 @@ class WriterSide:
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
-            for key in victims:
-                txn.delete(key, db=self._tables.chunks)
-                txn.delete(key, db=self._tables.atime)
-
-            def apply() -> int:
-                for key in victims:
-                    self._lru.pop(key)
-                self._count(evictions=len(victims))
-                self._report_removed(victims, "evicted")
-                return len(victims)
-
-            return apply
+            self._delete_records(txn, victims)
+            return lambda: self._forget(victims, "evicted", evictions=len(victims))
 
         return self._write(body)
+
+    def _delete_records(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> None:
+        """In a write transaction: delete ``keys`` from ``chunks`` and their ``atime`` entries."""
+        for key in keys:
+            txn.delete(key, db=self._tables.chunks)
+            txn.delete(key, db=self._tables.atime)
+
+    def _forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
+        """After the commit that removed ``keys``: drop them from the LRU, count, report them."""
+        for key in keys:
+            self._lru.pop(key)
+        self._count(**counts)
+        self._report_removed(keys, reason)
+        return len(keys)
 
     def _report_removed(self, keys: Sequence[bytes], reason: str) -> None:
         """After a commit: report ``keys`` as removed at the sequence just committed."""

@@ -94,7 +94,8 @@ class RemoteNode:
             if not allowed:
                 return self.breaker.state == CLOSED
             try:
-                await asyncio.wait_for(self.client.ping(), self.timeout_s)
+                async with self.slots:  # the pool holds exactly ``concurrency`` connections
+                    await asyncio.wait_for(self.client.ping(), self.timeout_s)
             except BaseException:
                 self.breaker.failure()
                 return False

@@ -71,6 +71,7 @@ __all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
+_DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
@@ -150,6 +151,11 @@ class RemoteTier(ChunkTier):
         )
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
+        # Keys with a put in flight, and those of them the server evicted meanwhile: a notification
+        # can overtake the put's own reply (another connection), and must not be lost.
+        self._writing: Dict[bytes, int] = {}
+        self._evicted_while_writing: Set[bytes] = set()
+        self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
             quarantined=0, evictions=0, deletes=0, errors=0,
@@ -231,12 +237,27 @@ class RemoteTier(ChunkTier):
                 logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
                 self._router.start_unreachable()
             await self._listener.sync()
+            await self._read_value_limit()
         except BaseException:
             await self._shutdown()
             raise
         if listing_interval_s is not None:
             self._listing_task = self._loop.create_task(self._listing_loop(), name="kvtier-remote-listing")
         return self
+
+    async def _read_value_limit(self) -> None:
+        """The largest value the primaries accept (``proto-max-bulk-len``): a bigger one gets the
+        connection reset, not an error, which would look like a dead node to the breaker."""
+        limits = []
+        for node in self._router.primaries():
+            try:
+                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
+                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
+                limits.append(int(value))
+            except Exception:  # CONFIG forbidden or node down: keep the server default
+                continue
+        if limits:
+            self._max_value_bytes = min(limits)
 
     # --------------------------------------------------------------------------------- helpers
 
@@ -459,8 +480,21 @@ class RemoteTier(ChunkTier):
         encoded: "asyncio.Future[None]" = self._loop.create_future()
         if not batch:
             encoded.set_result(None)
+        keys = list(batch)
+        for key in keys:
+            self._writing[key] = self._writing.get(key, 0) + 1
         task = self._spawn(self._put_batch(list(batch.values()), encoded, after))
+        task.add_done_callback(lambda _: self._done_writing(keys))
         return encoded, task
+
+    def _done_writing(self, keys: List[bytes]) -> None:
+        for key in keys:
+            n = self._writing[key] - 1
+            if n:
+                self._writing[key] = n
+            else:
+                del self._writing[key]
+                self._evicted_while_writing.discard(key)
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
                          encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
@@ -484,6 +518,13 @@ class RemoteTier(ChunkTier):
                 raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
                                       f"the write it follows failed ({exc!r})") from exc
         sizes = [len(r) for r in records]
+        if max(sizes) > self._max_value_bytes:
+            self._stats["errors"] += 1
+            self._extra["full"] += len(batch)
+            raise TierFullError(
+                f"remote tier: a record of {max(sizes)} bytes exceeds the server's proto-max-bulk-len "
+                f"of {self._max_value_bytes} bytes; nothing of the batch was sent"
+            )
         replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
         if len(stored) != len(batch):
@@ -507,6 +548,12 @@ class RemoteTier(ChunkTier):
         seq = self._next_sequence()
         for (key, _, _), size in zip(batch, sizes):
             self._remember(key, seq, size)
+        # Evicted while the put was in flight: maybe this batch's copy, maybe an older one. Report
+        # it after the put's sequence - at worst a lost hit, never a promise of a missing chunk.
+        late = [key for key, _, _ in batch if key in self._evicted_while_writing]
+        if late:
+            self._evicted_while_writing.difference_update(late)
+            self._count_evictions(self._removed(late, "evicted"))
         elapsed = time.perf_counter() - started
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
@@ -786,7 +833,10 @@ class RemoteTier(ChunkTier):
 
     def _on_evicted(self, names: List[bytes]) -> None:
         keys = [k for k in (self._chunk_key(name) for name in names) if k is not None]
-        removals = self._removed(keys, "evicted")
+        self._evicted_while_writing.update(k for k in keys if k in self._writing)
+        self._count_evictions(self._removed(keys, "evicted"))
+
+    def _count_evictions(self, removals: List[Removal]) -> None:
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
         self._report(removals)

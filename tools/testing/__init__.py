@@ -4,9 +4,17 @@
   ``kvtier.errors.InjectedFault``), ``IOFaultPlan`` /
   ``inject_io_faults`` / ``remove_io_faults`` (errors under a tier's own I/O calls),
   ``corrupt_stored_record`` (flip a stored byte; forensics kept out of the shipped tiers).
+- ``forwarding``: ``ForwardingTier``, a tier that forwards the whole contract to an inner one (the
+  base of ``FaultyTier`` and ``SeamTier``; override only what you intercept).
 - ``scenario``: ``OffloadScenario`` (a producer and consumers on CPU tensors, exact stored and
   loaded sets), ``make_cpu_device``, ``DEFAULT_TEST_LAYOUT``.
 - ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings).
+- ``tier_seam``: ``SeamTier`` (fail a tier call with any exception, hold it before or after the
+  inner tier did the work, stall it) -- the seam of the engine's contract tests.
+- ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random
+  interleavings, cancellations and faults, checked against a model after every step).
+- ``valkey``: pytest fixtures for real Valkey servers on 127.0.0.1 (``valkey_node``,
+  ``valkey_cluster``, ``valkey_factory``; ``shared_node()``) and remote-tier test helpers.
 - ``fault_child``: the child process of the kill -9 and multi-process tests
   (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
 
@@ -25,9 +33,11 @@ from .faults import (
     inject_io_faults,
     remove_io_faults,
 )
+from .forwarding import ForwardingTier
 from .pressure import FakeNvml, ScriptedSource
 
 __all__ = [
+    "ForwardingTier",
     "FaultyTier",
     "IOFaultPlan",
     "inject_io_faults",

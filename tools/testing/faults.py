@@ -29,12 +29,12 @@ from kvtier.tiers.base import (
     ChunkTier,
     GetItem,
     IOHook,
-    KeySnapshot,
     PutItem,
-    RemovalCallback,
     TierStatistics,
     check_key,
 )
+
+from .forwarding import ForwardingTier
 
 if TYPE_CHECKING:
     from kvtier.tiers.lmdb import LmdbTier
@@ -58,7 +58,7 @@ _LMDB_CALLS = {"put": "mdb_put", "commit": "mdb_txn_commit", "read": "mdb_txn_be
 _COUNTED_OPS = ("put_many", "get_many_into", "delete_many", "contains_many")
 
 
-class FaultyTier(ChunkTier):
+class FaultyTier(ForwardingTier):
     """A ``ChunkTier`` that fails on purpose.
 
     ``fail_at``: the Nth counted call (1-based, over ``ops``) raises ``InjectedFault`` once.
@@ -81,8 +81,7 @@ class FaultyTier(ChunkTier):
         unknown = set(ops) - set(_COUNTED_OPS)
         if unknown:
             raise ValueError(f"ops must be among {_COUNTED_OPS}, got {sorted(unknown)}")
-        self.inner = inner
-        self.name = f"faulty-{getattr(inner, 'name', 'tier')}"
+        super().__init__(inner, prefix="faulty")
         self.fail_at = fail_at
         self.fail_from = fail_from
         self.delay_s = delay_s
@@ -140,36 +139,6 @@ class FaultyTier(ChunkTier):
             check_key(key)
         await self._enter("contains_many")
         return await self.inner.contains_many(keys)
-
-    async def list_keys(self) -> List[bytes]:
-        return await self.inner.list_keys()
-
-    async def snapshot_keys(self) -> KeySnapshot:
-        return await self.inner.snapshot_keys()
-
-    @property
-    def sequence(self) -> int:
-        return self.inner.sequence
-
-    def subscribe_removals(self, callback: RemovalCallback) -> None:
-        self.inner.subscribe_removals(callback)
-
-    async def flush(self) -> None:
-        await self.inner.flush()
-
-    async def check(self) -> List[str]:
-        return await self.inner.check()
-
-    @property
-    def degraded(self) -> bool:
-        return self.inner.degraded
-
-    @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self.inner.capacity_bytes
-
-    async def close(self) -> None:
-        await self.inner.close()
 
     def statistics(self) -> TierStatistics:
         """The inner tier's, with ``injected_faults`` in ``extra``."""

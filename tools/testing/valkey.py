@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, List, Sequence, Tuple, Union
 
 import pytest
 
-from .valkey import LocalValkey, LocalValkeyCluster, start_cluster, start_node, valkey_available
+from ..valkey import LocalValkey, LocalValkeyCluster, start_cluster, start_node, valkey_available
 
 __all__ = ["valkey_node", "valkey_cluster", "valkey_factory", "ValkeyFactory", "make_items", "read_back",
            "wait_for", "TEST_FINGERPRINT", "shared_node"]

@@ -26,7 +26,9 @@ import asyncio
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from kvtier.tiers.base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, RemovalCallback, TierStatistics
+from kvtier.tiers.base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem
+
+from .forwarding import ForwardingTier
 
 __all__ = ["SeamTier", "Gate", "SEAM_OPS"]
 
@@ -53,7 +55,7 @@ class Gate:
 _Action = Tuple[str, Any, bool]
 
 
-class SeamTier(ChunkTier):
+class SeamTier(ForwardingTier):
     """Delegates every call to ``inner`` after running the action scripted for it, if any.
 
     ``calls`` counts calls per operation; ``faults`` counts the exceptions the seam raised.
@@ -62,8 +64,7 @@ class SeamTier(ChunkTier):
     """
 
     def __init__(self, inner: ChunkTier) -> None:
-        self.inner = inner
-        self.name = f"seam-{getattr(inner, 'name', 'tier')}"
+        super().__init__(inner, prefix="seam")
         self._scripts: Dict[str, Deque[_Action]] = {op: deque() for op in SEAM_OPS}
         self._stalled: Dict[str, asyncio.Event] = {}
         self.calls: Dict[str, int] = {op: 0 for op in SEAM_OPS}
@@ -160,33 +161,9 @@ class SeamTier(ChunkTier):
         sequence = self.inner.sequence
         return KeySnapshot(frozenset(await self.list_keys()), sequence)
 
-    @property
-    def sequence(self) -> int:
-        return self.inner.sequence
-
-    def subscribe_removals(self, callback: RemovalCallback) -> None:
-        self.inner.subscribe_removals(callback)
-
-    async def flush(self) -> None:
-        await self.inner.flush()
-
-    async def check(self) -> List[str]:
-        return await self.inner.check()
-
-    @property
-    def degraded(self) -> bool:
-        return self.inner.degraded
-
-    @property
-    def capacity_bytes(self) -> Optional[int]:
-        return self.inner.capacity_bytes
-
     async def close(self) -> None:
         self.heal()
         await self.inner.close()
-
-    def statistics(self) -> TierStatistics:
-        return self.inner.statistics()
 
     def __getattr__(self, name: str):
         # Tier-specific extras (path_for, verify, gc, ...) pass through to the inner tier.

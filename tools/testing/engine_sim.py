@@ -28,14 +28,16 @@ The model kept by the simulation, and what it checks (after every step, and at t
 - ``engine.check()`` after every step; once faults stop, every waiting call (``wait_released``,
   ``fence``, ``flush``, loads) resolves within ``settle_s``; at the end ``check()`` and
   ``check_disk()`` pass, a fresh lookup+load of stored prompts returns the right bytes, and
-  ``close()`` leaves no pinned slot, no task and no engine thread.
+  ``close()`` leaves no pinned slot, no task and no engine thread;
+- a third of the seeds end instead with ``close()`` amid work in flight (a first close cancelled
+  at a random await, then a second): every actor ends within ``settle_s`` and no late copy writes
+  into a freed block.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tools.testing.pressure import ScriptedSource
 
-from .testing.scenario import make_cpu_device
+from .scenario import make_cpu_device
 from .tier_seam import SeamTier
 
 __all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]
@@ -93,6 +95,7 @@ class SimReport:
     loads_failed: Dict[str, int] = field(default_factory=dict)
     durable_checked: int = 0
     bytes_checked: int = 0
+    closed_under_load: bool = False  # the run ended with close() amid work in flight
 
     def summary(self) -> str:
         return (
@@ -101,6 +104,7 @@ class SimReport:
             f"{self.overlapping_steps} steps with >= 2 actors in flight (max {self.max_concurrency}), "
             f"{self.loads_ok} loads ok, failed {self.loads_failed}, {self.durable_checked} durable "
             f"handles checked on the tier, {self.bytes_checked} blocks compared"
+            + (", closed under load" if self.closed_under_load else "")
         )
 
 
@@ -466,6 +470,35 @@ class _Sim:
                 continue  # a typed engine error (e.g. ClosedError) is an answer
             raise SimViolation(f"seed {self.seed}: actor {getattr(task, 'sim_name', '?')} raised {exc!r}") from exc
 
+    async def finish_by_closing(self) -> None:
+        """Faults stop and the engine closes with work in flight: a first ``close`` cancelled at a
+        random await, a second one to finish. Every actor must then end (with a result or a
+        ``ClosedError``) within ``settle_s``, and no late copy may write into a freed block."""
+        self.heal()
+        closing = asyncio.ensure_future(self.engine.close())
+        for _ in range(self.rng.randrange(0, 6)):
+            await asyncio.sleep(0)
+        if not closing.done():
+            closing.cancel()
+            self.report.cancelled += 1
+        await asyncio.gather(closing, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.engine.close(), self.settle_s)
+        except asyncio.TimeoutError:
+            raise SimViolation(f"seed {self.seed}: close() did not finish within {self.settle_s} s") from None
+        pending = [t for t in self.actors | self.reapers if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=self.settle_s)
+            if still:
+                names = sorted(getattr(t, "sim_name", "reaper") for t in still)
+                raise SimViolation(f"seed {self.seed}: {len(still)} calls still waiting after close: {names}")
+        self.harvest()
+        self.device.check_free(self.seed)
+        if self.engine._tasks and any(not t.done() for t in self.engine._tasks):
+            raise SimViolation(f"seed {self.seed}: engine tasks still running after close")
+        if not all(pool.closed for pool in self.engine._pools):
+            raise SimViolation(f"seed {self.seed}: close() left a host pool open")
+
     async def finish(self) -> None:
         """Faults stop; everything in flight must resolve within ``settle_s``."""
         self.heal()
@@ -514,7 +547,7 @@ async def simulate(
     seed: int,
     steps: int = 300,
     tier: str = "lmdb",
-    disk_capacity_records: Optional[int] = 48,
+    disk_capacity_records: Optional[int] = None,
     settle_s: float = 10.0,
 ) -> SimReport:
     """Run one simulation (see the module docstring) in ``directory``; raises ``SimViolation``."""
@@ -525,6 +558,10 @@ async def simulate(
     layout = SIM_LAYOUT
     device = make_cpu_device(layout, num_blocks=160)
     record_bytes = max(device.chunk_nbytes(g) for g in range(len(layout.groups))) + 256
+    if disk_capacity_records is None:
+        # Per seed: a disk so small that each batch evicts the one before (the add/removal races
+        # of the disk index), a tight one, or a roomy one.
+        disk_capacity_records = random.Random(seed ^ 0x5EED).choice([5, 12, 48])
     capacity = disk_capacity_records * record_bytes if disk_capacity_records else None
     if tier == "lmdb":
         inner = await LmdbTier.open(directory / "lmdb", map_size_bytes=64 << 20, capacity_bytes=capacity)
@@ -533,12 +570,15 @@ async def simulate(
     else:
         raise ValueError(f"tier must be 'lmdb' or 'files', got {tier!r}")
     seam = SeamTier(inner)
+    # Per seed, too: a host pool from tight to roomy, spill batches from one chunk to many, a
+    # store queue that drops or never does.
+    shape = random.Random(seed ^ 0xC0F1)
     config = EngineConfig(
-        host_capacity_bytes=24 * device.chunk_nbytes(0),
+        host_capacity_bytes=shape.choice([8, 24, 64]) * device.chunk_nbytes(0),
         tier_timeout_s=0.3,
         pressure_poll_interval_s=3600.0,
-        spill_batch_max_chunks=4,
-        store_queue_max_chunks=64,
+        spill_batch_max_chunks=shape.choice([1, 4, 16]),
+        store_queue_max_chunks=shape.choice([16, 64, 4096]),
         events_max=256,
     )
     engine = OffloadEngine(layout, device, config, fingerprint=b"sim", disk_tier=seam,
@@ -549,7 +589,11 @@ async def simulate(
     try:
         for _ in range(steps):
             await sim.step()
-        await sim.finish()
+        if random.Random(seed ^ 0xC105E).random() < 1 / 3:
+            sim.report.closed_under_load = True
+            await sim.finish_by_closing()
+        else:
+            await sim.finish()
     finally:
         sim.heal()
         for task in list(sim.actors | sim.reapers):

@@ -1,0 +1,240 @@
+"""Opening a cache directory at its edges (issue 11): a full disk without ``lock.mdb`` is one line
+(TierFullError), not SIGBUS, and leaves the directory as it was; a map another process grew while
+we opened is adopted; quarantine moves only kvtier's files and works on a mount point; another
+program's LMDB is refused, not written into; a read-only inspect writes nothing.
+
+What could crash (SIGBUS) runs in a child process; the rest through ``main()`` and the public API.
+Mounts are real (tmpfs, bind), root only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.errors import TierIOError
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tools.cli import main
+from kvtier.tools.maintenance import gc_cache, verify_cache
+from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
+from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+from mounts import bind_mount, fill_up, tmpfs
+
+FINGERPRINT = b"lmdb-open-edges"
+
+
+def config(cache: Path, **changes) -> EngineConfig:
+    return EngineConfig(cache_dir=str(cache), host_capacity_bytes=1 << 20, lmdb_map_size_bytes=1 << 20,
+                        pressure_poll_interval_s=3600.0, **changes)
+
+
+async def fill_cache(cache: Path, prompts: int = 2) -> None:
+    async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+        scenario = OffloadScenario(engine)
+        for _ in range(prompts):
+            await scenario.produce(scenario.tokens(40))
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("open-edges") / "cache"
+    asyncio.run(fill_cache(cache))
+    return cache
+
+
+def listing(directory: Path):
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else None
+
+
+# The commands, each in this child, one after the other: a SIGBUS kills the child, not pytest.
+_DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from kvtier.tools.cli import main
+    results = []
+    for argv in json.loads(sys.argv[1]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        results.append([code, err.getvalue()])
+        print(json.dumps(results[-1]), flush=True)
+    """
+)
+
+
+def test_a_full_disk_without_lock_file_is_one_line_and_leaves_the_directory_as_it_was(small_cache, tmp_path):
+    with tmpfs(tmp_path / "full", "size=512k,mode=0700") as full:
+        copied = full / "copied"
+        copied.mkdir(mode=0o700)
+        shutil.copy(small_cache / "data.mdb", copied / "data.mdb")  # a copied data.mdb: no lock.mdb
+        fill_up(full / "filler")
+        cases = [
+            ["demo", "--cache-dir", str(full / "new"), "--producers", "1"],  # the engine's start
+            ["verify", "--cache-dir", str(copied)],
+            ["gc", "--cache-dir", str(copied), "--max-bytes", "0"],
+            ["inspect", "--cache-dir", str(copied), "--json"],  # read-only: needs no lock file
+        ]
+        proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(cases)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"the child died with {proc.returncode}: {proc.stderr[-2000:]}"
+        results = [json.loads(line) for line in proc.stdout.splitlines()]
+        for (code, err), argv in zip(results[:3], cases):
+            lines = [line for line in err.splitlines() if "WARNING" not in line]
+            assert code == 2 and len(lines) == 1, (argv, err)
+            assert lines[0].startswith("kvtier: error: no space left on the device of "), lines[0]
+        assert results[3][0] == 0, results[3]
+        assert listing(full / "new") is None  # the directory the demo would have made is not there
+        assert listing(copied) == ["data.mdb"]
+
+
+def test_a_read_only_inspect_writes_nothing(small_cache, tmp_path, capsys):
+    copied = tmp_path / "copied"
+    copied.mkdir(mode=0o700)
+    shutil.copy(small_cache / "data.mdb", copied / "data.mdb")
+    before = (copied / "data.mdb").read_bytes()
+    assert main(["inspect", "--cache-dir", str(copied), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] > 0
+    assert main(["verify", "--cache-dir", str(copied), "--no-quarantine"]) == 0
+    assert listing(copied) == ["data.mdb"]  # no lock.mdb
+    assert (copied / "data.mdb").read_bytes() == before
+
+
+def test_another_programs_lmdb_is_refused_and_left_alone(tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    env = lmdb.open(str(other), max_dbs=2, map_size=1 << 20)
+    users = env.open_db(b"users")
+    with env.begin(write=True) as txn:
+        txn.put(b"alice", b"1", db=users)
+    env.close()
+    before = (other / "data.mdb").read_bytes()
+    for argv in (["verify", "--cache-dir", str(other)], ["gc", "--cache-dir", str(other), "--max-bytes", "0"],
+                 ["demo", "--cache-dir", str(other), "--producers", "1"], ["inspect", "--cache-dir", str(other)]):
+        assert main(argv) == 2, argv
+        err = [line for line in capsys.readouterr().err.splitlines() if "WARNING" not in line]
+        assert len(err) == 1 and "holds an LMDB environment kvtier did not create (users)" in err[0], (argv, err)
+    assert (other / "data.mdb").read_bytes() == before
+    with pytest.raises(TierIOError, match="kvtier did not create"):
+        LmdbTier(other, map_size_bytes=1 << 20)
+
+
+_GROW = textwrap.dedent(
+    """
+    import sys, lmdb
+    env = lmdb.open(sys.argv[1], max_dbs=4, map_size=64 << 20)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True) as txn:  # grow the file past the opener's 1 MiB map...
+        txn.put(b"grow", bytes(4 << 20), db=chunks)
+    with env.begin(write=True) as txn:  # ...and leave the records as they were
+        txn.delete(b"grow", db=chunks)
+    env.close()
+    """
+)
+
+
+def test_a_map_grown_by_another_process_while_opening_is_adopted(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    asyncio.run(fill_cache(cache, prompts=1))
+    real_open = lmdb.open
+    grown = []
+
+    def open_then_grow(path, **kwargs):
+        # Another process grows the map between our lmdb.open and the first transaction: the
+        # window in which gc / verify / an engine's start open their tables.
+        env = real_open(path, **kwargs)
+        subprocess.run([sys.executable, "-c", _GROW, path], check=True, timeout=60)
+        grown.append(path)
+        return env
+
+    monkeypatch.setattr(lmdb, "open", open_then_grow)
+    assert verify_cache(str(cache)).ok > 0
+    assert gc_cache(str(cache), 1 << 30)["evicted_records"] == 0
+
+    async def start_and_count():
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+            return engine.statistics()["disk"]["records"]
+
+    assert asyncio.run(start_and_count()) > 0
+    assert len(grown) == 3
+
+
+async def start_over_a_damaged_cache(cache: Path) -> str:
+    (cache / "data.mdb").write_bytes(b"not an LMDB file " * 4096)
+    async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+        scenario = OffloadScenario(engine)
+        assert (await scenario.produce(scenario.tokens(40))).durable
+        return engine.quarantined_cache_dir
+
+
+def test_quarantine_moves_only_kvtiers_files_and_works_on_a_mount_point(tmp_path):
+    # A plain directory holding someone else's file: only data.mdb and lock.mdb move aside.
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    (plain / "notes.txt").write_text("not kvtier's")
+    aside = Path(asyncio.run(start_over_a_damaged_cache(plain)))
+    assert aside.parent == tmp_path and aside.name.startswith("plain.corrupt-")
+    assert listing(aside) == ["data.mdb", "lock.mdb"]
+    assert (aside / "data.mdb").read_bytes().startswith(b"not an LMDB file")
+    assert listing(plain) == ["data.mdb", "lock.mdb", "notes.txt"]
+
+    # The cache directory is a mount point (an NVMe mounted at the cache path): renaming it is
+    # EBUSY; the damaged files move aside inside it.
+    source = tmp_path / "nvme"
+    source.mkdir(mode=0o700)
+    (source / "notes.txt").write_text("not kvtier's")
+    with bind_mount(source, tmp_path / "mnt") as mount:
+        os.chmod(mount, 0o700)
+        aside = Path(asyncio.run(start_over_a_damaged_cache(mount)))
+        assert str(mount) in Path("/proc/self/mounts").read_text()  # (os.path.ismount misses bind mounts)
+        assert aside.parent == mount and aside.name.startswith(".kvtier-corrupt-")
+        assert listing(aside) == ["data.mdb", "lock.mdb"]
+        assert (mount / "notes.txt").read_text() == "not kvtier's"
+        assert verify_cache(str(mount)).ok > 0  # the fresh environment beside them works
+
+
+def test_after_an_external_gc_a_load_says_missing_and_lookup_stops_admitting_within_the_refresh(tmp_path):
+    cache = tmp_path / "cache"
+
+    async def scenario():
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+            producer = OffloadScenario(engine)
+            prompts = [producer.tokens(40), producer.tokens(40)]
+            for prompt in prompts:
+                assert (await producer.produce(prompt)).durable
+        # A serving engine over the directory (its chunks on disk only), and a cron gc beside it.
+        refreshed = config(cache, disk_index_refresh_interval_s=0.2)
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), refreshed, fingerprint=FINGERPRINT) as engine:
+            consumer = OffloadScenario(engine, seed=1)
+            first, second = (engine.request_keys(p + [1]) for p in prompts)
+            assert engine.lookup(first) == 32 and engine.lookup(second) == 32
+            gc = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "gc", "--cache-dir", str(cache),
+                                 "--max-bytes", "0"], capture_output=True, text=True, timeout=120)
+            assert gc.returncode == 0, gc.stderr
+            # The loop was blocked meanwhile: the index has not been refreshed, lookup still admits.
+            assert engine.lookup(first) == 32
+            result = await engine.load(first, 32, consumer.allocate(41))
+            assert (result.ok, result.reason) == (False, "missing")
+            assert engine.lookup(first) == 0  # the load's finding left the index at once
+            for _ in range(100):  # bounded: the refresh runs every 0.2 s
+                if engine.lookup(second) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.lookup(second) == 0
+            assert engine.disk_tier.statistics().corrupt == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_cache_directory_whose_parent_is_missing_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"cache_dir '.*/nvme/kvtier': its parent .*/nvme does not exist \(kvtier creates only the last"):
+        OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(tmp_path / "nvme" / "kvtier"), fingerprint=FINGERPRINT)
+    assert listing(tmp_path) == []

@@ -1,0 +1,142 @@
+"""The steps around ``lmdb.open`` that keep opening a cache directory safe.
+
+Primitives (blocking; run by ``LmdbTier`` while opening, on the opening thread):
+
+- ``DirectorySnapshot``: what of the directory existed before the open, so that an open that fails
+  for lack of space leaves the directory as it was (files it created removed, a directory it made
+  removed when empty).
+- ``prepare_lock_file``: allocate ``lock.mdb`` before LMDB maps it. LMDB sizes the lock file with
+  ``ftruncate`` (a sparse file) and then writes it through ``mmap``: on a full disk the first write
+  to an unallocated page is SIGBUS, which kills the whole process without a word. Allocating it
+  with ``posix_fallocate`` first turns that into ENOSPC, said as ``TierFullError``. A read-only
+  opener never creates it: ``lock_for_readonly`` says whether to open with LMDB's lock at all.
+- ``open_kvtier_tables``: ``tables.open_tables`` that adopts a map another process grew
+  (``MDB_MAP_RESIZED``, retried like every read and write) and refuses an environment kvtier did
+  not create (another program's LMDB), before writing anything into it.
+- ``is_disk_full``: whether an LMDB or OS error means "no space left".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Optional
+
+import lmdb
+
+from kvtier.errors import TierFullError, TierIOError
+
+from .tables import Tables, open_tables
+
+__all__ = ["DirectorySnapshot", "prepare_lock_file", "lock_for_readonly", "open_kvtier_tables", "is_disk_full"]
+
+# LMDB's lock file for py-lmdb's default 126 readers (kvtier's): 8 KiB, 64-byte reader slots plus
+# a header. Exactly that: a larger file would only raise LMDB's reader limit.
+LOCK_FILE_BYTES = 8 * 1024
+# The named databases of a kvtier environment (tables.py): anything else in the main database
+# means another program's LMDB.
+_KVTIER_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta"})
+_MAP_RESIZED_ATTEMPTS = 3
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for ENOSPC / EDQUOT, from the OS or as LMDB words it."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+class DirectorySnapshot:
+    """Which of a cache directory and its LMDB files existed before an open (see the module
+    docstring); ``restore()`` removes what the open created. Taken before the directory is made."""
+
+    _FILES = ("data.mdb", "lock.mdb")
+
+    def __init__(self, path: "os.PathLike[str] | str") -> None:
+        self.path = Path(os.fspath(path)).expanduser()
+        self.existed = self.path.exists()
+        self.files = {name for name in self._FILES if (self.path / name).exists()} if self.existed else set()
+
+    def restore(self) -> None:
+        """Remove the LMDB files and the directory this open created; never anything else."""
+        for name in self._FILES:
+            if name not in self.files:
+                try:
+                    (self.path / name).unlink()
+                except OSError:
+                    pass
+        if not self.existed:
+            try:
+                self.path.rmdir()  # only when empty: anything else in it is not ours to remove
+            except OSError:
+                pass
+
+
+def lock_for_readonly(directory: Path) -> bool:
+    """Whether a read-only open should use LMDB's lock file: only when one exists. A directory
+    without ``lock.mdb`` has no live LMDB user (each holds it), and creating it would be a write."""
+    return (directory / "lock.mdb").exists()
+
+
+def prepare_lock_file(directory: Path) -> None:
+    """Make sure ``lock.mdb`` exists with its pages allocated, so LMDB's writes through its mapping
+    cannot fault on a full disk. Raises ``TierFullError`` when there is no room for it."""
+    path = directory / "lock.mdb"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise TierFullError(f"no space left on the device of {directory} to create lock.mdb") from exc
+        raise TierIOError(f"cannot create {path}: {exc}") from exc
+    try:
+        # Allocates holes only: an existing lock file's contents (a live environment's readers)
+        # are untouched, and a file already this large is left as it is.
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise TierFullError(
+                f"no space left on the device of {directory} for LMDB's lock file "
+                f"({LOCK_FILE_BYTES} bytes); free some space or use another cache directory"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate
+            raise TierIOError(f"cannot allocate {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
+    with env.begin() as txn:
+        names = {bytes(key) for key in txn.cursor().iternext(keys=True, values=False)}
+    if not names:
+        return  # a new, empty environment: kvtier creates its tables in it
+    foreign = sorted(names - _KVTIER_TABLES)
+    if foreign or b"meta" not in names:
+        shown = ", ".join(repr(n)[2:-1] for n in foreign[:5]) or "no kvtier format marker"
+        raise TierIOError(
+            f"{path} holds an LMDB environment kvtier did not create ({shown}); kvtier refuses to "
+            "write into another program's database: use an empty directory as the cache directory"
+        )
+    meta = env.open_db(b"meta", create=False)
+    with env.begin() as txn:
+        if txn.get(b"format", db=meta) is None:
+            raise TierIOError(
+                f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
+                "format marker); use an empty directory as the cache directory"
+            )
+
+
+def open_kvtier_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
+    """``open_tables``, refusing a foreign environment first and retrying when another process grew
+    the map meanwhile (``MDB_MAP_RESIZED``: adopt the new size with ``set_mapsize(0)``)."""
+    last: Optional[BaseException] = None
+    for _ in range(_MAP_RESIZED_ATTEMPTS):
+        try:
+            _refuse_foreign(env, path)
+            return open_tables(env, path, readonly)
+        except lmdb.MapResizedError as exc:
+            last = exc
+            env.set_mapsize(0)  # no transaction is open here
+    raise TierIOError(f"the LMDB map of {path} keeps being resized by another process") from last
+
