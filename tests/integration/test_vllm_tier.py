@@ -21,7 +21,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from kvtier.integrations.vllm import KvtierTier, VllmTierConfigError
 from kvtier.integrations.vllm.testing import VllmCpuRig
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.policy.plan import load_block_plan, store_chunk_indices
+from kvtier.policy.plan import load_block_plan
+from kvtier.policy.retention import retention_store_chunk_indices
 from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
 
 PROMPT = [(i * 7) % 900 + 3 for i in range(33)]
@@ -37,6 +38,9 @@ EXPECTED_SWA = {
     (0, None): ({2, 3, 6, 7}, {6, 7}),
     (1, None): ({2, 3, 6, 7}, {6, 7}),
     (3, None): ({1, 2, 3, 5, 6, 7}, {5, 6, 7}),
+    (0, 32): ({6, 7}, {6, 7}),
+    (1, 32): ({6, 7}, {6, 7}),
+    (3, 32): ({5, 6, 7}, {5, 6, 7}),
 }
 
 
@@ -56,6 +60,11 @@ def make_rig(tmp_path, r=0, retention=0, **extra) -> VllmCpuRig:
                       model_dir=tmp_path / "model")
 
 
+def kvtier_layout(r: int) -> ModelLayout:
+    return ModelLayout(groups=(AttentionGroup(block_size=16),
+                               AttentionGroup(block_size=4, sliding_window=8, extra_retained_tokens=r)))
+
+
 def assert_restored_bitwise(rig, record, producer_bytes):
     checked = 0
     for group, blocks in record.loaded.items():
@@ -71,11 +80,13 @@ def producer_block_bytes(rig, record):
     return {(g, b): rig.block_bytes(g, record.block_ids[g][b]) for g, blocks in record.stored.items() for b in blocks}
 
 
-@pytest.mark.parametrize("retention", [0, None], ids=["retention0", "retentionNone"])
+@pytest.mark.parametrize("retention", [0, None, 32], ids=["retention0", "retentionNone", "retention32"])
 @pytest.mark.parametrize("r", [0, 1, 3])
 def test_bytes_through_vllm(tmp_path, r, retention):
     """Producer prefill cascades to kvtier; vLLM's CPU tier and every GPU byte are wiped; the
-    consumer hits from kvtier and every restored block is bitwise the producer's."""
+    consumer hits from kvtier and every restored block is bitwise the producer's. The (group,
+    block) sets vLLM stores and loads equal kvtier's retention_store_chunk_indices and
+    load_block_plan for the same layout and retention interval (the Agreement check)."""
     rig = make_rig(tmp_path, r, retention)
     try:
         tier = rig.secondary_tiers[0]
@@ -83,12 +94,17 @@ def test_bytes_through_vllm(tmp_path, r, retention):
         produced = rig.run(PROMPT)
         stored_swa, loaded_swa = EXPECTED_SWA[(r, retention)]
         assert dict(produced.stored) == {0: {0, 1}, 1: stored_swa}
+        for g in (0, 1):  # agreement: kvtier's own store policy under the same retention interval
+            assert produced.stored[g] == set(retention_store_chunk_indices(kvtier_layout(r), g, 33, retention))
         before = producer_block_bytes(rig, produced)
         assert tier.statistics()["records"] == 2 + len(stored_swa)
         rig.wipe()
         consumed = rig.run(CONSUMER)
         assert consumed.external_hit_tokens == 32
         assert dict(consumed.loaded) == {0: {0, 1}, 1: loaded_swa}
+        for g in (0, 1):  # agreement: kvtier's load plan for the same hit
+            plan = load_block_plan(kvtier_layout(r), g, consumed.external_hit_tokens)
+            assert consumed.loaded[g] == {b for _, blocks in plan for b in blocks if b is not None}
         assert assert_restored_bitwise(rig, consumed, before) == 2 + len(loaded_swa)
         assert tier.counters["loads_ok"] >= 1 and tier.counters["promotions_failed"] == 0
     finally:
@@ -113,25 +129,6 @@ def test_restart_hits_from_disk_alone(tmp_path):
         assert assert_restored_bitwise(fresh, consumed, before) == 5
     finally:
         fresh.shutdown()
-
-
-def kvtier_layout(r: int) -> ModelLayout:
-    return ModelLayout(groups=(AttentionGroup(block_size=16),
-                               AttentionGroup(block_size=4, sliding_window=8, extra_retained_tokens=r)))
-
-
-@pytest.mark.parametrize("r", [0, 1, 3])
-def test_agreement_with_kvtier_policy(r):
-    """vLLM's dense (retention None) store set is kvtier's store_chunk_indices; the loaded sets
-    (both retentions) are kvtier's load_block_plan for the 32-token hit."""
-    layout = kvtier_layout(r)
-    stored_swa, loaded_swa = EXPECTED_SWA[(r, None)]
-    assert set(store_chunk_indices(layout, 0, 33)) == {0, 1}
-    assert set(store_chunk_indices(layout, 1, 33)) == stored_swa
-    for retention in (0, None):
-        for g, want in ((0, {0, 1}), (1, EXPECTED_SWA[(r, retention)][1])):
-            plan = load_block_plan(layout, g, 32)
-            assert {b for _, blocks in plan for b in blocks if b is not None} == want
 
 
 def test_corrupt_record_is_a_failed_promotion_then_recomputed(tmp_path):
