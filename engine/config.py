@@ -95,6 +95,11 @@ class EngineConfig:
     # serving. Set it (e.g. 10 s) when another process writes the same cache directory while this
     # one serves, so its chunks become hits without a restart (one keys-only scan per interval).
     disk_index_refresh_interval_s: Optional[float] = None
+    # vLLM's prefix_cache_retention_interval for kvtier's own store policy (policy/retention.py):
+    # None (the default, unchanged behaviour) stores an SWA window at every alignment boundary; 0
+    # only at the request's final boundary (fewest bytes; multi-turn continuations still hit);
+    # k (a multiple of the layout's alignment_tokens) once every k tokens.
+    store_retention_interval_tokens: Optional[int] = None
     # On: before LMDB maps the cache_dir's file, py-lmdb's offline verifier checks its B-tree (when
     # no other process has it open). LMDB trusts its pages and can crash the whole serving process
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
@@ -209,6 +214,8 @@ class EngineConfig:
         _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
+        if self.store_retention_interval_tokens is not None:
+            _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
         _require_int("events_max", self.events_max, 1)
         self._validate_remote()
@@ -326,7 +333,7 @@ _SIZE_FIELDS = frozenset(
 )
 _INT_FIELDS = frozenset(
     {"store_queue_max_chunks", "spill_batch_max_chunks", "compression_level", "remote_concurrency",
-     "remote_breaker_failures"}
+     "remote_breaker_failures", "store_retention_interval_tokens"}
 )
 _FLOAT_FIELDS = frozenset(
     {
@@ -348,7 +355,8 @@ _BOOL_FIELDS = frozenset(
      "remote_promote_to_disk"}
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "remote_url"}
+    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "remote_url",
+     "store_retention_interval_tokens"}
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -52,7 +52,8 @@ from kvtier.policy import (
     TierIOError,
     longest_hit,
 )
-from kvtier.policy.plan import load_block_plan, store_chunk_indices
+from kvtier.policy.plan import load_block_plan
+from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
 from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
@@ -130,6 +131,7 @@ class OffloadEngine:
         self.config = config if config is not None else EngineConfig()
         self.fingerprint = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
         check_engine_settings(self.config, layout, device)
+        check_retention_interval(layout, self.config.store_retention_interval_tokens)
         self.metrics = EngineMetrics()
         self._drop_log = DropLog()
         self._disk: Optional[ChunkTier] = disk_tier
@@ -581,7 +583,9 @@ class OffloadEngine:
         for gi, group in enumerate(self.layout.groups):
             per_chunk = group.blocks_per_chunk
             table = block_table[gi]
-            for chunk in store_chunk_indices(self.layout, gi, num_tokens):
+            for chunk in retention_store_chunk_indices(
+                self.layout, gi, num_tokens, self.config.store_retention_interval_tokens
+            ):
                 key = keys.keys[gi][chunk]
                 entry = self._entries.get(key)
                 if entry is not None or key in self._index:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import accumulate
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .geometry import AttentionGroup, ModelLayout, cdiv
 
@@ -30,6 +30,7 @@ __all__ = [
     "load_window_size_in_chunks",
     "reachable_store_block_mask",
     "store_spec",
+    "store_block_mask_for_boundaries",
 ]
 
 
@@ -135,14 +136,22 @@ def reachable_store_block_mask(layout: ModelLayout, group_index: int, num_tokens
     if group.sliding_window is None:
         return [True] * num_blocks
 
-    spec = store_spec(group)
-    storable_end = (num_tokens // spec.tokens_per_chunk) * spec.tokens_per_chunk
     alignment = layout.alignment_tokens
     boundaries = list(range(alignment, num_tokens + 1, alignment))
     final_boundary = num_blocks * block_size
     if final_boundary and (not boundaries or boundaries[-1] != final_boundary):
         boundaries.append(final_boundary)
+    return store_block_mask_for_boundaries(group, num_tokens, boundaries)
 
+
+def store_block_mask_for_boundaries(group: AttentionGroup, num_tokens: int, boundaries: Sequence[int]) -> List[bool]:
+    """One bool per complete block: does it meet ``retained_interval`` (MTP-widened, ``store_spec``)
+    of one of ``boundaries``? A boundary counts only when every chunk its interval touches is
+    complete within ``num_tokens``. The shared core of every store mask (dense, retention)."""
+    block_size = group.block_size
+    num_blocks = num_tokens // block_size
+    spec = store_spec(group)
+    storable_end = (num_tokens // spec.tokens_per_chunk) * spec.tokens_per_chunk
     # Difference array over blocks: +1 where a retained interval starts, -1 past where it ends.
     delta = [0] * (num_blocks + 1)
     for boundary in boundaries:

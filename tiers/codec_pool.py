@@ -14,8 +14,6 @@ Primitives (shared by the disk tiers):
   caller cancels the slices that have not started and waits for those running, then re-raises.
 - ``wait_through_cancel(awaitable)``: wait for a future even if the waiting task is cancelled
   again meanwhile; tells the caller whether it was cancelled.
-- ``slices(sizes, target_bytes)``: index ranges of at least ``target_bytes`` each, for a tier that
-  hops per slice itself (``plan_slices`` without a thread bound).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, List, Optional, Sequence
 
-__all__ = ["MIN_SLICE_BYTES", "plan_slices", "slices", "map_slices", "wait_threads", "wait_through_cancel"]
+__all__ = ["MIN_SLICE_BYTES", "plan_slices", "map_slices", "wait_threads", "wait_through_cancel"]
 
 # The smallest slice worth a hop of its own: below it the ~100 us hop costs more than a second core
 # saves (measured on the LMDB put path: a 1 MiB batch of 64 KiB chunks).
@@ -52,11 +50,6 @@ def plan_slices(sizes: Sequence[int], workers: int, min_slice_bytes: int) -> Lis
             start = i + 1
     out.append(range(start, n))
     return out
-
-
-def slices(sizes: Sequence[int], target_bytes: int) -> List[range]:
-    """Contiguous index ranges over ``sizes`` of about ``target_bytes`` or more each."""
-    return plan_slices(sizes, len(sizes), target_bytes)
 
 
 def map_slices(
@@ -91,10 +84,13 @@ def map_slices(
             remaining[0] -= 1
             if remaining[0]:
                 return
-        if failures:
-            result.set_exception(failures[0])
-        else:
-            result.set_result([x for part in parts for x in part])  # type: ignore[union-attr]
+        try:
+            if failures:
+                result.set_exception(failures[0])
+            else:
+                result.set_result([x for part in parts for x in part])  # type: ignore[union-attr]
+        except concurrent.futures.InvalidStateError:
+            pass  # the waiter cancelled the batch's future: nobody wants the result
 
     def run(index: int, part: List[Any]) -> None:
         try:

@@ -445,6 +445,40 @@ async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_fact
         await tier.close()
 
 
+@pytest.mark.asyncio
+async def test_a_moved_slot_fails_one_call_then_the_slot_map_follows(valkey_factory):
+    from redis.crc import key_slot
+
+    cluster = valkey_factory.cluster(3)
+    tier = await RemoteTier.open(cluster.url, namespace=namespace(), fingerprint=FP)
+    try:
+        seed = 0
+        items = make_items(1, 1000, seed=seed)
+        while cluster.node_for_slot(key_slot(tier.rkey(items[0][0]))) is not cluster.nodes[0]:
+            seed += 1
+            items = make_items(1, 1000, seed=seed)
+        # Resharding: the key's (empty) slot moves from the first primary to the second.
+        slot = key_slot(tier.rkey(items[0][0]))
+        new_owner = cluster.nodes[1].command("CLUSTER", "MYID").decode()
+        cluster.nodes[1].command("CLUSTER", "BUMPEPOCH")
+        for node in cluster.nodes:
+            node.command("CLUSTER", "SETSLOT", slot, "NODE", new_owner)
+        await asyncio.sleep(1.1)  # past the slot map's refresh rate limit
+        with pytest.raises(TierIOError, match="MovedError"):
+            await tier.put_many(items)  # no client-side redirect-and-retry: one call fails
+        assert tier.statistics().extra["moved"] == 1
+        for _ in range(40):  # bounded: the refresh it scheduled lands within a few round trips
+            try:
+                await tier.put_many(items)
+                break
+            except TierIOError:
+                await asyncio.sleep(0.05)
+        assert cluster.nodes[1].command("DBSIZE") == 1 and cluster.nodes[0].command("DBSIZE") == 0
+        assert (await read_back(tier, items))[0] == [items[0][1]]
+    finally:
+        await tier.close()
+
+
 def test_breaker_states():
     now = [0.0]
     b = CircuitBreaker(2, 1.0, clock=lambda: now[0])

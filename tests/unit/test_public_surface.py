@@ -71,11 +71,12 @@ def test_readme_imports_work():
         exec(compile(line, "README.md", "exec"), {})
 
 
-LAYER_RANK = {"errors": -1, "policy": 0, "tiers": 1, "engine": 2, "tools": 3}
+LAYER_RANK = {"errors": -1, "policy": 0, "tiers": 1, "engine": 2, "integrations": 3, "tools": 4}
 
 
 def test_imports_flow_tools_engine_tiers_policy_errors():
-    """No module imports a layer above its own (errors imports nothing of kvtier's, policy only errors)."""
+    """No module imports a layer above its own: tools -> integrations -> engine -> tiers -> policy
+    (errors imports nothing of kvtier's, policy only errors)."""
     offenders = []
     for layer, rank in LAYER_RANK.items():
         for path in (ROOT / layer).rglob("*.py"):

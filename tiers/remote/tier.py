@@ -10,7 +10,7 @@ Primitives, and the thread each runs on:
   ``subscribe_removals`` (sync, event loop). Counters, the set of known keys and the sequence are
   touched only on the event-loop thread.
 - The tier's own ``ThreadPoolExecutor`` (``kvtier-remote-*``) runs the record codec (one hop per
-  ~8 MiB slice of a batch; zstd and the checksum release the GIL). Network I/O is redis-py's asyncio
+  slice of a batch, ``tiers.codec_pool``; zstd and the checksum release the GIL). Network I/O is redis-py's asyncio
   client on the loop (``router.py``).
 
 Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
@@ -54,8 +54,7 @@ from kvtier.errors import (
 )
 
 from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
-from ..codec_pool import slices as _slices
-from ..codec_pool import wait_through_cancel
+from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
 from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -73,7 +72,6 @@ logger = logging.getLogger("kvtier.tiers.remote")
 
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_CODEC_SLICE_BYTES = 8 << 20
 _INLINE_DECODE_BYTES = 256 << 10
 _SCAN_COUNT = 1000
 
@@ -136,6 +134,7 @@ class RemoteTier(ChunkTier):
             concurrency=concurrency, breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
         )
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-remote")
+        self._io_threads = io_threads
         self._loop = asyncio.get_running_loop()
         self._sequence = 0
         # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
@@ -334,11 +333,9 @@ class RemoteTier(ChunkTier):
             return []
         if sum(sizes) < inline_below:
             return fn(jobs)
-        parts = await asyncio.gather(*(
-            self._loop.run_in_executor(self._io, fn, [jobs[i] for i in r])
-            for r in _slices(sizes, _CODEC_SLICE_BYTES)
-        ))
-        return [x for part in parts for x in part]
+        # One shared slicing rule (tiers.codec_pool): at most one slice per I/O thread, >= 1 MiB each.
+        coding = map_slices(self._io, fn, jobs, sizes, workers=self._io_threads, min_slice_bytes=MIN_SLICE_BYTES)
+        return await asyncio.wrap_future(coding)
 
     async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
                           make: Callable[[int], Tuple[Any, ...]]) -> Tuple[List[Any], List[BaseException]]:
@@ -542,7 +539,8 @@ class RemoteTier(ChunkTier):
             first = timeouts[0] if timeouts else (failures[0] if failures else None)
             if first is None:
                 bad = next((r for r in replies if isinstance(r, BaseException)), None)
-                raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: {bad}") from bad
+                raise TierIOError(f"remote tier: {len(batch) - len(stored)} of {len(batch)} stores failed: "
+                                  f"{type(bad).__name__}: {bad}") from bad
             raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
         self._write_failed = False
         seq = self._next_sequence()

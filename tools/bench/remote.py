@@ -219,7 +219,8 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
     def config(name: str) -> EngineConfig:
         return EngineConfig(cache_dir=str(work / name), host_capacity_bytes=n * size + 4 * size,
                             store_queue_max_chunks=max(4096, n), remote_url=servers.cluster.url,
-                            remote_namespace="bench-e2e", remote_timeout_s=10.0)
+                            remote_namespace="bench-e2e", remote_timeout_s=10.0,
+                            disk_index_refresh_interval_s=60.0)  # a fleet member's setting
 
     quiet = {"disk_write_latency": lambda: 0.0}
     say(f"remote {label}: engine end to end, {n} chunks")

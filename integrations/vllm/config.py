@@ -1,0 +1,101 @@
+"""The settings of ``KvtierTier``, read from the tier's dict in vLLM's ``kv_connector_extra_config``.
+
+Pure: no vLLM import, so the validation is testable (and its errors readable) without vLLM.
+Every key is validated at construction; a bad one is a ``VllmTierConfigError`` (a ``ValueError``)
+naming the key and the value, raised before any directory or thread exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from kvtier.errors import KvtierError
+
+__all__ = ["VllmTierConfig", "VllmTierConfigError"]
+
+
+class VllmTierConfigError(KvtierError, ValueError):
+    """A key of the ``KvtierTier`` config dict is unknown, missing or out of range."""
+
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+@dataclass(frozen=True)
+class VllmTierConfig:
+    """Typed settings, units in the names.
+
+    ``cache_dir``: the LMDB directory (created 0700). ``disk_capacity_bytes``: LRU bound on stored
+    record bytes (``None``: unbounded). ``compression``: zstd level 1..22 on the byte planes, or 0
+    for raw records. ``remote_url``: ``redis://host:port`` or ``redis+cluster://h1:p1,...`` of a
+    Valkey/Redis server shared by a fleet, chained write-through behind the disk (``None``: disk
+    only); ``remote_namespace`` separates caches on one server. ``weights_version``: a tag bound
+    into every key (bump it when the weights change under the same model name).
+    ``hash_algorithm``: vLLM's ``--prefix-caching-hash-algo`` when it cannot be read from the
+    running vLLM config. ``max_inflight_jobs``: stores beyond this many unfinished jobs are
+    refused at once (reported failed: vLLM keeps its CPU copy) instead of queueing without bound.
+    ``op_timeout_s``: the longest the tier waits for its own loop thread at start and shutdown.
+    ``enable_kv_events``: emit vLLM KV events for stored chunks (when vLLM enables events).
+    """
+
+    cache_dir: str
+    disk_capacity_bytes: Optional[int] = None
+    compression: int = 1
+    remote_url: Optional[str] = None
+    remote_namespace: str = "vllm"
+    weights_version: str = ""
+    hash_algorithm: Optional[str] = None
+    max_inflight_jobs: int = 1024
+    read_workers: int = 2
+    op_timeout_s: float = 30.0
+    enable_kv_events: bool = False
+    locality: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, want: str) -> VllmTierConfigError:
+            return VllmTierConfigError(f"KvtierTier {name} must be {want}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.cache_dir, str) or not self.cache_dir or "\x00" in self.cache_dir:
+            raise bad("cache_dir", "a non-empty path string")
+        cap = self.disk_capacity_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise bad("disk_capacity_bytes", "a positive int or null")
+        if isinstance(self.compression, bool) or not isinstance(self.compression, int) or not 0 <= self.compression <= 22:
+            raise bad("compression", "an int in 0..22 (0: raw records)")
+        if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
+            raise bad("remote_url", "a redis:// or redis+cluster:// URL or null")
+        if not isinstance(self.remote_namespace, str) or not _NAMESPACE.match(self.remote_namespace):
+            raise bad("remote_namespace", "1..64 characters of [A-Za-z0-9._-]")
+        if not isinstance(self.weights_version, str):
+            raise bad("weights_version", "a string")
+        if self.hash_algorithm is not None and self.hash_algorithm not in _HASH_ALGORITHMS:
+            raise bad("hash_algorithm", f"one of {', '.join(_HASH_ALGORITHMS)} or null")
+        for name in ("max_inflight_jobs", "read_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an int >= 1")
+        t = self.op_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise bad("op_timeout_s", "a finite number of seconds > 0")
+        if not isinstance(self.enable_kv_events, bool):
+            raise bad("enable_kv_events", "a bool")
+        if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
+            raise bad("locality", "LOCAL, REMOTE or null")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "VllmTierConfig":
+        """Build from the tier's dict; an unknown key is an error (a typo must not pass silently)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise VllmTierConfigError(
+                f"KvtierTier got unknown config key(s) {unknown}; known keys: {sorted(known)}"
+            )
+        if "cache_dir" not in values:
+            raise VllmTierConfigError("KvtierTier needs 'cache_dir' (the LMDB directory) in its config")
+        return cls(**dict(values))

@@ -1,0 +1,507 @@
+"""``KvtierTier``: kvtier as a secondary tier under vLLM's CPU tier (``TieringOffloadingSpec``).
+
+vLLM's CPU tier is the primary: vLLM copies GPU <-> CPU rows itself. Rows cascade down here
+(``submit_store``: read the pinned primary rows, encode kvtier records, write them to LMDB and,
+when configured, the remote tier) and are promoted back (``submit_load``: decode records straight
+into the primary rows vLLM allocated). vLLM calls every method from its scheduler process, under
+its tiering lock, sometimes from its tier-poll thread; none of them may block.
+
+Threads:
+- the caller's thread (vLLM's scheduler or tier-poll thread): ``lookup``, ``submit_*``,
+  ``get_finished_jobs``, ``take_events``, ``has_pending_work``. They touch only this object's
+  plain state (the index, the in-flight counts, the job table), post work to the loop with one
+  ``call_soon_threadsafe`` and drain one queue of completions. Each call costs O(keys) microseconds
+  (one keyed BLAKE3 per key) and never waits for I/O or for the loop.
+- kvtier's loop thread (``LoopThread``): the tiers' async methods; puts and gets end by putting
+  one completion record on the queue. The tiers' own threads (LMDB writer, read pool) do the I/O.
+- blocking (never from a scheduler step): the constructor (opens the tiers, lists their keys),
+  ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit).
+
+Index: the kvtier keys readable now = keys listed at start + stores that completed - records
+the disk tier removed (eviction, quarantine) - loads that missed. ``lookup`` answers RETRY while a
+store of the key is in flight, HIT only for an indexed key, MISS otherwise or when the tier is
+closed. A record can still vanish between the HIT and the load (eviction, corruption): the load
+then reports the key failed, vLLM recomputes it, and the key leaves the index; no byte of a failed
+key is ever reported loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.chain import tier_statistics_dict
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.record import CodecConfig
+
+from .config import VllmTierConfig
+from .keys import GroupLayout, VllmLayout, split_offload_key
+from .loop import LoopThread
+
+__all__ = ["KvtierTier", "layout_from_spec"]
+
+logger = logging.getLogger("kvtier.integrations.vllm")
+
+_ROW_DTYPE = "uint8"
+
+
+def _none_hash() -> bytes:
+    from vllm.v1.core import kv_cache_utils
+
+    return bytes(getattr(kv_cache_utils, "NONE_HASH", b"") or b"")
+
+
+def _hash_algorithm(explicit: Optional[str], none_hash: bytes) -> str:
+    """The algorithm vLLM hashes blocks with: the config key, else the running vLLM config, else
+    inferred from NONE_HASH's length (32 bytes: sha256 family; shorter: xxhash family)."""
+    if explicit is not None:
+        return explicit
+    from vllm.config import vllm as vllm_config_module
+
+    current = getattr(vllm_config_module, "_current_vllm_config", None)
+    if current is not None and current.cache_config is not None:
+        return str(current.cache_config.prefix_caching_hash_algo)
+    return "sha256" if len(none_hash) in (0, 32) else "xxhash"
+
+
+def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) -> VllmLayout:
+    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``)."""
+    c = spec.config
+    p = c.parallel
+    none_hash = _none_hash()
+    return VllmLayout(
+        model=str(c.model.name),
+        dtype=str(c.model.dtype),
+        groups=tuple(
+            GroupLayout(
+                group_id=int(g.group_id),
+                tokens_per_block=int(g.tokens_per_block),
+                layer_names=tuple(g.layer_names),
+                sliding_window_size_in_chunks=g.sliding_window_size_in_chunks,
+            )
+            for g in c.groups
+        ),
+        tokens_per_hash=int(c.cache.tokens_per_hash),
+        blocks_per_chunk=int(c.cache.blocks_per_chunk),
+        worker_kv_bytes_per_block=int(c.worker_kv_bytes_per_block),
+        primary_row_bytes=int(primary_row_bytes),
+        parallel=dict(
+            world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
+            dcp_size=p.dcp_size, parallelism_agnostic=bool(p.is_parallelism_agnostic),
+        ),
+        kv_cache_layout=c.kv_cache_layout,
+        canonical_layout=bool(c.canonical_layout),
+        replicated_layout=bool(c.replicated_layout),
+        hash_algorithm=_hash_algorithm(config.hash_algorithm, none_hash),
+        none_hash_hex=none_hash.hex(),
+        weights_version=config.weights_version,
+    )
+
+
+@dataclass
+class _Job:
+    kind: str  # "store" | "load"
+    keys: List[OffloadKey]
+    chunk_keys: List[bytes]
+    # store: the chunk keys actually written (not already present); load: all of them
+    written: List[bytes] = field(default_factory=list)
+    submitted_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class _Done:
+    job_id: int
+    success: bool
+    ok_chunk_keys: Optional[frozenset]  # loads: the keys whose record decoded and matched
+    transfer_bytes: int
+    transfer_s: float
+
+
+_warned_ephemeral_keys = False
+
+
+class KvtierTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by kvtier: durable, checksummed, compressed, shareable.
+
+    Built by vLLM's ``SecondaryTierFactory`` from ``{"type": "KvtierTier", "module_path":
+    "kvtier.integrations.vllm", ...}``; the other keys are ``VllmTierConfig``'s.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.config = VllmTierConfig.from_dict(config)
+        self.locality = Locality(self.config.locality) if self.config.locality else None
+        self._rows = primary_kv_view
+        self._row_bytes = primary_kv_view.strides[0]
+        self.layout = layout_from_spec(offloading_spec, self._row_bytes, self.config)
+        self._namespace = self.layout.namespace
+        self._group_positions = {g.group_id: i for i, g in enumerate(self.layout.groups)}
+        self._tokens_per_chunk = {
+            g.group_id: g.tokens_per_block * self.layout.blocks_per_chunk for g in self.layout.groups
+        }
+        self._warn_if_keys_are_ephemeral()
+
+        self._index: set = set()
+        self._storing: Counter = Counter()
+        self._jobs: Dict[int, _Job] = {}
+        # completions a lookup drained (to keep the index fresh), handed out by get_finished_jobs
+        self._pending_results: List[_Done] = []
+        self._completions: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._outstanding = 0
+        self._outstanding_cv = threading.Condition()
+        self._events: Optional[List[OffloadingEvent]] = [] if self._events_enabled(offloading_spec) else None
+        self._closed = False
+        self.counters: Counter = Counter()
+
+        self._loop = LoopThread()
+        try:
+            self.chunk_tier, self.disk_tier, listed = self._loop.run(self._open(), self.config.op_timeout_s)
+        except BaseException:
+            self._loop.stop(self.config.op_timeout_s)
+            raise
+        self._index.update(listed)
+        self._write_layout_file()
+
+    # ------------------------------------------------------------------------------ construction
+
+    def _events_enabled(self, spec: Any) -> bool:
+        if not self.config.enable_kv_events:
+            return False
+        kv_events = getattr(spec, "kv_events_config", None)
+        if kv_events is None or not kv_events.enable_kv_cache_events:
+            logger.warning("KvtierTier enable_kv_events is set but vLLM's KV cache events are off")
+            return False
+        return True
+
+    def _warn_if_keys_are_ephemeral(self) -> None:
+        global _warned_ephemeral_keys
+        if self.layout.keys_outlive_process(os.environ.get("PYTHONHASHSEED")) or _warned_ephemeral_keys:
+            return
+        _warned_ephemeral_keys = True
+        logger.warning(
+            "kvtier: vLLM hashes prefix blocks with %s and PYTHONHASHSEED is not set, so block "
+            "hashes are random per process: chunks stored now can never be hit after a restart, "
+            "by another server, or by an offline warmup. Set PYTHONHASHSEED to one value on every "
+            "server (and for `kvtier warmup --key-scheme vllm`), or use --prefix-caching-hash-algo sha256.",
+            self.layout.hash_algorithm,
+        )
+
+    async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
+        codec = CodecConfig(compress=False) if self.config.compression == 0 else CodecConfig(level=self.config.compression)
+        disk = await LmdbTier.open(
+            self.config.cache_dir,
+            capacity_bytes=self.config.disk_capacity_bytes,
+            codec=codec,
+            read_workers=self.config.read_workers,
+            max_raw_bytes=max(self._row_bytes, 1 << 20),
+        )
+        tier: ChunkTier = disk
+        try:
+            if self.config.remote_url is not None:
+                tier = await self._chain_remote(disk, codec)
+            keys = await tier.list_keys()
+        except BaseException:
+            await disk.close()
+            raise
+        self._subscribe_removals(tier)
+        return tier, disk, keys
+
+    async def _chain_remote(self, disk: LmdbTier, codec: CodecConfig) -> ChunkTier:
+        """The seam for the fleet tier: LMDB first, the Valkey/Redis tier written through behind it."""
+        from kvtier.tiers.chain import ChainedTier
+        from kvtier.tiers.remote import RemoteTier
+
+        remote = await RemoteTier.open(
+            self.config.remote_url, namespace=self.config.remote_namespace,
+            fingerprint=self._namespace, codec=codec, require_connection=False,
+        )
+        return ChainedTier([disk, remote])
+
+    def _subscribe_removals(self, tier: ChunkTier) -> None:
+        """Removals the tier reports (eviction, quarantine) are re-checked before they touch the
+        index: a quarantine can report a key after a newer, good record of it landed, and only
+        ``contains_many`` on the loop, after that report, says which is true now."""
+        subscribe = getattr(tier, "subscribe_removals", None)
+        if subscribe is None:
+            return
+
+        def removed(items: Sequence[Any]) -> None:
+            # LMDB calls this on its writer thread, the chain on the loop: hop to the loop either way.
+            keys = [bytes(getattr(item, "key", item)) for item in items]
+            self._loop.post(lambda: self._recheck(keys))
+
+        subscribe(removed)
+
+    async def _recheck(self, keys: List[bytes]) -> None:
+        try:
+            present = await self.chunk_tier.contains_many(keys)
+        except Exception:  # cannot tell: treat as gone (a lost hit, never a wrong one)
+            present = [False] * len(keys)
+        self._completions.put(("removed", [k for k, here in zip(keys, present) if not here]))
+
+    def _write_layout_file(self) -> None:
+        """Leave the layout beside the records, so `kvtier warmup --key-scheme vllm` keys alike."""
+        path = Path(self.config.cache_dir) / self.layout.file_name
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(self.layout.to_json())
+            os.replace(tmp, path)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _row(self, chunk_id: int) -> memoryview:
+        """The primary row of slot ``chunk_id`` as flat bytes (a view: no copy)."""
+        cid = int(chunk_id)
+        return self._rows[cid : cid + 1].cast("B")
+
+    def _meta(self, key: OffloadKey, req_context: ReqContext) -> ChunkMeta:
+        _, group_id = split_offload_key(key)
+        position = req_context.get_offload_key_position(key)
+        chunk_index = 0 if position is None else position // self._tokens_per_chunk.get(group_id, 1)
+        return ChunkMeta(
+            fingerprint=self._namespace, group_index=group_id, chunk_index=chunk_index,
+            dtype=_ROW_DTYPE, shape=(self._row_bytes,),
+        )
+
+    def _usable(self) -> bool:
+        return not self._closed and self._loop.alive and not getattr(self.disk_tier, "closed", False)
+
+    def _begin(self) -> None:
+        with self._outstanding_cv:
+            self._outstanding += 1
+
+    def _finish(self, done: _Done) -> None:
+        """Loop thread: publish one completion (after this, drain_jobs may return)."""
+        self._completions.put(done)
+        with self._outstanding_cv:
+            self._outstanding -= 1
+            self._outstanding_cv.notify_all()
+
+    def _fail_now(self, job_id: int, reason: str) -> None:
+        self.counters[reason] += 1
+        self._completions.put(_Done(job_id, False, None, 0, 0.0))
+
+    def _drain(self) -> List[_Done]:
+        """Apply removals and completions in arrival order; return the completions."""
+        done: List[_Done] = []
+        while True:
+            try:
+                item = self._completions.get_nowait()
+            except queue.Empty:
+                return done
+            if isinstance(item, _Done):
+                self._apply(item)
+                done.append(item)
+            else:
+                # a store in flight for one of these keys lands later and re-adds it
+                self._index.difference_update(item[1])
+
+    def _apply(self, done: _Done) -> None:
+        job = self._jobs.get(done.job_id)
+        if job is None:
+            return
+        if job.kind == "store":
+            for key in job.written:
+                self._storing[key] -= 1
+                if self._storing[key] <= 0:
+                    del self._storing[key]
+                    if done.success:
+                        self._index.add(key)
+        else:
+            ok = done.ok_chunk_keys or frozenset()
+            for key in job.chunk_keys:
+                if key not in ok:
+                    self._index.discard(key)
+
+    # ------------------------------------------------------------------------------ vLLM's calls
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._drain_into_pending()
+        (chunk_key,) = self.layout.chunk_keys([key])
+        if chunk_key in self._storing:
+            return LookupResult.RETRY
+        if chunk_key in self._index and self._usable():
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def _drain_into_pending(self) -> None:
+        """Keep completions drained by a lookup for the next ``get_finished_jobs``."""
+        self._pending_results.extend(self._drain())
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        keys = list(job_metadata.keys)
+        chunk_keys = self.layout.chunk_keys(keys)
+        job = _Job("store", keys, chunk_keys)
+        self._jobs[job_id] = job
+        if not self._usable():
+            return self._fail_now(job_id, "stores_refused_closed")
+        if self._outstanding >= self.config.max_inflight_jobs:
+            return self._fail_now(job_id, "stores_refused_busy")
+        items = []
+        for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids):
+            if chunk_key in self._index or chunk_key in self._storing:
+                continue
+            items.append((chunk_key, self._meta(key, job_metadata.req_context), self._row(chunk_id)))
+            self._storing[chunk_key] += 1
+            job.written.append(chunk_key)
+        if not items:
+            self._completions.put(_Done(job_id, True, None, 0, 0.0))
+            return
+        self._begin()
+        self._loop.post(lambda: self._store(job_id, items))
+
+    async def _store(self, job_id: int, items: List[Any]) -> None:
+        start = time.monotonic()
+        success = False
+        try:
+            await self.chunk_tier.put_many(items)
+            success = True
+        except Exception as exc:  # every failure, kvtier's or foreign: vLLM keeps its CPU copy
+            self.counters["store_failures"] += 1
+            logger.warning("kvtier store of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
+        finally:
+            self._finish(_Done(job_id, success, None, len(items) * self._row_bytes, time.monotonic() - start))
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        keys = list(job_metadata.keys)
+        chunk_keys = self.layout.chunk_keys(keys)
+        self._jobs[job_id] = _Job("load", keys, chunk_keys)
+        if not self._usable():
+            return self._fail_now(job_id, "loads_refused_closed")
+        items = [(ck, self._row(cid)) for ck, cid in zip(chunk_keys, job_metadata.chunk_ids)]
+        expected = [self._meta(k, job_metadata.req_context) for k in keys]
+        self._begin()
+        self._loop.post(lambda: self._load(job_id, items, expected))
+
+    async def _load(self, job_id: int, items: List[Any], expected: List[ChunkMeta]) -> None:
+        start = time.monotonic()
+        ok: set = set()
+        try:
+            metas = await self.chunk_tier.get_many_into(items)
+            for (chunk_key, _), meta, want in zip(items, metas, expected):
+                if meta is None:
+                    self.counters["load_misses"] += 1
+                elif (meta.fingerprint, meta.group_index, tuple(meta.shape)) != (
+                    want.fingerprint, want.group_index, want.shape
+                ) or (want.chunk_index and meta.chunk_index != want.chunk_index):
+                    self.counters["load_mismatches"] += 1
+                else:
+                    ok.add(chunk_key)
+        except Exception as exc:  # a broken tier is a miss for every key of the job, never bytes
+            self.counters["load_failures"] += 1
+            logger.warning("kvtier load of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
+        finally:
+            self._finish(_Done(job_id, len(ok) == len(items), frozenset(ok),
+                               len(ok) * self._row_bytes, time.monotonic() - start))
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished, self._pending_results = self._pending_results + self._drain(), []
+        results = []
+        for done in finished:
+            job = self._jobs.pop(done.job_id, None)
+            if job is None:
+                continue
+            successful_keys = None
+            if job.kind == "load" and not done.success:
+                ok = done.ok_chunk_keys or frozenset()
+                loaded = tuple(k for k, ck in zip(job.keys, job.chunk_keys) if ck in ok)
+                successful_keys = loaded or None
+                self.counters["promotions_failed"] += 1
+            elif job.kind == "store" and done.success and self._events is not None and job.keys:
+                self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
+                                                    removed=False, locality=self.locality))
+            self.counters[f"{job.kind}s_{'ok' if done.success else 'failed'}"] += 1
+            results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
+                                     transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    @override
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished (results stay for ``get_finished_jobs``)."""
+        deadline = time.monotonic() + self.config.op_timeout_s
+        with self._outstanding_cv:
+            while self._outstanding > 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._loop.alive:
+                    raise TimeoutError(f"kvtier: {self._outstanding} jobs still running after {self.config.op_timeout_s} s")
+                self._outstanding_cv.wait(left)
+
+    @override
+    def shutdown(self) -> None:
+        """Wait for running jobs, close the tiers (queued writes land), stop the loop. Safe twice."""
+        if self._closed:
+            return
+        try:
+            self.drain_jobs()
+        finally:
+            self._closed = True
+            try:
+                self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
+            finally:
+                self._loop.stop(self.config.op_timeout_s)
+
+    def statistics(self) -> Dict[str, float]:
+        """This tier's counters plus the chunk tier's (records, bytes, corrupt, evictions, ...)."""
+        stats = {f"vllm_{k}": float(v) for k, v in self.counters.items()}
+        stats.update(tier_statistics_dict(self.chunk_tier))
+        stats["indexed_chunks"] = float(len(self._index))
+        return stats
+
+    def index_contains(self, key: OffloadKey) -> bool:
+        """Whether ``lookup`` would find ``key`` in the index (tests and tools)."""
+        return self.layout.chunk_keys([key])[0] in self._index
+
+    def run_on_loop(self, coro: Any) -> Any:
+        """Run a coroutine on kvtier's loop and wait (tools and tests, never from a scheduler step)."""
+        return self._loop.run(coro, self.config.op_timeout_s)
