@@ -7,7 +7,7 @@ synchronous; the engine calls it on its event-loop thread with a state function 
 from __future__ import annotations
 
 import enum
-from typing import Callable, FrozenSet, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional
 
 from .coverage import retained_chunk_range
 from .geometry import ModelLayout
@@ -42,7 +42,8 @@ def longest_hit(layout: ModelLayout, max_tokens: int, state: StateFn) -> Optiona
     largest valid ``H``, or ``None`` when a larger ``H`` would be valid once the PENDING/LOADING
     chunks became READY: the caller should ask again next step rather than admit a shorter hit now.
 
-    Cost: each chunk's state is read at most once per group, so O(chunks), not O(tokens x chunks).
+    Cost: each chunk's state is read at most once per group, so O(chunks), not O(tokens x chunks);
+    one read when a full-attention group's chunk 0 is MISSING (nothing shared: the hit is 0).
     The search walks ``H`` downward; a chunk that is not readable rules out every ``H`` whose
     interval still reaches it, so ``H`` jumps straight below that chunk.
     """
@@ -52,6 +53,19 @@ def longest_hit(layout: ModelLayout, max_tokens: int, state: StateFn) -> Optiona
     boundary = (max_tokens // granularity) * granularity
     groups = layout.groups
     num_groups = len(groups)
+    if boundary > 0:
+        # Every H > 0 needs chunk 0 of each group that keeps its whole prefix (full attention). One
+        # read settles a prompt that shares nothing (the common miss) without walking every chunk,
+        # and spares the caller the keys of the rest of the prompt.
+        first_states = {}
+        for gi, group in enumerate(groups):
+            if group.retained_span is None:
+                first = state(gi, 0)
+                if first is ChunkState.MISSING:
+                    return 0
+                first_states[gi] = first
+        if first_states:
+            state = _remembering(state, first_states)
     # Per group: chunks [known_lo, known_hi] are known acceptable (empty when known_lo > known_hi);
     # chunks found PENDING/LOADING are remembered to decide READY-now versus READY-soon at the end.
     known_lo = [0] * num_groups
@@ -102,3 +116,17 @@ def longest_hit(layout: ModelLayout, max_tokens: int, state: StateFn) -> Optiona
             if any(first <= chunk <= last for chunk in waiting[gi]):
                 return None
     return boundary
+
+
+def _remembering(state: StateFn, first_states: Dict[int, ChunkState]) -> StateFn:
+    """``state``, answering chunk 0 of the groups in ``first_states`` from what was already read
+    (each chunk's state is read at most once per group)."""
+
+    def remembered(group_index: int, chunk_index: int) -> ChunkState:
+        if chunk_index == 0:
+            known = first_states.get(group_index)
+            if known is not None:
+                return known
+        return state(group_index, chunk_index)
+
+    return remembered

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     warmup = sub.add_parser("warmup", help="run a local transformers model over prompts and fill the disk tier")
-    warmup.add_argument("--model", required=True, help="directory of a Hugging Face causal LM (no downloads)")
+    warmup.add_argument("--model", help="directory of a Hugging Face causal LM (no downloads); required but with --key-scheme vllm")
     warmup.add_argument("--prompts", required=True, help="JSONL file; each line has 'text' or 'token_ids'")
     warmup.add_argument("--cache-dir", required=True)
     warmup.add_argument("--salt", help="tenant salt bound into every key")
@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--extra-retained-tokens", type=int, default=0, help="MTP extra retained tokens R")
     warmup.add_argument("--json", action="store_true")
     warmup.add_argument("--no-progress", action="store_true")
+    warmup.add_argument(
+        "--key-scheme", choices=("kvtier", "vllm"), default="kvtier",
+        help="vllm: compute the keys a vLLM server with KvtierTier computes (vLLM's hashing, block size, "
+        "cache_salt) and report per prompt how many chunks the cache holds under them (fill it through vLLM: "
+        "kvtier.integrations.vllm.warmup.warm_through_vllm)",
+    )
+    warmup.add_argument("--vllm-layout", help="the vllm-layout-*.json the server's KvtierTier left (default: the one in --cache-dir)")
+    warmup.add_argument("--cache-salt", help="vLLM's per-request cache_salt (with --key-scheme vllm)")
 
     inspect = sub.add_parser("inspect", help="records per group, bytes raw and stored, compression, age")
     inspect.add_argument("--cache-dir", required=True)
@@ -165,7 +173,17 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_warmup(args) -> int:
-    from .warmup import run_warmup
+    from .warmup import run_warmup, vllm_key_coverage
+
+    if args.key_scheme == "vllm":
+        report = vllm_key_coverage(args.prompts, args.cache_dir, args.vllm_layout, cache_salt=args.cache_salt)
+        for number, groups in enumerate(report, 1):
+            print(f"prompt {number}: " + ", ".join(
+                f"group {g}: {v['present']}/{v['chunks']} chunks ({v['leading']} leading)" for g, v in sorted(groups.items())))
+        return 0
+    if not args.model:
+        print("kvtier: error: warmup needs --model (unless --key-scheme vllm)", file=sys.stderr)
+        return EXIT_USER_ERROR
 
     summary = asyncio.run(
         run_warmup(

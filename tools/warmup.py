@@ -466,3 +466,16 @@ async def run_warmup(
         chunks_not_durable=not_durable,
         fingerprint=fingerprint.hex(),
     )
+
+
+def vllm_key_coverage(prompts_path: PathLike, cache_dir: PathLike, layout_path: Optional[PathLike] = None, *,
+                      cache_salt: Optional[str] = None, tokenizer_dir: Optional[PathLike] = None) -> list:
+    """``kvtier warmup --key-scheme vllm``: the prompts' keys computed as a vLLM server computes them
+    (``kvtier.integrations.vllm.warmup``; imports vLLM), and per prompt and group how many chunks
+    the cache holds under them. ``layout_path`` defaults to the layout file the server's
+    ``KvtierTier`` left in ``cache_dir``."""
+    from kvtier.integrations.vllm.warmup import cache_coverage, load_layout
+
+    prompts = asyncio.run(read_prompts(prompts_path, tokenizer_dir))
+    layout = load_layout(layout_path if layout_path is not None else cache_dir)
+    return cache_coverage(cache_dir, layout, prompts, cache_salt=cache_salt)

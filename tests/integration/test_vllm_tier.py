@@ -8,6 +8,7 @@ fails these tests (no skip).
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -216,3 +217,44 @@ def test_slow_tier_never_blocks_a_scheduler_step(tmp_path):
 def test_bad_config_is_a_clear_error(tmp_path, extra, message):
     with pytest.raises(VllmTierConfigError, match=message):
         make_rig(tmp_path, **extra)
+
+
+def test_offline_warmup_then_a_fresh_scheduler_hits_bitwise(tmp_path, capsys):
+    """Warm a cache offline through vLLM's own path (a separate scheduler), check it with
+    `kvtier warmup --key-scheme vllm`, then the first request of a fresh scheduler hits bitwise.
+    The keys computed offline (vLLM's hasher, cache_salt) are the keys the server hands the tier."""
+    from kvtier.integrations.vllm.warmup import load_layout, vllm_chunk_keys, warm_through_vllm
+    from kvtier.tools.cli import main
+
+    warmer = make_rig(tmp_path, 0, None)
+    try:
+        assert warm_through_vllm(warmer, [PROMPT]) == 6
+    finally:
+        warmer.shutdown()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": PROMPT}) + "\n" + json.dumps({"token_ids": [9] * 33}) + "\n")
+    assert main(["warmup", "--key-scheme", "vllm", "--prompts", str(prompts), "--cache-dir", str(tmp_path / "kv")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "prompt 1: group 0: 2/2 chunks (2 leading), group 1: 4/8 chunks (0 leading)",
+        "prompt 2: group 0: 0/2 chunks (0 leading), group 1: 0/8 chunks (0 leading)",
+    ]
+    layout = load_layout(tmp_path / "kv")
+    server = make_rig(tmp_path, 0, None)
+    try:
+        tier = server.secondary_tiers[0]
+        assert tier.layout == layout  # the server's layout is the one the warmup keyed with
+        keys = vllm_chunk_keys(PROMPT, layout)
+        indexed = {(k.group_id, k.chunk_index) for k in keys if tier.index_contains(k.offload_key)}
+        assert indexed == {(0, 0), (0, 1), (1, 2), (1, 3), (1, 6), (1, 7)}
+        salted = vllm_chunk_keys(PROMPT, layout, cache_salt="tenant-b")
+        assert not any(tier.index_contains(k.offload_key) for k in salted)
+        consumed = server.run(CONSUMER)  # the fresh scheduler's first request
+        assert consumed.external_hit_tokens == 32
+        assert dict(consumed.loaded) == {0: {0, 1}, 1: {6, 7}}
+        for group, blocks in consumed.loaded.items():
+            for logical in blocks:
+                assert server.block_bytes(group, consumed.block_ids[group][logical]) == server.expected_block(PROMPT, group, logical)
+        assert server.run(PROMPT + [7], cache_salt="tenant-b").external_hit_tokens == 0  # salt: other keys
+    finally:
+        server.shutdown()

@@ -78,6 +78,7 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
         "file tier put 64KiB",
         "engine store until durable (zstd) 64KiB",
         "engine cold load (zstd) 64KiB",
+        "engine store until released, host tier only 64KiB",
     ):
         assert expected in names
     skipped = report.machine.get("peers_skipped", [])

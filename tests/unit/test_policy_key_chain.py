@@ -169,3 +169,32 @@ def test_sequence_protocol_of_group_keys():
         keys[75]
     with pytest.raises(ValueError, match="non-negative"):
         chain.extended([3, -1])
+
+
+def test_a_prompt_sharing_nothing_reads_one_state_and_hashes_one_chunk():
+    from kvtier.policy import ChunkState, longest_hit
+
+    chain = KeyChain(LAYOUT, tokens_of(16384, seed=9), fingerprint=FP)
+    reads = []
+
+    def state(g, c):
+        reads.append((g, c))
+        assert chain.key(g, c) is not None
+        return ChunkState.MISSING
+
+    assert longest_hit(LAYOUT, chain.num_tokens - 1, state) == 0
+    assert reads == [(0, 0)]
+    assert chain._state.frontier_tokens == 256  # only the first full-attention chunk was hashed
+
+
+def test_a_pending_first_chunk_still_walks_and_waits():
+    from kvtier.policy import ChunkState, longest_hit
+
+    reads = []
+
+    def state(g, c):
+        reads.append((g, c))
+        return ChunkState.PENDING if (g, c) == (0, 0) else ChunkState.READY
+
+    assert longest_hit(LAYOUT, 4096, state) is None  # the full hit needs chunk 0: ask again
+    assert len(reads) == len(set(reads))  # chunk 0 was read once, not again by the walk
