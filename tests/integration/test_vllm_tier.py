@@ -258,3 +258,21 @@ def test_offline_warmup_then_a_fresh_scheduler_hits_bitwise(tmp_path, capsys):
         assert server.run(PROMPT + [7], cache_salt="tenant-b").external_hit_tokens == 0  # salt: other keys
     finally:
         server.shutdown()
+
+
+def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process(tmp_path, monkeypatch, caplog):
+    import kvtier.integrations.vllm.tier as tier_module
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(tier_module, "_warned_ephemeral_keys", False)
+    caplog.set_level("WARNING", logger="kvtier.integrations.vllm")
+    rigs = [VllmCpuRig(group_specs(0), [tier_config(tmp_path / f"kv{i}")], model_dir=tmp_path / "model",
+                       hash_algorithm="xxhash") for i in range(2)]
+    try:
+        warnings = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED is not set" in r.getMessage()]
+        assert len(warnings) == 1 and "hashes prefix blocks with xxhash" in warnings[0]
+        assert "can never be hit after a restart" in warnings[0]
+        assert rigs[0].secondary_tiers[0].layout.hash_algorithm == "xxhash"
+    finally:
+        for rig in rigs:
+            rig.shutdown()
