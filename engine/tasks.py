@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Iterable, Optional, TypeVar
 
 __all__ = ["settle", "wait_all", "Supervised"]
@@ -52,8 +53,10 @@ async def wait_all(tasks: Iterable[asyncio.Future]) -> None:
 class Supervised:
     """Runs ``factory()`` as a task named ``name``; when it ends with an exception while
     ``running()`` is still true, logs it, calls ``on_crash(exc)`` and starts it again, up to
-    ``max_restarts`` times in a row; then calls ``on_give_up(exc)`` (the engine fails loudly).
-    A run that ends normally, or after ``running()`` turned false, is not restarted."""
+    ``max_restarts`` times in a row (crashes ``calm_s`` apart or more are not "in a row": a server
+    that lives for weeks must not fail for three unrelated crashes); then calls
+    ``on_give_up(exc)`` (the engine fails loudly). A run that ends normally, or after
+    ``running()`` turned false, is not restarted."""
 
     def __init__(
         self,
@@ -64,6 +67,8 @@ class Supervised:
         on_crash: Callable[[BaseException], None],
         on_give_up: Callable[[BaseException], None],
         max_restarts: int = 3,
+        calm_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self._factory = factory
@@ -71,7 +76,10 @@ class Supervised:
         self._on_crash = on_crash
         self._on_give_up = on_give_up
         self._max_restarts = max_restarts
-        self.restarts = 0
+        self._calm_s = calm_s
+        self._clock = clock
+        self._last_crash: Optional[float] = None
+        self.restarts = 0  # restarts in the current row
         self.task: Optional[asyncio.Task] = None
         self.done = asyncio.Event()  # set when the loop ended for good
 
@@ -90,6 +98,10 @@ class Supervised:
             self.done.set()
             return
         self._on_crash(exc)
+        now = self._clock()
+        if self._last_crash is not None and now - self._last_crash >= self._calm_s:
+            self.restarts = 0
+        self._last_crash = now
         if self.restarts >= self._max_restarts:
             logger.error("kvtier %s loop crashed %d times; giving up", self.name, self.restarts + 1, exc_info=exc)
             self._on_give_up(exc)

@@ -47,19 +47,27 @@ class EvictionListener:
         self._closed = False
 
     async def sync(self) -> None:
-        """Subscribe on primaries new to the slot map, stop listening to nodes that left it."""
+        """Subscribe on primaries new to the slot map, stop listening to nodes that left it.
+        Returns once each new subscription is established (or ``timeout_s`` passed): evictions
+        right after ``open`` must not fall into the gap before the first SUBSCRIBE."""
         primaries = {node.name: node for node in self._router.primaries()}
         for name in [n for n in self._tasks if n not in primaries]:
             self._tasks.pop(name).cancel()
             self.enabled.pop(name, None)
+        loop = asyncio.get_running_loop()
+        subscribed: List["asyncio.Future[None]"] = []
         for name, node in primaries.items():
             if name in self._tasks:
                 continue
             if self._configure and node.breaker.state == "closed":
                 await self._enable(node)
-            self._tasks[name] = asyncio.get_running_loop().create_task(
-                self._listen(node.host, node.port, name), name=f"kvtier-remote-notify-{name}"
+            ready: "asyncio.Future[None]" = loop.create_future()
+            subscribed.append(ready)
+            self._tasks[name] = loop.create_task(
+                self._listen(node.host, node.port, name, ready), name=f"kvtier-remote-notify-{name}"
             )
+        if subscribed:
+            await asyncio.wait(subscribed, timeout=self._timeout_s)
 
     async def _enable(self, node: RemoteNode) -> None:
         try:
@@ -79,8 +87,9 @@ class EvictionListener:
             logger.warning("remote tier: cannot enable eviction notifications on %s (%s); "
                            "evictions are seen by the periodic listing only", node.name, exc)
 
-    async def _listen(self, host: str, port: int, name: str) -> None:
-        """Subscribe for as long as the listener is open; reconnect with bounded backoff."""
+    async def _listen(self, host: str, port: int, name: str, ready: "asyncio.Future[None]") -> None:
+        """Subscribe for as long as the listener is open; reconnect with bounded backoff.
+        ``ready`` is resolved after the first attempt (subscribed or failed)."""
         delay = _BACKOFF_S[0]
         first = True
         while not self._closed:
@@ -89,6 +98,11 @@ class EvictionListener:
             pubsub = client.pubsub()
             try:
                 await asyncio.wait_for(pubsub.subscribe(*EVICTION_CHANNELS), self._timeout_s)
+                # SUBSCRIBE's confirmations: only from them on does the server send this
+                # connection the channels' messages (redis-py does not wait for them).
+                await self._confirmed(pubsub)
+                if not ready.done():
+                    ready.set_result(None)
                 if not first:
                     self.restarts += 1
                     self._on_gap()  # the gap may have swallowed evictions
@@ -109,6 +123,9 @@ class EvictionListener:
                 raise
             except Exception as exc:  # connection lost, node down: retry later
                 logger.debug("remote tier: eviction listener on %s: %s", name, exc)
+                if not ready.done():
+                    ready.set_result(None)  # open() does not wait for a node that is down
+                first = False
             finally:
                 try:
                     await pubsub.aclose()
@@ -119,6 +136,23 @@ class EvictionListener:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
+
+    async def _confirmed(self, pubsub: Any) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        confirmed = 0
+        early: List[Dict[str, Any]] = []
+        while confirmed < len(EVICTION_CHANNELS):
+            message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=0.05)
+            if message is None:
+                if loop.time() > deadline:
+                    raise TimeoutError(f"no SUBSCRIBE confirmation within {self._timeout_s} s")
+            elif message.get("type") == "subscribe":
+                confirmed += 1
+            else:
+                early.append(message)
+        if early:
+            self._on_keys(_names(early))
 
     async def close(self) -> None:
         self._closed = True
