@@ -147,8 +147,19 @@ def test_corrupt_record_is_a_failed_promotion_then_recomputed(tmp_path):
         assert tier.counters["promotions_failed"] >= 1
         assert tier.statistics()["corrupt"] >= 1
         assert tier.statistics()["indexed_chunks"] == 4  # re-stored by the consumer's own prefill
+        assert_recomputed_bytes_right(rig, consumed)
     finally:
         rig.shutdown()
+
+
+def assert_recomputed_bytes_right(rig, record):
+    """Every block the request holds carries the stand-in model's bytes for its prefix: nothing
+    from a failed load survived in a block vLLM used."""
+    for group, blocks in enumerate(record.block_ids):
+        b = rig.group_specs[group].block_size
+        for logical, block in enumerate(blocks):
+            if block and (logical + 1) * b <= len(CONSUMER):
+                assert rig.block_bytes(group, block) == rig.expected_block(CONSUMER, group, logical), (group, logical)
 
 
 def test_io_error_on_store_and_disk_full_keep_serving(tmp_path):
@@ -166,6 +177,13 @@ def test_io_error_on_store_and_disk_full_keep_serving(tmp_path):
         consumed = rig.run(CONSUMER)
         assert consumed.external_hit_tokens == 0  # nothing durable: recomputed, never a wrong hit
         assert tier.statistics()["indexed_chunks"] == 4  # healed: the consumer's stores landed
+        # an I/O error on the read path: the promotion fails, vLLM recomputes, bytes stay right
+        inject_io_faults(tier.disk_tier, fail_from=1, ops=("read",))
+        rig.wipe()
+        again = rig.run(CONSUMER)
+        assert again.external_hit_tokens == 0 and tier.counters["promotions_failed"] >= 1
+        assert_recomputed_bytes_right(rig, again)
+        remove_io_faults(tier.disk_tier)
     finally:
         rig.shutdown()
     full = VllmCpuRig(group_specs(0), [tier_config(tmp_path / "kv-full", disk_capacity_bytes=64, compression=0)],
