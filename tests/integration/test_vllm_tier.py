@@ -276,3 +276,27 @@ def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process
     finally:
         for rig in rigs:
             rig.shutdown()
+
+
+def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_path, valkey_node):
+    """Two vLLM servers, each with its own LMDB, sharing one real Valkey (remote_url): host B's
+    first request restores host A's prefix bitwise from the remote, and promotes it into its LMDB."""
+    namespace = f"fleet-{os.getpid()}"
+    host_a = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "a", remote_url=valkey_node.url, remote_namespace=namespace)],
+                        retention=None, model_dir=tmp_path / "model")
+    try:
+        produced = host_a.run(PROMPT)
+        before = producer_block_bytes(host_a, produced)
+    finally:
+        host_a.shutdown()  # closes the chain: write-behind to the remote has landed
+    host_b = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "b", remote_url=valkey_node.url, remote_namespace=namespace)],
+                        retention=None, model_dir=tmp_path / "model")
+    try:
+        tier = host_b.secondary_tiers[0]
+        assert tier.disk_tier.statistics().records == 0  # nothing local: every hit comes from the remote
+        consumed = host_b.run(CONSUMER)
+        assert consumed.external_hit_tokens == 32
+        assert dict(consumed.loaded) == {0: {0, 1}, 1: {5, 6, 7}}
+        assert assert_restored_bitwise(host_b, consumed, before) == 5
+    finally:
+        host_b.shutdown()
