@@ -62,6 +62,11 @@ async def _open_lmdb(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
     return await LmdbTier.open(path, capacity_bytes=capacity_bytes, map_size_bytes=8 << 20)
 
 
+async def _open_lmdb_segments(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    # every record in a segment file (tiers/lmdb/segments.py), the index in LMDB
+    return await LmdbTier.open(path, capacity_bytes=capacity_bytes, map_size_bytes=8 << 20, segment_threshold_bytes=1)
+
+
 async def _open_files(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
     return await FileTier.open(path, capacity_bytes=capacity_bytes, io_threads=2)
 
@@ -134,6 +139,7 @@ def _break_chain_writes(tier: ChunkTier) -> Callable[[], None]:
 
 TIERS: List[TierKind] = [
     TierKind("lmdb", _open_lmdb, corrupt_stored_record, _LMDB_WRITES),
+    TierKind("lmdb-segments", _open_lmdb_segments, corrupt_stored_record, _LMDB_WRITES),
     TierKind("files", _open_files, corrupt_stored_record, _FILE_WRITES),
     TierKind("faulty-lmdb", _wrapped(_open_lmdb), lambda t, k: corrupt_stored_record(t.inner, k), _LMDB_WRITES),
     TierKind("faulty-files", _wrapped(_open_files), lambda t, k: corrupt_stored_record(t.inner, k), _FILE_WRITES),

@@ -22,6 +22,7 @@ from kvtier.errors import CorruptRecordError
 
 from ..record_format import RecordHeader, decode_record, read_header, validate_record
 from ..writer import WriterThread
+from .segments import is_pointer, stored_size
 from .tables import ATIME
 from .writes import WriterSide
 
@@ -91,6 +92,11 @@ class Maintenance(WriterSide):
             if len(batch) < _ITER_BATCH:
                 return
 
+    def _stored_record(self, value: memoryview) -> "bytes | memoryview":
+        """A ``chunks`` value's record: read from its segment for a pointer (``CorruptRecordError``
+        when the segment lost it), else the value itself."""
+        return self._segment_reader.read(value) if is_pointer(value) else value
+
     def iter_records(self) -> Iterator[RecordInfo]:
         """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
         transactions of a few hundred records, so a long listing never pins old pages for long."""
@@ -98,13 +104,13 @@ class Maintenance(WriterSide):
 
         def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> RecordInfo:
             try:
-                header: Optional[RecordHeader] = read_header(value)
+                header: Optional[RecordHeader] = read_header(self._stored_record(value))
                 error = None
             except CorruptRecordError as exc:
                 header, error = None, str(exc)
             at = txn.get(key, db=self._tables.atime)
             atime = ATIME.unpack(at)[0] if at is not None and len(at) == ATIME.size else 0
-            return RecordInfo(key, header, error, len(value), atime)
+            return RecordInfo(key, header, error, stored_size(value), atime)
 
         yield from self._scan(visit)
 
@@ -120,12 +126,13 @@ class Maintenance(WriterSide):
         def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> Tuple[bytes, int, str]:
             nonlocal scratch
             try:
+                record = self._stored_record(value)
                 # The header's raw length sizes the scratch buffer only once the size cap and the
                 # checksum passed: a lying header must not make us allocate what it claims.
-                header = validate_record(key, value, max_raw_bytes=self._max_raw_bytes)
+                header = validate_record(key, record, max_raw_bytes=self._max_raw_bytes)
                 if len(scratch) < header.raw_length:
                     scratch = bytearray(header.raw_length)
-                decode_record(key, value, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
+                decode_record(key, record, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
             except CorruptRecordError as exc:
                 return key, xxhash.xxh3_64_intdigest(value), str(exc)
             if txn.get(key, db=self._tables.chunks) is None:

@@ -36,7 +36,7 @@ __all__ = ["DirectorySnapshot", "prepare_lock_file", "lock_for_readonly", "open_
 LOCK_FILE_BYTES = 8 * 1024
 # The named databases of a kvtier environment (tables.py): anything else in the main database
 # means another program's LMDB.
-_KVTIER_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta"})
+_KVTIER_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta", b"segments"})
 _MAP_RESIZED_ATTEMPTS = 3
 
 

@@ -10,18 +10,21 @@ Primitives (any thread; a write transaction only on the writer thread):
 
 Tables: ``chunks`` (key -> record, see ``tiers.record_format``), ``atime`` (key -> last access | stored
 bytes, the LRU side table, written in batches), ``quarantine`` (key -> a corrupt record, at most
-``max_quarantine_records`` kept), ``meta`` (format version; ``sequence``, a u64).
+``max_quarantine_records`` kept), ``segments`` (segment name -> live bytes | records | committed
+end, see ``segments``), ``meta`` (format version; ``sequence``, a u64).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import lmdb
 
 from kvtier.errors import TierIOError
+
+from .segments import stored_size
 
 __all__ = ["FORMAT_VERSION", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence"]
 
@@ -30,6 +33,7 @@ _DB_CHUNKS = b"chunks"
 _DB_ATIME = b"atime"
 _DB_QUARANTINE = b"quarantine"
 _DB_META = b"meta"
+_DB_SEGMENTS = b"segments"
 ATIME = struct.Struct("<QQ")  # last access (time_ns), stored record bytes
 _SEQUENCE_KEY = b"sequence"
 _SEQUENCE = struct.Struct("<Q")
@@ -43,6 +47,9 @@ class Tables:
     atime: "lmdb._Database"
     quarantine: "lmdb._Database"
     meta: "lmdb._Database"
+    # segment name -> live bytes | live records | committed end (``segments.LIVE``); None only in a
+    # read-only open of a cache that never had one.
+    segments: "Optional[lmdb._Database]" = None
 
 
 def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
@@ -58,6 +65,7 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
                 env.open_db(_DB_ATIME, create=False),
                 env.open_db(_DB_QUARANTINE, create=False),
                 env.open_db(_DB_META, create=False),
+                _open_optional(env, _DB_SEGMENTS),
             )
             with env.begin() as txn:
                 version = txn.get(b"format", db=tables.meta)
@@ -68,6 +76,7 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
                     env.open_db(_DB_ATIME, txn=txn),
                     env.open_db(_DB_QUARANTINE, txn=txn),
                     env.open_db(_DB_META, txn=txn),
+                    env.open_db(_DB_SEGMENTS, txn=txn),
                 )
                 version = txn.get(b"format", db=tables.meta)
                 if version is None:
@@ -78,6 +87,13 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
     if version != FORMAT_VERSION:
         raise TierIOError(f"{path} has tier format {version!r}, this kvtier uses {FORMAT_VERSION!r}")
     return tables
+
+
+def _open_optional(env: lmdb.Environment, name: bytes) -> "Optional[lmdb._Database]":
+    try:
+        return env.open_db(name, create=False)
+    except lmdb.NotFoundError:
+        return None
 
 
 def index_entries(txn: lmdb.Transaction, tables: Tables) -> List[Tuple[int, bytes, int]]:
@@ -100,7 +116,7 @@ def index_entries(txn: lmdb.Transaction, tables: Tables) -> List[Tuple[int, byte
         return entries
     atimes = {key: atime for atime, key, _ in entries}
     return [
-        (atimes.get(bytes(k), 0), bytes(k), len(v))
+        (atimes.get(bytes(k), 0), bytes(k), stored_size(v))
         for k, v in txn.cursor(db=tables.chunks).iternext(keys=True, values=True)
     ]
 

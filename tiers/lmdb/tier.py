@@ -85,6 +85,7 @@ from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
+from .segments import DEFAULT_SEGMENT_MAX_BYTES, SegmentReader, SegmentWriter, committed_ends, is_pointer, reclaim_orphans
 from .writes import PutJob
 
 __all__ = ["LmdbTier"]
@@ -116,7 +117,11 @@ class LmdbTier(ChunkTier, Maintenance):
     doubling up to ``max_map_size_bytes``; ``codec`` encodes records; ``read_workers`` threads read and
     encode; ``readonly`` opens for reading only (writes raise ``TierIOError``);
     ``verify_structure`` checks the whole LMDB file with py-lmdb's offline verifier before LMDB
-    touches it, when no other process has it open (``CorruptCacheError`` if damaged).
+    touches it, when no other process has it open (``CorruptCacheError`` if damaged);
+    ``segment_threshold_bytes``: records of at least this many encoded bytes go to append-only
+    segment files beside ``data.mdb`` (``segments``: O_DIRECT, synced before the commit that points
+    at them); ``None`` or 0 keeps every record inside LMDB. ``segment_max_bytes``: a writer starts a
+    new segment past this size (space returns by whole segment).
     """
 
     name = "lmdb"
@@ -136,6 +141,8 @@ class LmdbTier(ChunkTier, Maintenance):
         max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
         max_raw_bytes: int = 1 << 31,
         verify_structure: bool = False,
+        segment_threshold_bytes: Optional[int] = None,
+        segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -152,6 +159,17 @@ class LmdbTier(ChunkTier, Maintenance):
         if not access_flush_interval_s > 0:
             raise ValueError(f"access_flush_interval_s must be > 0, got {access_flush_interval_s!r}")
         check_max_quarantine_records(max_quarantine_records)
+        if segment_threshold_bytes is not None and (
+            not isinstance(segment_threshold_bytes, int) or isinstance(segment_threshold_bytes, bool)
+            or segment_threshold_bytes < 0
+        ):
+            raise ValueError(f"segment_threshold_bytes must be an int >= 0 or None, got {segment_threshold_bytes!r}")
+        if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
+            raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
+        self._segment_threshold = segment_threshold_bytes or None  # 0 disables
+        self._segment_max_bytes = segment_max_bytes
+        self._segment_writer: Optional[SegmentWriter] = None
+        self._emptied_segments: List[str] = []
 
         self._capacity = capacity_bytes
         self._max_map_size = max_map_size_bytes
@@ -179,6 +197,7 @@ class LmdbTier(ChunkTier, Maintenance):
 
         before = DirectorySnapshot(path)
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
+        self._segment_reader = SegmentReader(self._path)
         st = os.stat(self._path)
         self._dir_id = (st.st_dev, st.st_ino)
         with _OPEN_DIRS_LOCK:
@@ -192,6 +211,8 @@ class LmdbTier(ChunkTier, Maintenance):
                 cleared = self._env.reader_check()
                 self._counters["stale_readers_cleared"] += cleared
                 self._load_index()
+                if not self._readonly:
+                    self._reclaim_segment_orphans()
             except CORRUPT_LMDB_ERRORS as exc:
                 raise CorruptCacheError(f"the LMDB environment in {self._path} is damaged: {exc}") from exc
             except lmdb.Error as exc:
@@ -248,7 +269,7 @@ class LmdbTier(ChunkTier, Maintenance):
                 str(self._path),
                 subdir=True,
                 map_size=map_size_bytes,
-                max_dbs=4,
+                max_dbs=5,
                 # Both fsyncs on every commit: DESIGN promises that a put whose wait_durable() said
                 # True survives a power cut, and with metasync=False the last commit's meta page
                 # may not be on disk yet (LMDB then opens at the transaction before).
@@ -295,6 +316,15 @@ class LmdbTier(ChunkTier, Maintenance):
                 self._env.set_mapsize(0)  # another process grew the map since we opened it
         entries.sort()
         self._lru = ByteLru((key, size) for _, key, size in entries)
+
+    def _reclaim_segment_orphans(self) -> None:
+        """Truncate or delete what a crash between a segment append and its commit left behind."""
+        with self._env.begin(buffers=True) as txn:
+            ends = committed_ends(txn, self._tables.segments)
+        removed, truncated = reclaim_orphans(self._path, ends)
+        if removed or truncated:
+            log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
+                        self._path, removed, truncated)
 
     # ---------------------------------------------------------------------------------- properties
 
@@ -452,13 +482,15 @@ class LmdbTier(ChunkTier, Maintenance):
             results: List[Optional[ChunkMeta]] = []
             corrupt.clear()
             records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
-            advise_willneed(r for r in records if r is not None)  # the whole slice's pages in flight
+            # the whole slice's pages in flight
+            advise_willneed(r for r in records if r is not None and not is_pointer(r))
             for (key, buf), record in zip(items, records):
                 if record is None:
                     results.append(None)
                     continue
                 try:
-                    meta, _ = decode_record(key, record, buf, max_raw_bytes=self._max_raw_bytes)
+                    stored = self._segment_reader.read(record) if is_pointer(record) else record
+                    meta, _ = decode_record(key, stored, buf, max_raw_bytes=self._max_raw_bytes)
                 except RecordSizeMismatchError as exc:
                     log.warning("kvtier lmdb: %s for key %s", exc, key.hex())
                     results.append(None)
@@ -590,6 +622,9 @@ class LmdbTier(ChunkTier, Maintenance):
             except Exception:
                 log.exception("kvtier lmdb: could not persist access times at close")
             self._writer.stop()
+        if self._segment_writer is not None:
+            self._segment_writer.close()
+        self._segment_reader.close()
         with self._map_lock.exclusive():
             self._env.close()
         with _OPEN_DIRS_LOCK:

@@ -25,13 +25,14 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeV
 import lmdb
 import xxhash
 
-from kvtier.errors import TierFullError, TierIOError
+from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
 from ..base import IOHook, Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
 from ..record_format import read_header
 from ..writer import Job, SharedExclusiveLock
+from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
@@ -61,6 +62,7 @@ class WriterSide:
     _capacity: Optional[int]
     _max_map_size: int
     _max_quarantine: int
+    _segment_max_bytes: int
     # key -> stored bytes, least recently used first; built at open, then owned by the writer thread.
     _lru: ByteLru
     # The environment's mutation sequence as of our last commit (or the open, or a snapshot).
@@ -68,6 +70,12 @@ class WriterSide:
     # (key, time_ns) of reads, appended by readers, drained by the writer into the LRU and ``atime``.
     _accesses: Deque[Tuple[bytes, int]]
     _removals: RemovalFeed
+    # Records of at least this many encoded bytes go to segment files (None: all inline).
+    _segment_threshold: Optional[int]
+    _segment_writer: Optional[SegmentWriter]
+    _segment_reader: SegmentReader
+    # Segments whose last record the transaction being built removes (deleted after its commit).
+    _emptied_segments: List[str]
 
     def _count(self, **deltas: int) -> None:
         raise NotImplementedError  # LmdbTier's
@@ -83,6 +91,7 @@ class WriterSide:
         commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
         new ``_sequence``). MapFullError -> grow and retry."""
         while True:
+            self._emptied_segments = []
             try:
                 with self._map_lock.shared():
                     with self._env.begin(write=True, buffers=True) as txn:
@@ -100,6 +109,8 @@ class WriterSide:
                 raise self._write_failed(exc, nbytes) from exc
             self._degraded = False
             self._sequence = max(self._sequence, sequence)
+            if self._emptied_segments:
+                remove_dead(self._path, self._emptied_segments, self._segment_writer, self._segment_reader)
             return apply()
 
     def _grow_map(self, nbytes: int, cause: BaseException) -> None:
@@ -195,6 +206,7 @@ class WriterSide:
         cap = self._capacity
         if cap is not None and batch_bytes > cap:
             raise TierFullError(f"a batch of {batch_bytes} bytes exceeds capacity_bytes={cap}")
+        values = self._append_to_segments(batch)
         accesses = self._take_accesses()
         victims: List[bytes] = []
         if cap is not None:
@@ -209,10 +221,19 @@ class WriterSide:
             self._put_access_times(txn, accesses, victim_set)
             self._delete_records(txn, victims)
             now = time.time_ns()
+            ledger = Ledger(txn, self._tables.segments)
             for key, record in batch.items():
                 self._io_hook.before("put")
-                txn.put(key, record, db=self._tables.chunks)
+                old = txn.get(key, db=self._tables.chunks)
+                if old is not None:
+                    ledger.drop(old)
+                value = values[key]
+                if is_pointer(value):
+                    ledger.add(SegmentPointer.unpack(value))
+                txn.put(key, value, db=self._tables.chunks)
                 txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
+            ledger.commit()
+            self._emptied_segments += ledger.emptied
 
             def apply() -> int:
                 self._forget(victims, "evicted", evictions=len(victims))
@@ -232,6 +253,27 @@ class WriterSide:
             return apply
 
         return self._write(body, batch_bytes)
+
+    def _append_to_segments(self, batch: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
+        """Before the transaction: append the batch's large records to this writer's segment and
+        sync it; returns key -> the ``chunks`` value (a pointer, or the record itself)."""
+        threshold = self._segment_threshold
+        large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
+        if not large:
+            return batch
+        if self._segment_writer is None:
+            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
+        self._io_hook.before("put")
+        try:
+            pointers = self._segment_writer.append([batch[key] for key in large])
+        except (TierIOError, TierFullError):
+            self._degraded = True
+            self._count(errors=1)
+            raise
+        values = dict(batch)
+        for key, pointer in zip(large, pointers):
+            values[key] = pointer.pack()
+        return values
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()
@@ -257,12 +299,22 @@ class WriterSide:
                 if current is None or xxhash.xxh3_64_intdigest(current) != digest:
                     continue
                 if room.take():
-                    txn.put(key, bytes(current), db=self._tables.quarantine)
+                    txn.put(key, self._quarantine_bytes(current), db=self._tables.quarantine)
                 moved.append(key)
             self._delete_records(txn, moved)
             return lambda: self._forget(moved, "quarantined", quarantined=len(moved))
 
         return self._write(body)
+
+    def _quarantine_bytes(self, value: memoryview) -> bytes:
+        """What the quarantine keeps of a ``chunks`` value: the record (read from its segment when
+        the value is a pointer and the segment still has it), else the value itself."""
+        if is_pointer(value):
+            try:
+                return self._segment_reader.read(value)
+            except (CorruptRecordError, TierIOError):
+                pass
+        return bytes(value)
 
     def _evict_to(self, max_bytes: int) -> int:
         accesses = self._take_accesses()
@@ -278,10 +330,17 @@ class WriterSide:
         return self._write(body)
 
     def _delete_records(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> None:
-        """In a write transaction: delete ``keys`` from ``chunks`` and their ``atime`` entries."""
+        """In a write transaction: delete ``keys`` from ``chunks`` and their ``atime`` entries; a
+        segment whose last record goes is deleted after the commit (``_write``)."""
+        ledger = Ledger(txn, self._tables.segments)
         for key in keys:
+            old = txn.get(key, db=self._tables.chunks)
+            if old is not None:
+                ledger.drop(old)
             txn.delete(key, db=self._tables.chunks)
             txn.delete(key, db=self._tables.atime)
+        ledger.commit()
+        self._emptied_segments += ledger.emptied
 
     def _forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
         """After the commit that removed ``keys``: drop them from the LRU, count, report them."""
@@ -301,7 +360,7 @@ class WriterSide:
         """Writer thread (or any thread when read-only): compare the LRU index with the tables."""
 
         def body(txn: lmdb.Transaction) -> Tuple[Dict[bytes, int], set]:
-            sizes = {bytes(k): len(v) for k, v in txn.cursor(db=self._tables.chunks).iternext(keys=True, values=True)}
+            sizes = {bytes(k): stored_size(v) for k, v in txn.cursor(db=self._tables.chunks).iternext(keys=True, values=True)}
             times = {bytes(k) for k in txn.cursor(db=self._tables.atime).iternext(keys=True, values=False)}
             return sizes, times
 

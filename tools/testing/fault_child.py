@@ -234,6 +234,7 @@ async def _spill(args: argparse.Namespace) -> None:
         map_size_bytes=args.map_size_bytes,
         access_flush_interval_s=0.05,
         reader_check_interval_s=0.2,
+        segment_threshold_bytes=args.segment_threshold_bytes,
     )
     _emit("ready")
     rng = random.Random(args.seed)
@@ -574,15 +575,16 @@ def kill_during_spill(
     mode: str = "tier",
     earlier_acked: Sequence[bytes] = (),
     ready_timeout_s: float = 60.0,
+    child_args: Sequence[str] = (),
 ) -> KillResult:
     """Start a ``spill`` (``mode="tier"``) or ``engine-spill`` (``"engine"``) child on
     ``directory``, SIGKILL it ``delay_s`` after it said ``ready``, then reopen the directory here
     and check it (blocking). ``earlier_acked``: keys acknowledged by earlier children on the same
-    directory, which must still be there too."""
+    directory, which must still be there too. ``child_args``: more options for the child."""
     command = "spill" if mode == "tier" else "engine-spill"
     result = KillResult(mode, seed, delay_s)
     err_path = directory.with_name(directory.name + f".stderr-{seed}")
-    proc = run_child([command, "--dir", str(directory), "--seed", str(seed)], err_path)
+    proc = run_child([command, "--dir", str(directory), "--seed", str(seed), *child_args], err_path)
     try:
         first = read_line(proc, ready_timeout_s)
         if first != "ready":
@@ -620,7 +622,14 @@ def kill_during_spill(
 
 
 def run_kill_chains(
-    root: Path, iterations: int, *, mode: str, base_seed: int, chain: int = 2, lanes: int = 2
+    root: Path,
+    iterations: int,
+    *,
+    mode: str,
+    base_seed: int,
+    chain: int = 2,
+    lanes: int = 2,
+    child_args: Sequence[str] = (),
 ) -> List[KillResult]:
     """Run ``iterations`` kill -9 iterations, ``chain`` per directory under ``root`` (each child
     after the first starts on what the previous one's death left, and everything acknowledged on
@@ -636,7 +645,9 @@ def run_kill_chains(
         out = []
         for i in members:
             rng = random.Random(base_seed * 7919 + i)
-            result = kill_during_spill(directory, base_seed + i, rng.uniform(0.2, 2.0), mode=mode, earlier_acked=acked)
+            result = kill_during_spill(
+                directory, base_seed + i, rng.uniform(0.2, 2.0), mode=mode, earlier_acked=acked, child_args=child_args
+            )
             acked.extend(result.acked)
             out.append(result)
         return out
@@ -714,6 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     spill.add_argument("--writers", type=int, default=3)
     spill.add_argument("--max-batch", type=int, default=6)
     spill.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    spill.add_argument("--segment-threshold-bytes", type=int, default=0, help="0: every record inline")
     engine = sub.add_parser("engine-spill")
     engine.add_argument("--dir", required=True)
     engine.add_argument("--seed", type=int, required=True)

@@ -176,6 +176,8 @@ def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> 
     """Rewrite ``key``'s value with one byte flipped, in a write transaction of its own on the
     tier's writer thread (test support: it reaches into the tier's writer side on purpose, so that
     the shipped tier carries no way to damage its own records)."""
+    from kvtier.tiers.lmdb.segments import SegmentPointer, is_pointer
+
     tier._check_usable(write=True)
     assert tier._writer is not None  # not read-only: checked above
 
@@ -183,6 +185,18 @@ def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> 
         value = txn.get(key, db=tier._tables.chunks)
         if value is None:
             raise KeyError(key.hex())
+        if is_pointer(value):  # the record lives in a segment file: flip the byte there
+            pointer = SegmentPointer.unpack(value)
+            if not 1 <= offset_from_end <= pointer.length:
+                raise ValueError(f"offset_from_end must be in 1..{pointer.length}")
+            fd = os.open(tier.path / pointer.name, os.O_RDWR)
+            try:
+                at = pointer.offset + pointer.length - offset_from_end
+                byte = os.pread(fd, 1, at)
+                os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
+            finally:
+                os.close(fd)
+            return lambda: None
         data = bytearray(value)
         if not 1 <= offset_from_end <= len(data):
             raise ValueError(f"offset_from_end must be in 1..{len(data)}")

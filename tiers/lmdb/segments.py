@@ -1,0 +1,380 @@
+"""Large records out of LMDB: append-only payload segment files beside ``data.mdb`` (issue 14).
+
+Why: LMDB writes every dirty page through the page cache and syncs twice per commit; large records
+written that way run at 0.14-0.31x of the disk's O_DIRECT limit (docs/ARCHITECTURE.md). A record
+whose encoded size is at least ``segment_threshold_bytes`` is instead appended, page-aligned, to
+this writer's segment file (O_DIRECT where the filesystem takes it, buffered otherwise), the file
+is ``fdatasync``'d, and only then does the LMDB transaction store a small *pointer* under the key in
+``chunks``. The record bytes are exactly ``tiers.record_format``'s (checksummed with the key), so a
+read checks them as it checks inline records.
+
+Promises and how they are kept:
+
+- all or nothing: segment bytes are invisible until the transaction holding their pointers
+  commits; a crash in between leaves an orphan tail past the segment's committed end (kept in the
+  ``segments`` table), truncated by ``reclaim_orphans`` at the next writable open;
+- power loss: segment data and a new segment's directory entry are synced before the commit;
+- space returns by segment: the ``segments`` table holds each segment's live bytes, records and
+  committed end, changed in the same transaction as the pointers; a segment whose live records
+  drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
+  segment, in this or another process). Partly-live segments are not compacted (not built).
+- several processes: each writer appends only to its own segment (named by pid and a counter,
+  created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
+
+Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
+only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
+``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
+``reclaim_orphans`` (writer thread / open).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import lmdb
+
+from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
+
+__all__ = [
+    "SegmentPointer",
+    "SegmentWriter",
+    "SegmentReader",
+    "Ledger",
+    "LIVE",
+    "is_pointer",
+    "stored_size",
+    "segment_name",
+    "remove_dead",
+    "reclaim_orphans",
+    "DEFAULT_SEGMENT_MAX_BYTES",
+]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"KVSG"
+_POINTER = struct.Struct("<4sIIQQ")  # magic | writer pid | counter | offset | record length
+POINTER_SIZE = _POINTER.size  # 28: an inline record is never this short (its header alone is 58+)
+LIVE = struct.Struct("<QQQ")  # live record bytes | live records | committed end offset
+_ALIGN = 4096
+_NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
+DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
+_WRITE_SLICE = 64 << 20  # bytes per pwrite (bounds the aligned staging buffer)
+
+
+def segment_name(pid: int, counter: int) -> str:
+    return f"seg-{pid}-{counter}.kvs"
+
+
+@dataclass(frozen=True)
+class SegmentPointer:
+    """Where one record lives: segment (writer pid, counter), byte offset, record length."""
+
+    pid: int
+    counter: int
+    offset: int
+    length: int
+
+    @property
+    def name(self) -> str:
+        return segment_name(self.pid, self.counter)
+
+    def pack(self) -> bytes:
+        return _POINTER.pack(_MAGIC, self.pid, self.counter, self.offset, self.length)
+
+    @staticmethod
+    def unpack(value: "bytes | memoryview") -> "SegmentPointer":
+        magic, pid, counter, offset, length = _POINTER.unpack(bytes(value))
+        if magic != _MAGIC:
+            raise CorruptRecordError("segment pointer has a bad magic")
+        return SegmentPointer(pid, counter, offset, length)
+
+
+def is_pointer(value: "bytes | memoryview") -> bool:
+    """Whether a ``chunks`` value is a segment pointer (checks the length first: an inline record
+    is longer, and its length is known without touching its pages)."""
+    return len(value) == POINTER_SIZE and bytes(value[:4]) == _MAGIC
+
+
+def stored_size(value: "bytes | memoryview") -> int:
+    """The record bytes a ``chunks`` value stands for (what capacity counts)."""
+    return SegmentPointer.unpack(value).length if is_pointer(value) else len(value)
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentWriter:
+    """This process's active segment (writer thread only). ``append`` writes a batch page-aligned and
+    syncs it; the returned pointers may be committed to LMDB once it returns."""
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> None:
+        self._dir = directory
+        self._max_bytes = max_bytes
+        self._pid = os.getpid()
+        self._counter = -1
+        self._fd: Optional[int] = None
+        self._end = 0
+        self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
+
+    @property
+    def active(self) -> Optional[str]:
+        return segment_name(self._pid, self._counter) if self._fd is not None else None
+
+    def _open_next(self) -> None:
+        while True:
+            self._counter += 1
+            path = self._dir / segment_name(self._pid, self._counter)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            try:
+                try:
+                    fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+                    self.direct = hasattr(os, "O_DIRECT")
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
+                    self.direct = False
+            except FileExistsError:
+                continue  # a reused pid left this name: take the next counter
+            except OSError as exc:
+                raise _io_error(exc, f"cannot create segment {path}") from exc
+            fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
+            self._fd, self._end = fd, 0
+            _fsync_dir(self._dir)  # the new name survives a power cut before any pointer to it commits
+            return
+
+    def rotate(self) -> None:
+        """Close the active segment (its lock goes with it); the next append starts a new one."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def append(self, records: Sequence[bytes]) -> List[SegmentPointer]:
+        """Write ``records`` one after another at page-aligned offsets and ``fdatasync``; raises
+        ``TierFullError`` / ``TierIOError`` (then nothing committed points at the bytes)."""
+        if self._fd is None or self._end >= self._max_bytes:
+            self.rotate()
+            self._open_next()
+        assert self._fd is not None
+        pointers: List[SegmentPointer] = []
+        start = self._end
+        pos = start
+        for record in records:
+            pointers.append(SegmentPointer(self._pid, self._counter, pos, len(record)))
+            pos += _round_up(len(record))
+        try:
+            self._write_aligned(records, pointers, start, pos)
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            # The tail may hold part of the batch: skip past it, never overwrite what a reader
+            # might be reading, and let reclaim_orphans truncate it later.
+            self.rotate()
+            raise _io_error(exc, f"segment write under {self._dir} failed") from exc
+        self._end = pos
+        return pointers
+
+    def _write_aligned(self, records: Sequence[bytes], pointers: Sequence[SegmentPointer], start: int, end: int) -> None:
+        """pwrite the batch in slices of at most ``_WRITE_SLICE`` bytes from a page-aligned buffer."""
+        assert self._fd is not None
+        i = 0
+        while i < len(records):
+            slice_start = pointers[i].offset
+            j = i
+            while j < len(records) and (j == i or pointers[j].offset + _round_up(len(records[j])) - slice_start <= _WRITE_SLICE):
+                j += 1
+            slice_end = pointers[j - 1].offset + _round_up(len(records[j - 1]))
+            buf = mmap.mmap(-1, slice_end - slice_start)  # anonymous: page-aligned and zeroed
+            try:
+                for k in range(i, j):
+                    at = pointers[k].offset - slice_start
+                    buf[at : at + len(records[k])] = records[k]
+                view = memoryview(buf)
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(self._fd, view[done:], slice_start + done)
+                view.release()
+            finally:
+                buf.close()
+            i = j
+
+    def close(self) -> None:
+        self.rotate()
+
+
+class SegmentReader:
+    """Reads records out of segments by pointer (any thread). Keeps one read-only fd per segment."""
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._fds: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = os.open(self._dir / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[name] = fd
+            return fd
+
+    def read(self, value: "bytes | memoryview") -> bytes:
+        """The record a pointer names. A missing segment or short read is ``CorruptRecordError``
+        (a miss, quarantined like a checksum failure); other OS errors are ``TierIOError``."""
+        pointer = SegmentPointer.unpack(value)
+        try:
+            data = os.pread(self._fd(pointer.name), pointer.length, pointer.offset)
+        except FileNotFoundError as exc:
+            raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
+        except OSError as exc:
+            raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
+        if len(data) != pointer.length:
+            raise CorruptRecordError(
+                f"segment {pointer.name} is short: {len(data)} of {pointer.length} bytes at offset {pointer.offset}"
+            )
+        return data
+
+    def forget(self, names: Iterable[str]) -> None:
+        with self._lock:
+            for name in names:
+                fd = self._fds.pop(name, None)
+                if fd is not None:
+                    os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class Ledger:
+    """Inside one write transaction: per-segment changes of live bytes and records, and the new
+    committed end, written to the ``segments`` table by ``commit``; ``emptied`` lists the segments
+    whose last record went (to delete after the commit)."""
+
+    def __init__(self, txn: lmdb.Transaction, table: "lmdb._Database") -> None:
+        self._txn = txn
+        self._table = table
+        self._delta: Dict[str, List[int]] = {}
+        self.emptied: List[str] = []
+
+    def add(self, pointer: SegmentPointer) -> None:
+        d = self._delta.setdefault(pointer.name, [0, 0, 0])
+        d[0] += pointer.length
+        d[1] += 1
+        d[2] = max(d[2], pointer.offset + _round_up(pointer.length))
+
+    def drop(self, value: "bytes | memoryview") -> None:
+        """A ``chunks`` value is going away; counts only when it is a pointer."""
+        if is_pointer(value):
+            pointer = SegmentPointer.unpack(value)
+            d = self._delta.setdefault(pointer.name, [0, 0, 0])
+            d[0] -= pointer.length
+            d[1] -= 1
+
+    def commit(self) -> None:
+        for name, (dbytes, drecords, end) in self._delta.items():
+            key = name.encode()
+            old = self._txn.get(key, db=self._table)
+            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
+            if records == 0:
+                self._txn.delete(key, db=self._table)
+                self.emptied.append(name)
+            else:
+                self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
+
+
+def _locked_elsewhere(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    return False
+
+
+def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:
+    """After the commit that emptied ``names``: delete each segment file, unless a writer still
+    appends to it (ours is rotated first; another process's keeps its lock: left for later)."""
+    removed = []
+    for name in names:
+        if writer is not None and writer.active == name:
+            writer.rotate()
+        reader.forget([name])
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            if _locked_elsewhere(fd):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def reclaim_orphans(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
+    """At a writable open: delete segment files no committed record points into and truncate each
+    other one to its committed end (what a crash between ``append`` and the commit left behind),
+    skipping segments a live writer holds. ``committed``: segment name -> committed end. Returns
+    (files removed, files truncated)."""
+    removed = truncated = 0
+    for entry in os.scandir(directory):
+        if not _NAME.match(entry.name):
+            continue
+        path = directory / entry.name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            if _locked_elsewhere(fd):
+                continue
+            end = committed.get(entry.name)
+            if end is None:
+                os.unlink(path)
+                removed += 1
+            elif os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+                truncated += 1
+        finally:
+            os.close(fd)
+    return removed, truncated
+
+
+def committed_ends(txn: lmdb.Transaction, table: "lmdb._Database") -> Dict[str, int]:
+    """segment name -> committed end offset, from the ``segments`` table."""
+    out: Dict[str, int] = {}
+    for k, v in txn.cursor(db=table).iternext(keys=True, values=True):
+        if len(v) == LIVE.size:
+            out[bytes(k).decode(errors="replace")] = LIVE.unpack(v)[2]
+    return out
+
+
+def _io_error(exc: OSError, what: str) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFullError(f"{what}: disk full: {exc}")
+    return TierIOError(f"{what}: {exc}")
