@@ -35,7 +35,7 @@ import xxhash
 from kvtier.tiers.host import HostSlabPool
 
 from .bench.kv import make_kv_bytes
-from .bench.peers import DIRECT_IN_FLIGHT, DirectLimit
+from .bench.peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
 from .bench.rounds import run_paired
 from .bench.settings import MiB, label_of
 from .bench.subjects import DiskSubject, RawFile, TierSubject
@@ -128,7 +128,11 @@ class SegmentProbe(DiskSubject):
         return []
 
 
-async def _probe(size: int, total: int, rounds: int, work: Path) -> Dict[str, float]:
+# The segment-enabled LMDB tier row: every chunk of the measured sizes (>= 256 KiB) goes to segments.
+SEGMENT_THRESHOLD_BYTES = 64 << 10
+
+
+async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> Dict[str, float]:
     n = total // size
     kv = make_kv_bytes(total)
     pool = HostSlabPool(size, n)
@@ -146,8 +150,12 @@ async def _probe(size: int, total: int, rounds: int, work: Path) -> Dict[str, fl
         RawFile(work / f"raw-{label}", chunks, outs),
         DirectLimit(work / f"direct-{label}", chunks, outs),
         TierSubject(work / f"lmdb-{label}", chunks, outs, kind="lmdb", compress=False),
+        TierSubject(work / f"lmdbseg-{label}", chunks, outs, kind="lmdb", compress=False,
+                    segment_threshold_bytes=SEGMENT_THRESHOLD_BYTES),
         SegmentProbe(work / f"segments-{label}", chunks, outs),
     ]
+    if vllm:
+        subjects.append(VllmFs(work / f"vllm-{label}", chunks, outs, fsync=True))
     step = n // rounds
     ranges = [range(i * step, (i + 1) * step if i < rounds - 1 else n) for i in range(rounds)]
     times, failures = await run_paired(subjects, ranges, size, outs, chunks)
@@ -155,8 +163,11 @@ async def _probe(size: int, total: int, rounds: int, work: Path) -> Dict[str, fl
         raise RuntimeError("; ".join(failures))
     out: Dict[str, float] = {}
     for kind in ("write", "read"):
-        for s in ("raw", "O_DIRECT", "lmdb raw", "segments"):
+        names = ["raw", "O_DIRECT", "lmdb raw", "lmdb segments raw", "segments"] + (["vllm fs +fsync"] if vllm else [])
+        for s in names:
             out[f"{s} {kind} MB/s"] = round(times.mb_s(s, kind))
+        for s in ["lmdb raw", "O_DIRECT"] + (["vllm fs +fsync"] if vllm else []):
+            out[f"lmdb-segments/{s} {kind}"] = round(times.ratio("lmdb segments raw", kind, s), 2)
         out[f"segments/lmdb {kind}"] = round(times.ratio("segments", kind, "lmdb raw"), 2)
         out[f"segments/O_DIRECT {kind}"] = round(times.ratio("segments", kind, "O_DIRECT"), 2)
         out[f"lmdb/O_DIRECT {kind}"] = round(times.ratio("lmdb raw", kind, "O_DIRECT"), 2)
@@ -168,12 +179,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per chunk size (default 256 MiB)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sizes-kib", default="256,1024,4096")
+    parser.add_argument("--vllm", action="store_true", help="add vLLM's fs tier + fsync (needs vllm)")
     parser.add_argument("--dir", default=None, help="where to measure (default: a temporary directory)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvtier-segments-", dir=args.dir))
     try:
         for kib in (int(x) for x in args.sizes_kib.split(",")):
-            result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib)))
+            result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib), args.vllm))
             print(f"{label_of(kib << 10)}: " + ", ".join(f"{k} {v}" for k, v in result.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -261,3 +261,73 @@ def test_kill9_during_segment_batches_loses_no_acknowledged_chunk(tmp_path: Path
             ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
             assert _segment_files(directory) == {n: ends[n] for n in _segment_files(directory)}
             assert set(_segment_files(directory)) == set(ends)
+
+
+@pytest.mark.asyncio
+async def test_engine_config_turns_segments_on_and_a_restart_loads_bitwise(tmp_path: Path) -> None:
+    from kvtier.engine import EngineConfig, OffloadEngine
+    from kvtier.policy import AttentionGroup, ModelLayout
+    from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+
+    layout = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
+    config = EngineConfig(
+        cache_dir=str(tmp_path / "cache"),
+        host_capacity_bytes=1 << 20,
+        lmdb_map_size_bytes=32 << 20,
+        pressure_poll_interval_s=3600.0,
+        compression_enabled=False,
+        lmdb_segment_threshold_bytes=1,
+    )
+    device = make_cpu_device(layout, num_blocks=256)
+    async with OffloadEngine(layout, device, config, fingerprint=b"seg") as engine:
+        scenario = OffloadScenario(engine, seed=0)
+        prompt = scenario.tokens(33)
+        await scenario.produce(prompt, expect_stored={0: {0, 1}, 1: {2, 3, 6, 7}})
+        await engine.flush()
+    with LmdbTier(tmp_path / "cache", map_size_bytes=32 << 20) as tier:
+        assert len(_pointers(tier)) == 6  # every chunk went to a segment
+    async with OffloadEngine(layout, device, config, fingerprint=b"seg") as engine:
+        consumer = OffloadScenario(engine)
+        consumer.producer_bytes = scenario.producer_bytes
+        await consumer.consume(prompt + [1], expect_hit=32, expect_loaded={0: {0, 1}, 1: {6, 7}})
+    with pytest.raises(ValueError, match=r"lmdb_segment_threshold_bytes must be >= 0, got -1"):
+        EngineConfig(cache_dir=str(tmp_path), lmdb_segment_threshold_bytes=-1)
+    with pytest.raises(ValueError, match=r"segment_threshold_bytes must be an int >= 0 or None, got 'x'"):
+        LmdbTier(tmp_path / "other", segment_threshold_bytes="x")  # type: ignore[arg-type]
+
+
+def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_synced_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tmpfs on older kernels (and some FUSE/network filesystems) answer O_DIRECT with EINVAL;
+    # this kernel's tmpfs takes it, so the refusal is injected at os.open
+    import errno
+
+    from kvtier.tiers.lmdb import segments
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(segments.os, "open", refusing_open)
+    items = _items(6, 0, [65536, 700, 131072])
+    path = tmp_path / "c"
+
+    async def run() -> None:
+        async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD) as tier:
+            await tier.put_many(items)
+            assert tier._segment_writer.direct is False
+            assert len(_pointers(tier)) == 2
+            await _assert_served(tier, items)
+
+    asyncio.run(run())
+    monkeypatch.undo()
+    asyncio.run(_reopen_and_serve(path, items))
+
+
+async def _reopen_and_serve(path: Path, items: List[Item]) -> None:
+    async with await LmdbTier.open(path) as tier:
+        await _assert_served(tier, items)

@@ -134,6 +134,7 @@ class SegmentWriter:
         self._fd: Optional[int] = None
         self._end = 0
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
+        self._staging: Optional[mmap.mmap] = None
 
     @property
     def active(self) -> Optional[str]:
@@ -202,22 +203,35 @@ class SegmentWriter:
             while j < len(records) and (j == i or pointers[j].offset + _round_up(len(records[j])) - slice_start <= _WRITE_SLICE):
                 j += 1
             slice_end = pointers[j - 1].offset + _round_up(len(records[j - 1]))
-            buf = mmap.mmap(-1, slice_end - slice_start)  # anonymous: page-aligned and zeroed
+            staging = self._staging_of(slice_end - slice_start)
+            for k in range(i, j):
+                at = pointers[k].offset - slice_start
+                n = len(records[k])
+                staging[at : at + n] = records[k]
+                staging[at + n : at + _round_up(n)] = bytes(_round_up(n) - n)  # no stale bytes on disk
+            view = memoryview(staging)[: slice_end - slice_start]
             try:
-                for k in range(i, j):
-                    at = pointers[k].offset - slice_start
-                    buf[at : at + len(records[k])] = records[k]
-                view = memoryview(buf)
                 done = 0
                 while done < len(view):
                     done += os.pwrite(self._fd, view[done:], slice_start + done)
-                view.release()
             finally:
-                buf.close()
+                view.release()
             i = j
+
+    def _staging_of(self, nbytes: int) -> mmap.mmap:
+        """The reused page-aligned staging buffer (anonymous map), at least ``nbytes`` long: a fresh
+        map per batch would page-fault and zero every page again."""
+        if self._staging is None or len(self._staging) < nbytes:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = mmap.mmap(-1, max(nbytes, _ALIGN))
+        return self._staging
 
     def close(self) -> None:
         self.rotate()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
 
 class SegmentReader:

@@ -181,11 +181,13 @@ class TierSubject(DiskSubject):
     time, straight into the buffers."""
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
-                 kind: str, compress: bool) -> None:
+                 kind: str, compress: bool, segment_threshold_bytes: Optional[int] = None) -> None:
         super().__init__(directory, chunks, outs)
         self.kind = kind
         self.compress = compress
-        self.name = f"{kind} {'zstd' if compress else 'raw'}"
+        self.segment_threshold_bytes = segment_threshold_bytes  # LMDB only: records >= it in segments
+        segments = " segments" if segment_threshold_bytes else ""
+        self.name = f"{kind}{segments} {'zstd' if compress else 'raw'}"
         size = chunks[0].nbytes
         self.meta = ChunkMeta(b"kvtier-bench", 0, 0, "bfloat16", (size // 2,))
         self.tier: Any = None
@@ -194,7 +196,9 @@ class TierSubject(DiskSubject):
     async def _open(self) -> None:
         codec = CodecConfig(compress=self.compress)
         if self.kind == "lmdb":
-            self.tier = await LmdbTier.open(self.directory, codec=codec)
+            self.tier = await LmdbTier.open(
+                self.directory, codec=codec, segment_threshold_bytes=self.segment_threshold_bytes
+            )
         else:
             self.tier = await FileTier.open(self.directory, codec=codec)
 
