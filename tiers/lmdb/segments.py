@@ -45,6 +45,8 @@ import lmdb
 
 from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
+from ..files.layout import fsync_dir
+
 __all__ = [
     "SegmentPointer",
     "SegmentWriter",
@@ -114,14 +116,6 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class SegmentWriter:
     """This process's active segment (writer thread only). ``append`` writes a batch page-aligned and
     syncs it; the returned pointers may be committed to LMDB once it returns."""
@@ -160,7 +154,7 @@ class SegmentWriter:
                 raise _io_error(exc, f"cannot create segment {path}") from exc
             fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
             self._fd, self._end = fd, 0
-            _fsync_dir(self._dir)  # the new name survives a power cut before any pointer to it commits
+            fsync_dir(str(self._dir))  # the new name survives a power cut before any pointer to it commits
             return
 
     def rotate(self) -> None:
