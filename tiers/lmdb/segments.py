@@ -21,6 +21,12 @@ Promises and how they are kept:
 - several processes: each writer appends only to its own segment (named by pid and a counter,
   created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
 
+Known limits: a read that took a pointer just before the segment was deleted (its last record
+evicted or deleted meanwhile) and had not opened the file yet is a miss, counted ``corrupt`` (the
+key is gone, so nothing is quarantined). A segment is created and locked under a shared lock of
+``segments.lock`` and ``reclaim_orphans`` scans under its exclusive lock, so an open never takes
+another process's segment in the instant between its create and its ``flock``.
+
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
@@ -29,6 +35,7 @@ only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -39,7 +46,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import lmdb
 
@@ -70,6 +77,7 @@ LIVE = struct.Struct("<QQQ")  # live record bytes | live records | committed end
 _ALIGN = 4096
 _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
+_CREATION_LOCK = "segments.lock"
 _WRITE_SLICE = 64 << 20  # bytes per pwrite (bounds the aligned staging buffer)
 
 
@@ -135,6 +143,10 @@ class SegmentWriter:
         return segment_name(self._pid, self._counter) if self._fd is not None else None
 
     def _open_next(self) -> None:
+        with _creation_lock(self._dir, fcntl.LOCK_SH):
+            self._create_locked()
+
+    def _create_locked(self) -> None:
         while True:
             self._counter += 1
             path = self._dir / segment_name(self._pid, self._counter)
@@ -234,6 +246,9 @@ class SegmentReader:
     def __init__(self, directory: Path) -> None:
         self._dir = directory
         self._fds: Dict[str, int] = {}
+        # fds of deleted segments: closed only at close(), since a read on another thread may still
+        # be in pread on one (closing it there could hand the number to an unrelated open file).
+        self._retired: List[int] = []
         self._lock = threading.Lock()
 
     def _fd(self, name: str) -> int:
@@ -265,13 +280,14 @@ class SegmentReader:
             for name in names:
                 fd = self._fds.pop(name, None)
                 if fd is not None:
-                    os.close(fd)
+                    self._retired.append(fd)
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
 
 class Ledger:
@@ -343,11 +359,33 @@ def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentW
     return removed
 
 
+@contextlib.contextmanager
+def _creation_lock(directory: Path, mode: int) -> Iterator[None]:
+    """``segments.lock``: shared while a writer creates and locks a segment, exclusive while an open
+    looks for orphans."""
+    try:
+        fd = os.open(directory / _CREATION_LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise _io_error(exc, f"cannot open {directory / _CREATION_LOCK}") from exc
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)
+
+
 def reclaim_orphans(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
     """At a writable open: delete segment files no committed record points into and truncate each
     other one to its committed end (what a crash between ``append`` and the commit left behind),
     skipping segments a live writer holds. ``committed``: segment name -> committed end. Returns
     (files removed, files truncated)."""
+    if not any(_NAME.match(name) for name in os.listdir(directory)):
+        return 0, 0  # nothing to look at: no lock file created for caches without segments
+    with _creation_lock(directory, fcntl.LOCK_EX):
+        return _reclaim(directory, committed)
+
+
+def _reclaim(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
     removed = truncated = 0
     for entry in os.scandir(directory):
         if not _NAME.match(entry.name):
