@@ -3,7 +3,7 @@ vLLM's row layout; a fresh vLLM scheduler (vLLM's own Scheduler + OffloadingConn
 then hits on its first request and restores, block by block, exactly the model's K/V bytes.
 
 The expected bytes are computed here independently: the model's own past_key_values for the
-prompt, laid out as vLLM 0.33's LBNHC page ([tokens, heads, K|V] in bfloat16) per block.
+prompt, laid out as vLLM 0.33's LBNHC or LBHNC page per block.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def make_rig(tmp_path, retention=0, cache="kv") -> VllmCpuRig:
     return VllmCpuRig([fa, swa], [tier], retention=retention, model_dir=tmp_path / "rig-model")
 
 
-def model_pages(model_dir, prompt):
-    """Per layer, block -> LBNHC page bytes, from the model's own past_key_values."""
+def model_pages(model_dir, prompt, kv_layout):
+    """Per layer, block -> page bytes from the model's own past_key_values: [tokens, heads, K|V]
+    for LBNHC, [heads, tokens, K|V] for LBHNC, in bfloat16."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
     cache = transformers.DynamicCache()  # no config: sliding layers keep every position
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -63,9 +64,10 @@ def model_pages(model_dir, prompt):
         keys, values = layer.keys[0], layer.values[0]  # [heads, seq, dim]
         per_block = {}
         for b in range(len(prompt) // BLOCK):
-            k = keys[:, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)  # [tokens, heads, dim]
-            v = values[:, b * BLOCK : (b + 1) * BLOCK].permute(1, 0, 2)
-            per_block[b] = torch.cat([k, v], dim=-1).to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
+            cell = torch.cat([keys[:, b * BLOCK : (b + 1) * BLOCK], values[:, b * BLOCK : (b + 1) * BLOCK]], dim=-1)
+            if kv_layout == "LBNHC":
+                cell = cell.permute(1, 0, 2)  # [tokens, heads, K|V]
+            per_block[b] = cell.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
         pages.append(per_block)
     return pages
 
@@ -80,15 +82,17 @@ WARMED = {
 }
 
 
-@pytest.mark.parametrize("retention", [0, None, 16, 32], ids=lambda r: f"retention{r}")
-def test_offline_model_warmup_then_a_fresh_scheduler_restores_the_models_kv(model_dir, tmp_path, capsys, retention):
+@pytest.mark.parametrize("retention, kv_layout", [(0, "LBNHC"), (None, "LBNHC"), (16, "LBNHC"), (32, "LBNHC"), (0, "LBHNC")],
+                         ids=["retention0", "retentionNone", "retention16", "retention32", "retention0-HND"])
+def test_offline_model_warmup_then_a_fresh_scheduler_restores_the_models_kv(model_dir, tmp_path, capsys, retention,
+                                                                             kv_layout):
     from kvtier.integrations.vllm.warmup import load_layout, vllm_chunk_keys
 
     make_rig(tmp_path, retention).shutdown()  # a server started once: its KvtierTier left the layout file
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"token_ids": PROMPT}) + "\n")
     args = ["warmup", "--key-scheme", "vllm", "--model", str(model_dir), "--prompts", str(prompts),
-            "--cache-dir", str(tmp_path / "kv"), "--vllm-kv-cache-layout", "LBNHC",
+            "--cache-dir", str(tmp_path / "kv"), "--vllm-kv-cache-layout", kv_layout,
             "--retention-interval", str(retention).lower()]
     chunks, coverage = WARMED[retention]
     assert main(args) == 0
@@ -102,7 +106,7 @@ def test_offline_model_warmup_then_a_fresh_scheduler_restores_the_models_kv(mode
         produced = producer.run(PROMPT)
     finally:
         producer.shutdown()
-    expected = model_pages(model_dir, PROMPT)
+    expected = model_pages(model_dir, PROMPT, kv_layout)
     server = make_rig(tmp_path, retention)
     try:
         tier = server.secondary_tiers[0]
