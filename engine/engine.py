@@ -61,11 +61,12 @@ from .config import EngineConfig
 from .disk_index import DiskIndex, keys_of
 from .drop_log import DropLog
 from .events import EventLog
-from .lifecycle import DURABLE_LATER, EVICTABLE, LEGACY_NAME, LOOKUP_STATE, HostState, move
+from .lifecycle import DURABLE_LATER, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .loading import LoadPath
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
+from .selfcheck import host_problems
 from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
@@ -907,54 +908,6 @@ class OffloadEngine:
         ``EngineInvariantError`` listing every disagreement. Meant for test teardown and the end of
         stress runs, when the engine is idle (``check_disk`` also compares the disk index with the
         tier)."""
-        problems: List[str] = []
-        owned: Dict[Tuple[int, int], ChunkEntry] = {}
-        for key, entry in self._entries.items():
-            if entry.key != key:
-                problems.append(f"entry under key {key.hex()[:12]} names {entry.key.hex()[:12]}")
-            if entry.dead:
-                problems.append(f"dead entry {key.hex()[:12]} still indexed")
-            if entry.pins < 0:
-                problems.append(f"entry {key.hex()[:12]} has {entry.pins} pins")
-            where = (entry.group_index, entry.slot)
-            if where in owned:
-                problems.append(f"slot {where} owned twice")
-            owned[where] = entry
-        spill_idle = self._spill is None or self._spill.idle or self._spill_runner is None
-        idle = not self._tasks and spill_idle
-        if idle:
-            for key, entry in self._entries.items():
-                if entry.state is not HostState.READY and not (
-                    entry.state is HostState.QUEUED and (self._spill_runner is None or self._closed)
-                ):
-                    problems.append(f"entry {key.hex()[:12]} stuck in {entry.state.value}")
-                if entry.pins != 0:
-                    problems.append(f"entry {key.hex()[:12]} still has {entry.pins} pins while idle")
-            for gi, pool in enumerate(self._pools):
-                if pool.closed:
-                    continue
-                stats = pool.statistics()
-                used = sum(1 for g, _ in owned if g == gi)
-                if stats["used_slots"] != used:
-                    problems.append(f"group {gi}: pool has {stats['used_slots']} slots in use but {used} entries")
-                if stats["pinned_slots"] != 0:
-                    problems.append(f"group {gi}: {stats.get('pinned_slots')} slots pinned while idle")
-                ready = sum(1 for e in self._entries.values() if e.group_index == gi and e.state in EVICTABLE)
-                if stats["evictable_slots"] != ready:
-                    problems.append(f"group {gi}: {stats['evictable_slots']} evictable slots but {ready} READY entries")
-            if self._stores.inflight != 0:
-                problems.append(f"{self._stores.inflight} stores in flight while idle")
-            if self._busy_batches:
-                fenced = set().union(*self._busy_batches.values())
-                problems.append(f"{len(fenced)} device blocks still fenced while idle")
-            if self._spill is not None and len(self._spill.watch) and self._spill_runner is not None:
-                problems.append(f"{len(self._spill.watch)} store handles still wait for durability while idle")
-        for gi, pool in enumerate(self._pools):
-            if pool.closed:
-                continue
-            try:
-                pool.check()
-            except KvtierError as exc:
-                problems.append(f"group {gi} host pool: {exc}")
+        problems = host_problems(self)
         if problems:
             raise EngineInvariantError("; ".join(problems))
