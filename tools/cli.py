@@ -104,11 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument(
         "--key-scheme", choices=("kvtier", "vllm"), default="kvtier",
         help="vllm: compute the keys a vLLM server with KvtierTier computes (vLLM's hashing, block size, "
-        "cache_salt) and report per prompt how many chunks the cache holds under them (fill it through vLLM: "
-        "kvtier.integrations.vllm.warmup.warm_through_vllm)",
+        "cache_salt); with --model, first fill the cache with the model's KV in vLLM's row layout; then report "
+        "per prompt how many chunks the cache holds under them",
     )
     warmup.add_argument("--vllm-layout", help="the vllm-layout-*.json the server's KvtierTier left (default: the one in --cache-dir)")
     warmup.add_argument("--cache-salt", help="vLLM's per-request cache_salt (with --key-scheme vllm)")
+    warmup.add_argument(
+        "--retention-interval", type=_retention_interval, default=0,
+        help="with --key-scheme vllm --model: the server's prefix_cache_retention_interval (vLLM's default 0; "
+        "'none' for every boundary): which sliding-window chunks vLLM would store",
+    )
+    warmup.add_argument(
+        "--vllm-kv-cache-layout",
+        help="with --key-scheme vllm --model: the server's resolved KV cache layout (LBNHC/NHD or LBHNC/HND) "
+        "when the layout file does not record it",
+    )
 
     inspect = sub.add_parser("inspect", help="records per group, bytes raw and stored, compression, age")
     inspect.add_argument("--cache-dir", required=True)
@@ -172,10 +182,31 @@ def _cmd_demo(args) -> int:
     return 0 if summary.verified else 1
 
 
+def _retention_interval(text: str) -> Optional[int]:
+    """argparse type of --retention-interval: 'none' or an int >= 0."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'none' or an int >= 0, got {text!r}")
+    return value
+
+
 def _cmd_warmup(args) -> int:
-    from .warmup import run_warmup, vllm_key_coverage
+    from .warmup import run_warmup, vllm_key_coverage, vllm_warm_from_model
 
     if args.key_scheme == "vllm":
+        if args.model:
+            warmed = vllm_warm_from_model(
+                args.model, args.prompts, args.cache_dir, args.vllm_layout, cache_salt=args.cache_salt,
+                retention_interval=args.retention_interval, kv_cache_layout=args.vllm_kv_cache_layout,
+                extra_retained_tokens=args.extra_retained_tokens, dtype=args.dtype, device=args.device,
+            )
+            print(f"warmed {warmed.prompts} prompts: {warmed.chunks_stored} chunks stored, "
+                  f"{warmed.chunks_present} already present")
         report = vllm_key_coverage(args.prompts, args.cache_dir, args.vllm_layout, cache_salt=args.cache_salt)
         for number, groups in enumerate(report, 1):
             print(f"prompt {number}: " + ", ".join(

@@ -39,7 +39,16 @@ from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, lon
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
-from .hf_model import _require_transformers, cache_plan, load_model, parse_dtype, text_config
+from .hf_model import (
+    _require_transformers,
+    cache_plan,
+    capture_kv,
+    layer_kv_shapes,
+    layer_types_from_config,
+    load_model,
+    parse_dtype,
+    text_config,
+)
 
 __all__ = ["WarmupSummary", "run_warmup", "model_fingerprint", "read_prompts"]
 
@@ -479,3 +488,25 @@ def vllm_key_coverage(prompts_path: PathLike, cache_dir: PathLike, layout_path: 
     prompts = asyncio.run(read_prompts(prompts_path, tokenizer_dir))
     layout = load_layout(layout_path if layout_path is not None else cache_dir)
     return cache_coverage(cache_dir, layout, prompts, cache_salt=cache_salt)
+
+
+def vllm_warm_from_model(model_dir: PathLike, prompts_path: PathLike, cache_dir: PathLike,
+                         layout_path: Optional[PathLike] = None, *, cache_salt: Optional[str] = None,
+                         retention_interval: Optional[int] = 0, kv_cache_layout: Optional[str] = None,
+                         extra_retained_tokens: int = 0, dtype: str = "float32", device: str = "cpu"):
+    """``kvtier warmup --key-scheme vllm --model DIR``: fill ``cache_dir`` offline with the records a
+    vLLM server with ``KvtierTier`` would store for the prompts
+    (``kvtier.integrations.vllm.model_warmup``; imports vLLM)."""
+    from kvtier.integrations.vllm.model_warmup import page_order, warm_from_kv
+    from kvtier.integrations.vllm.warmup import load_layout
+
+    prompts = asyncio.run(read_prompts(prompts_path, model_dir))
+    layout = load_layout(layout_path if layout_path is not None else cache_dir)
+    page_order(layout, kv_cache_layout)  # refuse a layout it cannot fill before loading the model
+    model = load_model(model_dir, device=device, dtype=dtype)
+    config = text_config(model.config)
+    layer_types, window = layer_types_from_config(config)
+    return warm_from_kv(lambda prompt: capture_kv(model, prompt), cache_dir, layout, prompts,
+                        layer_shapes=layer_kv_shapes(config), layer_types=layer_types,
+                        sliding_window=window, cache_salt=cache_salt, retention_interval=retention_interval,
+                        kv_cache_layout=kv_cache_layout, extra_retained_tokens=extra_retained_tokens)

@@ -58,12 +58,11 @@ from kvtier.tiers.record import CodecConfig
 from .config import VllmTierConfig
 from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
+from .records import record_meta
 
 __all__ = ["KvtierTier", "layout_from_spec"]
 
 logger = logging.getLogger("kvtier.integrations.vllm")
-
-_ROW_DTYPE = "uint8"
 
 
 def _none_hash() -> bytes:
@@ -166,9 +165,6 @@ class KvtierTier(SecondaryTierManager):
         self.layout = layout_from_spec(offloading_spec, self._row_bytes, self.config)
         self._namespace = self.layout.namespace
         self._group_positions = {g.group_id: i for i, g in enumerate(self.layout.groups)}
-        self._tokens_per_chunk = {
-            g.group_id: g.tokens_per_block * self.layout.blocks_per_chunk for g in self.layout.groups
-        }
         self._warn_if_keys_are_ephemeral()
 
         self._index: set = set()
@@ -286,12 +282,7 @@ class KvtierTier(SecondaryTierManager):
 
     def _meta(self, key: OffloadKey, req_context: ReqContext) -> ChunkMeta:
         _, group_id = split_offload_key(key)
-        position = req_context.get_offload_key_position(key)
-        chunk_index = 0 if position is None else position // self._tokens_per_chunk.get(group_id, 1)
-        return ChunkMeta(
-            fingerprint=self._namespace, group_index=group_id, chunk_index=chunk_index,
-            dtype=_ROW_DTYPE, shape=(self._row_bytes,),
-        )
+        return record_meta(self.layout, group_id, req_context.get_offload_key_position(key), self._row_bytes)
 
     def _usable(self) -> bool:
         return not self._closed and self._loop.alive and not getattr(self.disk_tier, "closed", False)
