@@ -12,7 +12,8 @@ tier's own threads. One executor hop per batch of chunks, never per chunk.
 
 Layout. A chunk's life is one transition table (``lifecycle.py``); which keys the disk holds is the
 ordered ``DiskIndex`` (``disk_index.py``); write-behind and durable handles are the
-``SpillPipeline`` (``spill.py``); loads and promotions are the ``LoadPath`` (``loading.py``);
+``SpillPipeline`` (``spill.py``); stores are the ``StorePath`` (``storing.py``); loads and
+promotions are the ``LoadPath`` (``loading.py``);
 waiting on engine-owned work and keeping background loops alive is ``tasks.py``. This module holds
 the public calls and the host-slot bookkeeping between them.
 
@@ -33,11 +34,9 @@ returns once its copies completed, so any stream may read the blocks afterwards.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -53,22 +52,24 @@ from kvtier.policy import (
     longest_hit,
 )
 from kvtier.policy.plan import load_block_plan
-from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
+from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
 from .config import EngineConfig
 from .disk_index import DiskIndex, keys_of
-from .drop_log import DropLog, drop_detail
+from .drop_log import DropLog
 from .events import EventLog
-from .lifecycle import DURABLE_LATER, EVICTABLE, LEGACY_NAME, LOOKUP_STATE, HostState, move
+from .lifecycle import DURABLE_LATER, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .loading import LoadPath
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
+from .selfcheck import host_problems
 from .spill import SpillPipeline
-from .tasks import Supervised, settle, wait_all
+from .storing import StorePath
+from .tasks import Supervised, wait_all
 from .validation import check_count, check_engine_settings, check_load_arguments, check_store_arguments, check_token_ids
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
@@ -156,7 +157,7 @@ class OffloadEngine:
         # In-flight copy batches: completion future -> the (group, device block) pairs it touches.
         self._busy_batches: Dict[asyncio.Future, FrozenSet[Tuple[int, int]]] = {}
         self._tasks: set = set()
-        self._inflight_stores = 0
+        self._stores = StorePath(self)
         self._d2h: Optional[ThreadPoolExecutor] = None
         self._h2d: Optional[ThreadPoolExecutor] = None
         self._metas: List[Tuple[str, Tuple[int, ...]]] = []
@@ -561,96 +562,19 @@ class OffloadEngine:
         ``block_table[g][i]`` is the device block of logical block ``i`` of group ``g``;
         ``num_tokens`` (default: all tokens of the request) is how many tokens are final.
         Full-attention groups store every complete chunk; sliding-window groups only the chunks
-        ``reachable_store_block_mask`` selects (MTP-widened). Chunks already stored or in flight are
-        skipped; the handle is durable only once those are on disk too. Under memory pressure, a
-        full store queue or a full host pool, the new chunks are dropped and counted, never waited
-        for. The caller must not overwrite the device blocks before ``handle.wait_released()`` (or
+        ``reachable_store_block_mask`` selects (MTP-widened), thinned by
+        ``store_retention_interval_tokens``. Chunks already stored or in flight are skipped; the
+        handle is durable only once those are on disk too. Under memory pressure, a full store
+        queue or a full host pool, the new chunks are dropped and counted, never waited for. The
+        caller must not overwrite the device blocks before ``handle.wait_released()`` (or
         ``fence``). The copy is ordered after the work queued on the calling thread's current CUDA
         stream (see the module docstring).
         """
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        if num_tokens is None:
-            num_tokens = keys.num_tokens
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= keys.num_tokens:
-            raise ValueError(f"num_tokens must be in [0, {keys.num_tokens}], got {num_tokens!r}")
         self._check_block_table(block_table)
-
-        jobs: List[Tuple[int, int, bytes, List[int]]] = []  # (group, chunk, key, device blocks)
-        skipped: List[Tuple[int, int]] = []
-        wait_for: List[bytes] = []  # skipped chunks whose spill is still to land
-        never_durable = False  # a skipped chunk that is neither on disk nor on its way there
-        for gi, group in enumerate(self.layout.groups):
-            per_chunk = group.blocks_per_chunk
-            table = block_table[gi]
-            for chunk in retention_store_chunk_indices(
-                self.layout, gi, num_tokens, self.config.store_retention_interval_tokens
-            ):
-                key = keys.keys[gi][chunk]
-                entry = self._entries.get(key)
-                if entry is not None or key in self._index:
-                    skipped.append((gi, chunk))
-                    if key in self._index:
-                        pass
-                    elif entry is not None and entry.state in DURABLE_LATER:
-                        wait_for.append(key)
-                    else:
-                        never_durable = True
-                    continue
-                first = chunk * per_chunk
-                if len(table) < first + per_chunk:
-                    raise ValueError(
-                        f"block_table[{gi}] has {len(table)} blocks; chunk {chunk} needs blocks "
-                        f"{first}..{first + per_chunk - 1}"
-                    )
-                blocks = [int(b) for b in table[first : first + per_chunk]]
-                self._check_device_blocks(gi, blocks)
-                jobs.append((gi, chunk, key, blocks))
-
-        drop_reason = self._store_drop_reason(len(jobs))
-        allocations: Optional[Dict[int, List[int]]] = {}
-        if drop_reason is None and jobs:
-            allocations = self._allocate_slots(g for g, _, _, _ in jobs)
-            if allocations is None:
-                drop_reason = "host_full"
-        if drop_reason is not None:
-            dropped = [(g, c) for g, c, _, _ in jobs]
-            if dropped:
-                self.metrics.dropped(drop_reason, len(dropped))
-                self._drop_log.note(drop_reason, len(dropped), drop_detail(
-                    drop_reason, (g for g, _ in dropped), inflight=self._inflight_stores,
-                    queue_max_chunks=self.config.store_queue_max_chunks, pool_slots=[p.num_slots for p in self._pools]))
-            handle = StoreHandle(self._loop, (), skipped, dropped, drop_reason)
-            handle._mark_released()
-            handle._mark_durable(False)
-            return handle
-
-        handle = StoreHandle(self._loop, [(g, c) for g, c, _, _ in jobs], skipped, (), None)
-        spill_on = self._disk is not None and self.config.spill_enabled
-        if self._disk is None or never_durable or (jobs and not spill_on):
-            handle._mark_durable(False)
-        else:
-            self._spill.watch.watch(handle, [k for _, _, k, _ in jobs] + wait_for)
-        if not jobs:
-            handle._mark_released()
-            return handle
-        entries = self._new_entries([(g, c, k) for g, c, k, _ in jobs], HostState.PENDING, allocations)
-        work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
-        self._inflight_stores += len(work)
-        copied = self._loop.create_future()
-        self._mark_busy([(e.group_index, b) for e, _, blocks in work for b in blocks], copied)
-        self._spawn(self._run_store(handle, work, copied, self._compute_stream()))
-        return handle
-
-    def _store_drop_reason(self, count: int) -> Optional[str]:
-        if count == 0:
-            return None
-        if self._pressure is not None and self._pressure.paused:
-            return "pressure"
-        if self._inflight_stores + count > self.config.store_queue_max_chunks:
-            return "queue_full"
-        return None
+        return self._stores.schedule(keys, num_tokens, block_table)
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
         """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
@@ -701,51 +625,6 @@ class OffloadEngine:
                 self.metrics.dropped("evicted", 1)
         if evicted:
             self.metrics.evicted("host", len(evicted))
-
-    async def _run_store(self, handle: StoreHandle, work, copied: asyncio.Future, stream) -> None:
-        started = time.perf_counter()
-        batch = [(e.group_index, blocks, self._pools[e.group_index].view(e.slot)) for e, _, blocks in work]
-        error: Optional[BaseException] = None
-        try:
-            gather = functools.partial(self.device.gather_many_groups, batch, compute_stream=stream)
-            await settle(self._loop.run_in_executor(self._d2h, gather))
-        except asyncio.CancelledError:  # only an engine bug cancels its own task; finish the books
-            error = ClosedError("store cancelled")
-        except Exception as exc:  # the copy failed: nothing it wrote is trusted
-            error = exc
-            logger.warning("device -> host copy failed: %r", exc)
-            self.metrics.worker_error("store_copy")
-        self._inflight_stores -= len(work)
-        nbytes = 0
-        spill_on = self._disk is not None and self.config.spill_enabled
-        done: List[ChunkEntry] = []
-        for entry, generation, _ in work:
-            self._unpin(entry)
-            if entry.generation != generation or entry.dead:
-                continue
-            if error is not None or self._closing:
-                reason = "copy_error" if error is not None else "closed"
-                self._drop_entry(entry, reason)
-                self._resolve_ready(entry, reason)
-                continue
-            nbytes += self._chunk_nbytes[entry.group_index]
-            done.append(entry)
-        if spill_on:
-            self._spill.enqueue(done)
-        for entry in done:
-            if not spill_on:
-                self._settle_ready(entry)
-                self._spill.watch.resolve(entry.key, False)
-            self._resolve_ready(entry, None)
-            self._events.append("stored", entry.key, entry.group_index, "host")
-        if nbytes:
-            self.metrics.stored("host", len(done), nbytes)
-            self.metrics.latency("host", "store", time.perf_counter() - started)
-        if not copied.done():
-            copied.set_result(None)
-        handle._mark_released()
-        if error is not None or self._closing:
-            self._spill.watch.finish(handle, False)
 
     def _settle_ready(self, entry: ChunkEntry) -> None:
         """``entry``'s bytes are valid and nothing is in flight: READY, and evictable."""
@@ -1021,7 +900,7 @@ class OffloadEngine:
         stats["host"] = [pool.statistics() for pool in self._pools]
         stats["disk"] = self._disk.statistics().as_dict() if self._disk is not None else None
         stats["pressure"] = self._pressure.state if self._pressure is not None else "unknown"
-        stats["inflight_stores"] = self._inflight_stores
+        stats["inflight_stores"] = self._stores.inflight
         stats["spill_queue"] = len(self._spill.queue) if self._spill is not None else 0
         return stats
 
@@ -1030,54 +909,6 @@ class OffloadEngine:
         ``EngineInvariantError`` listing every disagreement. Meant for test teardown and the end of
         stress runs, when the engine is idle (``check_disk`` also compares the disk index with the
         tier)."""
-        problems: List[str] = []
-        owned: Dict[Tuple[int, int], ChunkEntry] = {}
-        for key, entry in self._entries.items():
-            if entry.key != key:
-                problems.append(f"entry under key {key.hex()[:12]} names {entry.key.hex()[:12]}")
-            if entry.dead:
-                problems.append(f"dead entry {key.hex()[:12]} still indexed")
-            if entry.pins < 0:
-                problems.append(f"entry {key.hex()[:12]} has {entry.pins} pins")
-            where = (entry.group_index, entry.slot)
-            if where in owned:
-                problems.append(f"slot {where} owned twice")
-            owned[where] = entry
-        spill_idle = self._spill is None or self._spill.idle or self._spill_runner is None
-        idle = not self._tasks and spill_idle
-        if idle:
-            for key, entry in self._entries.items():
-                if entry.state is not HostState.READY and not (
-                    entry.state is HostState.QUEUED and (self._spill_runner is None or self._closed)
-                ):
-                    problems.append(f"entry {key.hex()[:12]} stuck in {entry.state.value}")
-                if entry.pins != 0:
-                    problems.append(f"entry {key.hex()[:12]} still has {entry.pins} pins while idle")
-            for gi, pool in enumerate(self._pools):
-                if pool.closed:
-                    continue
-                stats = pool.statistics()
-                used = sum(1 for g, _ in owned if g == gi)
-                if stats["used_slots"] != used:
-                    problems.append(f"group {gi}: pool has {stats['used_slots']} slots in use but {used} entries")
-                if stats["pinned_slots"] != 0:
-                    problems.append(f"group {gi}: {stats.get('pinned_slots')} slots pinned while idle")
-                ready = sum(1 for e in self._entries.values() if e.group_index == gi and e.state in EVICTABLE)
-                if stats["evictable_slots"] != ready:
-                    problems.append(f"group {gi}: {stats['evictable_slots']} evictable slots but {ready} READY entries")
-            if self._inflight_stores != 0:
-                problems.append(f"{self._inflight_stores} stores in flight while idle")
-            if self._busy_batches:
-                fenced = set().union(*self._busy_batches.values())
-                problems.append(f"{len(fenced)} device blocks still fenced while idle")
-            if self._spill is not None and len(self._spill.watch) and self._spill_runner is not None:
-                problems.append(f"{len(self._spill.watch)} store handles still wait for durability while idle")
-        for gi, pool in enumerate(self._pools):
-            if pool.closed:
-                continue
-            try:
-                pool.check()
-            except KvtierError as exc:
-                problems.append(f"group {gi} host pool: {exc}")
+        problems = host_problems(self)
         if problems:
             raise EngineInvariantError("; ".join(problems))

@@ -23,6 +23,7 @@ The suite's budget in the default run is a few seconds per tier (tiny records, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -419,6 +420,31 @@ async def test_cancelled_calls_keep_the_buffer_rule(opened) -> None:
         await settle(tier)
         await asyncio.sleep(0.1)
         assert [bytes(b) for b in bufs] == seen, "the tier wrote into buffers after the call ended"
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_flush_stops_only_its_own_wait(opened) -> None:
+    """Cancelling ``flush`` while a put is in flight must not cancel the put: its caller still gets
+    the put's own result and the records land (the remote tier once waited with ``gather``, whose
+    cancellation cancels the tier's tasks)."""
+    tier = await opened()
+    try:
+        n, size = 16, 256 << 10
+        keys = [key_of(300 + i) for i in range(n)]
+        datas = [payload(300 + i, size) for i in range(n)]
+        put = asyncio.ensure_future(tier.put_many([item(k, d) for k, d in zip(keys, datas)]))
+        await asyncio.sleep(0)
+        flush = asyncio.ensure_future(tier.flush())
+        await asyncio.sleep(0)
+        flush.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flush
+        sequence = await put  # not cancelled by the flush's cancellation
+        assert isinstance(sequence, int) and sequence > 0
+        _, got = await read(tier, keys, size)
+        assert got == [bytes(d) for d in datas]
     finally:
         await tier.close()
 

@@ -42,7 +42,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import aiofiles
 
@@ -64,6 +64,7 @@ from ..base import (
 )
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads, wait_through_cancel
 from ..lru import ByteLru
+from ..owned_tasks import OwnedTasks
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
 from ..record_format import (
     CodecConfig,
@@ -84,7 +85,6 @@ _INLINE_DECODE_BYTES = 256 << 10
 # grew beyond that cannot be a valid record for the buffer and must not make us allocate its size.
 _MAX_RECORD_OVERHEAD = 1 << 20
 
-_T = TypeVar("_T")
 _OPEN_TOKEN = object()
 # Counters with a TierStatistics field of their own, and temps_removed (in ``extra``).
 _COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
@@ -157,7 +157,7 @@ class FileTier(ChunkTier, FileWrites):
         self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
         self._dirs: Set[Tuple[str, ...]] = set()  # record directories known to exist
         self._dir_pending: Dict[Tuple[str, ...], "asyncio.Future[None]"] = {}
-        self._tasks: Set["asyncio.Task[Any]"] = set()
+        self._tasks = OwnedTasks()
         self._ops = 0  # public calls in flight (close waits for them)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -306,7 +306,7 @@ class FileTier(ChunkTier, FileWrites):
         # the batch has landed or rolled back. Unmarked by a done callback, which runs even if the
         # task is cancelled before it ever started.
         self._mark_writing(keys)
-        task = self._spawn(self._put_batch(batch, encoded))
+        task = self._tasks.spawn(self._put_batch(batch, encoded))
         task.add_done_callback(lambda _: self._unmark_writing(keys))
         try:
             return await asyncio.shield(task)
@@ -363,7 +363,7 @@ class FileTier(ChunkTier, FileWrites):
             if corrupt:
                 corrupt = list(dict.fromkeys(corrupt))  # one key asked twice is one bad file
                 self._stats["corrupt"] += len(corrupt)
-                await asyncio.shield(self._spawn(self._quarantine(corrupt)))
+                await asyncio.shield(self._tasks.spawn(self._quarantine(corrupt)))
         hits = sum(1 for r in results if r is not None)
         self._stats["hits"] += hits
         self._stats["misses"] += len(checked) - hits
@@ -380,11 +380,11 @@ class FileTier(ChunkTier, FileWrites):
         while any(key in self._writing for key in checked):
             # Unlinking a name whose put is in flight could remove the new file after its rename
             # and leave the index pointing at nothing; the delete is ordered after the put.
-            await self._wait_for_tasks()
+            await self._tasks.wait_all()
         victims = self._drop(list(dict.fromkeys(checked)), "deleted")
         self._stats["deletes"] += len(victims)
         if victims:
-            await asyncio.shield(self._spawn(self._remove_files(victims)))
+            await asyncio.shield(self._tasks.spawn(self._remove_files(victims)))
         return len(victims)
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
@@ -401,8 +401,7 @@ class FileTier(ChunkTier, FileWrites):
         """Wait until every batch, delete and quarantine handed to the tier so far has finished
         (a cancelled ``put_many`` runs on as a tier task). Cancelling it: no effect on them."""
         self._check_open()
-        while self._tasks:
-            await self._wait_for_tasks()
+        await self._tasks.wait_all()
 
     async def check(self) -> List[str]:
         """Reconcile the index with the files (a self-check for tests and tools): rescans the tree
@@ -425,8 +424,7 @@ class FileTier(ChunkTier, FileWrites):
         own, and a second ``close`` waits for them.
         """
         self._closed = True
-        while self._tasks:
-            await self._wait_for_tasks()
+        await self._tasks.wait_all()
         await self._idle.wait()
         # Threads still running work of cancelled reads finish on their own; nothing awaits them.
         self._io.shutdown(wait=False)
@@ -447,28 +445,6 @@ class FileTier(ChunkTier, FileWrites):
             batch.pop(key, None)  # last one wins, and keeps its position
             batch[key] = (key, meta, raw if isinstance(raw, memoryview) else memoryview(raw))
         return list(batch.values())
-
-    async def _wait_for_tasks(self) -> None:
-        """Wait for the tier's own tasks. ``asyncio.wait``, not ``gather``: cancelling the waiter
-        (a ``flush``, ``close`` or ``delete_many``) must not cancel a put handed to the tier."""
-        pending = [task for task in self._tasks if not task.done()]
-        if pending:
-            await asyncio.wait(pending)
-        else:
-            await asyncio.sleep(0)  # done tasks leave ``_tasks`` in their done callbacks
-
-    def _spawn(self, coro: Awaitable[_T]) -> "asyncio.Task[_T]":
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: "asyncio.Task[Any]") -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            # Marks the exception retrieved: a caller cancelled before the failure has already
-            # left, and the failure is counted in statistics() instead of logged at exit.
-            task.exception()
 
     def _operation(self) -> "_Operation":
         return _Operation(self)

@@ -55,6 +55,7 @@ from kvtier.errors import (
 
 from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
+from ..owned_tasks import OwnedTasks
 from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
@@ -141,7 +142,7 @@ class RemoteTier(ChunkTier):
         self._known: Dict[bytes, Tuple[int, int]] = {}
         self._known_bytes = 0
         self._removal_feed = RemovalFeed()
-        self._tasks: Set["asyncio.Task[Any]"] = set()
+        self._tasks = OwnedTasks()
         self._listing_task: Optional["asyncio.Task[None]"] = None
         self._listing_wakeup = asyncio.Event()
         self._listener = EvictionListener(
@@ -285,17 +286,6 @@ class RemoteTier(ChunkTier):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"remote tier at {self.address.url} is closed")
-
-    def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: "asyncio.Task[Any]") -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # counted in statistics; a caller that left must not log it at exit
 
     def _next_sequence(self) -> int:
         self._sequence += 1
@@ -480,7 +470,7 @@ class RemoteTier(ChunkTier):
         keys = list(batch)
         for key in keys:
             self._writing[key] = self._writing.get(key, 0) + 1
-        task = self._spawn(self._put_batch(list(batch.values()), encoded, after))
+        task = self._tasks.spawn(self._put_batch(list(batch.values()), encoded, after))
         task.add_done_callback(lambda _: self._done_writing(keys))
         return encoded, task
 
@@ -599,7 +589,7 @@ class RemoteTier(ChunkTier):
             return []
         state = {"phase": "fetching"}
         decoded: "asyncio.Future[None]" = self._loop.create_future()
-        task = self._spawn(self._get_batch(checked, state, decoded))
+        task = self._tasks.spawn(self._get_batch(checked, state, decoded))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -707,7 +697,7 @@ class RemoteTier(ChunkTier):
         unique = list(dict.fromkeys(keys))
         if not unique:
             return 0
-        return await asyncio.shield(self._spawn(self._delete(unique)))
+        return await asyncio.shield(self._tasks.spawn(self._delete(unique)))
 
     async def _delete(self, keys: List[bytes]) -> int:
         rkeys = [self._prefix + key.hex().encode() for key in keys]
@@ -786,8 +776,7 @@ class RemoteTier(ChunkTier):
     async def flush(self) -> None:
         """Wait for batches in flight (puts are synchronous to their callers; nothing is queued).
         Cancelling it: only the wait stops."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.wait_all()
 
     async def check(self) -> List[str]:
         """Problems seen now: primaries not answering, breakers open, cluster state, notifications
