@@ -17,7 +17,10 @@ import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.tiers.record_format import CodecConfig
 
 __all__ = ["EngineConfig", "parse_size"]
 
@@ -247,6 +250,16 @@ class EngineConfig:
         _require_bool("remote_promote_to_disk", self.remote_promote_to_disk)
 
     # -- conversions and loaders ----------------------------------------------------------------
+
+    def codec_config(self) -> "CodecConfig":
+        """The record codec these settings ask for, the same for every tier the engine opens."""
+        from kvtier.tiers.record_format import CodecConfig
+
+        return CodecConfig(
+            level=self.compression_level,
+            min_savings_fraction=self.compression_min_savings_fraction,
+            compress=self.compression_enabled,
+        )
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:

@@ -285,17 +285,12 @@ class OffloadEngine:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
         from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
-        from kvtier.tiers.record_format import CodecConfig
 
         config = self.config
         kwargs: Dict[str, Any] = dict(
             capacity_bytes=config.disk_capacity_bytes,
             map_size_bytes=config.lmdb_map_size_bytes,
-            codec=CodecConfig(
-                level=config.compression_level,
-                min_savings_fraction=config.compression_min_savings_fraction,
-                compress=config.compression_enabled,
-            ),
+            codec=config.codec_config(),
             reader_check_interval_s=config.reader_check_interval_s,
             verify_structure=config.lmdb_verify_on_open,
             segment_threshold_bytes=config.lmdb_segment_threshold_bytes,

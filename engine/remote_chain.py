@@ -33,7 +33,6 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
         logger.warning("remote tier without disk_index_refresh_interval_s: chunks other hosts write become "
                        "hits here only after a restart (set it, e.g. 10 s)")
     from kvtier.tiers.chain import ChainedTier
-    from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
     try:
@@ -41,11 +40,7 @@ async def attach_remote_tier(disk: Optional[ChunkTier], config: EngineConfig, fi
             config.remote_url,
             namespace=config.remote_namespace,
             fingerprint=fingerprint,
-            codec=CodecConfig(
-                level=config.compression_level,
-                min_savings_fraction=config.compression_min_savings_fraction,
-                compress=config.compression_enabled,
-            ),
+            codec=config.codec_config(),
             timeout_s=config.remote_timeout_s,
             connect_timeout_s=config.remote_connect_timeout_s,
             concurrency=config.remote_concurrency,

@@ -26,7 +26,7 @@ import lmdb
 
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig
+from kvtier.tiers.record_format import CodecConfig
 
 _REAL_OPEN = lmdb.open
 

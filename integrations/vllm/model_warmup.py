@@ -40,10 +40,9 @@ import torch
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig
 
 from .keys import VllmLayout
-from .records import record_meta
+from .records import codec_for, record_meta
 from .warmup import VllmKeySchemeError, vllm_chunk_keys
 
 __all__ = ["VllmRowLayout", "warm_from_kv", "ModelWarmupSummary", "block_page", "page_order", "PAGE_ORDERS"]
@@ -212,7 +211,7 @@ def warm_from_kv(capture: Callable[[List[int]], Sequence[Tuple[torch.Tensor, tor
             if key.chunk_index in wanted[key.group_id]:
                 meta = record_meta(layout, key.group_id, key.end_token, layout.primary_row_bytes)
                 items.append((key.chunk_key, meta, rows.chunk_row(kv, key.group_id, key.chunk_index)))
-    codec = CodecConfig(compress=False) if compression == 0 else CodecConfig(level=compression)
+    codec = codec_for(compression)
 
     async def put() -> Tuple[int, int]:
         tier = await LmdbTier.open(cache_dir, codec=codec, max_raw_bytes=max(layout.primary_row_bytes, 1 << 20))

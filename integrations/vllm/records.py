@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.record_format import CodecConfig
 
 from .keys import VllmLayout
 
-__all__ = ["ROW_DTYPE", "record_meta"]
+__all__ = ["ROW_DTYPE", "record_meta", "codec_for"]
 
 ROW_DTYPE = "uint8"
 
@@ -27,3 +28,9 @@ def record_meta(layout: VllmLayout, group_id: int, end_token: Optional[int], row
     chunk_index = 0 if end_token is None else int(end_token) // tokens_per_chunk
     return ChunkMeta(fingerprint=layout.namespace, group_index=int(group_id), chunk_index=chunk_index,
                      dtype=ROW_DTYPE, shape=(int(row_bytes),))
+
+
+def codec_for(compression: int) -> CodecConfig:
+    """The record codec of the tier's ``compression`` setting (0: raw records, else the zstd level),
+    shared by the tier and the offline warmup so both write what the other reads."""
+    return CodecConfig(compress=False) if compression == 0 else CodecConfig(level=compression)

@@ -53,12 +53,12 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.record import CodecConfig
+from kvtier.tiers.record_format import CodecConfig
 
 from .config import VllmTierConfig
 from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
-from .records import record_meta
+from .records import codec_for, record_meta
 
 __all__ = ["KvtierTier", "layout_from_spec"]
 
@@ -213,7 +213,7 @@ class KvtierTier(SecondaryTierManager):
         )
 
     async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
-        codec = CodecConfig(compress=False) if self.config.compression == 0 else CodecConfig(level=self.config.compression)
+        codec = codec_for(self.config.compression)
         disk = await LmdbTier.open(
             self.config.cache_dir,
             capacity_bytes=self.config.disk_capacity_bytes,
