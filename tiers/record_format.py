@@ -62,6 +62,7 @@ __all__ = [
     "CodecConfig",
     "RecordHeader",
     "encode_record",
+    "encode_record_parts",
     "decode_record",
     "read_header",
     "validate_record",
@@ -326,7 +327,15 @@ def _check_meta_for_encode(meta: ChunkMeta) -> int:
 
 
 def encode_record(key: bytes, meta: ChunkMeta, raw: BytesLike, config: CodecConfig = CodecConfig()) -> bytes:
-    """Encode one chunk's bytes as a record (see the module docstring for the layout).
+    """Encode one chunk's bytes as a record (see the module docstring for the layout); the
+    record is ``encode_record_parts`` joined."""
+    return b"".join(encode_record_parts(key, meta, raw, config))
+
+
+def encode_record_parts(key: bytes, meta: ChunkMeta, raw: BytesLike, config: CodecConfig = CodecConfig()) -> List[BytesLike]:
+    """The record of ``encode_record`` as the parts that make it up, in order (the raw payload
+    part is a view of ``raw``: copy the parts before ``raw`` changes). For a caller that places the
+    record in a buffer of its own (LMDB's segment writer) instead of a fresh ``bytes``.
 
     ``raw`` is any C-contiguous bytes-like object (a memoryview of a host slot); it is only read.
     With ``config.compress`` the elements are split into byte planes and each plane is zstd
@@ -374,7 +383,7 @@ def encode_record(key: bytes, meta: ChunkMeta, raw: BytesLike, config: CodecConf
     h.update(body)
     for p in payload_parts:
         h.update(p)
-    return b"".join([prefix, body, h.digest(), *payload_parts])
+    return [prefix, body, h.digest(), *payload_parts]
 
 
 # ------------------------------------------------------------------------------------------- decode

@@ -81,6 +81,7 @@ from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .maintenance import Maintenance
 from .readahead import advise_willneed
+from .segments import encode_for_segments
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
@@ -406,10 +407,12 @@ class LmdbTier(ChunkTier, Maintenance):
         writer = self._writer
         raw_in = sum(memoryview(raw).nbytes for _, _, raw in batch)
         codec = self._codec
+        threshold = self._segment_threshold
         try:
             encoding = map_slices(
                 self._pool,
-                lambda part: [(key, encode_record(key, meta, raw, codec)) for key, meta, raw in part],
+                lambda part: [(key, encode_record(key, meta, raw, codec) if threshold is None
+                               else encode_for_segments(key, meta, raw, codec, threshold)) for key, meta, raw in part],
                 batch,
                 [memoryview(raw).nbytes for _, _, raw in batch],
                 workers=self._read_workers,

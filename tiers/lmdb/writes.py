@@ -32,7 +32,7 @@ from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
 from ..record_format import read_header
 from ..writer import Job, SharedExclusiveLock
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, remove_dead, stored_size
+from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, record_bytes, release_records, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
@@ -239,7 +239,7 @@ class WriterSide:
                 self._forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
                     self._lru.put(key, len(record))
-                compressed = sum(1 for r in batch.values() if read_header(r).codec != "raw")
+                compressed = sum(1 for r in batch.values() if read_header(record_bytes(r)).codec != "raw")
                 self._count(
                     puts=len(encoded),
                     put_batches=batches,
@@ -252,7 +252,9 @@ class WriterSide:
 
             return apply
 
-        return self._write(body, batch_bytes)
+        sequence = self._write(body, batch_bytes)
+        release_records(batch.values())  # committed: the aligned buffers go back to the pool
+        return sequence
 
     def _append_to_segments(self, batch: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
         """Before the transaction: append the batch's large records to this writer's segment and
