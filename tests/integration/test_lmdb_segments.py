@@ -331,3 +331,26 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_synced_writes(
 async def _reopen_and_serve(path: Path, items: List[Item]) -> None:
     async with await LmdbTier.open(path) as tier:
         await _assert_served(tier, items)
+
+
+def test_aligned_encode_is_the_record_bitwise_zero_padded_and_pooled() -> None:
+    """encode_for_segments: below the threshold the plain record; at or above it the same bytes in a
+    page-aligned, zero-padded buffer, which goes back to the pool on release."""
+    from kvtier.tiers.lmdb import segments
+    from kvtier.tiers.record_format import encode_record
+
+    meta = ChunkMeta(b"fp", 0, 0, "uint8", (5000,))
+    raw = bytes(range(256)) * 19 + bytes(136)
+    for codec in (CodecConfig(compress=False), CodecConfig()):
+        want = encode_record(b"k" * 16, meta, raw, codec)
+        small = segments.encode_for_segments(b"k" * 16, meta, raw, codec, len(want) + 1)
+        assert isinstance(small, bytes) and small == want
+        big = segments.encode_for_segments(b"k" * 16, meta, raw, codec, len(want))
+        assert isinstance(big, segments.AlignedRecord) and len(big) == len(want)
+        assert bytes(big) == want and bytes(segments.record_bytes(big)) == want
+        assert len(big.buffer) % 4096 == 0 and big.buffer[len(want):] == bytes(len(big.buffer) - len(want))
+        buffer = big.buffer
+        segments.release_records([big, small])
+        assert big.buffer is None
+        again = segments.encode_for_segments(b"k" * 16, meta, raw, codec, len(want))
+        assert again.buffer is buffer  # reused, not a fresh map
