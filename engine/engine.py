@@ -872,7 +872,8 @@ class OffloadEngine:
         return self._events.take()
 
     def _state_counts(self) -> Dict[str, int]:
-        # May run on an exporter thread: read a copy of the values, never iterate the live dict.
+        """Chunks per lifecycle state, and ``disk``. May run on an exporter thread: it reads a copy
+        of the values, never iterates the live dict."""
         counts = {state.value: 0 for state in HostState}
         for entry in list(self._entries.values()):
             counts[entry.state.value] += 1
@@ -883,15 +884,14 @@ class OffloadEngine:
         """Counters and gauges as plain numbers: metrics, chunks per state (``chunks_by_state`` in
         lookup's words: pending / ready / loading; ``chunks_by_phase`` in the lifecycle table's),
         tiers, pressure."""
-        phases = {state.value: 0 for state in HostState}
+        phases = self._state_counts()
         states = {name: 0 for name in ("pending", "ready", "loading")}
-        for entry in self._entries.values():
-            phases[entry.state.value] += 1
-            states[LEGACY_NAME[entry.state]] += 1
+        for state in HostState:
+            states[LEGACY_NAME[state]] += phases[state.value]
         stats: Dict[str, Any] = dict(self.metrics.snapshot())
+        stats["chunks_on_disk"] = phases.pop("disk")
         stats["chunks_by_state"] = states
         stats["chunks_by_phase"] = phases
-        stats["chunks_on_disk"] = len(self._index)
         stats["host"] = [pool.statistics() for pool in self._pools]
         stats["disk"] = self._disk.statistics().as_dict() if self._disk is not None else None
         stats["pressure"] = self._pressure.state if self._pressure is not None else "unknown"
