@@ -63,6 +63,7 @@ from ..base import (
     check_key,
 )
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads, wait_through_cancel
+from ..key_counts import KeyCounts
 from ..lru import ByteLru
 from ..owned_tasks import OwnedTasks
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
@@ -154,7 +155,7 @@ class FileTier(ChunkTier, FileWrites):
         self._sequence = 0  # this instance's mutations (puts landing, removals), in order
         self._removals = RemovalFeed()
         self._reserved = 0  # net growth of admitted batches not landed yet
-        self._writing: Dict[bytes, int] = {}  # keys with a write in flight: never evicted
+        self._writing = KeyCounts()  # keys with a write in flight: never evicted
         self._dirs: Set[Tuple[str, ...]] = set()  # record directories known to exist
         self._dir_pending: Dict[Tuple[str, ...], "asyncio.Future[None]"] = {}
         self._tasks = OwnedTasks()
@@ -305,9 +306,9 @@ class FileTier(ChunkTier, FileWrites):
         # In flight from this moment: eviction, deletes and quarantine keep off these names until
         # the batch has landed or rolled back. Unmarked by a done callback, which runs even if the
         # task is cancelled before it ever started.
-        self._mark_writing(keys)
+        self._writing.add(keys)
         task = self._tasks.spawn(self._put_batch(batch, encoded))
-        task.add_done_callback(lambda _: self._unmark_writing(keys))
+        task.add_done_callback(lambda _: self._writing.discard(keys))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

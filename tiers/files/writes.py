@@ -27,6 +27,7 @@ from kvtier.errors import TierFullError, TierIOError
 
 from ..base import ChunkMeta, IOHook
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
+from ..key_counts import KeyCounts
 from ..lru import ByteLru
 from ..record_format import CodecConfig, encode_record
 from .layout import DIR_MODE, fsync_dir, key_location, private_opener, temp_name
@@ -61,7 +62,7 @@ class FileWrites:
     _loop: asyncio.AbstractEventLoop
     _index: ByteLru
     _reserved: int  # net growth of admitted batches not landed yet
-    _writing: Dict[bytes, int]  # keys with a write in flight: never evicted
+    _writing: KeyCounts  # keys with a write in flight: never evicted
     _dirs: Set[Tuple[str, ...]]
     _dir_pending: Dict[Tuple[str, ...], "asyncio.Future[None]"]
     _temp_tag: str
@@ -122,18 +123,6 @@ class FileWrites:
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
         return sequence
-
-    def _mark_writing(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._writing[key] = self._writing.get(key, 0) + 1
-
-    def _unmark_writing(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            n = self._writing[key] - 1
-            if n:
-                self._writing[key] = n
-            else:
-                del self._writing[key]
 
     async def _admit(self, keys: Sequence[bytes], new_bytes: int) -> int:
         """Reserve room for a batch, evicting LRU records first; returns the reservation."""

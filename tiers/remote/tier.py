@@ -55,6 +55,7 @@ from kvtier.errors import (
 
 from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
+from ..key_counts import KeyCounts
 from ..owned_tasks import OwnedTasks
 from ..record_format import (
     CodecConfig,
@@ -153,7 +154,7 @@ class RemoteTier(ChunkTier):
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
         # Keys with a put in flight, and those of them the server evicted meanwhile: a notification
         # can overtake the put's own reply (another connection), and must not be lost.
-        self._writing: Dict[bytes, int] = {}
+        self._writing = KeyCounts()
         self._evicted_while_writing: Set[bytes] = set()
         self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
         self._stats: Dict[str, int] = dict(
@@ -468,20 +469,13 @@ class RemoteTier(ChunkTier):
         if not batch:
             encoded.set_result(None)
         keys = list(batch)
-        for key in keys:
-            self._writing[key] = self._writing.get(key, 0) + 1
+        self._writing.add(keys)
         task = self._tasks.spawn(self._put_batch(list(batch.values()), encoded, after))
         task.add_done_callback(lambda _: self._done_writing(keys))
         return encoded, task
 
     def _done_writing(self, keys: List[bytes]) -> None:
-        for key in keys:
-            n = self._writing[key] - 1
-            if n:
-                self._writing[key] = n
-            else:
-                del self._writing[key]
-                self._evicted_while_writing.discard(key)
+        self._evicted_while_writing.difference_update(self._writing.discard(keys))
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
                          encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
