@@ -174,20 +174,24 @@ async def run_demo(
         loaded_host = stats["loaded_bytes"].get("device", 0)
         producer_bytes = scenario.producer_bytes
 
+    async def consume_restarted(phase_config: EngineConfig, phase_seed: int):
+        """A fresh engine over ``phase_config``'s directory serves every consumer: what it hit,
+        its statistics, and its disk tier's (checked before it closes)."""
+        async with OffloadEngine(layout, device, phase_config, fingerprint=fingerprint) as engine:
+            scenario = _KeyedScenario(engine, seed=phase_seed)
+            scenario.producer_bytes = producer_bytes
+            hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
+            stats = engine.statistics()
+            tier_stats = engine.disk_tier.statistics().as_dict() if engine.disk_tier is not None else {}
+            engine.check()
+        return hits, stats, tier_stats
+
     # Restart on the same directory: the consumers are served from disk alone.
-    async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
-        scenario = _KeyedScenario(engine, seed=seed + 1)
-        scenario.producer_bytes = producer_bytes
-        hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
-        hit_tokens += hits
-        prompt_tokens += sum(len(p) + 1 for p in prompts)
-        stats = engine.statistics()
-        loaded_disk = stats["loaded_bytes"].get("disk", 0)
-        disk_stats = stats["disk"] or {}
-        if hasattr(disk_stats, "as_dict"):  # the tier contract's TierStatistics
-            disk_stats = disk_stats.as_dict()
-        file_bytes = int(disk_stats.get("bytes", 0))
-        engine.check()
+    hits, stats, _ = await consume_restarted(config, seed + 1)
+    hit_tokens += hits
+    prompt_tokens += sum(len(p) + 1 for p in prompts)
+    loaded_disk = stats["loaded_bytes"].get("disk", 0)
+    file_bytes = int((stats["disk"] or {}).get("bytes", 0))
 
     loaded_remote = 0
     if remote_url is not None:
@@ -195,18 +199,12 @@ async def run_demo(
         other_dir = tempfile.mkdtemp(prefix="kvtier-demo-host2-")
         try:
             other = dataclasses.replace(config, cache_dir=other_dir)
-            async with OffloadEngine(layout, device, other, fingerprint=fingerprint) as engine:
-                scenario = _KeyedScenario(engine, seed=seed + 2)
-                scenario.producer_bytes = producer_bytes
-                hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
-                hit_tokens += hits
-                prompt_tokens += sum(len(p) + 1 for p in prompts)
-                stats = engine.statistics()
-                loaded_remote = stats["loaded_bytes"].get("disk", 0)
-                remote_hits = engine.disk_tier.statistics().as_dict().get("hits.remote", 0)
-                if not remote_hits:
-                    failures.append("second host: no chunk came from the remote tier")
-                engine.check()
+            hits, stats, tier_stats = await consume_restarted(other, seed + 2)
+            hit_tokens += hits
+            prompt_tokens += sum(len(p) + 1 for p in prompts)
+            loaded_remote = stats["loaded_bytes"].get("disk", 0)
+            if not tier_stats.get("hits.remote", 0):
+                failures.append("second host: no chunk came from the remote tier")
         finally:
             shutil.rmtree(other_dir, ignore_errors=True)
 
