@@ -591,3 +591,49 @@ def test_power_cut_order_segment_bytes_and_names_are_synced_before_any_index_wri
     # not vacuous: batches went to segments (rotating at 1 MiB) and were committed
     assert counts["segment writes"] >= 15 and counts["segment syncs"] >= 5
     assert counts["segments created"] >= 2 and counts["lmdb writes"] >= 6
+
+
+@pytest.mark.asyncio
+async def test_segment_blocks_are_allocated_ahead_and_the_unwritten_tail_returned(tmp_path: Path) -> None:
+    """Direct writes land inside blocks allocated ahead (the active segment is longer than its
+    records while it is active); when it is rotated or the tier closes, the allocated but unwritten
+    tail goes back, so a closed segment is exactly its committed end."""
+    items = _items(8, 0, [65536, 100_000])
+    async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
+        await tier.put_many(items)
+        writer = tier._segment_writer
+        if writer._allocated <= 0:
+            pytest.skip("this filesystem does not allocate ahead (no fallocate)")
+        (name, (_, _, end)), = _ledger(tier).items()
+        assert _segment_files(tmp_path / "c")[name] >= segments.PREALLOCATE_STEP_BYTES > end
+        await _assert_served(tier, items)
+    assert _segment_files(tmp_path / "c") == {name: end}
+    async with await LmdbTier.open(tmp_path / "c") as tier:
+        await _assert_served(tier, items)
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_at_segment_allocation_is_typed_commits_nothing_and_recovers(tmp_path: Path) -> None:
+    """A batch that cannot get its segment blocks fails with TierFullError before any byte of it
+    is written; nothing of it is visible, earlier records still read bitwise, and puts work again
+    once space returns (real tmpfs, filled to the last byte)."""
+    from kvtier.errors import TierFullError
+
+    from mounts import fill_up, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "size=8m,mode=0700") as mnt:
+        async with await LmdbTier.open(mnt / "c", segment_threshold_bytes=THRESHOLD,
+                                       segment_max_bytes=1 << 20) as tier:
+            early = _items(9, 0, [1 << 20, 500_000])
+            await tier.put_many(early)
+            fill_up(mnt / "filler")
+            late = _items(9, 1, [1 << 20, 600_000])
+            with pytest.raises(TierFullError, match="disk full"):
+                await tier.put_many(late)
+            assert await tier.contains_many([it[0] for it in late]) == [False, False]
+            await _assert_served(tier, early)
+            (mnt / "filler").unlink()
+            await tier.put_many(late)
+            await _assert_served(tier, early + late)
+            _assert_ledger_matches(tier)
+            assert await tier.check() == []
