@@ -30,7 +30,7 @@ another process's segment in the instant between its create and its ``flock``.
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open).
+``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ __all__ = [
     "stored_size",
     "segment_name",
     "remove_dead",
+    "held_by_writer",
+    "segment_files",
     "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
 ]
@@ -450,6 +452,9 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
+        # after ``commit``: name -> (live bytes, live records, committed end) of each touched
+        # segment that still has records (what the automatic compaction check looks at)
+        self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
         d = self._delta.setdefault(pointer.name, [0, 0, 0])
@@ -476,6 +481,7 @@ class Ledger:
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
+                self.remaining[name] = (live, records, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:
@@ -484,6 +490,24 @@ def _locked_elsewhere(fd: int) -> bool:
     except BlockingIOError:
         return True
     return False
+
+
+def held_by_writer(directory: Path, name: str) -> Optional[bool]:
+    """Whether a writer (of any process, this one included) still holds segment ``name``'s lock,
+    i.e. may append to it; ``None`` when the file does not exist. Compaction leaves held ones."""
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        return _locked_elsewhere(fd)
+    finally:
+        os.close(fd)  # drops the lock the probe may have taken
+
+
+def segment_files(directory: Path) -> List[str]:
+    """Names of the segment files in ``directory``."""
+    return sorted(name for name in os.listdir(directory) if _NAME.match(name))
 
 
 def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:

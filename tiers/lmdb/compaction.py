@@ -1,0 +1,460 @@
+"""Compaction of partly-live payload segments: choose segments, move their live records (issue 14).
+
+Why: space returns by whole segment (``segments``): a file is deleted only once its last live record
+goes, so one live 256 KiB record can keep a 256 MiB file, and disk usage can stay far above the
+tier's capacity. Compaction moves the live records of mostly-dead *closed* segments into this
+writer's active segment; each source, once empty, is deleted by the same post-commit step as any
+emptied segment (``segments.remove_dead``).
+
+A pass, in two phases:
+
+1. ``plan_compaction`` (a read-pool or tool thread, never the writer): read the ``segments`` table
+   (live bytes | live records | committed end per segment) and ``choose_segments``: a segment is a
+   candidate when it is closed -- not this writer's active one, and no writer (ours or another
+   process's) holds its ``flock`` -- and its live bytes are below ``live_fraction`` of its committed
+   end; when a ``disk_budget_bytes`` is given and the segment files together exceed it, more segments
+   are taken, least live first, until the projected total fits. Then list the candidates' live
+   records (key and pointer, from the small ``atime`` table's keys, in read transactions of a few
+   thousand keys each) in file order.
+2. ``Compaction._compaction_step`` (writer thread, one job per step of at most ``step_bytes``, so
+   puts queued meanwhile run between steps): keep only the records whose key still holds the planned
+   pointer, read each one and check its checksum (a corrupt one is quarantined like a failed read,
+   never copied), append the good ones to this writer's segment (``_append_synced``, as puts:
+   ``fdatasync``'d before the commit; also when new puts go inline), then ONE write transaction
+   replaces each key's value ONLY IF it is still the exact old pointer (a put, delete or eviction by
+   another process since the check wins; the copy is then dead bytes), moves the live bytes in the
+   ``segments`` table with a ``Ledger``, and leaves ``atime`` and the LRU alone: compaction is not
+   an access.
+
+Crash safety: before the step's commit the old pointer stands and the copy is an orphan tail of our
+segment (truncated by ``reclaim_orphans`` at the next writable open); after it the new pointer
+stands, and the emptied source is deleted after the commit or, if the process died first, at the
+next open (no entry in ``segments``: an orphan file).
+
+When it runs: after a commit (put, delete, eviction, quarantine) leaves a closed segment below
+``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, schedules an
+automatic pass), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
+
+Primitives: ``SegmentUsage``, ``choose_segments`` (pure), ``CompactionReport``, ``segment_disk_bytes``,
+``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``, ``compact_segments_sync``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+import lmdb
+import xxhash
+
+from kvtier.errors import ClosedError, CorruptRecordError, TierIOError
+
+from ..record_format import validate_record
+from ..writer import Job, WriterThread
+from .segments import LIVE, Ledger, SegmentPointer, held_by_writer, is_pointer, segment_files
+from .writes import WriterSide
+
+__all__ = [
+    "SegmentUsage",
+    "choose_segments",
+    "CompactionReport",
+    "segment_disk_bytes",
+    "Compaction",
+    "DEFAULT_COMPACTION_LIVE_FRACTION",
+    "check_live_fraction",
+]
+
+log = logging.getLogger(__name__)
+
+# A closed segment less than half live is rewritten: the copy costs at most as many bytes as it frees,
+# and the files never hold more than twice the live bytes (plus the active segments).
+DEFAULT_COMPACTION_LIVE_FRACTION = 0.5
+# Bytes of records moved per write transaction: at ~1-2 GB/s that is 15-60 ms on the writer thread,
+# so a put waits at most about one step.
+STEP_BYTES = 32 << 20
+# Segment files may exceed the capacity by this fraction before the capacity rule takes more
+# segments than the live-fraction rule does (the active segment and page padding live there).
+DISK_MARGIN = 0.25
+# The capacity rule leaves segments at least this live: rewriting them would free little.
+_CAPACITY_RULE_MAX_LIVE = 0.9
+_LIST_BATCH = 4096
+
+
+def check_live_fraction(value: object) -> float:
+    """Validate ``segment_compaction_live_fraction``: a number in [0, 1) (0 turns compaction off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"segment_compaction_live_fraction must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SegmentUsage:
+    """One row of the ``segments`` table: live record bytes, live records, committed end."""
+
+    name: str
+    live_bytes: int
+    live_records: int
+    committed_end: int
+
+    @property
+    def live_fraction(self) -> float:
+        return self.live_bytes / self.committed_end if self.committed_end else 1.0
+
+    @property
+    def dead_bytes(self) -> int:
+        return max(0, self.committed_end - self.live_bytes)
+
+
+def choose_segments(usage: Sequence[SegmentUsage], closed: Set[str], *, live_fraction: float,
+                    disk_budget_bytes: Optional[int] = None) -> List[SegmentUsage]:
+    """The segments to compact, least live first: every closed one below ``live_fraction``; then,
+    while all segments' committed bytes minus the dead bytes of those chosen exceed
+    ``disk_budget_bytes``, further closed ones below ``_CAPACITY_RULE_MAX_LIVE`` live. Pure."""
+    if live_fraction <= 0:
+        return []
+    ordered = sorted((u for u in usage if u.name in closed), key=lambda u: (u.live_fraction, u.name))
+    chosen = [u for u in ordered if u.live_fraction < live_fraction]
+    if disk_budget_bytes is not None:
+        projected = sum(u.committed_end for u in usage) - sum(u.dead_bytes for u in chosen)
+        for u in ordered:
+            if projected <= disk_budget_bytes:
+                break
+            if u not in chosen and u.live_fraction < _CAPACITY_RULE_MAX_LIVE:
+                chosen.append(u)
+                projected -= u.dead_bytes
+    return chosen
+
+
+@dataclass
+class CompactionReport:
+    """What one compaction pass did: ``segments`` chosen, ``records`` / ``bytes`` moved,
+    ``files_freed`` / ``bytes_freed`` (source files deleted, their sizes), ``quarantined`` (corrupt
+    sources), ``superseded`` (records a concurrent write changed first: left to it),
+    ``skipped_locked`` (segments below the threshold that a writer still appends to)."""
+
+    segments: int = 0
+    records: int = 0
+    bytes: int = 0
+    files_freed: int = 0
+    bytes_freed: int = 0
+    quarantined: int = 0
+    superseded: int = 0
+    skipped_locked: int = 0
+
+    def add(self, other: "CompactionReport") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class _Pass:
+    """A planned pass: the records still to move, in file order, and its running report."""
+
+    pending: Deque[Tuple[bytes, bytes]]  # (key, the pointer it held when planned)
+    sizes: Dict[str, int]  # source segment -> file size when planned (bytes a deletion frees)
+    report: CompactionReport = field(default_factory=CompactionReport)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+
+def segment_disk_bytes(directory: Path) -> int:
+    """Bytes the segment files in ``directory`` take (their sizes), for reports and tests."""
+    total = 0
+    for name in segment_files(directory):
+        try:
+            total += os.stat(directory / name).st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class Compaction(WriterSide):
+    """Compaction of ``LmdbTier`` (see the module docstring): planning on read threads, moves as
+    writer-thread steps."""
+
+    _writer: Optional[WriterThread]
+    _max_raw_bytes: int
+    _compaction_live_fraction: float
+    _compaction_step_bytes: int
+    # writer thread: an automatic pass is planned or running / a commit asked for another one since
+    _compaction_scheduled: bool
+    _compaction_wanted: bool
+    # segments the last plan found held by a writer: commits touching them do not trigger a pass
+    _compaction_locked: Set[str]
+
+    def _check_usable(self, write: bool = False) -> None:
+        raise NotImplementedError  # LmdbTier's
+
+    async def _in_pool(self, fn: Callable[[], object]) -> object:
+        raise NotImplementedError  # LmdbTier's
+
+    def _submit_to_pool(self, fn: Callable[[], None]) -> None:
+        raise NotImplementedError  # LmdbTier's
+
+    # ------------------------------------------------------------------------------ public calls
+
+    async def compact_segments(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
+        """Plan a pass over the closed segments below ``live_fraction`` (default: the tier's
+        ``segment_compaction_live_fraction``; and over the capacity margin) and move their live
+        records, one writer job of at most ``STEP_BYTES`` at a time; returns what the pass did. Puts
+        queued meanwhile run between the steps.
+
+        Cancelling it: the step already handed to the writer still runs to its commit (all or
+        nothing: each moved key holds its old pointer or its new one); no further step starts, and
+        records moved so far stay moved."""
+        self._check_usable(write=True)
+        assert self._writer is not None
+        fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        plan = await self._in_pool(lambda: self._plan_pass(fraction))
+        assert isinstance(plan, _Pass)
+        while not plan.done:
+            await self._writer.submit_async(lambda: self._compaction_step(plan))
+        self._count_pass(plan.report)
+        return plan.report
+
+    def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
+        """Blocking ``compact_segments`` for tools (``kvtier gc``) and tests: plans on the calling
+        thread, moves on the writer thread."""
+        self._check_usable(write=True)
+        assert self._writer is not None
+        fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        plan = self._plan_pass(fraction)
+        while not plan.done:
+            self._writer.call(lambda: self._compaction_step(plan))
+        self._count_pass(plan.report)
+        return plan.report
+
+    # -------------------------------------------------------------------------------- planning
+
+    def _plan_pass(self, live_fraction: float) -> _Pass:
+        """Any thread but the writer: choose the segments and list their live records."""
+        budget = None
+        if self._capacity is not None:
+            budget = int(self._capacity * (1 + DISK_MARGIN))
+
+        def usage_of(txn: lmdb.Transaction) -> List[SegmentUsage]:
+            return [SegmentUsage(bytes(k).decode(errors="replace"), *LIVE.unpack(v))
+                    for k, v in txn.cursor(db=self._tables.segments).iternext(keys=True, values=True)
+                    if len(v) == LIVE.size]
+
+        usage = self._read_txn(usage_of)
+        active = self._segment_writer.active if self._segment_writer is not None else None
+        closed: Set[str] = set()
+        locked: Set[str] = set()
+        sizes: Dict[str, int] = {}
+        for u in usage:
+            if u.name == active:
+                continue
+            held = held_by_writer(self._path, u.name)
+            if held is None:
+                continue  # the file is gone: its records are misses, quarantined when read
+            if held:
+                locked.add(u.name)
+            else:
+                closed.add(u.name)
+        for u in usage:
+            try:
+                sizes[u.name] = os.stat(self._path / u.name).st_size
+            except FileNotFoundError:
+                pass
+        chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
+        below = {u.name for u in usage if u.live_fraction < live_fraction}
+        self._compaction_locked = locked & below
+        plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
+        plan.report.segments = len(chosen)
+        plan.report.skipped_locked = len(locked & below)
+        return plan
+
+    def _list_records(self, names: Set[str]) -> List[Tuple[bytes, bytes]]:
+        """(key, pointer) of every record in the segments ``names``, by segment and offset. Walks the
+        keys of ``atime`` (small values; a cursor over ``chunks`` would touch every inline record's
+        pages) and looks each one up, in read transactions of ``_LIST_BATCH`` keys."""
+        if not names:
+            return []
+        found: List[Tuple[SegmentPointer, bytes, bytes]] = []
+        last: Optional[bytes] = None
+        while True:
+
+            def body(txn: lmdb.Transaction) -> Optional[bytes]:
+                cur = txn.cursor(db=self._tables.atime)
+                positioned = cur.first() if last is None else cur.set_range(last)
+                if positioned and last is not None and bytes(cur.key()) == last:
+                    positioned = cur.next()
+                key = None
+                n = 0
+                while positioned and n < _LIST_BATCH:
+                    key = bytes(cur.key())
+                    value = txn.get(key, db=self._tables.chunks)
+                    if value is not None and is_pointer(value):
+                        pointer = SegmentPointer.unpack(value)
+                        if pointer.name in names:
+                            found.append((pointer, key, bytes(value)))
+                    n += 1
+                    positioned = cur.next()
+                return key if n == _LIST_BATCH else None
+
+            last = self._read_txn(body)
+            if last is None:
+                break
+        found.sort(key=lambda f: (f[0].name, f[0].offset))
+        return [(key, value) for _, key, value in found]
+
+    # ------------------------------------------------------------------------ writer-thread steps
+
+    def _compaction_step(self, plan: _Pass) -> None:
+        """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
+        taken: List[Tuple[bytes, bytes]] = []
+        nbytes = 0
+        while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
+            key, value = plan.pending.popleft()
+            taken.append((key, value))
+            nbytes += SegmentPointer.unpack(value).length
+
+        def still_there(txn: lmdb.Transaction) -> List[bool]:
+            return [txn.get(key, db=self._tables.chunks) == value for key, value in taken]
+
+        # Nothing of this process writes between this check and the commit below (this thread is its
+        # only writer): the check saves copying what was moved, deleted or evicted since the plan.
+        current = [kv for kv, keep in zip(taken, self._read_txn(still_there)) if keep]
+        plan.report.superseded += len(taken) - len(current)
+        records: Dict[bytes, bytes] = {}
+        corrupt: List[Tuple[bytes, int, str]] = []
+        olds: Dict[bytes, bytes] = {}
+        for key, value in current:
+            try:
+                record = self._segment_reader.read(value)
+                validate_record(key, record, max_raw_bytes=self._max_raw_bytes)
+            except CorruptRecordError as exc:
+                log.warning("kvtier lmdb: corrupt record %s found by compaction in %s: %s", key.hex(), self._path, exc)
+                corrupt.append((key, xxhash.xxh3_64_intdigest(value), str(exc)))
+                continue
+            except TierIOError as exc:  # left where it is: a later pass tries again
+                log.warning("kvtier lmdb: compaction could not read %s: %s", key.hex(), exc)
+                continue
+            records[key] = record
+            olds[key] = value
+        if corrupt:
+            quarantined = self._quarantine_entries(corrupt)  # only those still holding these bytes
+            self._count(corrupt=quarantined)
+            plan.report.quarantined += quarantined
+        if not records:
+            return
+        # durable before the commit, as puts; into segments even when new puts go inline (the
+        # records were large enough for a segment once, and LMDB's path is the slow one for them)
+        values = {key: p.pack() for key, p in zip(records, self._append_synced(list(records.values())))}
+
+        def body(txn: lmdb.Transaction) -> Callable[[], None]:
+            ledger = Ledger(txn, self._tables.segments)
+            moved: List[bytes] = []
+            for key, old in olds.items():
+                now = txn.get(key, db=self._tables.chunks)
+                if now is None or now != old:
+                    continue  # another process changed the key after the check: it wins
+                ledger.drop(now)
+                ledger.add(SegmentPointer.unpack(values[key]))
+                txn.put(key, values[key], db=self._tables.chunks)
+                moved.append(key)
+            ledger.commit()
+            self._emptied_segments += ledger.emptied
+            emptied = list(ledger.emptied)
+
+            def apply() -> None:
+                # runs after ``_write`` deleted the emptied files it could (a locked one stays)
+                freed = [name for name in emptied if name in plan.sizes and not (self._path / name).exists()]
+                plan.report.records += len(moved)
+                plan.report.bytes += sum(len(records[key]) for key in moved)
+                plan.report.superseded += len(olds) - len(moved)
+                plan.report.files_freed += len(freed)
+                plan.report.bytes_freed += sum(plan.sizes[name] for name in freed)
+
+            return apply
+
+        self._write(body, 64 * len(olds))  # pointers only: what a map growth must make room for
+
+    def _count_pass(self, report: CompactionReport) -> None:
+        self._count(compaction_passes=1, compacted_records=report.records, compacted_bytes=report.bytes,
+                    compacted_segments=report.files_freed, compaction_bytes_freed=report.bytes_freed)
+
+    # ---------------------------------------------------------------------- automatic compaction
+
+    def _segments_changed(self, ledger: Ledger) -> None:
+        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it leaves a
+        closed segment below the live fraction, schedule an automatic pass (after the commit: the
+        plan runs on the read pool, which only sees committed data; an aborted transaction at worst
+        costs a pass that finds nothing)."""
+        fraction = self._compaction_live_fraction
+        if fraction <= 0:
+            return
+        active = self._segment_writer.active if self._segment_writer is not None else None
+        for name, (live, _records, end) in ledger.remaining.items():
+            if name != active and name not in self._compaction_locked and end and live < fraction * end:
+                break
+        else:
+            return
+        if self._compaction_scheduled:
+            self._compaction_wanted = True
+            return
+        self._compaction_scheduled = True
+        # A writer job queued now runs after this transaction's commit (this thread runs jobs in
+        # order), so the plan it starts sees the commit.
+        assert self._writer is not None
+        try:
+            self._writer.submit(Job(self._start_automatic, _log_failure))
+        except ClosedError:
+            self._compaction_scheduled = False
+
+    def _start_automatic(self) -> None:
+        """Writer thread, after the triggering commit: plan on the read pool."""
+        try:
+            self._submit_to_pool(self._plan_automatic)
+        except ClosedError:
+            self._compaction_scheduled = False
+
+    def _plan_automatic(self) -> None:
+        """Read pool: plan an automatic pass and hand its first step to the writer."""
+        try:
+            plan = self._plan_pass(self._compaction_live_fraction)
+            assert self._writer is not None
+            self._writer.submit(Job(lambda: self._automatic_step(plan), _log_failure))
+        except ClosedError:
+            self._compaction_scheduled = False
+        except Exception:
+            self._compaction_scheduled = False
+            log.exception("kvtier lmdb: planning a compaction of %s failed", self._path)
+
+    def _automatic_step(self, plan: _Pass) -> None:
+        """Writer thread: one step; the next one goes to the back of the queue (puts queued meanwhile
+        run first). At the end, another pass if a commit asked for one meanwhile."""
+        try:
+            self._compaction_step(plan)
+        except BaseException:
+            self._compaction_scheduled = False
+            self._count_pass(plan.report)
+            raise
+        assert self._writer is not None
+        if not plan.done:
+            try:
+                self._writer.submit(Job(lambda: self._automatic_step(plan), _log_failure))
+                return
+            except ClosedError:
+                pass  # closing: the pass ends here
+        self._count_pass(plan.report)
+        self._compaction_scheduled = False
+        if plan.report.records or plan.report.quarantined:
+            log.info("kvtier lmdb: compacted %d records (%d bytes) of %s, %d segment files freed",
+                     plan.report.records, plan.report.bytes, self._path, plan.report.files_freed)
+        if self._compaction_wanted:
+            self._compaction_wanted = False
+            self._compaction_scheduled = True
+            self._start_automatic()
+
+
+def _log_failure(result: object, exc: Optional[BaseException]) -> None:
+    if exc is not None:
+        log.warning("kvtier lmdb: automatic compaction step failed: %s", exc)
