@@ -21,8 +21,8 @@ import pytest
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
-from kvtier.tiers.lmdb.segments import committed_ends
-from kvtier.tiers.record_format import CodecConfig
+from kvtier.tiers.lmdb.segments import SegmentReader, committed_ends
+from kvtier.tiers.record_format import CodecConfig, decode_record
 from kvtier.tools.testing.fault_child import check_cache, chunk_content, make_batch, run_kill_chains, summarize_kills
 from kvtier.tools.testing.faults import corrupt_stored_record
 from segment_checks import Item, assert_ledger_matches, assert_served, ledger, pointers, read_items, segment_files
@@ -146,8 +146,7 @@ async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_
         other = bytes(reversed(chunk_content(a[0])))
         await tier.put_many([(a[0], a[1], memoryview(other))])  # overwrite: a new pointer
         await tier.delete_many([b[0]])
-        while not plan.done:
-            await tier._writer.submit_async(lambda: tier._compaction_step(plan))
+        await _run_steps(tier, plan)
         assert (plan.report.records, plan.report.superseded, plan.report.files_freed) == (2, 2, 1)
         assert source not in segment_files(path)
         (meta, data), = await read_items(tier, [a])
@@ -155,6 +154,44 @@ async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_
         assert (await read_items(tier, [b]))[0][0] is None
         await assert_served(tier, [c, d])
         assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
+async def _run_steps(tier: LmdbTier, plan) -> None:
+    """What compact_segments does after planning: the steps, then deleting the retired sources (no
+    read transaction is open here)."""
+    while not plan.done:
+        await tier._writer.submit_async(lambda: tier._compaction_step(plan))
+    freed = await tier._writer.submit_async(tier._remove_retired)
+    plan.report.files_freed += freed.files_freed
+
+
+@pytest.mark.asyncio
+async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_pointer(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    kept = await _three_segments(path, (2, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        source = pointers(tier)[kept[0][0][0]].name
+        # a read transaction from before the move (as a read slice between its get and its pread)
+        old_txn = tier._env.begin(buffers=True)
+        old_value = bytes(old_txn.get(kept[0][0][0], db=tier._tables.chunks))
+        report = await tier.compact_segments()
+        assert (report.records, report.files_freed) == (2, 0)  # moved, but the file must stay
+        assert source in segment_files(path) and source not in ledger(tier)
+        fresh = SegmentReader(path)  # a reader that had not opened the file yet still finds it
+        try:
+            record = fresh.read(old_value)
+        finally:
+            fresh.close()
+        meta, data = decode_record(kept[0][0][0], record)
+        assert meta == kept[0][0][1] and bytes(data) == chunk_content(kept[0][0][0])
+        old_txn.abort()
+        deadline = time.monotonic() + 10
+        while source in segment_files(path) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # the timer's retries delete it now
+        assert source not in segment_files(path)
+        assert tier.statistics().extra["compacted_segments"] == 1
+        await assert_served(tier, kept[0])
         assert await tier.check() == []
 
 
@@ -190,8 +227,7 @@ async def test_another_process_changing_a_key_between_copy_and_commit_wins(tmp_p
         tier._io_hook = hook
         plan = await tier._in_pool(lambda: tier._plan_pass(0.5))
         hook.armed = True
-        while not plan.done:
-            await tier._writer.submit_async(lambda: tier._compaction_step(plan))
+        await _run_steps(tier, plan)
         assert not hook.armed
         assert (plan.report.records, plan.report.superseded) == (2, 1)
         assert (await read_items(tier, [kept[0][1]]))[0][0] is None

@@ -3,8 +3,10 @@
 Why: space returns by whole segment (``segments``): a file is deleted only once its last live record
 goes, so one live 256 KiB record can keep a 256 MiB file, and disk usage can stay far above the
 tier's capacity. Compaction moves the live records of mostly-dead *closed* segments into this
-writer's active segment; each source, once empty, is deleted by the same post-commit step as any
-emptied segment (``segments.remove_dead``).
+writer's active segment; each source, once empty, is deleted (``segments.remove_dead``) as soon as no
+read transaction of any process is older than the commit that emptied it (LMDB's reader table says
+which snapshots are open): a read that took the old pointer just before the move still finds its
+file, so moving a live record never turns a hit into a miss.
 
 A pass, in two phases:
 
@@ -24,12 +26,12 @@ A pass, in two phases:
    replaces each key's value ONLY IF it is still the exact old pointer (a put, delete or eviction by
    another process since the check wins; the copy is then dead bytes), moves the live bytes in the
    ``segments`` table with a ``Ledger``, and leaves ``atime`` and the LRU alone: compaction is not
-   an access.
+   an access. Emptied sources are retired (``_remove_retired``) until the reader table allows.
 
 Crash safety: before the step's commit the old pointer stands and the copy is an orphan tail of our
 segment (truncated by ``reclaim_orphans`` at the next writable open); after it the new pointer
-stands, and the emptied source is deleted after the commit or, if the process died first, at the
-next open (no entry in ``segments``: an orphan file).
+stands, and the emptied source is deleted once retired or, if the process died first, at the next
+open (no entry in ``segments``: an orphan file).
 
 When it runs: after a commit (put, delete, eviction, quarantine) leaves a closed segment below
 ``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, schedules an
@@ -41,8 +43,11 @@ Primitives: ``SegmentUsage``, ``choose_segments`` (pure), ``CompactionReport``, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +60,7 @@ from kvtier.errors import ClosedError, CorruptRecordError, TierIOError
 
 from ..record_format import validate_record
 from ..writer import Job, WriterThread
-from .segments import LIVE, Ledger, SegmentPointer, held_by_writer, is_pointer, segment_files
+from .segments import LIVE, Ledger, SegmentPointer, held_by_writer, is_pointer, remove_dead, segment_files
 from .writes import WriterSide
 
 __all__ = [
@@ -82,6 +87,10 @@ DISK_MARGIN = 0.25
 # The capacity rule leaves segments at least this live: rewriting them would free little.
 _CAPACITY_RULE_MAX_LIVE = 0.9
 _LIST_BATCH = 4096
+# An emptied source waits for read transactions older than its emptying commit; a pass's caller
+# retries this often, this long apart, before leaving the rest to a timer (reads finish in ms).
+RETIRE_TRIES = 50
+RETIRE_WAIT_S = 0.02
 
 
 def check_live_fraction(value: object) -> float:
@@ -187,6 +196,10 @@ class Compaction(WriterSide):
     _compaction_wanted: bool
     # segments the last plan found held by a writer: commits touching them do not trigger a pass
     _compaction_locked: Set[str]
+    # writer thread: (commit id, name, file size) of emptied sources not deleted yet, and whether a
+    # timer will retry them
+    _retiring: List[Tuple[int, str, int]]
+    _retire_timer: bool
 
     def _check_usable(self, write: bool = False) -> None:
         raise NotImplementedError  # LmdbTier's
@@ -206,8 +219,9 @@ class Compaction(WriterSide):
         queued meanwhile run between the steps.
 
         Cancelling it: the step already handed to the writer still runs to its commit (all or
-        nothing: each moved key holds its old pointer or its new one); no further step starts, and
-        records moved so far stay moved."""
+        nothing: each moved key holds its old pointer or its new one); no further step starts,
+        records moved so far stay moved, and their emptied sources are deleted by a later step, a
+        later pass or the next open."""
         self._check_usable(write=True)
         assert self._writer is not None
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
@@ -215,7 +229,15 @@ class Compaction(WriterSide):
         assert isinstance(plan, _Pass)
         while not plan.done:
             await self._writer.submit_async(lambda: self._compaction_step(plan))
-        self._count_pass(plan.report)
+        for _ in range(RETIRE_TRIES):
+            freed = await self._writer.submit_async(self._remove_retired)
+            plan.report.files_freed += freed.files_freed
+            plan.report.bytes_freed += freed.bytes_freed
+            if not self._retiring:
+                break
+            await asyncio.sleep(RETIRE_WAIT_S)
+        else:
+            self._writer.submit(Job(self._retry_retired, _log_failure))
         return plan.report
 
     def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
@@ -227,7 +249,15 @@ class Compaction(WriterSide):
         plan = self._plan_pass(fraction)
         while not plan.done:
             self._writer.call(lambda: self._compaction_step(plan))
-        self._count_pass(plan.report)
+        for _ in range(RETIRE_TRIES):
+            freed = self._writer.call(self._remove_retired)
+            plan.report.files_freed += freed.files_freed
+            plan.report.bytes_freed += freed.bytes_freed
+            if not self._retiring:
+                break
+            time.sleep(RETIRE_WAIT_S)
+        else:
+            self._writer.submit(Job(self._retry_retired, _log_failure))
         return plan.report
 
     # -------------------------------------------------------------------------------- planning
@@ -269,6 +299,7 @@ class Compaction(WriterSide):
         plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
         plan.report.segments = len(chosen)
         plan.report.skipped_locked = len(locked & below)
+        self._count(compaction_passes=1)
         return plan
 
     def _list_records(self, names: Set[str]) -> List[Tuple[bytes, bytes]]:
@@ -309,6 +340,7 @@ class Compaction(WriterSide):
 
     def _compaction_step(self, plan: _Pass) -> None:
         """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
+        self._remove_retired()
         taken: List[Tuple[bytes, bytes]] = []
         nbytes = 0
         while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
@@ -361,25 +393,65 @@ class Compaction(WriterSide):
                 txn.put(key, values[key], db=self._tables.chunks)
                 moved.append(key)
             ledger.commit()
-            self._emptied_segments += ledger.emptied
+            # Not ``_emptied_segments``: a read that took an old pointer before this commit may not
+            # have opened its file yet, so the emptied sources are retired until no read
+            # transaction older than this one is left (``_remove_retired``). Until then they are
+            # files without an entry in ``segments``: a crash leaves them to ``reclaim_orphans``.
+            commit_id = txn.id()
             emptied = list(ledger.emptied)
 
             def apply() -> None:
-                # runs after ``_write`` deleted the emptied files it could (a locked one stays)
-                freed = [name for name in emptied if name in plan.sizes and not (self._path / name).exists()]
+                self._retiring.extend((commit_id, name, plan.sizes.get(name, 0)) for name in emptied)
+                moved_bytes = sum(len(records[key]) for key in moved)
                 plan.report.records += len(moved)
-                plan.report.bytes += sum(len(records[key]) for key in moved)
+                plan.report.bytes += moved_bytes
                 plan.report.superseded += len(olds) - len(moved)
-                plan.report.files_freed += len(freed)
-                plan.report.bytes_freed += sum(plan.sizes[name] for name in freed)
+                self._count(compacted_records=len(moved), compacted_bytes=moved_bytes)
 
             return apply
 
         self._write(body, 64 * len(olds))  # pointers only: what a map growth must make room for
 
-    def _count_pass(self, report: CompactionReport) -> None:
-        self._count(compaction_passes=1, compacted_records=report.records, compacted_bytes=report.bytes,
-                    compacted_segments=report.files_freed, compaction_bytes_freed=report.bytes_freed)
+    def _remove_retired(self) -> CompactionReport:
+        """Writer thread: delete the retired sources that no read transaction (of any process) can
+        still reach through an old pointer: LMDB's reader table lists each open read transaction's
+        snapshot, and one at or after the commit that emptied a source sees only new pointers.
+        Returns the files and bytes freed (also counted)."""
+        freed = CompactionReport()
+        if not self._retiring:
+            return freed
+        oldest = oldest_reader(self._env)
+        ready = [r for r in self._retiring if oldest is None or oldest >= r[0]]
+        if not ready:
+            return freed
+        self._retiring = [r for r in self._retiring if r not in ready]
+        # A file still locked (a probe of another process's planner, for an instant) stays as an
+        # orphan without an entry in ``segments``: the next writable open deletes it.
+        removed = set(remove_dead(self._path, [name for _, name, _ in ready], self._segment_writer, self._segment_reader))
+        freed.files_freed = len(removed)
+        freed.bytes_freed = sum(size for _, name, size in ready if name in removed)
+        self._count(compacted_segments=freed.files_freed, compaction_bytes_freed=freed.bytes_freed)
+        return freed
+
+    def _retry_retired(self) -> None:
+        """Writer thread: ``_remove_retired``, and again ``RETIRE_WAIT_S`` later while some remain
+        (a timer thread queues the next try; closing ends the chain: the leftovers are orphans the
+        next open deletes)."""
+        self._remove_retired()
+        if self._retiring and not self._retire_timer:
+            self._retire_timer = True
+            timer = threading.Timer(RETIRE_WAIT_S, self._queue_retry)
+            timer.daemon = True
+            timer.start()
+
+    def _queue_retry(self) -> None:
+        """Timer thread: hand the next try to the writer."""
+        self._retire_timer = False
+        assert self._writer is not None
+        try:
+            self._writer.submit(Job(self._retry_retired, _log_failure))
+        except ClosedError:
+            pass
 
     # ---------------------------------------------------------------------- automatic compaction
 
@@ -435,7 +507,6 @@ class Compaction(WriterSide):
             self._compaction_step(plan)
         except BaseException:
             self._compaction_scheduled = False
-            self._count_pass(plan.report)
             raise
         assert self._writer is not None
         if not plan.done:
@@ -444,15 +515,28 @@ class Compaction(WriterSide):
                 return
             except ClosedError:
                 pass  # closing: the pass ends here
-        self._count_pass(plan.report)
+        self._retry_retired()
         self._compaction_scheduled = False
         if plan.report.records or plan.report.quarantined:
-            log.info("kvtier lmdb: compacted %d records (%d bytes) of %s, %d segment files freed",
-                     plan.report.records, plan.report.bytes, self._path, plan.report.files_freed)
+            log.info("kvtier lmdb: compacted %d records (%d bytes) out of %d segments of %s",
+                     plan.report.records, plan.report.bytes, plan.report.segments, self._path)
         if self._compaction_wanted:
             self._compaction_wanted = False
             self._compaction_scheduled = True
             self._start_automatic()
+
+
+def oldest_reader(env: lmdb.Environment) -> Optional[int]:
+    """The oldest snapshot (transaction id) an open read transaction of any process reads, from
+    LMDB's reader table (``mdb_reader_list``: a header line, then ``pid thread txnid`` per slot,
+    ``-`` for an idle one); ``None`` when none is open."""
+    oldest: Optional[int] = None
+    for line in env.readers().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            txnid = int(parts[2])
+            oldest = txnid if oldest is None else min(oldest, txnid)
+    return oldest
 
 
 def _log_failure(result: object, exc: Optional[BaseException]) -> None:

@@ -179,6 +179,8 @@ class LmdbTier(ChunkTier, Maintenance):
         self._compaction_scheduled = False
         self._compaction_wanted = False
         self._compaction_locked: Set[str] = set()
+        self._retiring: List[Tuple[int, str, int]] = []
+        self._retire_timer = False
         self._segment_threshold = segment_threshold_bytes or None  # 0 disables
         self._segment_max_bytes = segment_max_bytes
         self._segment_writer: Optional[SegmentWriter] = None

@@ -55,6 +55,8 @@ from kvtier.tiers.base import ChunkMeta
 if TYPE_CHECKING:
     import subprocess
 
+    from kvtier.tiers.lmdb import LmdbTier
+
 __all__ = [
     "KeyInfo",
     "chunk_key",
@@ -229,17 +231,19 @@ def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = Fals
 # ---------------------------------------------------------------------------------- commands
 
 
-async def _spill(args: argparse.Namespace) -> None:
+async def _open_ready(args: argparse.Namespace, **options: object) -> "LmdbTier":
+    """The child's tier (frequent access flushes and reader checks: more writer work to interrupt),
+    then ``ready``."""
     from kvtier.tiers.lmdb import LmdbTier
 
-    tier = await LmdbTier.open(
-        args.dir,
-        map_size_bytes=args.map_size_bytes,
-        access_flush_interval_s=0.05,
-        reader_check_interval_s=0.2,
-        segment_threshold_bytes=args.segment_threshold_bytes,
-    )
+    tier = await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, access_flush_interval_s=0.05,
+                               reader_check_interval_s=0.2, **options)
     _emit("ready")
+    return tier
+
+
+async def _spill(args: argparse.Namespace) -> None:
+    tier = await _open_ready(args, segment_threshold_bytes=args.segment_threshold_bytes)
     rng = random.Random(args.seed)
     next_batch = iter(range(1 << 30))
     acked: List[bytes] = []
@@ -269,16 +273,7 @@ async def _spill(args: argparse.Namespace) -> None:
 
 
 async def _compact_churn(args: argparse.Namespace) -> None:
-    from kvtier.tiers.lmdb import LmdbTier
-
-    tier = await LmdbTier.open(
-        args.dir,
-        map_size_bytes=args.map_size_bytes,
-        access_flush_interval_s=0.05,
-        segment_threshold_bytes=8192,
-        segment_max_bytes=1 << 20,
-    )
-    _emit("ready")
+    tier = await _open_ready(args, segment_threshold_bytes=8192, segment_max_bytes=1 << 20)
     rng = random.Random(args.seed)
     scratch: List[List[bytes]] = []
     for batch in range(0, 1 << 30, 2):
@@ -289,7 +284,7 @@ async def _compact_churn(args: argparse.Namespace) -> None:
         scratch.append([k for k, _, _ in trash])
         if len(scratch) > 2:
             await tier.delete_many(scratch.pop(0))  # a whole batch: check_cache sees it complete or absent
-        if batch % 8 == 0:
+        if batch % 4 == 0:
             report = await tier.compact_segments()
             if report.records:
                 _emit(f"compacted {report.records}")
