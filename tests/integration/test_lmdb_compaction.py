@@ -44,9 +44,11 @@ def _atimes(tier: LmdbTier) -> Dict[bytes, bytes]:
     return tier._read_txn(body)
 
 
-async def _three_segments(path: Path, live: Tuple[int, int, int]) -> List[List[Item]]:
-    """Six batches of five records: two batches per 1 MiB segment (a segment rotates once past
-    1 MiB), then delete all but ``live[i]`` records of segment ``i``; compaction off meanwhile."""
+async def _three_segments(root: Path, live: Tuple[int, int, int], name: str = "c") -> Tuple[Path, List[List[Item]]]:
+    """In ``root / name``: six batches of five records, two batches per 1 MiB segment (a segment
+    rotates once past 1 MiB), then delete all but ``live[i]`` records of segment ``i``; compaction
+    off meanwhile. Returns the directory and the records kept, per segment."""
+    path = root / name
     batches = [make_batch(10, b, [RECORD] * 5) for b in range(6)]
     async with await LmdbTier.open(path, segment_compaction_live_fraction=0.0, **SETUP) as tier:
         for batch in batches:
@@ -59,13 +61,12 @@ async def _three_segments(path: Path, live: Tuple[int, int, int]) -> List[List[I
         for keep, (_, its) in zip(live, sorted(by_segment.items(), key=lambda kv: int(kv[0].split("-")[2][:-4]))):
             await tier.delete_many([k for k, _, _ in its[keep:]])
             kept.append(its[:keep])
-    return kept
+    return path, kept
 
 
 @pytest.mark.asyncio
 async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_bytes(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (2, 4, 7))  # 20 %, 40 % and 70 % live
+    path, kept = await _three_segments(tmp_path, (2, 4, 7))  # 20 %, 40 % and 70 % live
     async with await LmdbTier.open(path, **SETUP) as tier:
         before_files = segment_files(path)
         table = ledger(tier)
@@ -107,16 +108,34 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
 
 
 @pytest.mark.asyncio
+async def test_segment_files_over_the_capacity_margin_compact_segments_above_the_fraction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.tiers.lmdb import compaction
+
+    path, kept = await _three_segments(tmp_path, (6, 6, 6))  # 60 % live each: above one half
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        assert (await tier.compact_segments()).segments == 0
+    with LmdbTier(path, map_size_bytes=1 << 20) as tier:
+        record = next(iter(pointers(tier).values())).length
+    # 18 live records; files of 30 records' pages > 1.25 x 18 records: two segments go (30 - 4 - 4 < 22.5)
+    monkeypatch.setattr(compaction, "PASS_LIVE_BYTES", 7 * record)  # one segment per pass
+    async with await LmdbTier.open(path, capacity_bytes=18 * record, **SETUP) as tier:
+        report = await tier.compact_segments()
+        assert (report.segments, report.records, report.files_freed) == (2, 12, 2)
+        assert tier.statistics().extra["compaction_passes"] == 2
+        assert segment_disk_bytes(path) == 10 * _page_round(record) + 12 * _page_round(record)
+        await assert_served(tier, [it for its in kept for it in its])
+        assert_ledger_matches(tier)
+
+
+@pytest.mark.asyncio
 async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_automatically(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (10, 10, 7))
+    path, kept = await _three_segments(tmp_path, (10, 10, 7))
     async with await LmdbTier.open(path, **SETUP) as tier:
         victim = pointers(tier)[kept[2][0][0]].name
         await tier.delete_many([k for k, _, _ in kept[2][2:]])  # 2 of 10 left: below one half
-        deadline = time.monotonic() + 20
-        while victim in segment_files(path) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert victim not in segment_files(path)
+        await _gone(path, victim)
         await tier.flush()
         stats = tier.statistics().extra
         assert (stats["compacted_records"], stats["compacted_segments"]) == (2, 1)
@@ -124,19 +143,18 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         assert_ledger_matches(tier)
         assert await tier.check() == []
     # off: the same delete leaves the segment alone
-    kept = await _three_segments(tmp_path / "d", (10, 10, 7))
-    async with await LmdbTier.open(tmp_path / "d", segment_compaction_live_fraction=0, **SETUP) as tier:
-        files = segment_files(tmp_path / "d")
+    d, kept = await _three_segments(tmp_path, (10, 10, 7), "d")
+    async with await LmdbTier.open(d, segment_compaction_live_fraction=0, **SETUP) as tier:
+        files = segment_files(d)
         await tier.delete_many([k for k, _, _ in kept[2][2:]])
         await tier.flush()
-        assert set(segment_files(tmp_path / "d")) == set(files)
+        assert set(segment_files(d)) == set(files)
         assert (await tier.compact_segments()).records == 0
 
 
 @pytest.mark.asyncio
 async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (4, 10, 10))
+    path, kept = await _three_segments(tmp_path, (4, 10, 10))
     a, b, c, d = kept[0]
     # automatic passes off: this test runs the steps itself
     async with await LmdbTier.open(path, segment_compaction_live_fraction=0, **SETUP) as tier:
@@ -157,6 +175,53 @@ async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_
         assert await tier.check() == []
 
 
+async def _gone(path: Path, name: str) -> None:
+    """Wait (at most 20 s) until segment ``name`` is deleted by background work."""
+    deadline = time.monotonic() + 20
+    while name in segment_files(path) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert name not in segment_files(path)
+
+
+class _CancelAtTheFirstCommit(IOHook):
+    """Cancels ``task`` from inside the first commit after arming, and lets that commit go on
+    only once the cancellation has reached the caller."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.task, self.armed = loop, None, False
+
+    def before(self, op: str) -> None:
+        if op == "commit" and self.armed:
+            self.armed = False
+            self.loop.call_soon_threadsafe(self.task.cancel)
+            deadline = time.monotonic() + 10
+            while not self.task.done() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+@pytest.mark.asyncio
+async def test_cancelling_compact_segments_lets_the_step_in_flight_commit_and_starts_no_other(tmp_path: Path) -> None:
+    path, kept = await _three_segments(tmp_path, (4, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        source = pointers(tier)[kept[0][0][0]].name
+        tier._compaction_step_bytes = 1  # one record per step
+        hook = _CancelAtTheFirstCommit(asyncio.get_running_loop())
+        tier._io_hook = hook
+        hook.task = asyncio.ensure_future(tier.compact_segments())
+        hook.armed = True
+        with pytest.raises(asyncio.CancelledError):
+            await hook.task
+        await tier.flush()
+        assert sorted(pointers(tier)[k].name == source for k, _, _ in kept[0]) == [False, True, True, True]
+        assert tier.statistics().extra["compacted_records"] == 1
+        assert_ledger_matches(tier)
+        await assert_served(tier, kept[0])
+        report = await tier.compact_segments()  # the rest, and the source goes
+        assert (report.records, report.files_freed) == (3, 1) and source not in segment_files(path)
+        await assert_served(tier, kept[0])
+        assert await tier.check() == []
+
+
 async def _run_steps(tier: LmdbTier, plan) -> None:
     """What compact_segments does after planning: the steps, then deleting the retired sources (no
     read transaction is open here)."""
@@ -168,8 +233,7 @@ async def _run_steps(tier: LmdbTier, plan) -> None:
 
 @pytest.mark.asyncio
 async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_pointer(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (2, 10, 10))
+    path, kept = await _three_segments(tmp_path, (2, 10, 10))
     async with await LmdbTier.open(path, **SETUP) as tier:
         source = pointers(tier)[kept[0][0][0]].name
         # a read transaction from before the move (as a read slice between its get and its pread)
@@ -186,10 +250,7 @@ async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_p
         meta, data = decode_record(kept[0][0][0], record)
         assert meta == kept[0][0][1] and bytes(data) == chunk_content(kept[0][0][0])
         old_txn.abort()
-        deadline = time.monotonic() + 10
-        while source in segment_files(path) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)  # the timer's retries delete it now
-        assert source not in segment_files(path)
+        await _gone(path, source)  # the timer's retries delete it now
         assert tier.statistics().extra["compacted_segments"] == 1
         await assert_served(tier, kept[0])
         assert await tier.check() == []
@@ -220,8 +281,7 @@ class _OtherProcessDeletesBeforeTheCommit(IOHook):
 
 @pytest.mark.asyncio
 async def test_another_process_changing_a_key_between_copy_and_commit_wins(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (3, 10, 10))
+    path, kept = await _three_segments(tmp_path, (3, 10, 10))
     async with await LmdbTier.open(path, **SETUP) as tier:
         hook = _OtherProcessDeletesBeforeTheCommit(path, kept[0][1][0])
         tier._io_hook = hook
@@ -259,8 +319,7 @@ asyncio.run(main())
 
 @pytest.mark.asyncio
 async def test_a_segment_another_process_still_appends_to_is_skipped(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (2, 10, 10))
+    path, kept = await _three_segments(tmp_path, (2, 10, 10))
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", _HOLDER, str(path),
                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -289,8 +348,7 @@ async def test_a_segment_another_process_still_appends_to_is_skipped(tmp_path: P
 
 @pytest.mark.asyncio
 async def test_a_corrupt_source_record_is_quarantined_not_copied(tmp_path: Path) -> None:
-    path = tmp_path / "c"
-    kept = await _three_segments(path, (3, 10, 10))
+    path, kept = await _three_segments(tmp_path, (3, 10, 10))
     async with await LmdbTier.open(path, **SETUP) as tier:
         removed: List[Removal] = []
         tier.subscribe_removals(removed.extend)
@@ -315,8 +373,7 @@ async def test_a_corrupt_source_record_is_quarantined_not_copied(tmp_path: Path)
 def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from kvtier.tools.cli import main
 
-    path = tmp_path / "c"
-    kept = asyncio.run(_three_segments(path, (10, 10, 10)))
+    path, kept = asyncio.run(_three_segments(tmp_path, (10, 10, 10)))
     with LmdbTier(path, map_size_bytes=1 << 20) as tier:
         record = next(iter(pointers(tier).values())).length
     before = segment_disk_bytes(path)

@@ -87,6 +87,9 @@ DISK_MARGIN = 0.25
 # The capacity rule leaves segments at least this live: rewriting them would free little.
 _CAPACITY_RULE_MAX_LIVE = 0.9
 _LIST_BATCH = 4096
+# Live bytes one pass takes at most (its plan holds a key and a pointer per record, and goes stale
+# as it runs); a pass that leaves candidates behind is followed by another.
+PASS_LIVE_BYTES = 4 << 30
 # An emptied source waits for read transactions older than its emptying commit; a pass's caller
 # retries this often, this long apart, before leaving the rest to a timer (reads finish in ms).
 RETIRE_TRIES = 50
@@ -166,6 +169,7 @@ class _Pass:
     pending: Deque[Tuple[bytes, bytes]]  # (key, the pointer it held when planned)
     sizes: Dict[str, int]  # source segment -> file size when planned (bytes a deletion frees)
     report: CompactionReport = field(default_factory=CompactionReport)
+    more: bool = False  # more segments were candidates than one pass takes
 
     @property
     def done(self) -> bool:
@@ -204,9 +208,6 @@ class Compaction(WriterSide):
     def _check_usable(self, write: bool = False) -> None:
         raise NotImplementedError  # LmdbTier's
 
-    async def _in_pool(self, fn: Callable[[], object]) -> object:
-        raise NotImplementedError  # LmdbTier's
-
     def _submit_to_pool(self, fn: Callable[[], None]) -> None:
         raise NotImplementedError  # LmdbTier's
 
@@ -215,50 +216,52 @@ class Compaction(WriterSide):
     async def compact_segments(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
         """Plan a pass over the closed segments below ``live_fraction`` (default: the tier's
         ``segment_compaction_live_fraction``; and over the capacity margin) and move their live
-        records, one writer job of at most ``STEP_BYTES`` at a time; returns what the pass did. Puts
-        queued meanwhile run between the steps.
+        records, one writer job of at most ``STEP_BYTES`` at a time (puts queued meanwhile run
+        between the steps); returns what it did. Plans and waits on a worker thread.
 
         Cancelling it: the step already handed to the writer still runs to its commit (all or
         nothing: each moved key holds its old pointer or its new one); no further step starts,
         records moved so far stay moved, and their emptied sources are deleted by a later step, a
         later pass or the next open."""
         self._check_usable(write=True)
-        assert self._writer is not None
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
-        plan = await self._in_pool(lambda: self._plan_pass(fraction))
-        assert isinstance(plan, _Pass)
-        while not plan.done:
-            await self._writer.submit_async(lambda: self._compaction_step(plan))
-        for _ in range(RETIRE_TRIES):
-            freed = await self._writer.submit_async(self._remove_retired)
-            plan.report.files_freed += freed.files_freed
-            plan.report.bytes_freed += freed.bytes_freed
-            if not self._retiring:
-                break
-            await asyncio.sleep(RETIRE_WAIT_S)
-        else:
-            self._writer.submit(Job(self._retry_retired, _log_failure))
-        return plan.report
+        stop = threading.Event()
+        running = asyncio.get_running_loop().run_in_executor(None, lambda: self._run_passes(fraction, stop))
+        running.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled caller's result
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
 
     def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
         """Blocking ``compact_segments`` for tools (``kvtier gc``) and tests: plans on the calling
         thread, moves on the writer thread."""
         self._check_usable(write=True)
-        assert self._writer is not None
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
-        plan = self._plan_pass(fraction)
-        while not plan.done:
-            self._writer.call(lambda: self._compaction_step(plan))
+        return self._run_passes(fraction, threading.Event())
+
+    def _run_passes(self, fraction: float, stop: threading.Event) -> CompactionReport:
+        """Any thread but the writer: passes until no candidate is left over (``PASS_LIVE_BYTES``),
+        each step a writer job; then wait a little for the emptied sources' readers to finish
+        (``RETIRE_TRIES``), leaving any still held to the timer. ``stop``: no further step."""
+        assert self._writer is not None
+        report = CompactionReport()
+        more = True
+        while more and not stop.is_set():
+            plan = self._plan_pass(fraction)
+            while not plan.done and not stop.is_set():
+                self._writer.call(lambda: self._compaction_step(plan))
+            report.add(plan.report)
+            more = plan.more and plan.report.records > 0
         for _ in range(RETIRE_TRIES):
-            freed = self._writer.call(self._remove_retired)
-            plan.report.files_freed += freed.files_freed
-            plan.report.bytes_freed += freed.bytes_freed
-            if not self._retiring:
+            report.add(self._writer.call(self._remove_retired))
+            if not self._retiring or stop.is_set():
                 break
             time.sleep(RETIRE_WAIT_S)
-        else:
+        if self._retiring:
             self._writer.submit(Job(self._retry_retired, _log_failure))
-        return plan.report
+        return report
 
     # -------------------------------------------------------------------------------- planning
 
@@ -294,9 +297,15 @@ class Compaction(WriterSide):
             except FileNotFoundError:
                 pass
         chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
+        more = False
+        for i in range(1, len(chosen)):
+            if sum(u.live_bytes for u in chosen[: i + 1]) > PASS_LIVE_BYTES:
+                chosen, more = chosen[:i], True  # bounded memory: the rest in the next pass
+                break
         below = {u.name for u in usage if u.live_fraction < live_fraction}
         self._compaction_locked = locked & below
         plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
+        plan.more = more
         plan.report.segments = len(chosen)
         plan.report.skipped_locked = len(locked & below)
         self._count(compaction_passes=1)
@@ -340,7 +349,7 @@ class Compaction(WriterSide):
 
     def _compaction_step(self, plan: _Pass) -> None:
         """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
-        self._remove_retired()
+        plan.report.add(self._remove_retired())  # earlier steps' sources, when the readers allow
         taken: List[Tuple[bytes, bytes]] = []
         nbytes = 0
         while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
@@ -456,16 +465,18 @@ class Compaction(WriterSide):
     # ---------------------------------------------------------------------- automatic compaction
 
     def _segments_changed(self, ledger: Ledger) -> None:
-        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it leaves a
-        closed segment below the live fraction, schedule an automatic pass (after the commit: the
-        plan runs on the read pool, which only sees committed data; an aborted transaction at worst
-        costs a pass that finds nothing)."""
+        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it takes a
+        closed segment from at or above the live fraction to below it, schedule an automatic pass
+        (after the commit: the plan runs on the read pool, which only sees committed data; an aborted
+        transaction at worst costs a pass that finds nothing). Only the crossing triggers, so each
+        segment costs one pass however many later commits touch it; segments already below the
+        fraction when the tier opened wait for ``compact_segments`` or ``kvtier gc``."""
         fraction = self._compaction_live_fraction
         if fraction <= 0:
             return
         active = self._segment_writer.active if self._segment_writer is not None else None
-        for name, (live, _records, end) in ledger.remaining.items():
-            if name != active and name not in self._compaction_locked and end and live < fraction * end:
+        for name, (before, live, end) in ledger.remaining.items():
+            if name != active and name not in self._compaction_locked and live < fraction * end <= before:
                 break
         else:
             return
@@ -517,6 +528,8 @@ class Compaction(WriterSide):
                 pass  # closing: the pass ends here
         self._retry_retired()
         self._compaction_scheduled = False
+        if plan.more and plan.report.records:
+            self._compaction_wanted = True
         if plan.report.records or plan.report.quarantined:
             log.info("kvtier lmdb: compacted %d records (%d bytes) out of %d segments of %s",
                      plan.report.records, plan.report.bytes, plan.report.segments, self._path)
