@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tiers.lmdb.compaction import segment_disk_bytes
+from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, segment_disk_bytes
 
 __all__ = ["inspect_cache", "verify_cache", "gc_cache", "GroupReport", "InspectReport"]
 
@@ -104,12 +104,13 @@ def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
     if max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
-    with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True) as tier:
+    # automatic passes off: the one explicit pass after the eviction does the work and reports it whole
+    with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True, segment_compaction_live_fraction=0) as tier:
         before = tier.statistics().bytes
         segments_before = segment_disk_bytes(tier.path)
         evicted = tier.gc(max_bytes)
         after = tier.statistics().bytes
-        compacted = tier.compact_segments_sync()
+        compacted = tier.compact_segments_sync(live_fraction=DEFAULT_COMPACTION_LIVE_FRACTION)
         segments_after = segment_disk_bytes(tier.path)
     return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after,
             "compacted_records": compacted.records, "compacted_segments": compacted.files_freed,

@@ -350,6 +350,19 @@ class Compaction(WriterSide):
     def _compaction_step(self, plan: _Pass) -> None:
         """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
         plan.report.add(self._remove_retired())  # earlier steps' sources, when the readers allow
+        records, olds = self._read_sources(self._next_current(plan), plan.report)
+        if not records:
+            return
+        # durable before the commit, as puts; into segments even when new puts go inline (the
+        # records were large enough for a segment once, and LMDB's path is the slow one for them)
+        values = {key: p.pack() for key, p in zip(records, self._append_synced(list(records.values())))}
+        self._commit_moves(plan, records, olds, values)
+
+    def _next_current(self, plan: _Pass) -> List[Tuple[bytes, bytes]]:
+        """Writer thread: the next (key, pointer) entries of ``plan``, up to the step's bytes, less
+        those whose key no longer holds that pointer. Nothing of this process writes between this
+        check and the step's commit (this thread is its only writer), so it saves copying what was
+        moved, deleted or evicted since the plan; the commit checks again for other processes."""
         taken: List[Tuple[bytes, bytes]] = []
         nbytes = 0
         while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
@@ -360,14 +373,19 @@ class Compaction(WriterSide):
         def still_there(txn: lmdb.Transaction) -> List[bool]:
             return [txn.get(key, db=self._tables.chunks) == value for key, value in taken]
 
-        # Nothing of this process writes between this check and the commit below (this thread is its
-        # only writer): the check saves copying what was moved, deleted or evicted since the plan.
         current = [kv for kv, keep in zip(taken, self._read_txn(still_there)) if keep]
         plan.report.superseded += len(taken) - len(current)
+        return current
+
+    def _read_sources(self, entries: List[Tuple[bytes, bytes]],
+                      report: CompactionReport) -> Tuple[Dict[bytes, bytes], Dict[bytes, bytes]]:
+        """Writer thread: read each entry's record and check its checksum. Returns key -> record
+        and key -> old pointer of the intact ones; corrupt ones are quarantined (like a failed read;
+        only if the key still holds those bytes), an unreadable one stays for a later pass."""
         records: Dict[bytes, bytes] = {}
-        corrupt: List[Tuple[bytes, int, str]] = []
         olds: Dict[bytes, bytes] = {}
-        for key, value in current:
+        corrupt: List[Tuple[bytes, int, str]] = []
+        for key, value in entries:
             try:
                 record = self._segment_reader.read(value)
                 validate_record(key, record, max_raw_bytes=self._max_raw_bytes)
@@ -375,20 +393,22 @@ class Compaction(WriterSide):
                 log.warning("kvtier lmdb: corrupt record %s found by compaction in %s: %s", key.hex(), self._path, exc)
                 corrupt.append((key, xxhash.xxh3_64_intdigest(value), str(exc)))
                 continue
-            except TierIOError as exc:  # left where it is: a later pass tries again
+            except TierIOError as exc:
                 log.warning("kvtier lmdb: compaction could not read %s: %s", key.hex(), exc)
                 continue
             records[key] = record
             olds[key] = value
         if corrupt:
-            quarantined = self._quarantine_entries(corrupt)  # only those still holding these bytes
+            quarantined = self._quarantine_entries(corrupt)
             self._count(corrupt=quarantined)
-            plan.report.quarantined += quarantined
-        if not records:
-            return
-        # durable before the commit, as puts; into segments even when new puts go inline (the
-        # records were large enough for a segment once, and LMDB's path is the slow one for them)
-        values = {key: p.pack() for key, p in zip(records, self._append_synced(list(records.values())))}
+            report.quarantined += quarantined
+        return records, olds
+
+    def _commit_moves(self, plan: _Pass, records: Dict[bytes, bytes], olds: Dict[bytes, bytes],
+                      values: Dict[bytes, bytes]) -> None:
+        """Writer thread: one transaction pointing each key at its copy, only where the key still
+        holds the old pointer (another process's write since the check wins), with the ``segments``
+        table moved along; ``atime`` and the LRU stay (a move is not an access)."""
 
         def body(txn: lmdb.Transaction) -> Callable[[], None]:
             ledger = Ledger(txn, self._tables.segments)
@@ -396,7 +416,7 @@ class Compaction(WriterSide):
             for key, old in olds.items():
                 now = txn.get(key, db=self._tables.chunks)
                 if now is None or now != old:
-                    continue  # another process changed the key after the check: it wins
+                    continue
                 ledger.drop(now)
                 ledger.add(SegmentPointer.unpack(values[key]))
                 txn.put(key, values[key], db=self._tables.chunks)
