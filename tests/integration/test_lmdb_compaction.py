@@ -423,6 +423,24 @@ def test_choose_segments_by_live_fraction_then_by_disk_budget() -> None:
 
 
 @pytest.mark.asyncio
+async def test_engine_config_carries_the_fraction_to_its_disk_tier(tmp_path: Path) -> None:
+    from kvtier.engine import EngineConfig, OffloadEngine
+    from kvtier.policy import AttentionGroup, ModelLayout
+    from kvtier.tools.testing.scenario import make_cpu_device
+
+    config = EngineConfig.from_dict({"cache_dir": str(tmp_path / "cache"), "host_capacity_bytes": "1MiB",
+                                     "lmdb_map_size_bytes": "32MiB", "lmdb_segment_threshold_bytes": "1",
+                                     "lmdb_segment_compaction_live_fraction": "0.25",
+                                     "pressure_poll_interval_s": "3600"})
+    assert config.lmdb_segment_compaction_live_fraction == 0.25
+    layout = ModelLayout(groups=(AttentionGroup(16),))
+    async with OffloadEngine(layout, make_cpu_device(layout, num_blocks=16), config, fingerprint=b"c") as engine:
+        assert engine._disk._compaction_live_fraction == 0.25
+    with pytest.raises(ValueError, match=r"lmdb_segment_compaction_live_fraction must be in \[0, 1\), got 1.0"):
+        EngineConfig(cache_dir=str(tmp_path), lmdb_segment_compaction_live_fraction=1.0)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_random_puts_deletes_evictions_and_compactions_agree_with_a_dict(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
