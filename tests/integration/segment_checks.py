@@ -60,4 +60,4 @@ def assert_ledger_matches(tier: LmdbTier) -> None:
     table = ledger(tier)
     assert {n: (live, recs) for n, (live, recs, _) in table.items()} == {n: tuple(v) for n, v in expected.items()}
     for p in pointers(tier).values():
-        assert p.offset + p.length <= table[p.name][2]
+        assert p.offset + p.extent <= table[p.name][2]

@@ -29,12 +29,14 @@ from segment_checks import Item, assert_ledger_matches, assert_served, ledger, p
 
 THRESHOLD = 16 << 10
 RECORD = 200_000  # raw bytes; with compression off a record takes 49 pages of a segment
-PAGE = 4096
 SETUP = dict(segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20, codec=CodecConfig(compress=False))
 
 
-def _page_round(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
+def _record_size(tier: LmdbTier) -> Tuple[int, int]:
+    """A ``RECORD``-sized record's length and the bytes it takes in its segment (head page(s), then
+    the payload's pages)."""
+    pointer = next(iter(pointers(tier).values()))
+    return pointer.length, pointer.extent
 
 
 def _atimes(tier: LmdbTier) -> Dict[bytes, bytes]:
@@ -71,7 +73,7 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         before_files = segment_files(path)
         table = ledger(tier)
         assert before_files == {name: end for name, (_, _, end) in table.items()}  # nothing but committed bytes
-        record = next(iter(pointers(tier).values())).length
+        record, extent = _record_size(tier)
         assert sorted(recs for _, recs, _ in table.values()) == [2, 4, 7]
         lru_before, atimes_before = list(tier._lru), _atimes(tier)
         survivor = next(name for name, (_, recs, _) in table.items() if recs == 7)
@@ -84,8 +86,8 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         assert (report.quarantined, report.superseded, report.skipped_locked) == (0, 0, 0)
         # exactly: the 70 %-live segment as it was, plus one new segment holding the 6 moved records
         (new,) = set(after_files) - {survivor}
-        assert after_files == {survivor: before_files[survivor], new: 6 * _page_round(record)}
-        assert sum(after_files.values()) == sum(before_files.values()) - report.bytes_freed + 6 * _page_round(record)
+        assert after_files == {survivor: before_files[survivor], new: 6 * extent}
+        assert sum(after_files.values()) == sum(before_files.values()) - report.bytes_freed + 6 * extent
         assert segment_disk_bytes(path) == sum(after_files.values())
         assert {p.name for p in pointers(tier).values()} == {survivor, new}
         assert_ledger_matches(tier)
@@ -117,14 +119,14 @@ async def test_segment_files_over_the_capacity_margin_compact_segments_above_the
     async with await LmdbTier.open(path, **SETUP) as tier:
         assert (await tier.compact_segments()).segments == 0
     with LmdbTier(path, map_size_bytes=1 << 20) as tier:
-        record = next(iter(pointers(tier).values())).length
+        record, extent = _record_size(tier)
     # 18 live records; files of 30 records' pages > 1.25 x 18 records: two segments go (30 - 4 - 4 < 22.5)
     monkeypatch.setattr(compaction, "PASS_LIVE_BYTES", 7 * record)  # one segment per pass
     async with await LmdbTier.open(path, capacity_bytes=18 * record, **SETUP) as tier:
         report = await tier.compact_segments()
         assert (report.segments, report.records, report.files_freed) == (2, 12, 2)
         assert tier.statistics().extra["compaction_passes"] == 2
-        assert segment_disk_bytes(path) == 10 * _page_round(record) + 12 * _page_round(record)
+        assert segment_disk_bytes(path) == 10 * extent + 12 * extent
         await assert_served(tier, [it for its in kept for it in its])
         assert_ledger_matches(tier)
 
@@ -375,7 +377,7 @@ def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys
 
     path, kept = asyncio.run(_three_segments(tmp_path, (10, 10, 10)))
     with LmdbTier(path, map_size_bytes=1 << 20) as tier:
-        record = next(iter(pointers(tier).values())).length
+        record, extent = _record_size(tier)
     before = segment_disk_bytes(path)
     # gc evicts the 24 least recently used records (the first two segments whole, 4 of the third):
     # the first two files go as emptied ones, the third is 60 % live and stays
@@ -390,7 +392,7 @@ def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys
     mid = segment_disk_bytes(path)
     assert main(["gc", "--cache-dir", str(path), "--max-bytes", "1GiB"]) == 0
     after = segment_disk_bytes(path)
-    assert after == 2 * _page_round(record)
+    assert after == 2 * extent
     assert capsys.readouterr().out == (
         f"kvtier gc: evicted 0 records, {2 * record} -> {2 * record} bytes; compacted 2 records, "
         f"freed 1 segment files ({mid} -> {after} bytes of segment files)\n"

@@ -30,9 +30,8 @@ from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 from ..base import IOHook, Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
-from ..record_format import read_header
 from ..writer import Job, SharedExclusiveLock
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, record_bytes, release_records, remove_dead, stored_size
+from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, codec_of, is_pointer, release_records, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
@@ -245,7 +244,7 @@ class WriterSide:
                 self._forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
                     self._lru.put(key, len(record))
-                compressed = sum(1 for r in batch.values() if read_header(record_bytes(r)).codec != "raw")
+                compressed = sum(1 for r in batch.values() if codec_of(r) != "raw")
                 self._count(
                     puts=len(encoded),
                     put_batches=batches,
