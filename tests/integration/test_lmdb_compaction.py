@@ -258,6 +258,31 @@ async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_p
         assert await tier.check() == []
 
 
+@pytest.mark.asyncio
+async def test_reads_racing_the_moves_all_hit_bitwise(tmp_path: Path) -> None:
+    path, kept = await _three_segments(tmp_path, (4, 4, 10))
+    live = [it for its in kept for it in its]
+    async with await LmdbTier.open(path, read_workers=2, **SETUP) as tier:
+        tier._compaction_step_bytes = 1  # one record per step: as many commits and deletions as can be
+        stop = asyncio.Event()
+        rounds = 0
+
+        async def reader() -> None:
+            nonlocal rounds
+            while not stop.is_set():
+                await assert_served(tier, live)
+                rounds += 1
+
+        readers = [asyncio.ensure_future(reader()) for _ in range(2)]
+        report = await tier.compact_segments()
+        stop.set()
+        await asyncio.gather(*readers)
+        assert (report.records, report.files_freed) == (8, 2)
+        stats = tier.statistics()
+        assert (stats.misses, stats.corrupt) == (0, 0) and rounds > 0
+        assert await tier.check() == []
+
+
 _OTHER_WRITER = """
 import asyncio, sys
 from kvtier.tiers.lmdb import LmdbTier
