@@ -542,3 +542,14 @@ def test_kill9_during_compaction_loses_nothing(tmp_path: Path) -> None:
             assert_ledger_matches(tier)
             ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
             assert segment_files(directory) == ends  # no orphan file, no orphan tail
+
+
+def test_the_compaction_bench_runs_and_checks_what_it_moved(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kvtier.tools.bench_compaction import main
+
+    assert main(["--total-mib", "4", "--record-kib", "256", "--segment-mib", "1", "--latency-puts", "2",
+                 "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 MiB of 256 KiB records in 1 MiB segments, 5 of 16 left live (31%)" in out
+    assert "read back: 5 of 5 live records bitwise; check(): clean" in out
+    assert list(tmp_path.iterdir()) == []  # its temp dir is gone
