@@ -284,10 +284,15 @@ class Compaction(WriterSide):
         closed: Set[str] = set()
         locked: Set[str] = set()
         sizes: Dict[str, int] = {}
+        # Probe only what could be chosen, and never our own closed segments (this process appends to
+        # its active one only): each probe takes the lock for an instant, and a remove_dead elsewhere
+        # that meets it leaves that file for the next open.
+        could = max(live_fraction, _CAPACITY_RULE_MAX_LIVE if budget is not None else 0.0)
+        ours = f"seg-{os.getpid()}-"
         for u in usage:
-            if u.name == active:
+            if u.name == active or u.live_fraction >= could:
                 continue
-            held = held_by_writer(self._path, u.name)
+            held = False if u.name.startswith(ours) else held_by_writer(self._path, u.name)
             if held is None:
                 continue  # the file is gone: its records are misses, quarantined when read
             if held:
