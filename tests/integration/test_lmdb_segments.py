@@ -23,7 +23,7 @@ from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tiers.lmdb import segments
-from kvtier.tiers.lmdb.segments import LIVE, SegmentPointer, committed_ends, is_pointer
+from kvtier.tiers.lmdb.segments import SegmentPointer, committed_ends
 from kvtier.tools.testing.fault_child import (
     check_cache,
     chunk_content,
@@ -32,6 +32,12 @@ from kvtier.tools.testing.fault_child import (
     summarize_kills,
 )
 from kvtier.tools.testing.faults import corrupt_stored_record
+from segment_checks import assert_ledger_matches as _assert_ledger_matches
+from segment_checks import assert_served as _assert_served
+from segment_checks import ledger as _ledger
+from segment_checks import pointers as _pointers
+from segment_checks import read_items as _read
+from segment_checks import segment_files as _segment_files
 
 THRESHOLD = 16 << 10
 Item = Tuple[bytes, ChunkMeta, memoryview]
@@ -39,52 +45,6 @@ Item = Tuple[bytes, ChunkMeta, memoryview]
 
 def _items(seed: int, batch: int, sizes: List[int]) -> List[Item]:
     return make_batch(seed, batch, sizes)
-
-
-def _segment_files(path: Path) -> Dict[str, int]:
-    return {p.name: p.stat().st_size for p in path.glob("seg-*.kvs")}
-
-
-def _pointers(tier: LmdbTier) -> Dict[bytes, SegmentPointer]:
-    def body(txn) -> Dict[bytes, SegmentPointer]:
-        cur = txn.cursor(db=tier._tables.chunks)
-        return {bytes(k): SegmentPointer.unpack(v) for k, v in cur.iternext(keys=True, values=True) if is_pointer(v)}
-
-    return tier._read_txn(body)
-
-
-def _ledger(tier: LmdbTier) -> Dict[str, Tuple[int, int, int]]:
-    def body(txn) -> Dict[str, Tuple[int, int, int]]:
-        cur = txn.cursor(db=tier._tables.segments)
-        return {bytes(k).decode(): LIVE.unpack(v) for k, v in cur.iternext(keys=True, values=True)}
-
-    return tier._read_txn(body)
-
-
-async def _read(tier: LmdbTier, items: List[Item]) -> List[Tuple[object, bytes]]:
-    bufs = [bytearray(it[2].nbytes) for it in items]
-    metas = await tier.get_many_into([(it[0], memoryview(b)) for it, b in zip(items, bufs)])
-    return [(m, bytes(b)) for m, b in zip(metas, bufs)]
-
-
-async def _assert_served(tier: LmdbTier, items: List[Item]) -> None:
-    for (meta, data), it in zip(await _read(tier, items), items):
-        assert meta == it[1]
-        assert data == chunk_content(it[0])
-
-
-def _assert_ledger_matches(tier: LmdbTier) -> None:
-    """The segments table says exactly what the pointers say, and no file holds bytes past its
-    committed end or lacks an entry (after an open, which reclaims orphans)."""
-    expected: Dict[str, List[int]] = {}
-    for p in _pointers(tier).values():
-        e = expected.setdefault(p.name, [0, 0])
-        e[0] += p.length
-        e[1] += 1
-    ledger = _ledger(tier)
-    assert {n: (live, recs) for n, (live, recs, _) in ledger.items()} == {n: tuple(v) for n, v in expected.items()}
-    for p in _pointers(tier).values():
-        assert p.offset + p.extent <= ledger[p.name][2]
 
 
 @pytest.mark.asyncio

@@ -17,7 +17,9 @@ Promises and how they are kept:
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
-  segment, in this or another process). Partly-live segments are not compacted (not built).
+  segment, in this or another process). A closed segment left mostly dead is compacted
+  (``compaction``: its live records move to the active segment, each pointer replaced only where
+  the key still holds the old one; the emptied file goes once no older read transaction is open).
 - several processes: each writer appends only to its own segment (named by pid and a counter,
   created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
 
@@ -30,7 +32,7 @@ another process's segment in the instant between its create and its ``flock``.
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open).
+``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ __all__ = [
     "stored_size",
     "segment_name",
     "remove_dead",
+    "held_by_writer",
+    "segment_files",
     "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
 ]
@@ -612,6 +616,9 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
+        # after ``commit``: name -> (live bytes before, live bytes after, committed end) of each
+        # touched segment that still has records (what the automatic compaction check looks at)
+        self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
         d = self._delta.setdefault(pointer.name, [0, 0, 0])
@@ -631,13 +638,14 @@ class Ledger:
         for name, (dbytes, drecords, end) in self._delta.items():
             key = name.encode()
             old = self._txn.get(key, db=self._table)
-            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
-            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
+            before, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, before + dbytes), max(0, records + drecords), max(committed, end)
             if records == 0:
                 self._txn.delete(key, db=self._table)
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
+                self.remaining[name] = (before, live, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:
@@ -646,6 +654,24 @@ def _locked_elsewhere(fd: int) -> bool:
     except BlockingIOError:
         return True
     return False
+
+
+def held_by_writer(directory: Path, name: str) -> Optional[bool]:
+    """Whether a writer (of any process, this one included) still holds segment ``name``'s lock,
+    i.e. may append to it; ``None`` when the file does not exist. Compaction leaves held ones."""
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        return _locked_elsewhere(fd)
+    finally:
+        os.close(fd)  # drops the lock the probe may have taken
+
+
+def segment_files(directory: Path) -> List[str]:
+    """Names of the segment files in ``directory``."""
+    return sorted(name for name in os.listdir(directory) if _NAME.match(name))
 
 
 def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:

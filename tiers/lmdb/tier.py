@@ -14,7 +14,9 @@ Primitives and the threads they run on:
   ``reader_check_interval_s`` (and once at open), and asks the writer to persist access times every
   ``access_flush_interval_s``.
 - blocking helpers for tools (``maintenance.Maintenance``): ``iter_records``, ``verify``, ``gc``,
-  ``quarantined_keys``, and ``close_sync``.
+  ``quarantined_keys``, ``compact_segments_sync``, and ``close_sync``; ``compact_segments`` (async)
+  and the automatic passes are ``compaction.Compaction``'s (planned on the read pool, moved in
+  writer-thread steps).
 
 Capacity (``capacity_bytes``) counts stored record bytes (``statistics()['bytes']``); the data file
 is larger by LMDB's page rounding and free pages. A record that fails its checksum on a read is a
@@ -45,7 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import lmdb
 import xxhash
@@ -79,6 +81,7 @@ from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_re
 from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
+from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, STEP_BYTES as COMPACTION_STEP_BYTES, check_live_fraction
 from .maintenance import Maintenance
 from .readahead import advise_willneed
 from .segments import borrows_buffers, encode_for_segments
@@ -106,7 +109,8 @@ _ACCESS_FLUSH_BACKLOG = 1 << 16
 # Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).
 _COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined", "evictions",
              "deletes", "errors", "put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records",
-             "map_growths", "stale_readers_cleared")
+             "map_growths", "stale_readers_cleared", "compaction_passes", "compacted_records", "compacted_bytes",
+             "compacted_segments", "compaction_bytes_freed")
 
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
 # inheriting the parent's entries.
@@ -127,6 +131,8 @@ class LmdbTier(ChunkTier, Maintenance):
     segment files beside ``data.mdb`` (``segments``: O_DIRECT, synced before the commit that points
     at them); ``None`` or 0 keeps every record inside LMDB. ``segment_max_bytes``: a writer starts a
     new segment past this size (space returns by whole segment).
+    ``segment_compaction_live_fraction``: a closed segment whose live bytes fall below this fraction
+    of its size has its live records moved and is deleted (``compaction``; 0 turns it off).
     """
 
     name = "lmdb"
@@ -148,6 +154,7 @@ class LmdbTier(ChunkTier, Maintenance):
         verify_structure: bool = False,
         segment_threshold_bytes: Optional[int] = None,
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
+        segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -171,6 +178,13 @@ class LmdbTier(ChunkTier, Maintenance):
             raise ValueError(f"segment_threshold_bytes must be an int >= 0 or None, got {segment_threshold_bytes!r}")
         if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
             raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
+        self._compaction_live_fraction = check_live_fraction(segment_compaction_live_fraction)
+        self._compaction_step_bytes = COMPACTION_STEP_BYTES
+        self._compaction_scheduled = False
+        self._compaction_wanted = False
+        self._compaction_locked: Set[str] = set()
+        self._retiring: List[Tuple[int, str, int]] = []
+        self._retire_timer = False
         self._segment_threshold = segment_threshold_bytes or None  # 0 disables
         self._segment_max_bytes = segment_max_bytes
         self._segment_writer: Optional[SegmentWriter] = None
@@ -361,6 +375,13 @@ class LmdbTier(ChunkTier, Maintenance):
         with self._counters_lock:
             for k, v in deltas.items():
                 self._counters[k] += v
+
+    def _submit_to_pool(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the read pool, unawaited (any thread); ``ClosedError`` once closing."""
+        try:
+            self._pool.submit(fn)
+        except RuntimeError as exc:  # shut down by close()
+            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
 
     async def _in_pool(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -663,7 +684,9 @@ class LmdbTier(ChunkTier, Maintenance):
     def statistics(self) -> TierStatistics:
         """The shared counters (``TierStatistics``) and, in ``extra``: ``map_size_bytes``,
         ``put_commits``, ``raw_bytes_in``, ``stored_bytes_in``, ``compressed_records``,
-        ``map_growths``, ``stale_readers_cleared``. Cheap; any thread of the opening process (it
+        ``map_growths``, ``stale_readers_cleared``, and segment compaction's ``compaction_passes``,
+        ``compacted_records`` / ``compacted_bytes`` (records moved), ``compacted_segments`` /
+        ``compaction_bytes_freed`` (segment files it emptied and deleted, their sizes). Cheap; any thread of the opening process (it
         reads the environment's info, which a forked child must not touch)."""
         if os.getpid() != self._pid:
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
