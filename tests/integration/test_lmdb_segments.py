@@ -554,22 +554,36 @@ def test_power_cut_order_segment_bytes_and_names_are_synced_before_any_index_wri
 
 
 @pytest.mark.asyncio
-async def test_segment_blocks_are_allocated_ahead_and_the_unwritten_tail_returned(tmp_path: Path) -> None:
-    """Direct writes land inside blocks allocated ahead (the active segment is longer than its
-    records while it is active); when it is rotated or the tier closes, the allocated but unwritten
-    tail goes back, so a closed segment is exactly its committed end."""
-    items = _items(8, 0, [65536, 100_000])
-    async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
-        await tier.put_many(items)
-        writer = tier._segment_writer
-        if writer._allocated <= 0:
-            pytest.skip("this filesystem does not allocate ahead (no fallocate)")
-        (name, (_, _, end)), = _ledger(tier).items()
-        assert _segment_files(tmp_path / "c")[name] >= segments.PREALLOCATE_STEP_BYTES > end
-        await _assert_served(tier, items)
-    assert _segment_files(tmp_path / "c") == {name: end}
-    async with await LmdbTier.open(tmp_path / "c") as tier:
-        await _assert_served(tier, items)
+async def test_each_batch_allocates_exactly_its_extents_before_writing(tmp_path: Path) -> None:
+    """The blocks a batch writes are allocated first (fallocate: the direct writes then land inside
+    the file), and exactly those: while the segment is active it is never longer than its
+    committed records, so no space is held that capacity does not count."""
+    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not segments._fallocate(probe, 0, 4096):
+            pytest.skip("this filesystem has no fallocate: segment writes extend the file")
+    finally:
+        os.close(probe)
+    allocations: List[Tuple[int, int]] = []
+    real = segments._fallocate
+
+    def recording(fd: int, offset: int, length: int) -> bool:
+        allocations.append((offset, length))
+        return real(fd, offset, length)
+
+    segments._fallocate = recording
+    try:
+        async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
+            for batch in range(3):
+                items = _items(8, batch, [65536, 100_000, 700])
+                await tier.put_many(items)
+                (name, (_, _, end)), = _ledger(tier).items()
+                assert _segment_files(tmp_path / "c") == {name: end}
+            extents = sorted((p.offset, p.extent) for p in _pointers(tier).values())
+    finally:
+        segments._fallocate = real
+    # one allocation per batch, covering exactly its two segment records' extents
+    assert allocations == [(extents[2 * i][0], extents[2 * i][1] + extents[2 * i + 1][1]) for i in range(3)]
 
 
 @pytest.mark.asyncio
