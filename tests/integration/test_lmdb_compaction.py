@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from kvtier.errors import ClosedError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
@@ -105,6 +106,13 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         # a second pass finds nothing below the threshold
         again = await tier.compact_segments()
         assert (again.segments, again.records) == (0, 0) and segment_files(path) == after_files
+    with pytest.raises(ClosedError, match="is closed"):
+        await tier.compact_segments()
+    async with await LmdbTier.open(path, readonly=True) as tier:
+        with pytest.raises(TierIOError, match="is open read-only"):
+            await tier.compact_segments()
+        with pytest.raises(ValueError, match=r"segment_compaction_live_fraction must be a number in \[0, 1\), got 2"):
+            tier.compact_segments_sync(live_fraction=2)
     print(f"compaction: segment files {sum(before_files.values())} -> {sum(after_files.values())} bytes "
           f"for {sum(len(k) for k in kept)} live records of {record} bytes")
 
