@@ -73,6 +73,8 @@ __all__ = [
     "remove_dead",
     "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
+    "DEFAULT_SEGMENT_THRESHOLD_BYTES",
+    "check_segment_threshold",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,10 +86,24 @@ LIVE = struct.Struct("<QQQ")  # live record bytes | live records | committed end
 _ALIGN = 4096
 _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
+# Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
+# vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`,
+# docs/ARCHITECTURE.md), the segment path writes 1.06-2.7x faster than inline from 128 KiB up and
+# 0.4-0.96x below (one LMDB transaction beats an extra aligned file write for small records).
+DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 _CREATION_LOCK = "segments.lock"
 _WRITE_SLICE = 64 << 20  # bytes staged at once (bounds the aligned staging buffer)
 POOLED_BUFFER_BYTES = 256 << 20  # free aligned record buffers kept for reuse (all tiers of the process)
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
+
+
+def check_segment_threshold(value: object, name: str = "segment_threshold_bytes", none: str = "None") -> Optional[int]:
+    """The threshold as the writer uses it (``None``: every record inside LMDB; 0 means the same),
+    or ``ValueError`` naming ``name`` and the value. One check for every place that takes it
+    (``LmdbTier``, ``EngineConfig``, the vLLM tier's config), so they accept and say the same."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0 or {none} ({none} or 0: every record inside LMDB), got {value!r}")
+    return value or None
 
 
 def segment_name(pid: int, counter: int) -> str:

@@ -86,7 +86,16 @@ from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
-from .segments import DEFAULT_SEGMENT_MAX_BYTES, SegmentReader, SegmentWriter, committed_ends, is_pointer, reclaim_orphans
+from .segments import (
+    DEFAULT_SEGMENT_MAX_BYTES,
+    DEFAULT_SEGMENT_THRESHOLD_BYTES,
+    SegmentReader,
+    SegmentWriter,
+    check_segment_threshold,
+    committed_ends,
+    is_pointer,
+    reclaim_orphans,
+)
 from .writes import PutJob
 
 __all__ = ["LmdbTier"]
@@ -121,7 +130,9 @@ class LmdbTier(ChunkTier, Maintenance):
     touches it, when no other process has it open (``CorruptCacheError`` if damaged);
     ``segment_threshold_bytes``: records of at least this many encoded bytes go to append-only
     segment files beside ``data.mdb`` (``segments``: O_DIRECT, synced before the commit that points
-    at them); ``None`` or 0 keeps every record inside LMDB. ``segment_max_bytes``: a writer starts a
+    at them); the default, ``DEFAULT_SEGMENT_THRESHOLD_BYTES`` (128 KiB), is where segments start
+    to write faster than LMDB (docs/ARCHITECTURE.md); ``None`` or 0 keeps every record inside LMDB.
+    Either setting reads and deletes both kinds, so a cache written with one opens with the other. ``segment_max_bytes``: a writer starts a
     new segment past this size (space returns by whole segment).
     """
 
@@ -142,7 +153,7 @@ class LmdbTier(ChunkTier, Maintenance):
         max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
         max_raw_bytes: int = 1 << 31,
         verify_structure: bool = False,
-        segment_threshold_bytes: Optional[int] = None,
+        segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES,
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
@@ -160,14 +171,10 @@ class LmdbTier(ChunkTier, Maintenance):
         if not access_flush_interval_s > 0:
             raise ValueError(f"access_flush_interval_s must be > 0, got {access_flush_interval_s!r}")
         check_max_quarantine_records(max_quarantine_records)
-        if segment_threshold_bytes is not None and (
-            not isinstance(segment_threshold_bytes, int) or isinstance(segment_threshold_bytes, bool)
-            or segment_threshold_bytes < 0
-        ):
-            raise ValueError(f"segment_threshold_bytes must be an int >= 0 or None, got {segment_threshold_bytes!r}")
+        threshold = check_segment_threshold(segment_threshold_bytes)
         if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
             raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
-        self._segment_threshold = segment_threshold_bytes or None  # 0 disables
+        self._segment_threshold = threshold
         self._segment_max_bytes = segment_max_bytes
         self._segment_writer: Optional[SegmentWriter] = None
         self._emptied_segments: List[str] = []
