@@ -10,6 +10,7 @@ import sys
 import lmdb
 import pytest
 
+from kvtier.tiers.lmdb.segments import SegmentPointer, is_pointer
 from kvtier.tools.cli import main
 
 
@@ -71,19 +72,36 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     os.chmod(cache, 0o700)
     assert main(["verify", "--cache-dir", str(cache)]) == 0
     capsys.readouterr()
-    # Flip the last payload byte of two records through LMDB itself (a valid B-tree, bad records).
+    # The demo's group-0 chunks (256 KiB) live in segment files, group 1's (64 KiB) inside LMDB.
+    # Damage three records: the last payload byte of an inline one (rewritten through LMDB itself:
+    # a valid B-tree, a bad record), the last byte of a segment record in its file, and a segment
+    # pointer itself (its length's high byte: it now claims ~72 PB).
     env = lmdb.open(str(cache), max_dbs=8, map_size=1 << 30)
     chunks = env.open_db(b"chunks")
     with env.begin(write=True, db=chunks) as txn:
-        keys = [bytes(k) for k, _ in txn.cursor()][:2]
-        for key in keys:
-            value = bytearray(txn.get(key))
-            value[-1] ^= 0x5A
-            txn.put(key, bytes(value))
+        values = {bytes(k): bytes(v) for k, v in txn.cursor()}
+        inline = next(k for k, v in values.items() if not is_pointer(v))
+        in_segments = [k for k, v in values.items() if is_pointer(v)][:2]
+        assert len(in_segments) == 2, "not vacuous: the demo cache has segment records"
+        value = bytearray(values[inline])
+        value[-1] ^= 0x5A
+        txn.put(inline, bytes(value))
+        pointer = SegmentPointer.unpack(values[in_segments[0]])
+        with open(cache / pointer.name, "r+b") as f:
+            f.seek(pointer.offset + pointer.length - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        value = bytearray(values[in_segments[1]])
+        value[-1] ^= 0x5A
+        txn.put(in_segments[1], bytes(value))
     env.close()
+    keys = [inline, *in_segments]
     assert main(["verify", "--cache-dir", str(cache), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert sorted(b["key"] for b in report["bad"]) == sorted(k.hex() for k in keys)
+    reasons = {b["key"]: b["reason"] for b in report["bad"]}
+    assert "short" in reasons[in_segments[1].hex()], reasons
     assert main(["verify", "--cache-dir", str(cache)]) == 0  # quarantined by the first run
     capsys.readouterr()
 
@@ -91,6 +109,10 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     result = json.loads(capsys.readouterr().out)
     assert result["bytes_after"] <= 1 << 20 < result["bytes_before"]
     assert result["evicted_records"] > 0
+    # down to nothing: every segment file goes with its last record
+    assert main(["gc", "--cache-dir", str(cache), "--max-bytes", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_after"] == 0
+    assert sorted(cache.glob("seg-*.kvs")) == []
 
 
 @pytest.mark.parametrize(

@@ -430,7 +430,16 @@ class SegmentReader:
         (a miss, quarantined like a checksum failure); other OS errors are ``TierIOError``."""
         pointer = SegmentPointer.unpack(value)
         try:
-            data = os.pread(self._fd(pointer.name), pointer.length, pointer.offset)
+            fd = self._fd(pointer.name)
+            # A damaged pointer can claim any length: check it against the file before allocating
+            # it (a flipped high byte would otherwise ask pread for terabytes: MemoryError).
+            size = os.fstat(fd).st_size
+            if pointer.offset + pointer.length > size:
+                raise CorruptRecordError(
+                    f"segment {pointer.name} is short: {max(0, size - pointer.offset)} of {pointer.length} bytes "
+                    f"at offset {pointer.offset}"
+                )
+            data = os.pread(fd, pointer.length, pointer.offset)
         except FileNotFoundError as exc:
             raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
         except OSError as exc:
