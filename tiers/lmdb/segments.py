@@ -21,11 +21,12 @@ Promises and how they are kept:
 - several processes: each writer appends only to its own segment (named by pid and a counter,
   created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
 
-Known limits: a read that took a pointer just before the segment was deleted (its last record
-evicted or deleted meanwhile) and had not opened the file yet is a miss, counted ``corrupt`` (the
-key is gone, so nothing is quarantined). A segment is created and locked under a shared lock of
-``segments.lock`` and ``reclaim_orphans`` scans under its exclusive lock, so an open never takes
-another process's segment in the instant between its create and its ``flock``.
+A read that took a pointer just before the segment was deleted (its last record evicted or
+deleted meanwhile) and had not opened the file yet is a plain miss: the tier looks again in a
+fresh transaction and finds the key gone or rewritten, so it counts, logs and quarantines nothing.
+A segment is created and locked under a shared lock of ``segments.lock`` and ``reclaim_orphans``
+scans under its exclusive lock, so an open never takes another process's segment in the instant
+between its create and its ``flock``.
 
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),

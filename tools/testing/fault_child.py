@@ -341,7 +341,9 @@ async def _warmup_writer(args: argparse.Namespace) -> None:
     from kvtier.tiers.lmdb import LmdbTier
 
     rng = random.Random(args.seed)
-    async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2) as tier:
+    async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2,
+                                   segment_threshold_bytes=args.segment_threshold_bytes,
+                                   segment_max_bytes=args.segment_max_bytes) as tier:
         _emit("ready")
         deadline = time.monotonic() + args.duration_s
         batch = 0
@@ -751,6 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--window", type=int, default=8)
     warm.add_argument("--pause-s", type=float, default=0.0)
     warm.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    warm.add_argument("--segment-threshold-bytes", type=int, default=0, help="0: every record inline")
+    warm.add_argument("--segment-max-bytes", type=int, default=1 << 20)
     trials = sub.add_parser("corrupt-trials")
     trials.add_argument("--src", required=True)
     trials.add_argument("--keys", required=True, help="file of the pristine keys, hex, whitespace-separated")
