@@ -59,6 +59,10 @@ def test_inspect_lists_records_per_group(demo_cache, capsys):
     assert set(report["groups"]) == {"0", "1"}
     assert report["records"] == sum(g["records"] for g in report["groups"].values())
     assert report["raw_bytes"] == summary["disk_stored_bytes"]
+    # the demo's group-0 chunks (256 KiB) are in segment files, group 1's (64 KiB) inside LMDB
+    assert report["segment_files"] >= 1 and report["segment_records"] == report["groups"]["0"]["records"]
+    assert report["segment_live_bytes"] == report["groups"]["0"]["stored_bytes"]
+    assert 0.9 < report["segment_live_fraction"] <= 1.0
     assert report["stored_bytes"] <= report["raw_bytes"] * 1.01
     assert main(["inspect", "--cache-dir", str(cache)]) == 0
     assert "group 1:" in capsys.readouterr().out
@@ -113,6 +117,48 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     assert main(["gc", "--cache-dir", str(cache), "--max-bytes", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bytes_after"] == 0
     assert sorted(cache.glob("seg-*.kvs")) == []
+
+
+def test_verify_reports_missing_and_short_segments_and_inspect_counts_them(tmp_path, capsys):
+    import asyncio
+
+    from kvtier.tiers.lmdb import LmdbTier
+    from kvtier.tiers.record_format import CodecConfig
+    from kvtier.tools.testing.fault_child import make_batch
+
+    cache = tmp_path / "c"
+    batches = [make_batch(9, b, [200_000, 300_000]) for b in range(2)]
+
+    async def write() -> None:
+        for batch in batches:  # one writing open each: two segment files (the default threshold)
+            async with await LmdbTier.open(cache, codec=CodecConfig(compress=False)) as tier:
+                await tier.put_many(batch)
+
+    asyncio.run(write())
+    files = sorted(cache.glob("seg-*.kvs"))
+    assert len(files) == 2
+    assert main(["inspect", "--cache-dir", str(cache), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["segment_files"], report["segment_records"]) == (2, 4)
+    assert report["segment_live_bytes"] == report["stored_bytes"] > 1_000_000
+    assert report["segment_file_bytes"] == sum(f.stat().st_size for f in files)
+    assert 0.95 < report["segment_live_fraction"] <= 1.0
+    assert main(["inspect", "--cache-dir", str(cache)]) == 0
+    assert "segment files: 2," in capsys.readouterr().out
+    # one file loses its tail (its last record is short), the other goes
+    with open(files[0], "r+b") as f:
+        f.truncate(files[0].stat().st_size - 5000)
+    files[1].unlink()
+    assert main(["verify", "--cache-dir", str(cache), "--no-quarantine", "--json"]) == 1
+    bad = {b["key"]: b["reason"] for b in json.loads(capsys.readouterr().out)["bad"]}
+    assert sorted(r.split(":")[0] for r in bad.values()) == [
+        f"segment {files[0].name} is short", f"segment {files[1].name} is missing", f"segment {files[1].name} is missing"]
+    assert main(["verify", "--cache-dir", str(cache)]) == 1  # reported and quarantined
+    capsys.readouterr()
+    assert main(["verify", "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 1
+    assert main(["inspect", "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["segment_records"] == 1
 
 
 @pytest.mark.parametrize(
