@@ -88,9 +88,10 @@ _ALIGN = 4096
 _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
-# vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`,
-# docs/ARCHITECTURE.md), the segment path writes 1.06-2.7x faster than inline from 128 KiB up and
-# 0.4-0.96x below (one LMDB transaction beats an extra aligned file write for small records).
+# vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`, five runs,
+# docs/ARCHITECTURE.md), segments write 1.06-1.55x the inline tier at 128 KiB and 1.54-2.13x at
+# 256 KiB, but 0.62-0.84x at 64 KiB and 0.38-0.53x at 16 KiB (one LMDB transaction beats an extra
+# aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 _CREATION_LOCK = "segments.lock"
 _WRITE_SLICE = 64 << 20  # bytes staged at once (bounds the aligned staging buffer)
