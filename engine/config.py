@@ -63,6 +63,10 @@ class EngineConfig:
     host_eviction_policy: str = "lru"
     # None = bounded only by the LMDB map (which grows); set it to share the disk with others.
     disk_capacity_bytes: Optional[int] = None
+    # A closed LMDB payload segment whose live bytes fall below this fraction of its size has its
+    # live records moved and is deleted (tiers/lmdb/compaction.py): the copy costs at most what it
+    # frees, and segment files stay under twice the live bytes. 0 turns compaction off.
+    lmdb_segment_compaction_live_fraction: float = 0.5
     # Initial LMDB map: 1 GiB of address space costs nothing until written, and the map grows on
     # MapFullError, so this only sets how often the first growths happen.
     lmdb_map_size_bytes: int = 1 * _GiB
@@ -229,6 +233,8 @@ class EngineConfig:
             _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
         _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
         _require_int("events_max", self.events_max, 1)
+        _require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
+                          upper_open=True)
         self._validate_remote()
 
     def _validate_remote(self) -> None:
@@ -370,6 +376,7 @@ _FLOAT_FIELDS = frozenset(
         "remote_connect_timeout_s",
         "remote_breaker_reset_s",
         "remote_listing_interval_s",
+        "lmdb_segment_compaction_live_fraction",
     }
 )
 _BOOL_FIELDS = frozenset(

@@ -294,6 +294,7 @@ class OffloadEngine:
             reader_check_interval_s=config.reader_check_interval_s,
             verify_structure=config.lmdb_verify_on_open,
             segment_threshold_bytes=config.lmdb_segment_threshold_bytes,
+            segment_compaction_live_fraction=config.lmdb_segment_compaction_live_fraction,
         )
         try:
             return await LmdbTier.open(config.cache_dir, **kwargs)

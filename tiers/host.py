@@ -28,7 +28,7 @@ import torch
 
 from kvtier.errors import ClosedError, SlotStateError
 
-from .device import DeviceBackend
+from .device import _PAGE_BYTES, DeviceBackend
 from .eviction import EvictionPolicy, make_eviction_policy
 
 __all__ = ["HostSlabPool", "Allocation", "SlotStateError"]
@@ -55,6 +55,19 @@ def _release_slab(backend: DeviceBackend, slab: torch.Tensor) -> None:
         backend.release_host_buffer(slab)
     except Exception:  # noqa: BLE001 - best effort during teardown
         pass
+
+
+PAGE_ALIGNED_SLOT_MIN_BYTES = 64 << 10
+
+
+def slot_stride(slot_bytes: int) -> int:
+    """Bytes between slot starts: a slot of at least ``PAGE_ALIGNED_SLOT_MIN_BYTES`` (a chunk the
+    disk tier writes to a segment) starts on a page boundary, so its bytes go to and from the disk
+    by direct I/O straight from the slot (no staging copy) and DMA takes it as it is; the padding
+    is under 1/16 of the slot. Smaller slots are packed."""
+    if slot_bytes < PAGE_ALIGNED_SLOT_MIN_BYTES:
+        return slot_bytes
+    return -(-slot_bytes // _PAGE_BYTES) * _PAGE_BYTES
 
 
 class HostSlabPool:
@@ -85,11 +98,12 @@ class HostSlabPool:
         self._backend = DeviceBackend(device_kind)
         self._slot_bytes = slot_bytes
         self._num_slots = num_slots
-        slab = self._backend.host_buffer(slot_bytes * num_slots)
+        stride = slot_stride(slot_bytes)
+        slab = self._backend.host_buffer(stride * num_slots)
         self._slab: Optional[torch.Tensor] = slab
         # One view per slot, made once: slicing a tensor costs ~2 us, and the engine asks for a
         # slot's view on every store, spill and load of a chunk.
-        self._views: List[torch.Tensor] = [slab[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._views: List[torch.Tensor] = [slab[i * stride : i * stride + slot_bytes] for i in range(num_slots)]
         # Unpin even if close() is never called; holds the slab until then, which is the point.
         self._finalizer = weakref.finalize(self, _release_slab, self._backend, slab)
 

@@ -66,6 +66,10 @@ __all__ = [
     "decode_record",
     "read_header",
     "validate_record",
+    "header_end_of",
+    "read_head",
+    "check_payload_in_place",
+    "decode_split",
     "element_size",
     "RecordFormatError",
     "RecordChecksumError",
@@ -408,8 +412,7 @@ class _Cursor:
         return st.unpack(self.take(st.size, what))
 
 
-def _parse(record: BytesLike) -> Tuple[RecordHeader, memoryview, int]:
-    """Parse and structurally validate; returns (header, record view, payload offset)."""
+def _as_record_view(record: BytesLike) -> memoryview:
     try:
         buf = memoryview(record)
     except TypeError:
@@ -419,22 +422,22 @@ def _parse(record: BytesLike) -> Tuple[RecordHeader, memoryview, int]:
             buf = buf.cast("B")
         except TypeError:
             raise RecordFormatError("record buffer is not contiguous bytes") from None
-    total = buf.nbytes
-    if total < _PREFIX.size:
-        raise RecordFormatError(f"record too short ({total} bytes) for its {_PREFIX.size}-byte prefix")
-    magic, version, header_length = _PREFIX.unpack(buf[: _PREFIX.size])
-    if magic != MAGIC:
-        raise RecordFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise RecordFormatError(f"unknown record format version {version} (this kvtier reads {FORMAT_VERSION})")
-    if header_length > MAX_HEADER_BYTES:
-        raise RecordFormatError(f"header length {header_length} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    return buf
+
+
+def _parse(record: BytesLike, total: Optional[int] = None) -> Tuple[RecordHeader, memoryview, int]:
+    """Parse and structurally validate; returns (header, record view, payload offset). ``total``:
+    the whole record's length when ``record`` holds only its prefix and header (a split read)."""
+    buf = _as_record_view(record)
+    if total is None:
+        total = buf.nbytes
+    header_end = header_end_of(buf)
+    header_length = header_end - _PREFIX.size
     min_header = _FIXED.size + _U16.size + _U8.size + _CHECKSUM_BYTES
     if header_length < min_header:
         raise RecordFormatError(f"header length {header_length} below the minimum {min_header}")
-    header_end = _PREFIX.size + header_length
-    if header_end > total:
-        raise RecordFormatError(f"record truncated: header needs {header_end} bytes, record has {total}")
+    if header_end > buf.nbytes:
+        raise RecordFormatError(f"record truncated: header needs {header_end} bytes, record has {buf.nbytes}")
     cur = _Cursor(buf, _PREFIX.size, header_end - _CHECKSUM_BYTES)
     (codec_id, esize, ndim, nplanes, group_index, chunk_index, raw_length, payload_length) = cur.unpack(
         _FIXED, "fixed fields"
@@ -511,7 +514,7 @@ def _parse(record: BytesLike) -> Tuple[RecordHeader, memoryview, int]:
         raw_length=raw_length,
         payload_length=payload_length,
         header_length=header_length,
-        version=version,
+        version=FORMAT_VERSION,
         planes=tuple(planes),
         checksum=checksum,
     )
@@ -525,14 +528,64 @@ def read_header(record: BytesLike) -> RecordHeader:
     return header
 
 
-def _validate(key: bytes, record: BytesLike, max_raw_bytes: int) -> Tuple[RecordHeader, memoryview, int]:
-    header, buf, payload_start = _parse(record)
+def header_end_of(prefix: BytesLike) -> int:
+    """Where a record's payload starts, from its first ``_PREFIX.size`` (10) bytes alone: what a
+    reader of a file needs to read the header and the payload separately. Checks magic, version and
+    the header-length cap; raises ``RecordFormatError``."""
+    buf = memoryview(prefix)
+    if buf.nbytes < _PREFIX.size:
+        raise RecordFormatError(f"record too short ({buf.nbytes} bytes) for its {_PREFIX.size}-byte prefix")
+    magic, version, header_length = _PREFIX.unpack(buf[: _PREFIX.size])
+    if magic != MAGIC:
+        raise RecordFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise RecordFormatError(f"unknown record format version {version} (this kvtier reads {FORMAT_VERSION})")
+    if header_length > MAX_HEADER_BYTES:
+        raise RecordFormatError(f"header length {header_length} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    return _PREFIX.size + header_length
+
+
+def read_head(head: BytesLike, record_length: int) -> RecordHeader:
+    """``read_header`` for a split read: ``head`` holds at least the record's prefix and header
+    (``header_end_of`` bytes), ``record_length`` is the whole record's length, checked against the
+    header's payload length. Raises ``RecordFormatError``."""
+    header, _, _ = _parse(head, total=record_length)
+    return header
+
+
+def _validate_split(key: bytes, head: BytesLike, payload: memoryview, max_raw_bytes: int) -> RecordHeader:
+    """Structure, size cap and checksum of a record held as its head (prefix + header, exactly) and
+    its payload, wherever each lies."""
+    header, buf, payload_start = _parse(head, total=memoryview(head).nbytes + payload.nbytes)
+    if payload_start != buf.nbytes:
+        raise RecordFormatError(f"record head of {buf.nbytes} bytes, its header ends at {payload_start}")
     if header.raw_length > max_raw_bytes:
         raise RecordFormatError(f"raw length {header.raw_length} exceeds the limit of {max_raw_bytes} bytes")
-    payload = buf[payload_start:]
     body = buf[_PREFIX.size : payload_start - _CHECKSUM_BYTES]
     if _checksum(bytes(key), buf[: _PREFIX.size], body, payload) != header.checksum:
         raise RecordChecksumError("record checksum mismatch (corrupt bytes, or stored under another key)")
+    return header
+
+
+def check_payload_in_place(key: bytes, head: BytesLike, out: BytesLike, *, max_raw_bytes: int = 1 << 31) -> ChunkMeta:
+    """The checks of ``decode_record`` for a raw-codec record whose payload a reader already placed
+    straight into ``out`` (a direct read into the caller's buffer, no intermediate copy); ``head``
+    is the record's prefix and header. Raises ``CorruptRecordError`` subclasses (``out`` then holds
+    the bad bytes: a miss), ``RecordSizeMismatchError`` when an intact raw record is not of
+    ``out``'s size, ``ValueError`` when it is not raw (decode it with ``decode_split``)."""
+    target = _as_byte_view(out, "out")
+    header = _validate_split(key, head, target, max_raw_bytes)
+    if header.codec != CODEC_RAW:
+        raise ValueError(f"check_payload_in_place needs a raw record, this one is {header.codec}")
+    return header.meta
+
+
+def _validate(key: bytes, record: BytesLike, max_raw_bytes: int) -> Tuple[RecordHeader, memoryview, int]:
+    buf = _as_record_view(record)
+    payload_start = header_end_of(buf)
+    if payload_start > buf.nbytes:
+        raise RecordFormatError(f"record truncated: header needs {payload_start} bytes, record has {buf.nbytes}")
+    header = _validate_split(key, buf[:payload_start], buf[payload_start:], max_raw_bytes)
     return header, buf, payload_start
 
 
@@ -561,7 +614,21 @@ def decode_record(
     the order of checks); ``out`` is untouched unless the checksum and meta checks passed.
     """
     header, buf, payload_start = _validate(key, record, max_raw_bytes)
-    payload = buf[payload_start:]
+    return _decode_checked(header, buf[payload_start:], out, expected)
+
+
+def decode_split(key: bytes, head: BytesLike, payload: BytesLike, out: Optional[BytesLike] = None, *,
+                 max_raw_bytes: int = 1 << 31) -> Tuple[ChunkMeta, memoryview]:
+    """``decode_record`` of a record held in two pieces: ``head`` (its prefix and header, exactly)
+    and ``payload`` (the rest), as a segment file stores them (payload page-aligned)."""
+    view = _as_record_view(payload)
+    header = _validate_split(key, head, view, max_raw_bytes)
+    return _decode_checked(header, view, out, None)
+
+
+def _decode_checked(header: RecordHeader, payload: memoryview, out: Optional[BytesLike],
+                    expected: Optional[ChunkMeta]) -> Tuple[ChunkMeta, memoryview]:
+    """The payload of a validated record into ``out`` (or a fresh buffer)."""
     if expected is not None and header.meta != expected:
         raise RecordMetaMismatchError(f"record describes {header.meta}, expected {expected}")
 

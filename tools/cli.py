@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--no-quarantine", action="store_true", help="only report bad records, move nothing")
     verify.add_argument("--json", action="store_true")
 
-    gc = sub.add_parser("gc", help="evict least-recently-used records down to a byte bound")
+    gc = sub.add_parser("gc", help="evict least-recently-used records down to a byte bound, then "
+                                    "compact mostly-dead segment files")
     gc.add_argument("--cache-dir", required=True)
     gc.add_argument("--max-bytes", required=True, type=_size, help="bound, e.g. 1073741824 or 1GiB")
     gc.add_argument("--json", action="store_true")
@@ -303,7 +304,9 @@ def _cmd_gc(args) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         print(f"kvtier gc: evicted {result['evicted_records']} records, "
-              f"{result['bytes_before']} -> {result['bytes_after']} bytes")
+              f"{result['bytes_before']} -> {result['bytes_after']} bytes; compacted {result['compacted_records']} "
+              f"records, freed {result['compacted_segments']} segment files "
+              f"({result['segment_bytes_before']} -> {result['segment_bytes_after']} bytes of segment files)")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Primitives: ``inspect_cache`` (records per group, bytes raw and stored, compression, age),
 ``verify_cache`` (read and check every record), ``gc_cache`` (evict least-recently-used records down
-to a byte bound). All blocking: they open the tier synchronously, on the calling thread.
+to a byte bound, then compact mostly-dead payload segments). All blocking: they open the tier synchronously, on the calling thread.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
 from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, segment_disk_bytes
 
 __all__ = ["inspect_cache", "verify_cache", "gc_cache", "GroupReport", "InspectReport"]
 
@@ -122,12 +123,20 @@ def verify_cache(cache_dir: str, *, quarantine: bool = True):
 
 
 def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
-    """Evict least-recently-used records until stored bytes are at most ``max_bytes``."""
+    """Evict least-recently-used records until stored bytes are at most ``max_bytes``, then compact
+    the payload segments left mostly dead (``LmdbTier.compact_segments_sync``). Reports record
+    bytes before/after, and the segment files' bytes on disk before/after (what the disk got back)."""
     if max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
-    with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True) as tier:
+    # automatic passes off: the one explicit pass after the eviction does the work and reports it whole
+    with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True, segment_compaction_live_fraction=0) as tier:
         before = tier.statistics().bytes
+        segments_before = segment_disk_bytes(tier.path)
         evicted = tier.gc(max_bytes)
         after = tier.statistics().bytes
-    return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after}
+        compacted = tier.compact_segments_sync(live_fraction=DEFAULT_COMPACTION_LIVE_FRACTION)
+        segments_after = segment_disk_bytes(tier.path)
+    return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after,
+            "compacted_records": compacted.records, "compacted_segments": compacted.files_freed,
+            "segment_bytes_before": segments_before, "segment_bytes_after": segments_after}

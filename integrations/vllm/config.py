@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 from kvtier.errors import KvtierError
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
+from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
 __all__ = ["VllmTierConfig", "VllmTierConfigError"]
 
@@ -54,7 +55,7 @@ class VllmTierConfig:
     weights_version: str = ""
     hash_algorithm: Optional[str] = None
     max_inflight_jobs: int = 1024
-    read_workers: int = 2
+    read_workers: int = DEFAULT_READ_WORKERS
     op_timeout_s: float = 30.0
     enable_kv_events: bool = False
     locality: Optional[str] = None

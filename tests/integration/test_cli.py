@@ -13,6 +13,9 @@ import pytest
 from kvtier.tiers.lmdb.segments import SegmentPointer, is_pointer
 from kvtier.tools.cli import main
 
+# A segment pointer is magic | pid | counter | offset | length (u64) | ...: the length's high byte.
+LENGTH_HIGH_BYTE = 4 + 4 + 4 + 8 + 7
+
 
 def run_cli(*args: str, timeout: float = 120):
     return subprocess.run(
@@ -79,7 +82,7 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     # The demo's group-0 chunks (256 KiB) live in segment files, group 1's (64 KiB) inside LMDB.
     # Damage three records: the last payload byte of an inline one (rewritten through LMDB itself:
     # a valid B-tree, a bad record), the last byte of a segment record in its file, and a segment
-    # pointer itself (its length's high byte: it now claims ~72 PB).
+    # pointer itself (its length's high byte: it now claims ~6 EB).
     env = lmdb.open(str(cache), max_dbs=8, map_size=1 << 30)
     chunks = env.open_db(b"chunks")
     with env.begin(write=True, db=chunks) as txn:
@@ -97,7 +100,7 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x5A]))
         value = bytearray(values[in_segments[1]])
-        value[-1] ^= 0x5A
+        value[LENGTH_HIGH_BYTE] ^= 0x5A
         txn.put(in_segments[1], bytes(value))
     env.close()
     keys = [inline, *in_segments]

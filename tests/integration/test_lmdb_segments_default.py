@@ -127,7 +127,9 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
         assert {r.reason for r in removed} == {"deleted", "evicted"}
         assert await tier.check() == []
         _ledger_matches_pointers(tier)
-        survivors = [it for it in old + new + more if it[0] in _values(tier)]
+        tail = make_batch(2, 4, [5000])
+        await tier.put_many(tail)  # small: inline, beside the segment records
+        survivors = [it for it in old + new + more + tail if it[0] in _values(tier)]
         assert any(it[0] in _pointed(tier) for it in survivors) and any(it[0] not in _pointed(tier) for it in survivors)
         await _assert_served(tier, survivors)
         tier._segment_writer.rotate()  # our active segment may go too once empty
@@ -148,8 +150,8 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
 
 @pytest.mark.asyncio
 async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp_path: Path) -> None:
-    # Regression: a pointer whose length lost its high byte asked pread for ~72 PB (MemoryError
-    # out of verify and reads); it is a short segment, so a miss, quarantined and reported.
+    # Regression: a pointer whose length's high byte flipped asked for a buffer of exabytes
+    # (MemoryError out of verify and reads); it is a short segment, so a miss, quarantined and reported.
     items = make_batch(3, 0, [200_000, 200_000])
     async with await LmdbTier.open(tmp_path / "c", codec=RAW) as tier:
         removed: List[Removal] = []
@@ -157,7 +159,7 @@ async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp
         await tier.put_many(items)
         bad = items[0][0]
         value = bytearray(_values(tier)[bad])
-        value[-1] ^= 0xFF
+        value[4 + 4 + 4 + 8 + 7] ^= 0xFF  # magic | pid | counter | offset | length (u64): its high byte
 
         def damage(txn) -> None:
             txn.put(bad, bytes(value), db=tier._tables.chunks)
@@ -184,19 +186,20 @@ async def test_a_read_racing_the_deletion_of_its_segment_is_a_plain_miss(tmp_pat
         (name,) = {p.name for p in _pointed(tier).values()}
         tier._segment_writer.rotate()  # no writer holds it: emptied, it is deleted at once
         reader = tier._segment_reader
-        real_read = reader.read
+        real_fd = reader._fd
 
-        def read_after_the_delete(value):
+        def open_after_the_delete(segment: str) -> int:
             # inside the read's transaction (it already holds the pointer): the key is deleted
             # meanwhile and its segment goes, before this process ever opened the file
-            reader.read = real_read
+            reader._fd = real_fd
+            assert segment == name
             assert tier._writer.call(lambda: tier._delete_keys([key])) == 1
             assert not (tmp_path / "c" / name).exists()
-            return real_read(value)
+            return real_fd(segment)
 
-        reader.read = read_after_the_delete
+        reader._fd = open_after_the_delete
         assert await tier.get_many_into([(key, memoryview(bytearray(200_000)))]) == [None]
-        assert reader.read is real_read  # the race ran
+        assert reader._fd == real_fd  # the race ran
         stats = tier.statistics()
         assert (stats.misses, stats.corrupt) == (1, 0)
         await tier.flush()

@@ -335,3 +335,27 @@ def test_statistics_counts() -> None:
     assert stats["used_slots"] == 2 and stats["free_slots"] == 0
     assert stats["pinned_slots"] == 1 and stats["evictions"] == 1
     assert stats["allocations"] == 3 and stats["page_locked"] == 0
+
+
+def test_slots_of_segment_sized_chunks_start_on_page_boundaries() -> None:
+    """Slots of at least PAGE_ALIGNED_SLOT_MIN_BYTES start on a page boundary whatever their size
+    (direct I/O straight from and into them); smaller slots are packed; views are exactly
+    slot_bytes and never overlap."""
+    from kvtier.tiers.host import PAGE_ALIGNED_SLOT_MIN_BYTES, slot_stride
+
+    for slot_bytes in (100, 4096, PAGE_ALIGNED_SLOT_MIN_BYTES - 1, PAGE_ALIGNED_SLOT_MIN_BYTES, 100_000, 1 << 20):
+        pool = HostSlabPool(slot_bytes, 5)
+        views = [pool.view(s) for s in pool.allocate(5).slots]
+        starts = sorted(v.data_ptr() for v in views)
+        assert all(v.numel() == slot_bytes for v in views)
+        assert all(b - a == slot_stride(slot_bytes) for a, b in zip(starts, starts[1:]))
+        assert slot_stride(slot_bytes) >= slot_bytes
+        if slot_bytes >= PAGE_ALIGNED_SLOT_MIN_BYTES:
+            assert all(p % 4096 == 0 for p in starts)
+            assert slot_stride(slot_bytes) - slot_bytes < 4096
+        else:
+            assert slot_stride(slot_bytes) == slot_bytes
+        for v in views:
+            v.fill_(7)
+        assert all(int(v.sum()) == 7 * slot_bytes for v in views)
+        pool.close()

@@ -7,7 +7,7 @@ every record, quarantine the corrupt ones, for ``kvtier verify`` and stress tear
 transactions of ``_ITER_BATCH`` records, so they never pin old pages for long.
 
 ``Maintenance`` is a mixin of ``LmdbTier`` (it uses the tier's tables, read transactions, writer and
-the writer side's ``_write`` / ``_evict_to``).
+the writer side's ``_write`` / ``_evict_to``; segment compaction, ``compaction.Compaction``, comes with it).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import xxhash
 from kvtier.errors import CorruptRecordError
 
 from ..record_format import RecordHeader, decode_record, read_header, validate_record
-from ..writer import WriterThread
 from .segments import SegmentPointer, is_pointer, stored_size
 from .tables import ATIME
-from .writes import WriterSide
+from .compaction import Compaction
 
 __all__ = ["Maintenance", "RecordInfo", "VerifyReport"]
 
@@ -57,14 +56,8 @@ class VerifyReport:
     quarantined: int = 0
 
 
-class Maintenance(WriterSide):
+class Maintenance(Compaction):
     """Blocking tool helpers of ``LmdbTier``; see the module docstring."""
-
-    _max_raw_bytes: int
-    _writer: Optional[WriterThread]
-
-    def _check_usable(self, write: bool = False) -> None:
-        raise NotImplementedError  # LmdbTier's
 
     def _scan(self, visit: Callable[[lmdb.Transaction, bytes, memoryview], T]) -> Iterator[T]:
         """``visit(txn, key, value)`` for every record of ``chunks`` in cursor order, inside read

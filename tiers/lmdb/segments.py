@@ -17,7 +17,9 @@ Promises and how they are kept:
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
-  segment, in this or another process). Partly-live segments are not compacted (not built).
+  segment, in this or another process). A closed segment left mostly dead is compacted
+  (``compaction``: its live records move to the active segment, each pointer replaced only where
+  the key still holds the old one; the emptied file goes once no older read transaction is open).
 - several processes: each writer appends only to its own segment (named by pid and a counter,
   created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
 
@@ -31,7 +33,7 @@ between its create and its ``flock``.
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open).
+``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread).
 """
 
 from __future__ import annotations
@@ -51,20 +53,31 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import lmdb
+import numpy as np
 
 from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
 from ..base import ChunkMeta
 from ..files.layout import fsync_dir
-from ..record_format import CodecConfig, encode_record_parts
+from ..record_format import (
+    CodecConfig,
+    check_payload_in_place,
+    decode_record,
+    decode_split,
+    encode_record_parts,
+    header_end_of,
+    read_head,
+    read_header,
+)
 
 __all__ = [
     "SegmentPointer",
     "SegmentWriter",
     "SegmentReader",
-    "AlignedRecord",
+    "SegmentRecord",
     "encode_for_segments",
-    "record_bytes",
+    "codec_of",
+    "borrows_buffers",
     "release_records",
     "Ledger",
     "LIVE",
@@ -72,6 +85,8 @@ __all__ = [
     "stored_size",
     "segment_name",
     "remove_dead",
+    "held_by_writer",
+    "segment_files",
     "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
     "DEFAULT_SEGMENT_THRESHOLD_BYTES",
@@ -80,9 +95,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"KVSG"
-_POINTER = struct.Struct("<4sIIQQ")  # magic | writer pid | counter | offset | record length
-POINTER_SIZE = _POINTER.size  # 28: an inline record is never this short (its header alone is 58+)
+_MAGIC = b"KVSH"  # split layout: the record's head, then its payload from the next page boundary
+_MAGIC_CONTIGUOUS = b"KVSG"  # the first layout (the record's bytes in one run): still read, no longer written
+_POINTER = struct.Struct("<4sIIQQI")  # magic | writer pid | counter | offset | record length | head length
+_POINTER_CONTIGUOUS = struct.Struct("<4sIIQQ")
+POINTER_SIZE = _POINTER.size  # 32: an inline record is never this short (its header alone is 58+)
+_POINTER_SIZES = {_POINTER.size: _MAGIC, _POINTER_CONTIGUOUS.size: _MAGIC_CONTIGUOUS}
 LIVE = struct.Struct("<QQQ")  # live record bytes | live records | committed end offset
 _ALIGN = 4096
 _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
@@ -94,8 +112,7 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 _CREATION_LOCK = "segments.lock"
-_WRITE_SLICE = 64 << 20  # bytes staged at once (bounds the aligned staging buffer)
-POOLED_BUFFER_BYTES = 256 << 20  # free aligned record buffers kept for reuse (all tiers of the process)
+POOLED_BUFFER_BYTES = 256 << 20  # free aligned buffers kept for reuse (all tiers of the process)
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
 
 
@@ -114,32 +131,67 @@ def segment_name(pid: int, counter: int) -> str:
 
 @dataclass(frozen=True)
 class SegmentPointer:
-    """Where one record lives: segment (writer pid, counter), byte offset, record length."""
+    """Where one record lives: segment (writer pid, counter), byte offset, record length, and the
+    length of its head (prefix + header). On disk the head starts at ``offset`` and the payload at
+    the next page boundary after it, so both can move by direct I/O straight from and into
+    page-aligned buffers (a host slot) with no staging copy. ``head == 0``: the first layout, the
+    record's bytes in one run from ``offset`` (written by earlier builds; read, never written)."""
 
     pid: int
     counter: int
     offset: int
     length: int
+    head: int = 0
 
     @property
     def name(self) -> str:
         return segment_name(self.pid, self.counter)
 
+    @property
+    def split(self) -> bool:
+        return self.head > 0
+
+    @property
+    def payload_length(self) -> int:
+        return self.length - self.head
+
+    @property
+    def extent(self) -> int:
+        """Bytes the record takes in its segment (whole pages)."""
+        if not self.split:
+            return _round_up(self.length)
+        return _round_up(self.head) + _round_up(self.payload_length)
+
+    def file_offset(self, at: int) -> int:
+        """The segment offset of the record's byte ``at``."""
+        if self.split and at >= self.head:
+            return self.offset + _round_up(self.head) + at - self.head
+        return self.offset + at
+
     def pack(self) -> bytes:
-        return _POINTER.pack(_MAGIC, self.pid, self.counter, self.offset, self.length)
+        if not self.split:
+            return _POINTER_CONTIGUOUS.pack(_MAGIC_CONTIGUOUS, self.pid, self.counter, self.offset, self.length)
+        return _POINTER.pack(_MAGIC, self.pid, self.counter, self.offset, self.length, self.head)
 
     @staticmethod
     def unpack(value: "bytes | memoryview") -> "SegmentPointer":
-        magic, pid, counter, offset, length = _POINTER.unpack(bytes(value))
-        if magic != _MAGIC:
-            raise CorruptRecordError("segment pointer has a bad magic")
+        raw = bytes(value)
+        if not is_pointer(raw):
+            raise CorruptRecordError("segment pointer has a bad magic or length")
+        if len(raw) == _POINTER.size:
+            _, pid, counter, offset, length, head = _POINTER.unpack(raw)
+            if not 0 < head <= length:
+                raise CorruptRecordError(f"segment pointer with a head of {head} bytes in a {length}-byte record")
+            return SegmentPointer(pid, counter, offset, length, head)
+        _, pid, counter, offset, length = _POINTER_CONTIGUOUS.unpack(raw)
         return SegmentPointer(pid, counter, offset, length)
 
 
 def is_pointer(value: "bytes | memoryview") -> bool:
     """Whether a ``chunks`` value is a segment pointer (checks the length first: an inline record
     is longer, and its length is known without touching its pages)."""
-    return len(value) == POINTER_SIZE and bytes(value[:4]) == _MAGIC
+    magic = _POINTER_SIZES.get(len(value))
+    return magic is not None and bytes(value[:4]) == magic
 
 
 def stored_size(value: "bytes | memoryview") -> int:
@@ -176,73 +228,140 @@ class _BufferPool:
                 self._free.setdefault(len(buf), []).append(buf)
                 self._bytes += len(buf)
                 return
-        buf.close()
+        try:
+            buf.close()
+        except BufferError:
+            pass  # a view of it is still alive (an exception's frame): the map goes with it
 
 
 _BUFFERS: Optional[_BufferPool] = _BufferPool(POOLED_BUFFER_BYTES)
 
 
-class AlignedRecord:
-    """An encoded record in a page-aligned buffer, zero-padded to a whole page: the segment writer
-    writes it with O_DIRECT as it is (no staging copy). ``len`` is the record's length; the
-    buffer returns to the pool when the record is dropped."""
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
 
-    __slots__ = ("buffer", "_length")
 
-    def __init__(self, parts: Sequence["bytes | memoryview"], length: int) -> None:
+def _aligned(view: memoryview) -> bool:
+    """Whether direct I/O may use ``view`` as it is: its first byte on a page boundary."""
+    return view.nbytes > 0 and _address(view) % _ALIGN == 0
+
+
+def _byte_view(data: "bytes | memoryview") -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class SegmentRecord:
+    """An encoded record bound for a segment, as the direct write takes it: its head (prefix +
+    header) in a zero-padded pooled page, and its payload either *borrowed* -- the caller's own
+    page-aligned buffer (a host slot, a raw record), written straight from there -- or copied into
+    a pooled page-aligned buffer (compressed planes, or a buffer off a page boundary). A payload
+    whose length is not a whole number of pages has its last partial page copied into a padded
+    pooled page. ``len`` is the record's length; ``release`` returns the pooled buffers (after the
+    batch committed: nothing reads them again) and drops the borrowed view.
+
+    A borrowed payload is read by the segment writer after ``put_many`` handed the batch over, so
+    the caller's buffer must not change until the put has ended -- ``put_many``'s buffer rule, kept
+    by waiting for the batch's write even when the call is cancelled."""
+
+    __slots__ = ("head", "_length", "_pages", "_borrowed")
+
+    def __init__(self, head: bytes, payload: Sequence["bytes | memoryview"]) -> None:
         assert _BUFFERS is not None
-        self.buffer = _BUFFERS.take(_round_up(length))
-        self._length = length
-        at = 0
-        for part in parts:
-            n = memoryview(part).nbytes
-            self.buffer[at : at + n] = part
-            at += n
-        self.buffer[at:] = bytes(len(self.buffer) - at)  # no stale bytes on disk
+        self.head = head
+        views = [_byte_view(part) for part in payload]
+        n = sum(v.nbytes for v in views)
+        self._length = len(head) + n
+        self._borrowed: Optional[memoryview] = None
+        head_bytes = _round_up(len(head))
+        if len(views) == 1 and _aligned(views[0]) and n >= _ALIGN:
+            whole = n - n % _ALIGN
+            self._borrowed = views[0][:whole]
+            tail = views[0][whole:]
+            self._pages = _BUFFERS.take(head_bytes + _round_up(tail.nbytes))
+            self._pages[head_bytes : head_bytes + tail.nbytes] = tail
+            self._pages[head_bytes + tail.nbytes :] = bytes(len(self._pages) - head_bytes - tail.nbytes)
+        else:
+            self._pages = _BUFFERS.take(head_bytes + _round_up(n))
+            at = head_bytes
+            for v in views:
+                self._pages[at : at + v.nbytes] = v
+                at += v.nbytes
+            self._pages[at:] = bytes(len(self._pages) - at)  # no stale bytes on disk
+        self._pages[: len(head)] = head
+        self._pages[len(head) : head_bytes] = bytes(head_bytes - len(head))
+
+    @staticmethod
+    def of_bytes(record: "bytes | memoryview") -> "SegmentRecord":
+        """A record given as one run of bytes (``encode_record``'s, or one read back to move it)."""
+        view = _byte_view(record)
+        end = header_end_of(view)
+        return SegmentRecord(bytes(view[:end]), [view[end:]])
 
     def __len__(self) -> int:
         return self._length
 
-    def __bytes__(self) -> bytes:
-        return self.buffer[: self._length]
+    @property
+    def borrows(self) -> bool:
+        """Whether the write reads the caller's buffer (until the batch's put has ended)."""
+        return self._borrowed is not None
 
-    def view(self) -> memoryview:
-        """The record's bytes (without the padding), for readers of its header."""
-        return memoryview(self.buffer)[: self._length]
+    def iovecs(self) -> List[memoryview]:
+        """The record's extent as page-aligned pieces, in file order (head page(s), payload)."""
+        assert self._pages is not None, "released"
+        pages = memoryview(self._pages)
+        head_bytes = _round_up(len(self.head))
+        if self._borrowed is None:
+            return [pages]
+        out = [pages[:head_bytes], self._borrowed]
+        if len(pages) > head_bytes:
+            out.append(pages[head_bytes:])
+        return out
+
+    def codec(self) -> str:
+        return read_head(self.head, self._length).codec
 
     def release(self) -> None:
         """Back to the pool now (the record is durable and committed; nothing reads it again).
         Not left to ``__del__`` alone: a batch's records may wait in a reference cycle until the
         next garbage collection, and a fresh buffer for each batch costs its page faults again."""
-        buf, self.buffer = self.buffer, None
-        if buf is not None and _BUFFERS is not None:  # None only while the interpreter shuts down
-            _BUFFERS.give(buf)
+        pages, self._pages = self._pages, None
+        self._borrowed = None
+        if pages is not None and _BUFFERS is not None:  # None only while the interpreter shuts down
+            _BUFFERS.give(pages)
 
     def __del__(self) -> None:
         self.release()
 
 
-def record_bytes(record: "bytes | AlignedRecord") -> "bytes | memoryview":
-    """A bytes-like view of an encoded record, aligned or not."""
-    return record.view() if isinstance(record, AlignedRecord) else record
+def codec_of(record: "bytes | SegmentRecord") -> str:
+    """The codec of an encoded record, inline or bound for a segment."""
+    return record.codec() if isinstance(record, SegmentRecord) else read_header(record).codec
 
 
-def release_records(records: Iterable["bytes | AlignedRecord"]) -> None:
-    """After a successful commit: return the aligned records' buffers to the pool."""
+def borrows_buffers(records: Iterable["bytes | SegmentRecord"]) -> bool:
+    """Whether any of an encoded batch's records will be written straight from a caller's buffer."""
+    return any(isinstance(r, SegmentRecord) and r.borrows for r in records)
+
+
+def release_records(records: Iterable["bytes | SegmentRecord"]) -> None:
+    """After a successful commit: return the segment records' buffers to the pool."""
     for record in records:
-        if isinstance(record, AlignedRecord):
+        if isinstance(record, SegmentRecord):
             record.release()
 
 
 def encode_for_segments(key: bytes, meta: ChunkMeta, raw: "bytes | memoryview", codec: CodecConfig,
-                        threshold: int) -> "bytes | AlignedRecord":
-    """``encode_record``, placing a record of at least ``threshold`` bytes (one bound for a
-    segment) straight in a pooled aligned buffer instead of a fresh ``bytes``."""
+                        threshold: int) -> "bytes | SegmentRecord":
+    """``encode_record``, giving a record of at least ``threshold`` bytes (one bound for a segment)
+    as a ``SegmentRecord`` (a raw payload in a page-aligned buffer is borrowed, not copied)
+    instead of a fresh ``bytes``."""
     parts = encode_record_parts(key, meta, raw, codec)
     length = sum(memoryview(p).nbytes for p in parts)
     if length < threshold:
         return b"".join(parts)
-    return AlignedRecord(parts, length)
+    prefix, body, digest, *payload = parts
+    return SegmentRecord(b"".join((prefix, body, digest)), payload)
 
 
 class SegmentWriter:
@@ -257,7 +376,6 @@ class SegmentWriter:
         self._fd: Optional[int] = None
         self._end = 0
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
-        self._staging: Optional[mmap.mmap] = None
         self._lanes: Optional[ThreadPoolExecutor] = None  # helper threads of one append (never state)
 
     @property
@@ -297,21 +415,25 @@ class SegmentWriter:
             os.close(self._fd)
             self._fd = None
 
-    def append(self, records: Sequence[bytes]) -> List[SegmentPointer]:
-        """Write ``records`` one after another at page-aligned offsets and ``fdatasync``; raises
-        ``TierFullError`` / ``TierIOError`` (then nothing committed points at the bytes)."""
+    def append(self, records: Sequence["SegmentRecord | bytes"]) -> List[SegmentPointer]:
+        """Write ``records`` one after another at page-aligned offsets (each record's head page,
+        then its payload pages) and ``fdatasync``; raises ``TierFullError`` / ``TierIOError``
+        (then nothing committed points at the bytes). ``bytes`` records (one run of a record's
+        bytes) are laid out the same way."""
+        placed = [r if isinstance(r, SegmentRecord) else SegmentRecord.of_bytes(r) for r in records]
         if self._fd is None or self._end >= self._max_bytes:
             self.rotate()
             self._open_next()
         assert self._fd is not None
         pointers: List[SegmentPointer] = []
-        start = self._end
-        pos = start
-        for record in records:
-            pointers.append(SegmentPointer(self._pid, self._counter, pos, len(record)))
-            pos += _round_up(len(record))
+        pos = self._end
+        for record in placed:
+            pointer = SegmentPointer(self._pid, self._counter, pos, len(record), len(record.head))
+            pointers.append(pointer)
+            pos += pointer.extent
         try:
-            self._write_aligned(records, pointers, start, pos)
+            lanes = [range(k, len(placed), WRITES_IN_FLIGHT) for k in range(min(len(placed), WRITES_IN_FLIGHT))]
+            self._run_all([lambda lane=lane: self._write_records(placed, pointers, lane) for lane in lanes])
             os.fdatasync(self._fd)
         except OSError as exc:
             # The tail may hold part of the batch: skip past it, never overwrite what a reader
@@ -324,48 +446,12 @@ class SegmentWriter:
         self._end = pos
         return pointers
 
-    def _write_aligned(self, records: Sequence[bytes], pointers: Sequence[SegmentPointer], start: int, end: int) -> None:
-        """pwrite the batch in slices of at most ``_WRITE_SLICE`` bytes from a page-aligned buffer,
-        each record's extent its own pwrite with up to ``WRITES_IN_FLIGHT`` in flight (one queue
-        of direct writes leaves the disk idle between them; the bare probe's 4 reach its limit)."""
+    def _write_records(self, records: Sequence[SegmentRecord], pointers: Sequence[SegmentPointer], lane: Iterable[int]) -> None:
+        """One in-flight lane (up to ``WRITES_IN_FLIGHT`` of them: one queue of direct writes leaves
+        the disk idle between them): each record of ``lane`` in one ``pwritev`` of its pages."""
         assert self._fd is not None
-        i = 0
-        while i < len(records):
-            slice_start = pointers[i].offset
-            j = i
-            while j < len(records) and (j == i or pointers[j].offset + _round_up(len(records[j])) - slice_start <= _WRITE_SLICE):
-                j += 1
-            slice_end = pointers[j - 1].offset + _round_up(len(records[j - 1]))
-            staged = any(not isinstance(records[k], AlignedRecord) for k in range(i, j))
-            staging = self._staging_of(slice_end - slice_start) if staged else None
-            parts = [range(k, j, WRITES_IN_FLIGHT) for k in range(i, min(j, i + WRITES_IN_FLIGHT))]
-            jobs = [lambda part=part: self._write_records(staging, records, pointers, slice_start, part) for part in parts]
-            self._run_all(jobs)
-            i = j
-
-    def _write_records(self, staging: Optional[mmap.mmap], records: Sequence[bytes], pointers: Sequence[SegmentPointer],
-                       slice_start: int, part: Iterable[int]) -> None:
-        """One in-flight lane: copy each record of ``part`` to its aligned place (zero-padded: no
-        stale bytes on disk) and pwrite that extent."""
-        assert self._fd is not None
-        for k in part:
-            record = records[k]
-            n = len(record)
-            size = _round_up(n)
-            if isinstance(record, AlignedRecord):
-                view = memoryview(record.buffer)[:size]
-            else:
-                assert staging is not None
-                at = pointers[k].offset - slice_start
-                staging[at : at + n] = record
-                staging[at + n : at + size] = bytes(size - n)
-                view = memoryview(staging)[at : at + size]
-            try:
-                done = 0
-                while done < size:
-                    done += os.pwrite(self._fd, view[done:], pointers[k].offset + done)
-            finally:
-                view.release()
+        for k in lane:
+            _pwritev_all(self._fd, records[k].iovecs(), pointers[k].offset)
 
     def _run_all(self, jobs: List[Callable[[], None]]) -> None:
         """Run ``jobs`` on the lane pool (the last on this thread) and wait for EVERY one before
@@ -389,27 +475,17 @@ class SegmentWriter:
         if first is not None:
             raise first
 
-    def _staging_of(self, nbytes: int) -> mmap.mmap:
-        """The reused page-aligned staging buffer (anonymous map), at least ``nbytes`` long: a fresh
-        map per batch would page-fault and zero every page again."""
-        if self._staging is None or len(self._staging) < nbytes:
-            if self._staging is not None:
-                self._staging.close()
-            self._staging = mmap.mmap(-1, max(nbytes, _ALIGN))
-        return self._staging
-
     def close(self) -> None:
         self.rotate()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)
             self._lanes = None
 
 
 class SegmentReader:
-    """Reads records out of segments by pointer (any thread). Keeps one read-only fd per segment."""
+    """Reads records out of segments by pointer (any thread). Keeps one read-only fd per segment,
+    O_DIRECT where the filesystem takes it: a split record's payload goes from the disk straight
+    into the caller's page-aligned buffer, with neither the page cache's copy nor ours."""
 
     def __init__(self, directory: Path) -> None:
         self._dir = directory
@@ -423,34 +499,100 @@ class SegmentReader:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                fd = os.open(self._dir / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                try:
+                    fd = os.open(self._dir / name, flags | getattr(os, "O_DIRECT", 0))
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    fd = os.open(self._dir / name, flags)  # tmpfs and others refuse O_DIRECT
                 self._fds[name] = fd
             return fd
 
     def read(self, value: "bytes | memoryview") -> bytes:
-        """The record a pointer names. A missing segment or short read is ``CorruptRecordError``
-        (a miss, quarantined like a checksum failure); other OS errors are ``TierIOError``."""
+        """The record a pointer names, as one run of bytes (``encode_record``'s). A missing segment
+        or short read is ``CorruptRecordError`` (a miss, quarantined like a checksum failure);
+        other OS errors are ``TierIOError``."""
         pointer = SegmentPointer.unpack(value)
+        with self._extent(pointer) as extent:
+            if not pointer.split:
+                return bytes(extent[: pointer.length])
+            payload_at = _round_up(pointer.head)
+            return bytes(extent[: pointer.head]) + bytes(extent[payload_at : payload_at + pointer.payload_length])
+
+    def read_into(self, key: bytes, value: "bytes | memoryview", out: memoryview, *, max_raw_bytes: int) -> ChunkMeta:
+        """Decode the record a pointer names into ``out`` and return its meta (``decode_record``'s
+        checks and errors, plus ``read``'s). When ``out`` is page-aligned and of the payload's
+        size (a raw record of a host slot's size), one vectored read puts the head in a pooled
+        page and the payload straight into ``out``, checksummed there: nothing of the chunk's size
+        is allocated or copied (at 4 MiB, the bytes object and its copy cost a third of a cold
+        read). Anything else is read into a pooled buffer and decoded from it. ``out`` is
+        unspecified after a failure, as ``get_many_into`` allows for a miss."""
+        pointer = SegmentPointer.unpack(value)
+        target = _byte_view(out)
+        if (not pointer.split or pointer.payload_length != target.nbytes or target.readonly
+                or not _aligned(target)):
+            with self._extent(pointer) as extent:
+                if not pointer.split:
+                    return decode_record(key, extent[: pointer.length], out, max_raw_bytes=max_raw_bytes)[0]
+                payload_at = _round_up(pointer.head)
+                return decode_split(key, extent[: pointer.head], extent[payload_at : payload_at + pointer.payload_length],
+                                    out, max_raw_bytes=max_raw_bytes)[0]
+        assert _BUFFERS is not None
+        whole = target.nbytes - target.nbytes % _ALIGN
+        pages = _BUFFERS.take(_round_up(pointer.head) + _round_up(target.nbytes - whole))
         try:
-            fd = self._fd(pointer.name)
-            # A damaged pointer can claim any length: check it against the file before allocating
-            # it (a flipped high byte would otherwise ask pread for terabytes: MemoryError).
-            size = os.fstat(fd).st_size
-            if pointer.offset + pointer.length > size:
-                raise CorruptRecordError(
-                    f"segment {pointer.name} is short: {max(0, size - pointer.offset)} of {pointer.length} bytes "
-                    f"at offset {pointer.offset}"
-                )
-            data = os.pread(fd, pointer.length, pointer.offset)
+            view = memoryview(pages)
+            head_bytes = _round_up(pointer.head)
+            pieces = [view[:head_bytes], target[:whole]] + ([view[head_bytes:]] if len(pages) > head_bytes else [])
+            self._read_exactly(pointer, pieces)
+            target[whole:] = view[head_bytes : head_bytes + target.nbytes - whole]
+            meta = check_payload_in_place(key, view[: pointer.head], target, max_raw_bytes=max_raw_bytes)
+            view.release()
+            return meta
+        finally:
+            _BUFFERS.give(pages)
+
+    @contextlib.contextmanager
+    def _extent(self, pointer: SegmentPointer) -> Iterator[memoryview]:
+        """The record's whole extent, read into a pooled page-aligned buffer lent for the block."""
+        assert _BUFFERS is not None
+        self._check_extent(pointer)
+        pages = _BUFFERS.take(pointer.extent)
+        view = memoryview(pages)
+        try:
+            self._read_exactly(pointer, [view])
+            yield view
+        finally:
+            view.release()
+            _BUFFERS.give(pages)
+
+    def _check_extent(self, pointer: SegmentPointer) -> None:
+        """A damaged pointer can claim any length: check its extent against the file before a
+        buffer of that size is taken (a flipped high byte would ask for petabytes: MemoryError)."""
+        try:
+            size = os.fstat(self._fd(pointer.name)).st_size
         except FileNotFoundError as exc:
             raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
         except OSError as exc:
             raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
-        if len(data) != pointer.length:
+        if pointer.offset + pointer.extent > size:
             raise CorruptRecordError(
-                f"segment {pointer.name} is short: {len(data)} of {pointer.length} bytes at offset {pointer.offset}"
+                f"segment {pointer.name} is short: {size} bytes, the record claims {pointer.extent} at offset {pointer.offset}"
             )
-        return data
+
+    def _read_exactly(self, pointer: SegmentPointer, pieces: List[memoryview]) -> None:
+        """Fill ``pieces`` from the record's offset: a missing segment or one that ends first is
+        corruption (a miss, quarantined like a checksum failure), any other OS error
+        ``TierIOError``."""
+        try:
+            complete = _preadv_all(self._fd(pointer.name), pieces, pointer.offset)
+        except FileNotFoundError as exc:
+            raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
+        except OSError as exc:
+            raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
+        if not complete:
+            raise CorruptRecordError(f"segment {pointer.name} is short: it ends inside the record at offset {pointer.offset}")
 
     def forget(self, names: Iterable[str]) -> None:
         with self._lock:
@@ -477,12 +619,15 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
+        # after ``commit``: name -> (live bytes before, live bytes after, committed end) of each
+        # touched segment that still has records (what the automatic compaction check looks at)
+        self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
         d = self._delta.setdefault(pointer.name, [0, 0, 0])
         d[0] += pointer.length
         d[1] += 1
-        d[2] = max(d[2], pointer.offset + _round_up(pointer.length))
+        d[2] = max(d[2], pointer.offset + pointer.extent)
 
     def drop(self, value: "bytes | memoryview") -> None:
         """A ``chunks`` value is going away; counts only when it is a pointer."""
@@ -496,13 +641,14 @@ class Ledger:
         for name, (dbytes, drecords, end) in self._delta.items():
             key = name.encode()
             old = self._txn.get(key, db=self._table)
-            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
-            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
+            before, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, before + dbytes), max(0, records + drecords), max(committed, end)
             if records == 0:
                 self._txn.delete(key, db=self._table)
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
+                self.remaining[name] = (before, live, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:
@@ -511,6 +657,24 @@ def _locked_elsewhere(fd: int) -> bool:
     except BlockingIOError:
         return True
     return False
+
+
+def held_by_writer(directory: Path, name: str) -> Optional[bool]:
+    """Whether a writer (of any process, this one included) still holds segment ``name``'s lock,
+    i.e. may append to it; ``None`` when the file does not exist. Compaction leaves held ones."""
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        return _locked_elsewhere(fd)
+    finally:
+        os.close(fd)  # drops the lock the probe may have taken
+
+
+def segment_files(directory: Path) -> List[str]:
+    """Names of the segment files in ``directory``."""
+    return sorted(name for name in os.listdir(directory) if _NAME.match(name))
 
 
 def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:
@@ -595,6 +759,37 @@ def committed_ends(txn: lmdb.Transaction, table: "lmdb._Database") -> Dict[str, 
         if len(v) == LIVE.size:
             out[bytes(k).decode(errors="replace")] = LIVE.unpack(v)[2]
     return out
+
+
+def _pwritev_all(fd: int, views: List[memoryview], offset: int) -> None:
+    """``pwritev`` every byte of ``views`` at ``offset``, continuing after a short write."""
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "segment write made no progress")
+        offset += n
+        views = _advance(views, n)
+
+
+def _preadv_all(fd: int, views: List[memoryview], offset: int) -> bool:
+    """Fill ``views`` from ``offset``; False when the file ends first."""
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n <= 0:
+            return False
+        offset += n
+        views = _advance(views, n)
+    return True
+
+
+def _advance(views: List[memoryview], n: int) -> List[memoryview]:
+    """``views`` less their first ``n`` bytes (after a short vectored read or write)."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
 
 
 def _io_error(exc: OSError, what: str) -> Exception:

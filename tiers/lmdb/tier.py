@@ -14,7 +14,9 @@ Primitives and the threads they run on:
   ``reader_check_interval_s`` (and once at open), and asks the writer to persist access times every
   ``access_flush_interval_s``.
 - blocking helpers for tools (``maintenance.Maintenance``): ``iter_records``, ``verify``, ``gc``,
-  ``quarantined_keys``, and ``close_sync``.
+  ``quarantined_keys``, ``compact_segments_sync``, and ``close_sync``; ``compact_segments`` (async)
+  and the automatic passes are ``compaction.Compaction``'s (planned on the read pool, moved in
+  writer-thread steps).
 
 Capacity (``capacity_bytes``) counts stored record bytes (``statistics()['bytes']``); the data file
 is larger by LMDB's page rounding and free pages. A record that fails its checksum on a read is a
@@ -45,7 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import lmdb
 import xxhash
@@ -73,15 +75,16 @@ from ..base import (
     TierStatistics,
     check_key,
 )
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads
+from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel, wait_threads
 from ..lru import ByteLru
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
 from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
 from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
+from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, STEP_BYTES as COMPACTION_STEP_BYTES, check_live_fraction
 from .maintenance import Maintenance
 from .readahead import advise_willneed
-from .segments import encode_for_segments
+from .segments import borrows_buffers, encode_for_segments
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
@@ -98,7 +101,7 @@ from .segments import (
 )
 from .writes import PutJob
 
-__all__ = ["LmdbTier"]
+__all__ = ["LmdbTier", "DEFAULT_READ_WORKERS"]
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +109,17 @@ T = TypeVar("T")
 PathLike = Union[str, "os.PathLike[str]"]
 
 _MIN_MAP_SIZE = 1 << 20
+# Read (and encode) threads. A segment record's direct read blocks its thread for the whole I/O, so
+# this is also the reads in flight: 4, as the bench's O_DIRECT read limit (2 left cold 256 KiB
+# restores at ~0.6x of that limit, 4 brought them to ~0.9x in the same runs).
+DEFAULT_READ_WORKERS = 4
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
 # Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).
 _COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined", "evictions",
              "deletes", "errors", "put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records",
-             "map_growths", "stale_readers_cleared")
+             "map_growths", "stale_readers_cleared", "compaction_passes", "compacted_records", "compacted_bytes",
+             "compacted_segments", "compaction_bytes_freed")
 
 # the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
 # inheriting the parent's entries.
@@ -125,7 +133,7 @@ class LmdbTier(ChunkTier, Maintenance):
     Arguments (units in the names): ``capacity_bytes`` bounds stored record bytes (``None``: only
     the disk and ``max_map_size_bytes`` bound it); ``map_size_bytes`` is the initial map, grown by
     doubling up to ``max_map_size_bytes``; ``codec`` encodes records; ``read_workers`` threads read and
-    encode; ``readonly`` opens for reading only (writes raise ``TierIOError``);
+    encode (``DEFAULT_READ_WORKERS``); ``readonly`` opens for reading only (writes raise ``TierIOError``);
     ``verify_structure`` checks the whole LMDB file with py-lmdb's offline verifier before LMDB
     touches it, when no other process has it open (``CorruptCacheError`` if damaged);
     ``segment_threshold_bytes``: records of at least this many encoded bytes go to append-only
@@ -134,6 +142,8 @@ class LmdbTier(ChunkTier, Maintenance):
     to write faster than LMDB (docs/ARCHITECTURE.md); ``None`` or 0 keeps every record inside LMDB.
     Either setting reads and deletes both kinds, so a cache written with one opens with the other. ``segment_max_bytes``: a writer starts a
     new segment past this size (space returns by whole segment).
+    ``segment_compaction_live_fraction``: a closed segment whose live bytes fall below this fraction
+    of its size has its live records moved and is deleted (``compaction``; 0 turns it off).
     """
 
     name = "lmdb"
@@ -146,7 +156,7 @@ class LmdbTier(ChunkTier, Maintenance):
         map_size_bytes: int = 1 << 30,
         max_map_size_bytes: int = 1 << 40,
         codec: CodecConfig = CodecConfig(),
-        read_workers: int = 2,
+        read_workers: int = DEFAULT_READ_WORKERS,
         reader_check_interval_s: float = 30.0,
         access_flush_interval_s: float = 5.0,
         readonly: bool = False,
@@ -155,6 +165,7 @@ class LmdbTier(ChunkTier, Maintenance):
         verify_structure: bool = False,
         segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES,
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
+        segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -174,6 +185,13 @@ class LmdbTier(ChunkTier, Maintenance):
         threshold = check_segment_threshold(segment_threshold_bytes)
         if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
             raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
+        self._compaction_live_fraction = check_live_fraction(segment_compaction_live_fraction)
+        self._compaction_step_bytes = COMPACTION_STEP_BYTES
+        self._compaction_scheduled = False
+        self._compaction_wanted = False
+        self._compaction_locked: Set[str] = set()
+        self._retiring: List[Tuple[int, str, int]] = []
+        self._retire_timer = False
         self._segment_threshold = threshold
         self._segment_max_bytes = segment_max_bytes
         self._segment_writer: Optional[SegmentWriter] = None
@@ -365,6 +383,13 @@ class LmdbTier(ChunkTier, Maintenance):
             for k, v in deltas.items():
                 self._counters[k] += v
 
+    def _submit_to_pool(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the read pool, unawaited (any thread); ``ClosedError`` once closing."""
+        try:
+            self._pool.submit(fn)
+        except RuntimeError as exc:  # shut down by close()
+            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
+
     async def _in_pool(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         try:
@@ -399,7 +424,9 @@ class LmdbTier(ChunkTier, Maintenance):
         All or nothing. Raises ``TierFullError`` (batch larger than the capacity, disk full, map at
         its limit), ``TierIOError`` (LMDB failed; the tier is then ``degraded``), ``ClosedError``.
         Cancelling it: the batch still lands (or fails) all or nothing; the call returns only once
-        encoding has read the raw buffers, then re-raises ``CancelledError``.
+        nothing reads the raw buffers any more -- once encoding has read them, or, when records go
+        to a segment straight from the caller's page-aligned buffers, once the batch has landed or
+        failed -- then re-raises ``CancelledError``.
         """
         self._check_usable(write=True)
         batch = []
@@ -453,9 +480,15 @@ class LmdbTier(ChunkTier, Maintenance):
 
         encoding.add_done_callback(hand_to_writer)
         try:
-            return await fut
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            await wait_threads(encoding)  # the buffer rule: encoders no longer read the raw buffers
+            try:
+                await wait_threads(encoding)  # the buffer rule: encoders no longer read the raw buffers
+                if borrows_buffers(record for _, record in encoding.result()):
+                    await wait_through_cancel(fut)  # nor does the segment writer
+            finally:
+                if not fut.cancel():  # done already: mark its outcome read, it is nobody's now
+                    fut.exception()
             raise
 
     async def get_many_into(self, items: Sequence[GetItem]) -> List[Optional[ChunkMeta]]:
@@ -499,8 +532,10 @@ class LmdbTier(ChunkTier, Maintenance):
                     results.append(None)
                     continue
                 try:
-                    stored = self._segment_reader.read(record) if is_pointer(record) else record
-                    meta, _ = decode_record(key, stored, buf, max_raw_bytes=self._max_raw_bytes)
+                    if is_pointer(record):
+                        meta = self._segment_reader.read_into(key, record, buf, max_raw_bytes=self._max_raw_bytes)
+                    else:
+                        meta, _ = decode_record(key, record, buf, max_raw_bytes=self._max_raw_bytes)
                 except RecordSizeMismatchError as exc:
                     log.warning("kvtier lmdb: %s for key %s", exc, key.hex())
                     results.append(None)
@@ -674,7 +709,9 @@ class LmdbTier(ChunkTier, Maintenance):
     def statistics(self) -> TierStatistics:
         """The shared counters (``TierStatistics``) and, in ``extra``: ``map_size_bytes``,
         ``put_commits``, ``raw_bytes_in``, ``stored_bytes_in``, ``compressed_records``,
-        ``map_growths``, ``stale_readers_cleared``. Cheap; any thread of the opening process (it
+        ``map_growths``, ``stale_readers_cleared``, and segment compaction's ``compaction_passes``,
+        ``compacted_records`` / ``compacted_bytes`` (records moved), ``compacted_segments`` /
+        ``compaction_bytes_freed`` (segment files it emptied and deleted, their sizes). Cheap; any thread of the opening process (it
         reads the environment's info, which a forked child must not touch)."""
         if os.getpid() != self._pid:
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")

@@ -30,9 +30,8 @@ from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 from ..base import IOHook, Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
-from ..record_format import read_header
 from ..writer import Job, SharedExclusiveLock
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, record_bytes, release_records, remove_dead, stored_size
+from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, codec_of, is_pointer, release_records, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
@@ -85,6 +84,11 @@ class WriterSide:
 
     def _open_env(self, map_size_bytes: int) -> None:
         raise NotImplementedError  # LmdbTier's
+
+    def _segments_changed(self, ledger: Ledger) -> None:
+        """Inside a put/delete transaction, after its ledger's commit: compaction's trigger
+        (``compaction.Compaction``)."""
+        raise NotImplementedError
 
     def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
         """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
@@ -237,12 +241,13 @@ class WriterSide:
                 txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
             ledger.commit()
             self._emptied_segments += ledger.emptied
+            self._segments_changed(ledger)
 
             def apply() -> int:
                 self._forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
                     self._lru.put(key, len(record))
-                compressed = sum(1 for r in batch.values() if read_header(record_bytes(r)).codec != "raw")
+                compressed = sum(1 for r in batch.values() if codec_of(r) != "raw")
                 self._count(
                     puts=len(encoded),
                     put_batches=batches,
@@ -266,19 +271,24 @@ class WriterSide:
         large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
         if not large:
             return batch
-        if self._segment_writer is None:
-            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
-        self._io_hook.before("put")
-        try:
-            pointers = self._segment_writer.append([batch[key] for key in large])
-        except (TierIOError, TierFullError):
-            self._degraded = True
-            self._count(errors=1)
-            raise
+        pointers = self._append_synced([batch[key] for key in large])
         values = dict(batch)
         for key, pointer in zip(large, pointers):
             values[key] = pointer.pack()
         return values
+
+    def _append_synced(self, records: List[bytes]) -> List[SegmentPointer]:
+        """Append ``records`` to this writer's segment (opening one if needed) and sync it; a
+        failure marks the tier degraded (puts, and compaction's moves)."""
+        if self._segment_writer is None:
+            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
+        self._io_hook.before("put")
+        try:
+            return self._segment_writer.append(records)
+        except (TierIOError, TierFullError):
+            self._degraded = True
+            self._count(errors=1)
+            raise
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()
@@ -350,6 +360,7 @@ class WriterSide:
         if own:
             ledger.commit()
             self._emptied_segments += ledger.emptied
+            self._segments_changed(ledger)
 
     def _forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
         """After the commit that removed ``keys``: drop them from the LRU, count, report them."""

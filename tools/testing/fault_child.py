@@ -8,6 +8,9 @@ Run as ``python -m kvtier.tools.testing.fault_child COMMAND ...`` (or, for ``spa
   Another coroutine reads acknowledged chunks back and checks them. For kill -9 tests.
 - ``engine-spill``: the same through an ``OffloadEngine`` with a cache directory: ``ack <request>``
   once a request's store is durable. The parent regenerates the request from ``(seed, request)``.
+- ``compact-churn``: like ``spill`` with segments of 1 MiB, but each round also puts a scratch
+  batch (never acknowledged) and deletes an older one whole, so segments end up partly live, and
+  runs ``compact_segments`` (automatic passes run too): ``ack <batch> <keys>``, ``compacted <n>``.
 - ``hold-reader``: open the directory read-only with plain LMDB, begin a read transaction and keep
   it (a reader slot pinning a snapshot), print ``holding``, sleep. For kill -9 of a reader.
 - ``warmup-writer``: write batches for ``--duration-s`` seconds, deleting batches older than
@@ -52,6 +55,8 @@ from kvtier.tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
     import subprocess
+
+    from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = [
     "KeyInfo",
@@ -227,17 +232,19 @@ def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = Fals
 # ---------------------------------------------------------------------------------- commands
 
 
-async def _spill(args: argparse.Namespace) -> None:
+async def _open_ready(args: argparse.Namespace, **options: object) -> "LmdbTier":
+    """The child's tier (frequent access flushes and reader checks: more writer work to interrupt),
+    then ``ready``."""
     from kvtier.tiers.lmdb import LmdbTier
 
-    tier = await LmdbTier.open(
-        args.dir,
-        map_size_bytes=args.map_size_bytes,
-        access_flush_interval_s=0.05,
-        reader_check_interval_s=0.2,
-        segment_threshold_bytes=args.segment_threshold_bytes,
-    )
+    tier = await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, access_flush_interval_s=0.05,
+                               reader_check_interval_s=0.2, **options)
     _emit("ready")
+    return tier
+
+
+async def _spill(args: argparse.Namespace) -> None:
+    tier = await _open_ready(args, segment_threshold_bytes=args.segment_threshold_bytes)
     rng = random.Random(args.seed)
     next_batch = iter(range(1 << 30))
     acked: List[bytes] = []
@@ -264,6 +271,24 @@ async def _spill(args: argparse.Namespace) -> None:
                     _emit(f"BAD {k.hex()}")
 
     await asyncio.gather(*(writer() for _ in range(args.writers)), reader())
+
+
+async def _compact_churn(args: argparse.Namespace) -> None:
+    tier = await _open_ready(args, segment_threshold_bytes=8192, segment_max_bytes=1 << 20)
+    rng = random.Random(args.seed)
+    scratch: List[List[bytes]] = []
+    for batch in range(0, 1 << 30, 2):
+        sizes = [rng.choice((30000, 65536, 131072)) for _ in range(rng.randint(1, 4))]
+        keep, trash = make_batch(args.seed, batch, sizes), make_batch(args.seed, batch + 1, sizes)
+        await tier.put_many(keep + trash)  # interleaved in one segment: deleting trash leaves it partly live
+        _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in keep))
+        scratch.append([k for k, _, _ in trash])
+        if len(scratch) > 2:
+            await tier.delete_many(scratch.pop(0))  # a whole batch: check_cache sees it complete or absent
+        if batch % 4 == 0:
+            report = await tier.compact_segments()
+            if report.records:
+                _emit(f"compacted {report.records}")
 
 
 def engine_request(seed: int, index: int) -> Tuple[List[int], int]:
@@ -577,6 +602,7 @@ class KillResult:
     check: Optional[CacheCheck] = None
     problems: List[str] = field(default_factory=list)
     data_bytes: int = 0
+    compacted: int = 0  # records the child said its compact_segments calls moved (mode "compact")
 
 
 def kill_during_spill(
@@ -589,11 +615,11 @@ def kill_during_spill(
     ready_timeout_s: float = 60.0,
     child_args: Sequence[str] = (),
 ) -> KillResult:
-    """Start a ``spill`` (``mode="tier"``) or ``engine-spill`` (``"engine"``) child on
+    """Start a ``spill`` (``mode="tier"``), ``compact-churn`` (``"compact"``) or ``engine-spill`` (``"engine"``) child on
     ``directory``, SIGKILL it ``delay_s`` after it said ``ready``, then reopen the directory here
     and check it (blocking). ``earlier_acked``: keys acknowledged by earlier children on the same
     directory, which must still be there too. ``child_args``: more options for the child."""
-    command = "spill" if mode == "tier" else "engine-spill"
+    command = {"tier": "spill", "engine": "engine-spill", "compact": "compact-churn"}[mode]
     result = KillResult(mode, seed, delay_s)
     err_path = directory.with_name(directory.name + f".stderr-{seed}")
     proc = run_child([command, "--dir", str(directory), "--seed", str(seed), *child_args], err_path)
@@ -616,15 +642,17 @@ def kill_during_spill(
         parts = line.split()
         if parts and parts[0] == "ack":
             result.acked_batches += 1
-            if mode == "tier":
-                result.acked.extend(bytes.fromhex(k) for k in parts[2:])
-            else:
+            if mode == "engine":
                 result.acked.append(parts[1].encode())
+            else:
+                result.acked.extend(bytes.fromhex(k) for k in parts[2:])
+        elif parts and parts[0] == "compacted":
+            result.compacted += int(parts[1])
         elif parts and parts[0] == "BAD":
             result.problems.append(f"the child read back wrong bytes: {line}")
     data = directory / "data.mdb"
     result.data_bytes = data.stat().st_size if data.exists() else 0
-    if mode == "tier":
+    if mode != "engine":
         result.check = check_cache(str(directory), list(earlier_acked) + result.acked)
         result.problems.extend(result.check.problems)
     else:
@@ -744,6 +772,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--writers", type=int, default=2)
     engine.add_argument("--pause-s", type=float, default=0.01)
     engine.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    churn = sub.add_parser("compact-churn")
+    churn.add_argument("--dir", required=True)
+    churn.add_argument("--seed", type=int, required=True)
+    churn.add_argument("--map-size-bytes", type=int, default=1 << 20)
     hold = sub.add_parser("hold-reader")
     hold.add_argument("--dir", required=True)
     warm = sub.add_parser("warmup-writer")
@@ -772,6 +804,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         asyncio.run(_spill(args))
     elif args.command == "engine-spill":
         asyncio.run(_engine_spill(args))
+    elif args.command == "compact-churn":
+        asyncio.run(_compact_churn(args))
     elif args.command == "hold-reader":
         _hold_reader(args)
     elif args.command == "warmup-writer":

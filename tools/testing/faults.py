@@ -191,7 +191,7 @@ def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> 
                 raise ValueError(f"offset_from_end must be in 1..{pointer.length}")
             fd = os.open(tier.path / pointer.name, os.O_RDWR)
             try:
-                at = pointer.offset + pointer.length - offset_from_end
+                at = pointer.file_offset(pointer.length - offset_from_end)
                 byte = os.pread(fd, 1, at)
                 os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
             finally:

@@ -1,0 +1,63 @@
+"""Checks shared by the segment tests (test_lmdb_segments.py, test_lmdb_compaction.py): what the
+``chunks`` pointers, the ``segments`` table and the files on disk say, and bitwise read-backs of
+``fault_child`` chunks. They read the tier's tables directly, on purpose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb.segments import LIVE, SegmentPointer, is_pointer
+from kvtier.tools.testing.fault_child import chunk_content
+
+Item = Tuple[bytes, ChunkMeta, memoryview]
+
+
+def segment_files(path: Path) -> Dict[str, int]:
+    """Segment file name -> size on disk."""
+    return {p.name: p.stat().st_size for p in path.glob("seg-*.kvs")}
+
+
+def pointers(tier: LmdbTier) -> Dict[bytes, SegmentPointer]:
+    def body(txn) -> Dict[bytes, SegmentPointer]:
+        cur = txn.cursor(db=tier._tables.chunks)
+        return {bytes(k): SegmentPointer.unpack(v) for k, v in cur.iternext(keys=True, values=True) if is_pointer(v)}
+
+    return tier._read_txn(body)
+
+
+def ledger(tier: LmdbTier) -> Dict[str, Tuple[int, int, int]]:
+    def body(txn) -> Dict[str, Tuple[int, int, int]]:
+        cur = txn.cursor(db=tier._tables.segments)
+        return {bytes(k).decode(): LIVE.unpack(v) for k, v in cur.iternext(keys=True, values=True)}
+
+    return tier._read_txn(body)
+
+
+async def read_items(tier: LmdbTier, items: List[Item]) -> List[Tuple[object, bytes]]:
+    bufs = [bytearray(it[2].nbytes) for it in items]
+    metas = await tier.get_many_into([(it[0], memoryview(b)) for it, b in zip(items, bufs)])
+    return [(m, bytes(b)) for m, b in zip(metas, bufs)]
+
+
+async def assert_served(tier: LmdbTier, items: List[Item]) -> None:
+    """Every item reads back with its meta and ``chunk_content(key)``, bitwise."""
+    for (meta, data), it in zip(await read_items(tier, items), items):
+        assert meta == it[1]
+        assert data == chunk_content(it[0])
+
+
+def assert_ledger_matches(tier: LmdbTier) -> None:
+    """The segments table says exactly what the pointers say, and no pointer reaches past its
+    segment's committed end."""
+    expected: Dict[str, List[int]] = {}
+    for p in pointers(tier).values():
+        e = expected.setdefault(p.name, [0, 0])
+        e[0] += p.length
+        e[1] += 1
+    table = ledger(tier)
+    assert {n: (live, recs) for n, (live, recs, _) in table.items()} == {n: tuple(v) for n, v in expected.items()}
+    for p in pointers(tier).values():
+        assert p.offset + p.extent <= table[p.name][2]
