@@ -35,7 +35,7 @@ def _pointed(tier: LmdbTier) -> Dict[bytes, SegmentPointer]:
     return {k: SegmentPointer.unpack(v) for k, v in _values(tier).items() if is_pointer(v)}
 
 
-def _ledger_matches_pointers(tier: LmdbTier) -> None:
+def _ledger_matches_pointers(tier: LmdbTier, bytes_exact: bool = True) -> None:
     def body(txn) -> Dict[str, Tuple[int, int]]:
         return {bytes(k).decode(): LIVE.unpack(v)[:2] for k, v in txn.cursor(db=tier._tables.segments).iternext()}
 
@@ -44,7 +44,12 @@ def _ledger_matches_pointers(tier: LmdbTier) -> None:
         e = expected.setdefault(p.name, [0, 0])
         e[0] += p.length
         e[1] += 1
-    assert tier._read_txn(body) == {n: tuple(v) for n, v in expected.items()}
+    ledger = tier._read_txn(body)
+    if bytes_exact:
+        assert ledger == {n: tuple(v) for n, v in expected.items()}
+    else:
+        assert {n: r for n, (_, r) in ledger.items()} == {n: r for n, (_, r) in expected.items()}
+        assert all(ledger[n][0] <= b for n, (b, _) in expected.items())
 
 
 async def _assert_served(tier: LmdbTier, items: List[Item]) -> None:
@@ -148,10 +153,18 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
         await _assert_served(tier, last)
 
 
+# magic | pid | counter | offset | length (u64) | head length (u32): the high byte of each field
+LENGTH_HIGH_BYTE, HEAD_HIGH_BYTE = 4 + 4 + 4 + 8 + 7, 4 + 4 + 4 + 8 + 8 + 3
+
+
 @pytest.mark.asyncio
-async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp_path: Path) -> None:
-    # Regression: a pointer whose length's high byte flipped asked for a buffer of exabytes
-    # (MemoryError out of verify and reads); it is a short segment, so a miss, quarantined and reported.
+@pytest.mark.parametrize("field, reason", [(LENGTH_HIGH_BYTE, "is short"), (HEAD_HIGH_BYTE, "with a head of")],
+                         ids=["length", "head"])
+async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp_path: Path, field: int, reason: str) -> None:
+    # Regressions: a pointer whose length's high byte flipped asked for a buffer of exabytes
+    # (MemoryError out of verify and reads); one whose head length cannot be right made every
+    # walk of the cache (inspect, verify, the quarantine's ledger) raise. Both are one bad record:
+    # a miss, quarantined, reported, and the rest of the cache is served.
     items = make_batch(3, 0, [200_000, 200_000])
     async with await LmdbTier.open(tmp_path / "c", codec=RAW) as tier:
         removed: List[Removal] = []
@@ -159,14 +172,15 @@ async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp
         await tier.put_many(items)
         bad = items[0][0]
         value = bytearray(_values(tier)[bad])
-        value[4 + 4 + 4 + 8 + 7] ^= 0xFF  # magic | pid | counter | offset | length (u64): its high byte
+        value[field] ^= 0xFF
 
         def damage(txn) -> None:
             txn.put(bad, bytes(value), db=tier._tables.chunks)
 
         tier._writer.call(lambda: tier._write(lambda txn: (damage(txn), lambda: None)[1]))
+        assert {info.key: info.error is not None for info in tier.iter_records()} == {bad: True, items[1][0]: False}
         report = tier.verify(quarantine=False)
-        assert [k for k, _ in report.corrupt] == [bad] and "short" in report.corrupt[0][1]
+        assert [k for k, _ in report.corrupt] == [bad] and reason in report.corrupt[0][1], report.corrupt
         bufs = [bytearray(200_000) for _ in items]
         metas = await tier.get_many_into([(it[0], memoryview(b)) for it, b in zip(items, bufs)])
         assert metas[0] is None and metas[1] == items[1][1] and bytes(bufs[1]) == chunk_content(items[1][0])
@@ -174,7 +188,11 @@ async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp
         await asyncio.sleep(0.05)
         assert [(r.key, r.reason) for r in removed] == [(bad, "quarantined")]
         assert tier.quarantined_keys() == [bad] and tier.statistics().corrupt >= 1
-        assert tier.verify().corrupt == []
+        assert tier.verify().corrupt == [] and await tier.check() == []
+        # the ledger still counts the segment's records right (what frees its file); its live
+        # bytes dropped the damaged length, which nobody can know (clamped at 0: compaction only
+        # takes the segment sooner)
+        _ledger_matches_pointers(tier, bytes_exact=field != LENGTH_HIGH_BYTE)
 
 
 @pytest.mark.asyncio

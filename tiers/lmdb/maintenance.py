@@ -36,7 +36,7 @@ _ITER_BATCH = 256
 class RecordInfo:
     """One stored record as ``iter_records`` sees it: header (``None`` when it does not parse, then
     ``error`` says why), stored bytes, last access in ns since the epoch (0 if never recorded), and
-    the segment file holding it (``None``: inside LMDB)."""
+    the segment file its pointer names (``None``: inside LMDB)."""
 
     key: bytes
     header: Optional[RecordHeader]
@@ -105,7 +105,7 @@ class Maintenance(Compaction):
                 header, error = None, str(exc)
             at = txn.get(key, db=self._tables.atime)
             atime = ATIME.unpack(at)[0] if at is not None and len(at) == ATIME.size else 0
-            segment = SegmentPointer.unpack(value).name if is_pointer(value) else None
+            segment = SegmentPointer.unpack(value, check=False).name if is_pointer(value) else None
             return RecordInfo(key, header, error, stored_size(value), atime, segment)
 
         yield from self._scan(visit)

@@ -174,13 +174,15 @@ class SegmentPointer:
         return _POINTER.pack(_MAGIC, self.pid, self.counter, self.offset, self.length, self.head)
 
     @staticmethod
-    def unpack(value: "bytes | memoryview") -> "SegmentPointer":
+    def unpack(value: "bytes | memoryview", *, check: bool = True) -> "SegmentPointer":
+        """``check=False``: the fields as stored, even when the head length cannot be right (for
+        the accounting that a damaged pointer must not stop: its size, its segment's ledger)."""
         raw = bytes(value)
         if not is_pointer(raw):
             raise CorruptRecordError("segment pointer has a bad magic or length")
         if len(raw) == _POINTER.size:
             _, pid, counter, offset, length, head = _POINTER.unpack(raw)
-            if not 0 < head <= length:
+            if check and not 0 < head <= length:
                 raise CorruptRecordError(f"segment pointer with a head of {head} bytes in a {length}-byte record")
             return SegmentPointer(pid, counter, offset, length, head)
         _, pid, counter, offset, length = _POINTER_CONTIGUOUS.unpack(raw)
@@ -196,7 +198,7 @@ def is_pointer(value: "bytes | memoryview") -> bool:
 
 def stored_size(value: "bytes | memoryview") -> int:
     """The record bytes a ``chunks`` value stands for (what capacity counts)."""
-    return SegmentPointer.unpack(value).length if is_pointer(value) else len(value)
+    return SegmentPointer.unpack(value, check=False).length if is_pointer(value) else len(value)
 
 
 def _round_up(n: int) -> int:
@@ -632,7 +634,7 @@ class Ledger:
     def drop(self, value: "bytes | memoryview") -> None:
         """A ``chunks`` value is going away; counts only when it is a pointer."""
         if is_pointer(value):
-            pointer = SegmentPointer.unpack(value)
+            pointer = SegmentPointer.unpack(value, check=False)  # a damaged one goes too (quarantine)
             d = self._delta.setdefault(pointer.name, [0, 0, 0])
             d[0] -= pointer.length
             d[1] -= 1
