@@ -14,6 +14,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--sim-seeds", type=int, default=20, help="seeds of the engine's stateful test (default 20)")
     group.addoption("--sim-steps", type=int, default=2000, help="steps per seed of the stateful test (default 2000)")
     group.addoption("--fault-seed", type=int, default=None, help="base seed (default: from the clock, printed)")
+    group.addoption(
+        "--compact-iterations", type=int, default=20, help="kill -9 iterations of the compacting child (default 20)"
+    )
+    group.addoption(
+        "--compaction-seconds", type=float, default=20.0, help="seconds of concurrent churn and compaction (default 20)"
+    )
 
 
 @pytest.fixture
@@ -32,6 +38,16 @@ def fault_seed(request: pytest.FixtureRequest) -> int:
 
     seed = request.config.getoption("--fault-seed")
     return int(seed) if seed is not None else int(time.time()) % 1_000_000
+
+
+@pytest.fixture
+def compact_iterations(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--compact-iterations"))
+
+
+@pytest.fixture
+def compaction_seconds(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--compaction-seconds"))
 
 
 @pytest.fixture

@@ -32,3 +32,7 @@ def test_kill9_spill_stress(tmp_path: Path, iterations: int, fault_seed: int) ->
 
 def test_kill9_engine_spill_stress(tmp_path: Path, engine_iterations: int, fault_seed: int) -> None:
     _run(tmp_path, engine_iterations, "engine", fault_seed + 1_000_000, lanes=2)
+
+
+def test_kill9_compaction_stress(tmp_path: Path, compact_iterations: int, fault_seed: int) -> None:
+    _run(tmp_path, compact_iterations, "compact", fault_seed + 2_000_000, lanes=2)

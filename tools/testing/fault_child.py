@@ -708,11 +708,12 @@ def summarize_kills(results: Sequence[KillResult]) -> str:
         )
     records = sum(r.check.records for r in results if r.check is not None)
     batches = sum(r.check.batches for r in results if r.check is not None)
+    moved = f"; {sum(r.compacted for r in results)} records moved by the children's compact_segments calls"
     return head + (
         f"{sum(r.acked_batches for r in results)} acknowledged batches / {sum(len(r.acked) for r in results)} "
         f"acknowledged chunks, all found intact; {records} records in {batches} batches (every one whole) "
         f"verified after the kills"
-    )
+    ) + (moved if results[0].mode == "compact" else "")
 
 
 async def check_engine_requests(directory: str, seed: int, indices: Sequence[int]) -> List[str]:
