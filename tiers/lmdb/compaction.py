@@ -10,17 +10,17 @@ file, so moving a live record never turns a hit into a miss.
 
 A pass, in two phases:
 
-1. ``plan_compaction`` (a read-pool or tool thread, never the writer): read the ``segments`` table
+1. ``Compaction._plan_pass`` (a read-pool or tool thread, never the writer): read the ``segments`` table
    (live bytes | live records | committed end per segment) and ``choose_segments``: a segment is a
    candidate when it is closed -- not this writer's active one, and no writer (ours or another
    process's) holds its ``flock`` -- and its live bytes are below ``live_fraction`` of its committed
-   end; when a ``disk_budget_bytes`` is given and the segment files together exceed it, more segments
+   end (a page of padding per live record counted as live); when a ``disk_budget_bytes`` is given and the segment files together exceed it, more segments
    are taken, least live first, until the projected total fits. Then list the candidates' live
    records (key and pointer, from the small ``atime`` table's keys, in read transactions of a few
    thousand keys each) in file order.
 2. ``Compaction._compaction_step`` (writer thread, one job per step of at most ``step_bytes``, so
    puts queued meanwhile run between steps): keep only the records whose key still holds the planned
-   pointer, read each one and check its checksum (a corrupt one is quarantined like a failed read,
+   pointer, read each one (on the read pool, several in flight) and check its checksum (a corrupt one is quarantined like a failed read,
    never copied), append the good ones to this writer's segment (``_append_synced``, as puts:
    ``fdatasync``'d before the commit; also when new puts go inline), then ONE write transaction
    replaces each key's value ONLY IF it is still the exact old pointer (a put, delete or eviction by
@@ -33,12 +33,15 @@ segment (truncated by ``reclaim_orphans`` at the next writable open); after it t
 stands, and the emptied source is deleted once retired or, if the process died first, at the next
 open (no entry in ``segments``: an orphan file).
 
-When it runs: after a commit (put, delete, eviction, quarantine) leaves a closed segment below
-``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, schedules an
-automatic pass), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
+When it runs: after a commit (put, delete, eviction, quarantine) takes a closed segment from at or
+above ``live_fraction`` to below it (``_segments_changed``, a cheap check of the transaction's own
+ledger, schedules an automatic pass), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
 
 Primitives: ``SegmentUsage``, ``choose_segments`` (pure), ``CompactionReport``, ``segment_disk_bytes``,
-``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``, ``compact_segments_sync``).
+``oldest_reader`` (any thread), ``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``,
+``compact_segments_sync``; the automatic passes). Threads: plans on the read pool (automatic) or
+the caller's worker thread, steps and deletions on the writer thread, a timer thread only to queue
+a later deletion try.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ __all__ = [
     "Compaction",
     "DEFAULT_COMPACTION_LIVE_FRACTION",
     "check_live_fraction",
+    "oldest_reader",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,7 @@ DISK_MARGIN = 0.25
 # The capacity rule leaves segments at least this live: rewriting them would free little.
 _CAPACITY_RULE_MAX_LIVE = 0.9
 _LIST_BATCH = 4096
+_PAGE = 4096
 # Live bytes one pass takes at most (its plan holds a key and a pointer per record, and goes stale
 # as it runs); a pass that leaves candidates behind is followed by another.
 PASS_LIVE_BYTES = 4 << 30
@@ -107,7 +112,11 @@ def check_live_fraction(value: object) -> float:
 
 @dataclass(frozen=True)
 class SegmentUsage:
-    """One row of the ``segments`` table: live record bytes, live records, committed end."""
+    """One row of the ``segments`` table: live record bytes, live records, committed end.
+
+    Each live record also takes about a page of padding in the file (its head page, its payload's
+    last partial page), which a copy takes again: counted as live, so a segment of small records
+    that is all live never looks worth rewriting."""
 
     name: str
     live_bytes: int
@@ -115,12 +124,17 @@ class SegmentUsage:
     committed_end: int
 
     @property
+    def live_extent(self) -> int:
+        return min(self.committed_end, self.live_bytes + self.live_records * _PAGE)
+
+    @property
     def live_fraction(self) -> float:
-        return self.live_bytes / self.committed_end if self.committed_end else 1.0
+        return self.live_extent / self.committed_end if self.committed_end else 1.0
 
     @property
     def dead_bytes(self) -> int:
-        return max(0, self.committed_end - self.live_bytes)
+        """What rewriting the segment gives back."""
+        return self.committed_end - self.live_extent
 
 
 def choose_segments(usage: Sequence[SegmentUsage], closed: Set[str], *, live_fraction: float,
