@@ -406,6 +406,30 @@ async def test_a_corrupt_source_record_is_quarantined_not_copied(tmp_path: Path)
         assert await tier.check() == []
 
 
+@pytest.mark.asyncio
+async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(tmp_path: Path) -> None:
+    import struct
+
+    path, kept = await _three_segments(tmp_path, (3, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        bad = kept[0][1][0]
+        source = pointers(tier)[bad].name
+        value = bytearray(tier._read_txn(lambda txn: bytes(txn.get(bad, db=tier._tables.chunks))))
+        value[-4:] = struct.pack("<I", 0)  # the head length: a split pointer with no head cannot be right
+
+        def damage(txn):
+            txn.put(bad, bytes(value), db=tier._tables.chunks)
+            return lambda: None
+
+        await tier._writer.submit_async(lambda: tier._write(damage))
+        report = await tier.compact_segments()
+        assert (report.records, report.quarantined, report.files_freed) == (2, 1, 1)
+        assert source not in segment_files(path) and tier.quarantined_keys() == [bad]
+        await assert_served(tier, [kept[0][0], kept[0][2]])
+        assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
 def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from kvtier.tools.cli import main
 
