@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from kvtier.errors import ClosedError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
@@ -105,6 +106,13 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         # a second pass finds nothing below the threshold
         again = await tier.compact_segments()
         assert (again.segments, again.records) == (0, 0) and segment_files(path) == after_files
+    with pytest.raises(ClosedError, match="is closed"):
+        await tier.compact_segments()
+    async with await LmdbTier.open(path, readonly=True) as tier:
+        with pytest.raises(TierIOError, match="is open read-only"):
+            await tier.compact_segments()
+        with pytest.raises(ValueError, match=r"segment_compaction_live_fraction must be a number in \[0, 1\), got 2"):
+            tier.compact_segments_sync(live_fraction=2)
     print(f"compaction: segment files {sum(before_files.values())} -> {sum(after_files.values())} bytes "
           f"for {sum(len(k) for k in kept)} live records of {record} bytes")
 
@@ -393,6 +401,30 @@ async def test_a_corrupt_source_record_is_quarantined_not_copied(tmp_path: Path)
         assert bad not in pointers(tier)
         # the new segment holds the two good records and nothing else
         assert sum(segment_files(path).values()) == sum(end for _, _, end in ledger(tier).values())
+        await assert_served(tier, [kept[0][0], kept[0][2]])
+        assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(tmp_path: Path) -> None:
+    import struct
+
+    path, kept = await _three_segments(tmp_path, (3, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        bad = kept[0][1][0]
+        source = pointers(tier)[bad].name
+        value = bytearray(tier._read_txn(lambda txn: bytes(txn.get(bad, db=tier._tables.chunks))))
+        value[-4:] = struct.pack("<I", 0)  # the head length: a split pointer with no head cannot be right
+
+        def damage(txn):
+            txn.put(bad, bytes(value), db=tier._tables.chunks)
+            return lambda: None
+
+        await tier._writer.submit_async(lambda: tier._write(damage))
+        report = await tier.compact_segments()
+        assert (report.records, report.quarantined, report.files_freed) == (2, 1, 1)
+        assert source not in segment_files(path) and tier.quarantined_keys() == [bad]
         await assert_served(tier, [kept[0][0], kept[0][2]])
         assert_ledger_matches(tier)
         assert await tier.check() == []

@@ -240,8 +240,8 @@ class Compaction(WriterSide):
         nothing: each moved key holds its old pointer or its new one); no further step starts,
         records moved so far stay moved, and their emptied sources are deleted by a later step, a
         later pass or the next open."""
-        self._check_usable(write=True)
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        self._check_usable(write=True)
         stop = threading.Event()
         running = asyncio.get_running_loop().run_in_executor(None, lambda: self._run_passes(fraction, stop))
         running.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled caller's result
@@ -254,8 +254,8 @@ class Compaction(WriterSide):
     def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
         """Blocking ``compact_segments`` for tools (``kvtier gc``) and tests: plans on the calling
         thread, moves on the writer thread."""
-        self._check_usable(write=True)
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        self._check_usable(write=True)
         return self._run_passes(fraction, threading.Event())
 
     def _run_passes(self, fraction: float, stop: threading.Event) -> CompactionReport:
@@ -354,7 +354,7 @@ class Compaction(WriterSide):
                     key = bytes(cur.key())
                     value = txn.get(key, db=self._tables.chunks)
                     if value is not None and is_pointer(value):
-                        pointer = SegmentPointer.unpack(value)
+                        pointer = SegmentPointer.unpack(value, check=False)  # a damaged one: its read refuses it
                         if pointer.name in names:
                             found.append((pointer, key, bytes(value)))
                     n += 1
@@ -390,7 +390,7 @@ class Compaction(WriterSide):
         while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
             key, value = plan.pending.popleft()
             taken.append((key, value))
-            nbytes += SegmentPointer.unpack(value).length
+            nbytes += SegmentPointer.unpack(value, check=False).length
 
         def still_there(txn: lmdb.Transaction) -> List[bool]:
             return [txn.get(key, db=self._tables.chunks) == value for key, value in taken]
