@@ -9,19 +9,18 @@ import asyncio
 import os
 import stat
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import pytest
 
 from kvtier.engine import EngineConfig
-from kvtier.tiers.base import ChunkMeta, Removal
+from kvtier.tiers.base import Removal
 from kvtier.tiers.lmdb import DEFAULT_SEGMENT_THRESHOLD_BYTES, LmdbTier
-from kvtier.tiers.lmdb.segments import LIVE, SegmentPointer, is_pointer
 from kvtier.tiers.record_format import CodecConfig, encode_record
 from kvtier.tools.testing.fault_child import chunk_content, make_batch
+from segment_checks import Item, assert_ledger_matches, assert_served, pointers
 
 RAW = CodecConfig(compress=False)
-Item = Tuple[bytes, ChunkMeta, memoryview]
 
 
 def _values(tier: LmdbTier) -> Dict[bytes, bytes]:
@@ -29,34 +28,6 @@ def _values(tier: LmdbTier) -> Dict[bytes, bytes]:
         return {bytes(k): bytes(v) for k, v in txn.cursor(db=tier._tables.chunks).iternext(keys=True, values=True)}
 
     return tier._read_txn(body)
-
-
-def _pointed(tier: LmdbTier) -> Dict[bytes, SegmentPointer]:
-    return {k: SegmentPointer.unpack(v) for k, v in _values(tier).items() if is_pointer(v)}
-
-
-def _ledger_matches_pointers(tier: LmdbTier, bytes_exact: bool = True) -> None:
-    def body(txn) -> Dict[str, Tuple[int, int]]:
-        return {bytes(k).decode(): LIVE.unpack(v)[:2] for k, v in txn.cursor(db=tier._tables.segments).iternext()}
-
-    expected: Dict[str, List[int]] = {}
-    for p in _pointed(tier).values():
-        e = expected.setdefault(p.name, [0, 0])
-        e[0] += p.length
-        e[1] += 1
-    ledger = tier._read_txn(body)
-    if bytes_exact:
-        assert ledger == {n: tuple(v) for n, v in expected.items()}
-    else:
-        assert {n: r for n, (_, r) in ledger.items()} == {n: r for n, (_, r) in expected.items()}
-        assert all(ledger[n][0] <= b for n, (b, _) in expected.items())
-
-
-async def _assert_served(tier: LmdbTier, items: List[Item]) -> None:
-    bufs = [bytearray(it[2].nbytes) for it in items]
-    metas = await tier.get_many_into([(it[0], memoryview(b)) for it, b in zip(items, bufs)])
-    for meta, buf, it in zip(metas, bufs, items):
-        assert meta == it[1] and bytes(buf) == chunk_content(it[0])
 
 
 def _encoded(item: Item) -> int:
@@ -98,10 +69,10 @@ async def test_the_default_splits_records_at_the_threshold_with_private_files(tm
     path = tmp_path / "c"
     async with await LmdbTier.open(path, codec=RAW) as tier:
         await tier.put_many(items)
-        assert set(_pointed(tier)) == {it[0] for it in items[2:]}
-        await _assert_served(tier, items)
-        _ledger_matches_pointers(tier)
-        (segment,) = {p.name for p in _pointed(tier).values()}
+        assert set(pointers(tier)) == {it[0] for it in items[2:]}
+        await assert_served(tier, items)
+        assert_ledger_matches(tier)
+        (segment,) = {p.name for p in pointers(tier).values()}
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
         for name in (segment, "segments.lock", "data.mdb"):
             assert stat.S_IMODE(os.stat(path / name).st_mode) == 0o600, name
@@ -113,7 +84,7 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
     old = make_batch(2, 0, [200_000, 300_000, 5000])
     async with await LmdbTier.open(path, codec=RAW, segment_threshold_bytes=None) as tier:
         await tier.put_many(old)
-        assert _pointed(tier) == {}
+        assert pointers(tier) == {}
     assert list(path.glob("seg-*.kvs")) == []
     # the default over the old cache: old records served inline, new large ones go to segments,
     # an old key rewritten moves to a segment, deletes and evictions of either kind work
@@ -121,36 +92,36 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
     async with await LmdbTier.open(path, codec=RAW, capacity_bytes=1 << 20) as tier:
         removed: List[Removal] = []
         tier.subscribe_removals(removed.extend)
-        await _assert_served(tier, old)
+        await assert_served(tier, old)
         await tier.put_many(new)
         await tier.put_many(old[:1])
-        assert set(_pointed(tier)) == {new[0][0], new[1][0], old[0][0]}
+        assert set(pointers(tier)) == {new[0][0], new[1][0], old[0][0]}
         assert await tier.delete_many([old[1][0], new[0][0]]) == 2
-        await _assert_served(tier, [old[0], old[2], new[1], new[2]])
+        await assert_served(tier, [old[0], old[2], new[1], new[2]])
         more = make_batch(2, 2, [300_000] * 3)
         await tier.put_many(more)  # past the capacity: the least recently used go
         assert {r.reason for r in removed} == {"deleted", "evicted"}
         assert await tier.check() == []
-        _ledger_matches_pointers(tier)
+        assert_ledger_matches(tier)
         tail = make_batch(2, 4, [5000])
         await tier.put_many(tail)  # small: inline, beside the segment records
         survivors = [it for it in old + new + more + tail if it[0] in _values(tier)]
-        assert any(it[0] in _pointed(tier) for it in survivors) and any(it[0] not in _pointed(tier) for it in survivors)
-        await _assert_served(tier, survivors)
+        assert any(it[0] in pointers(tier) for it in survivors) and any(it[0] not in pointers(tier) for it in survivors)
+        await assert_served(tier, survivors)
         tier._segment_writer.rotate()  # our active segment may go too once empty
     # ... and back: segments off still reads pointers, and deleting them frees their files
     async with await LmdbTier.open(path, codec=RAW, segment_threshold_bytes=None) as tier:
-        await _assert_served(tier, survivors)
+        await assert_served(tier, survivors)
         report = tier.verify()
         assert (report.checked, report.ok) == (len(survivors), len(survivors))
         last = make_batch(2, 3, [300_000])
         await tier.put_many(last)
-        assert last[0][0] not in _pointed(tier)
+        assert last[0][0] not in pointers(tier)
         assert await tier.delete_many([it[0] for it in survivors]) == len(survivors)
-        assert _pointed(tier) == {} and sorted(path.glob("seg-*.kvs")) == []
-        await _assert_served(tier, last)
+        assert pointers(tier) == {} and sorted(path.glob("seg-*.kvs")) == []
+        await assert_served(tier, last)
     async with await LmdbTier.open(path, readonly=True) as tier:
-        await _assert_served(tier, last)
+        await assert_served(tier, last)
 
 
 # magic | pid | counter | offset | length (u64) | head length (u32): the high byte of each field
@@ -192,7 +163,7 @@ async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp
         # the ledger still counts the segment's records right (what frees its file); its live
         # bytes dropped the damaged length, which nobody can know (clamped at 0: compaction only
         # takes the segment sooner)
-        _ledger_matches_pointers(tier, bytes_exact=field != LENGTH_HIGH_BYTE)
+        assert_ledger_matches(tier, live_bytes_exact=field != LENGTH_HIGH_BYTE)
 
 
 @pytest.mark.asyncio
@@ -201,7 +172,7 @@ async def test_a_read_racing_the_deletion_of_its_segment_is_a_plain_miss(tmp_pat
     key = items[0][0]
     async with await LmdbTier.open(tmp_path / "c", codec=RAW) as tier:
         await tier.put_many(items)
-        (name,) = {p.name for p in _pointed(tier).values()}
+        (name,) = {p.name for p in pointers(tier).values()}
         tier._segment_writer.rotate()  # no writer holds it: emptied, it is deleted at once
         reader = tier._segment_reader
         real_fd = reader._fd
@@ -233,8 +204,8 @@ async def test_with_the_default_large_records_leave_the_map_small(tmp_path: Path
             await tier.put_many(items[i : i + 4])
         stats = tier.statistics().as_dict()
         assert stats["map_growths"] == 0 and stats["map_size_bytes"] == 1 << 20
-        assert len(_pointed(tier)) == 16
-        await _assert_served(tier, items)
+        assert len(pointers(tier)) == 16
+        await assert_served(tier, items)
     assert (tmp_path / "c" / "data.mdb").stat().st_size <= 1 << 20
 
 
@@ -250,9 +221,9 @@ async def test_a_put_whose_evictions_empty_its_own_segment_keeps_the_file(tmp_pa
         await tier.put_many(first)
         await tier.put_many(second)  # the same segment; evicts every record of the first batch
         assert tier.statistics().evictions == 3
-        assert len({p.name for p in _pointed(tier).values()}) == 1
-        await _assert_served(tier, second)
-        _ledger_matches_pointers(tier)
+        assert len({p.name for p in pointers(tier).values()}) == 1
+        await assert_served(tier, second)
+        assert_ledger_matches(tier)
         assert tier.verify().corrupt == []
     async with await LmdbTier.open(path, codec=RAW) as tier:
-        await _assert_served(tier, second)
+        await assert_served(tier, second)
