@@ -163,6 +163,24 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
 
 
 @pytest.mark.asyncio
+async def test_an_active_segment_emptied_below_the_fraction_is_compacted_once_it_rotates(tmp_path: Path) -> None:
+    async with await LmdbTier.open(tmp_path / "c", **SETUP) as tier:
+        first = make_batch(12, 0, [RECORD] * 6)  # 6 records: past 1 MiB, the next append rotates
+        await tier.put_many(first)
+        source = pointers(tier)[first[0][0]].name
+        await tier.delete_many([k for k, _, _ in first[1:]])  # 1 of 6 left, but still the active segment
+        await tier.flush()
+        assert source in segment_files(tmp_path / "c") and tier.statistics().extra["compaction_passes"] == 0
+        second = make_batch(12, 1, [RECORD])
+        await tier.put_many(second)  # rotates: the closed segment is offered
+        await _gone(tmp_path / "c", source)
+        await tier.flush()
+        assert tier.statistics().extra["compacted_records"] == 1
+        await assert_served(tier, first[:1] + second)
+        assert_ledger_matches(tier)
+
+
+@pytest.mark.asyncio
 async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_path: Path) -> None:
     path, kept = await _three_segments(tmp_path, (4, 10, 10))
     a, b, c, d = kept[0]

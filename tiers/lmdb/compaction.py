@@ -33,9 +33,10 @@ segment (truncated by ``reclaim_orphans`` at the next writable open); after it t
 stands, and the emptied source is deleted once retired or, if the process died first, at the next
 open (no entry in ``segments``: an orphan file).
 
-When it runs: after a commit (put, delete, eviction, quarantine) takes a closed segment from at or
-above ``live_fraction`` to below it (``_segments_changed``, a cheap check of the transaction's own
-ledger, schedules an automatic pass), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
+When it runs: after a commit (put, delete, eviction, quarantine) leaves a closed segment below
+``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, offers it to
+an automatic pass, at most once per ``REOFFER_S``) or this writer closes its active segment below
+it (``_segment_rotated``), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
 
 Primitives: ``SegmentUsage``, ``choose_segments`` (pure), ``CompactionReport``, ``segment_disk_bytes``,
 ``oldest_reader`` (any thread), ``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``,
@@ -101,6 +102,10 @@ PASS_LIVE_BYTES = 4 << 30
 # retries this often, this long apart, before leaving the rest to a timer (reads finish in ms).
 RETIRE_TRIES = 50
 RETIRE_WAIT_S = 0.02
+# A segment below the fraction is offered to an automatic pass at most this often (a pass that had
+# to skip it -- another process still appends to it -- retries once a later commit touches it).
+REOFFER_S = 30.0
+_OFFERED_MAX = 4096
 
 
 def check_live_fraction(value: object) -> float:
@@ -215,8 +220,10 @@ class Compaction(WriterSide):
     # writer thread: an automatic pass is planned or running / a commit asked for another one since
     _compaction_scheduled: bool
     _compaction_wanted: bool
-    # segments the last plan found held by a writer: commits touching them do not trigger a pass
-    _compaction_locked: Set[str]
+    # writer thread: segment name -> when it was last offered to an automatic pass (monotonic s);
+    # whether a step is running (its own quarantines offer nothing)
+    _compaction_offered: Dict[str, float]
+    _compacting: bool
     # writer thread: (commit id, name, file size) of emptied sources not deleted yet, and whether a
     # timer will retry them
     _retiring: List[Tuple[int, str, int]]
@@ -325,7 +332,6 @@ class Compaction(WriterSide):
                 chosen, more = chosen[:i], True  # bounded memory: the rest in the next pass
                 break
         below = {u.name for u in usage if u.live_fraction < live_fraction}
-        self._compaction_locked = locked & below
         plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
         plan.more = more
         plan.report.segments = len(chosen)
@@ -372,7 +378,11 @@ class Compaction(WriterSide):
     def _compaction_step(self, plan: _Pass) -> None:
         """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
         plan.report.add(self._remove_retired())  # earlier steps' sources, when the readers allow
-        records, olds = self._read_sources(self._next_current(plan), plan.report)
+        self._compacting = True  # its quarantines offer nothing: the segments are this pass's already
+        try:
+            records, olds = self._read_sources(self._next_current(plan), plan.report)
+        finally:
+            self._compacting = False
         if not records:
             return
         # durable before the commit, as puts; into segments even when new puts go inline (the
@@ -516,27 +526,46 @@ class Compaction(WriterSide):
     # ---------------------------------------------------------------------- automatic compaction
 
     def _segments_changed(self, ledger: Ledger) -> None:
-        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it takes a
-        closed segment from at or above the live fraction to below it, schedule an automatic pass
-        (after the commit: the plan runs on the read pool, which only sees committed data; an aborted
-        transaction at worst costs a pass that finds nothing). Only the crossing triggers, so each
-        segment costs one pass however many later commits touch it; segments already below the
-        fraction when the tier opened wait for ``compact_segments`` or ``kvtier gc``."""
+        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it leaves a
+        closed segment below the live fraction, offer it to an automatic pass (scheduled after the
+        commit: the plan runs on the read pool, which only sees committed data; an aborted
+        transaction at worst costs a pass that finds nothing). A segment is offered again only
+        ``REOFFER_S`` later (one that another process still appends to is skipped by the pass, and
+        retried once it may be closed), so the many commits that touch a segment cost one pass."""
+        for name, usage in ledger.remaining.items():
+            self._offer(SegmentUsage(name, *usage))
+
+    def _segment_rotated(self, name: str) -> None:
+        """Writer thread, after this writer closed its active segment ``name``: records deleted
+        while it was active (not offered then) may have left it below the fraction."""
+
+        def usage_of(txn: lmdb.Transaction) -> Optional[SegmentUsage]:
+            value = txn.get(name.encode(), db=self._tables.segments)
+            return SegmentUsage(name, *LIVE.unpack(value)) if value is not None and len(value) == LIVE.size else None
+
+        usage = self._read_txn(usage_of)
+        if usage is not None:
+            self._offer(usage)
+
+    def _offer(self, usage: SegmentUsage) -> None:
+        """Writer thread: schedule an automatic pass if ``usage`` is a closed segment below the
+        fraction not offered in the last ``REOFFER_S``."""
         fraction = self._compaction_live_fraction
-        if fraction <= 0:
-            return
         active = self._segment_writer.active if self._segment_writer is not None else None
-        for name, (before, live, end) in ledger.remaining.items():
-            if name != active and name not in self._compaction_locked and live < fraction * end <= before:
-                break
-        else:
+        if fraction <= 0 or self._compacting or usage.name == active or usage.live_fraction >= fraction:
             return
+        now = time.monotonic()
+        if now - self._compaction_offered.get(usage.name, -REOFFER_S) < REOFFER_S:
+            return
+        if len(self._compaction_offered) >= _OFFERED_MAX:  # names of long-gone segments
+            self._compaction_offered = {n: t for n, t in self._compaction_offered.items() if now - t < REOFFER_S}
+        self._compaction_offered[usage.name] = now
         if self._compaction_scheduled:
             self._compaction_wanted = True
             return
         self._compaction_scheduled = True
-        # A writer job queued now runs after this transaction's commit (this thread runs jobs in
-        # order), so the plan it starts sees the commit.
+        # A writer job queued now runs after the current job (and its commit): this thread runs
+        # jobs in order, so the plan it starts sees the commit.
         assert self._writer is not None
         try:
             self._writer.submit(Job(self._start_automatic, _log_failure))

@@ -621,8 +621,8 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
-        # after ``commit``: name -> (live bytes before, live bytes after, committed end) of each
-        # touched segment that still has records (what the automatic compaction check looks at)
+        # after ``commit``: name -> (live bytes, live records, committed end) of each touched
+        # segment that still has records (what the automatic compaction check looks at)
         self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
@@ -643,14 +643,14 @@ class Ledger:
         for name, (dbytes, drecords, end) in self._delta.items():
             key = name.encode()
             old = self._txn.get(key, db=self._table)
-            before, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
-            live, records, committed = max(0, before + dbytes), max(0, records + drecords), max(committed, end)
+            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
             if records == 0:
                 self._txn.delete(key, db=self._table)
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
-                self.remaining[name] = (before, live, committed)
+                self.remaining[name] = (live, records, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:
