@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
+from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.record_format import CodecConfig
 
@@ -69,9 +71,10 @@ class EngineConfig:
     # MapFullError, so this only sets how often the first growths happen.
     lmdb_map_size_bytes: int = 1 * _GiB
     # Records of at least this many encoded bytes are written to O_DIRECT segment files beside the
-    # LMDB index (tiers/lmdb/segments.py: 2-5x faster durable writes of large chunks, measured in
-    # docs/ARCHITECTURE.md). None (the default for now) or 0 keeps every record inside LMDB.
-    lmdb_segment_threshold_bytes: Optional[int] = None
+    # LMDB index (tiers/lmdb/segments.py). Default 128 KiB: from there segments write faster than
+    # LMDB, below it one LMDB transaction is cheaper (measured in docs/ARCHITECTURE.md). None (or
+    # 0; "none" in TOML/env) keeps every record inside LMDB; a cache written either way opens either way.
+    lmdb_segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES
     # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
     # is not keeping up and waiting would only move the stall into the serving process.
     store_queue_max_chunks: int = 4096
@@ -223,8 +226,7 @@ class EngineConfig:
             )
         _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
         _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
-        if self.lmdb_segment_threshold_bytes is not None:
-            _require_int("lmdb_segment_threshold_bytes", self.lmdb_segment_threshold_bytes, 0)
+        check_segment_threshold(self.lmdb_segment_threshold_bytes, "lmdb_segment_threshold_bytes")
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         if self.store_retention_interval_tokens is not None:

@@ -128,8 +128,9 @@ class SegmentProbe(DiskSubject):
         return []
 
 
-# The segment-enabled LMDB tier row: every chunk of the measured sizes (>= 256 KiB) goes to segments.
-SEGMENT_THRESHOLD_BYTES = 64 << 10
+# The segment-enabled LMDB tier row: every chunk of every measured size (>= 4 KiB) goes to segments,
+# so that the inline and segment rows compare the two paths at each size (what picks the default).
+SEGMENT_THRESHOLD_BYTES = 4 << 10
 
 
 async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> Dict[str, float]:

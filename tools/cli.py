@@ -264,6 +264,10 @@ def _cmd_inspect(args) -> int:
         print(f"  group {group}: {g.records} records, {g.raw_bytes / mib:.1f} MiB raw, "
               f"{g.stored_bytes / mib:.1f} MiB stored ({g.compression_ratio:.2f}x, "
               f"{g.compressed_records} compressed), {age}")
+    if report.segment_files or report.segment_records:
+        print(f"  segment files: {report.segment_files}, {report.segment_file_bytes / mib:.1f} MiB on disk, "
+              f"{report.segment_records} records, {report.segment_live_bytes / mib:.1f} MiB live "
+              f"({report.segment_live_fraction:.0%} live)")
     if report.unreadable_headers:
         print(f"  {report.unreadable_headers} records have unreadable headers: run `kvtier verify`")
     return 0

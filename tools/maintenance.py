@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
@@ -35,6 +36,11 @@ class GroupReport:
 
 @dataclass
 class InspectReport:
+    """``file_bytes``: LMDB's ``data.mdb``. Segment files (records of the segment threshold and
+    more, ``tiers/lmdb/segments.py``): how many and their bytes on disk, the records they hold and
+    those records' bytes; ``segment_live_fraction`` is live bytes over file bytes (what a
+    compaction could give back is the rest)."""
+
     cache_dir: str
     tier: str
     records: int
@@ -43,14 +49,23 @@ class InspectReport:
     unreadable_headers: int
     file_bytes: int
     groups: Dict[int, GroupReport] = field(default_factory=dict)
+    segment_files: int = 0
+    segment_file_bytes: int = 0
+    segment_records: int = 0
+    segment_live_bytes: int = 0
 
     @property
     def compression_ratio(self) -> float:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
+    @property
+    def segment_live_fraction(self) -> float:
+        return self.segment_live_bytes / self.segment_file_bytes if self.segment_file_bytes else 1.0
+
     def to_dict(self) -> Dict[str, object]:
         data = asdict(self)
         data["compression_ratio"] = self.compression_ratio
+        data["segment_live_fraction"] = self.segment_live_fraction
         data["groups"] = {
             str(g): dict(asdict(report), compression_ratio=report.compression_ratio)
             for g, report in sorted(self.groups.items())
@@ -72,6 +87,9 @@ def inspect_cache(cache_dir: str) -> InspectReport:
         for info in tier.iter_records():
             report.records += 1
             report.stored_bytes += info.stored_bytes
+            if info.segment is not None:
+                report.segment_records += 1
+                report.segment_live_bytes += info.stored_bytes
             if info.header is None:
                 report.unreadable_headers += 1
                 continue
@@ -86,6 +104,13 @@ def inspect_cache(cache_dir: str) -> InspectReport:
                 age = max(0.0, (now_ns - info.atime_ns) / 1e9)
                 group.oldest_access_age_s = max(age, group.oldest_access_age_s or 0.0)
                 group.newest_access_age_s = age if group.newest_access_age_s is None else min(age, group.newest_access_age_s)
+    for path in Path(cache_dir).glob("seg-*.kvs"):
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue  # deleted by a writer since the listing
+        report.segment_files += 1
+        report.segment_file_bytes += size
     return report
 
 

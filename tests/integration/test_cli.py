@@ -10,7 +10,11 @@ import sys
 import lmdb
 import pytest
 
+from kvtier.tiers.lmdb.segments import SegmentPointer, is_pointer
 from kvtier.tools.cli import main
+
+# A segment pointer is magic | pid | counter | offset | length (u64) | ...: the length's high byte.
+LENGTH_HIGH_BYTE = 4 + 4 + 4 + 8 + 7
 
 
 def run_cli(*args: str, timeout: float = 120):
@@ -58,6 +62,10 @@ def test_inspect_lists_records_per_group(demo_cache, capsys):
     assert set(report["groups"]) == {"0", "1"}
     assert report["records"] == sum(g["records"] for g in report["groups"].values())
     assert report["raw_bytes"] == summary["disk_stored_bytes"]
+    # the demo's group-0 chunks (256 KiB) are in segment files, group 1's (64 KiB) inside LMDB
+    assert report["segment_files"] >= 1 and report["segment_records"] == report["groups"]["0"]["records"]
+    assert report["segment_live_bytes"] == report["groups"]["0"]["stored_bytes"]
+    assert 0.9 < report["segment_live_fraction"] <= 1.0
     assert report["stored_bytes"] <= report["raw_bytes"] * 1.01
     assert main(["inspect", "--cache-dir", str(cache)]) == 0
     assert "group 1:" in capsys.readouterr().out
@@ -71,19 +79,36 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     os.chmod(cache, 0o700)
     assert main(["verify", "--cache-dir", str(cache)]) == 0
     capsys.readouterr()
-    # Flip the last payload byte of two records through LMDB itself (a valid B-tree, bad records).
+    # The demo's group-0 chunks (256 KiB) live in segment files, group 1's (64 KiB) inside LMDB.
+    # Damage three records: the last payload byte of an inline one (rewritten through LMDB itself:
+    # a valid B-tree, a bad record), the last byte of a segment record in its file, and a segment
+    # pointer itself (its length's high byte: it now claims ~6 EB).
     env = lmdb.open(str(cache), max_dbs=8, map_size=1 << 30)
     chunks = env.open_db(b"chunks")
     with env.begin(write=True, db=chunks) as txn:
-        keys = [bytes(k) for k, _ in txn.cursor()][:2]
-        for key in keys:
-            value = bytearray(txn.get(key))
-            value[-1] ^= 0x5A
-            txn.put(key, bytes(value))
+        values = {bytes(k): bytes(v) for k, v in txn.cursor()}
+        inline = next(k for k, v in values.items() if not is_pointer(v))
+        in_segments = [k for k, v in values.items() if is_pointer(v)][:2]
+        assert len(in_segments) == 2, "not vacuous: the demo cache has segment records"
+        value = bytearray(values[inline])
+        value[-1] ^= 0x5A
+        txn.put(inline, bytes(value))
+        pointer = SegmentPointer.unpack(values[in_segments[0]])
+        with open(cache / pointer.name, "r+b") as f:
+            f.seek(pointer.offset + pointer.length - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        value = bytearray(values[in_segments[1]])
+        value[LENGTH_HIGH_BYTE] ^= 0x5A
+        txn.put(in_segments[1], bytes(value))
     env.close()
+    keys = [inline, *in_segments]
     assert main(["verify", "--cache-dir", str(cache), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert sorted(b["key"] for b in report["bad"]) == sorted(k.hex() for k in keys)
+    reasons = {b["key"]: b["reason"] for b in report["bad"]}
+    assert "short" in reasons[in_segments[1].hex()], reasons
     assert main(["verify", "--cache-dir", str(cache)]) == 0  # quarantined by the first run
     capsys.readouterr()
 
@@ -91,6 +116,52 @@ def test_verify_finds_each_flipped_record_and_gc_bounds_the_cache(tmp_path, demo
     result = json.loads(capsys.readouterr().out)
     assert result["bytes_after"] <= 1 << 20 < result["bytes_before"]
     assert result["evicted_records"] > 0
+    # down to nothing: every segment file goes with its last record
+    assert main(["gc", "--cache-dir", str(cache), "--max-bytes", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_after"] == 0
+    assert sorted(cache.glob("seg-*.kvs")) == []
+
+
+def test_verify_reports_missing_and_short_segments_and_inspect_counts_them(tmp_path, capsys):
+    import asyncio
+
+    from kvtier.tiers.lmdb import LmdbTier
+    from kvtier.tiers.record_format import CodecConfig
+    from kvtier.tools.testing.fault_child import make_batch
+
+    cache = tmp_path / "c"
+    batches = [make_batch(9, b, [200_000, 300_000]) for b in range(2)]
+
+    async def write() -> None:
+        for batch in batches:  # one writing open each: two segment files (the default threshold)
+            async with await LmdbTier.open(cache, codec=CodecConfig(compress=False)) as tier:
+                await tier.put_many(batch)
+
+    asyncio.run(write())
+    files = sorted(cache.glob("seg-*.kvs"))
+    assert len(files) == 2
+    assert main(["inspect", "--cache-dir", str(cache), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["segment_files"], report["segment_records"]) == (2, 4)
+    assert report["segment_live_bytes"] == report["stored_bytes"] > 1_000_000
+    assert report["segment_file_bytes"] == sum(f.stat().st_size for f in files)
+    assert 0.95 < report["segment_live_fraction"] <= 1.0
+    assert main(["inspect", "--cache-dir", str(cache)]) == 0
+    assert "segment files: 2," in capsys.readouterr().out
+    # one file loses its tail (its last record is short), the other goes
+    with open(files[0], "r+b") as f:
+        f.truncate(files[0].stat().st_size - 5000)
+    files[1].unlink()
+    assert main(["verify", "--cache-dir", str(cache), "--no-quarantine", "--json"]) == 1
+    bad = {b["key"]: b["reason"] for b in json.loads(capsys.readouterr().out)["bad"]}
+    assert sorted(r.split(":")[0] for r in bad.values()) == [
+        f"segment {files[0].name} is short", f"segment {files[1].name} is missing", f"segment {files[1].name} is missing"]
+    assert main(["verify", "--cache-dir", str(cache)]) == 1  # reported and quarantined
+    capsys.readouterr()
+    assert main(["verify", "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 1
+    assert main(["inspect", "--cache-dir", str(cache), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["segment_records"] == 1
 
 
 @pytest.mark.parametrize(

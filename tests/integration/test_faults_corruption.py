@@ -30,6 +30,7 @@ import pytest
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier
+from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.testing.fault_child import flip_bytes, make_batch, read_line, run_child
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
@@ -39,17 +40,28 @@ MAX_FLIPS = 60
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
 
 
-async def build_pristine(path: Path) -> List[bytes]:
-    """A cache of inline (in-leaf) and overflow records, with freed pages from a delete."""
+# Where records live: "inline" every record inside LMDB; "segments" those of 8 KiB and more in
+# segment files (raw records, two writing opens: two segment files, so that a flipped pointer can
+# name another live segment).
+STORES = {"inline": dict(segment_threshold_bytes=None),
+          "segments": dict(segment_threshold_bytes=8 << 10, codec=CodecConfig(compress=False))}
+
+
+async def build_pristine(path: Path, store: str = "inline") -> List[bytes]:
+    """A cache of inline (in-leaf) and overflow records, with freed pages from a delete (and, for
+    ``store="segments"``, records in two segment files)."""
     rng = random.Random(SEED)
     keys: List[bytes] = []
-    async with await LmdbTier.open(path, map_size_bytes=1 << 20) as tier:
-        for batch in range(12):
-            sizes = [rng.choice((100, 600, 1500, 3000, 9000, 40000)) for _ in range(rng.randint(2, 6))]
-            items = make_batch(SEED, batch, sizes)
-            await tier.put_many(items)
-            keys += [k for k, _, _ in items]
-        await tier.delete_many(keys[:3])
+    opens = [range(12)] if store == "inline" else [range(6), range(6, 12)]
+    for batches in opens:
+        async with await LmdbTier.open(path, map_size_bytes=1 << 20, **STORES[store]) as tier:
+            for batch in batches:
+                sizes = [rng.choice((100, 600, 1500, 3000, 9000, 40000)) for _ in range(rng.randint(2, 6))]
+                items = make_batch(SEED, batch, sizes)
+                await tier.put_many(items)
+                keys += [k for k, _, _ in items]
+            if batches[-1] == 11:
+                await tier.delete_many(keys[:3])
     return keys[3:]
 
 
@@ -59,11 +71,14 @@ def needs_offline_verifier() -> None:
     pytest.importorskip("lmdb.verify", reason="needs py-lmdb >= 3.0 (lmdb.verify) to refuse damaged B-trees")
 
 
-def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_record(tmp_path: Path, store: str) -> None:
     needs_offline_verifier()
     started = time.monotonic()
     pristine = tmp_path / "pristine"
-    keys = asyncio.run(build_pristine(pristine))
+    keys = asyncio.run(build_pristine(pristine, store))
+    segment_files = sorted(pristine.glob("seg-*.kvs"))
+    assert (len(segment_files) >= 2) == (store == "segments"), segment_files  # not vacuous
     (tmp_path / "keys").write_text(" ".join(k.hex() for k in keys))
     proc = run_child(
         ["corrupt-trials", "--src", str(pristine), "--keys", str(tmp_path / "keys"), "--work", str(tmp_path / "work"),
@@ -113,15 +128,19 @@ def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_
         counts["hits"] += reads["hits"]
         counts["misses"] += reads["misses"]
         counts["bad_records_reported"] += len(verify["bad"])
+        if r["where"] == "segments":
+            counts["bad_in_segment_trials"] += len(verify["bad"])
     print(
-        f"fault-suite: corruption: {TRIALS} trials, {counts['flips']} byte flips ({counts['records_trials']} in "
-        f"record pages, {counts['structure_trials']} in structure pages, {counts['anywhere_trials']} anywhere); "
+        f"fault-suite: corruption ({store}): {TRIALS} trials, {counts['flips']} byte flips ({counts['records_trials']} in "
+        f"record pages, {counts['structure_trials']} in structure pages, {counts['anywhere_trials']} anywhere, "
+        f"{counts['segments_trials']} in segment files); "
         f"{counts['opens_refused']} opens refused with CorruptCacheError; {counts['hits']} reads returned the "
         f"original bytes, {counts['misses']} were misses, 0 wrong, no crash; verify reported "
         f"{counts['bad_records_reported']} bad records, each one a read missed; {time.monotonic() - started:.1f} s"
     )
     # Not vacuous: the trials met both damaged records and damaged structure.
     assert counts["bad_records_reported"] > 0 and counts["opens_refused"] > 0 and counts["hits"] > 0
+    assert (counts["bad_in_segment_trials"] > 0) == (store == "segments")
 
 
 _OPEN_CHILD = textwrap.dedent(

@@ -58,8 +58,12 @@ def device():
 
 
 async def open_engine(kind: str, cache: Path, dev) -> OffloadEngine:
+    # "lmdb": the defaults (these 16-64 KiB chunks stay inside LMDB); "lmdb-segments": every chunk
+    # in segment files, so the full disk refuses segment appends
+    segments = {"lmdb_segment_threshold_bytes": 8 << 10} if kind == "lmdb-segments" else {}
     config = EngineConfig(
-        cache_dir=str(cache) if kind == "lmdb" else None,
+        cache_dir=str(cache) if kind.startswith("lmdb") else None,
+        **segments,
         host_capacity_bytes=8 << 20,  # room for the stores and loads in flight together
         lmdb_map_size_bytes=1 << 20,
         pressure_poll_interval_s=3600.0,
@@ -86,7 +90,7 @@ async def load_ok(engine: OffloadEngine, scenario: OffloadScenario, prompt: List
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["lmdb", "files"])
+@pytest.mark.parametrize("kind", ["lmdb", "lmdb-segments", "files"])
 async def test_disk_full_under_load_fails_stores_cleanly_keeps_reads_and_recovers(small_fs: Path, kind: str) -> None:
     started = time.monotonic()
     cache, filler = small_fs / "cache", small_fs / "filler"
@@ -139,8 +143,9 @@ async def test_disk_full_under_load_fails_stores_cleanly_keeps_reads_and_recover
     durable = early + after + [r.token_ids for r in produced if r.durable]
     for prompt in durable:
         assert await load_ok(engine, restarted, prompt)
-    if kind == "lmdb":
+    if kind.startswith("lmdb"):
         assert await engine.disk_tier.check() == []
+        assert bool(list(cache.glob("seg-*.kvs"))) == (kind == "lmdb-segments")  # not vacuous
     await close(engine)
     print(
         f"fault-suite: disk full ({kind}): filler took {filled >> 10} KiB of a 12 MiB tmpfs; "

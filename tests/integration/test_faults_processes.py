@@ -37,6 +37,16 @@ def data_size(cache: Path) -> int:
     return (cache / "data.mdb").stat().st_size
 
 
+def segment_bytes(cache: Path) -> int:
+    total = 0
+    for path in cache.glob("seg-*.kvs"):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            pass  # deleted since the listing
+    return total
+
+
 def reader_pids(tier: LmdbTier) -> Set[int]:
     """Pids in the environment's reader table (``mdb_reader_list``: "pid thread txnid" lines)."""
     pids = set()
@@ -100,10 +110,15 @@ async def test_a_reader_killed_mid_transaction_is_cleared_and_the_file_stops_gro
 
 
 @pytest.mark.asyncio
-async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["inline", "segments"])
+async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path: Path, store: str) -> None:
     cache = tmp_path / "cache"
     window = 8
-    proc = run_child(["warmup-writer", "--dir", str(cache), "--seed", "11", "--duration-s", "3", "--window", str(window)],
+    # segments: records of 8 KiB and more in segment files of 1 MiB, so that the writer's deletes
+    # empty and delete whole segment files while this process reads from them
+    threshold = 0 if store == "inline" else 8 << 10
+    proc = run_child(["warmup-writer", "--dir", str(cache), "--seed", "11", "--duration-s", "3", "--window", str(window),
+                      "--segment-threshold-bytes", str(threshold)],
                      tmp_path / "stderr")
     lines: List[str] = []
     try:
@@ -112,7 +127,7 @@ async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path:
         rng = random.Random(11)
         reads = hits = 0
         missed: Set[bytes] = set()
-        peak_size = 0
+        peak_size = peak_segments = 0
         async with await LmdbTier.open(cache, readonly=True) as reader:
             while not collector.done():
                 keys = await reader.list_keys()
@@ -127,6 +142,7 @@ async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path:
                         hits += 1
                         assert bytes(buf) == chunk_content(key), "the reader got wrong bytes"
                 peak_size = max(peak_size, data_size(cache))
+                peak_segments = max(peak_segments, segment_bytes(cache))
                 await asyncio.sleep(0.005)
             stats = reader.statistics().as_dict()
             final_keys = set(await reader.list_keys())
@@ -158,12 +174,16 @@ async def test_a_warmup_process_writes_while_this_process_serves_reads(tmp_path:
     # Bounded growth: the file holds the window (~8 batches of <= 6 x 64 KiB) plus LMDB's copy-on-write
     # slack, however much went through it.
     assert peak_size <= 16 << 20 and written >= 4 * peak_size, (peak_size, written)
+    # Segment files too: emptied ones are deleted, so they hold about the window, not what went through.
+    assert peak_segments <= 16 << 20 and written >= 4 * peak_segments, (peak_segments, written)
+    assert (peak_segments > 0) == (store == "segments"), peak_segments  # not vacuous
     check = await asyncio.to_thread(check_cache, str(cache))
     assert check.problems == [] and check.records == len(live)
     print(
-        f"fault-suite: second process: warmup writer wrote {len(acked)} batches ({written >> 20} MiB, "
+        f"fault-suite: second process ({store}): warmup writer wrote {len(acked)} batches ({written >> 20} MiB, "
         f"{len(deleted)} deleted, {int(done['map_growths'])} map growths) while this process made {reads} reads "
-        f"({hits} hits, {len(missed)} misses of deleted chunks), 0 errors; data file peaked at {peak_size >> 20} MiB"
+        f"({hits} hits, {len(missed)} misses of deleted chunks), 0 errors; data file peaked at {peak_size >> 20} MiB, "
+        f"segment files at {peak_segments >> 20} MiB"
     )
 
 

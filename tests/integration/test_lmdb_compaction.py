@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from kvtier.errors import ClosedError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
@@ -105,6 +106,13 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         # a second pass finds nothing below the threshold
         again = await tier.compact_segments()
         assert (again.segments, again.records) == (0, 0) and segment_files(path) == after_files
+    with pytest.raises(ClosedError, match="is closed"):
+        await tier.compact_segments()
+    async with await LmdbTier.open(path, readonly=True) as tier:
+        with pytest.raises(TierIOError, match="is open read-only"):
+            await tier.compact_segments()
+        with pytest.raises(ValueError, match=r"segment_compaction_live_fraction must be a number in \[0, 1\), got 2"):
+            tier.compact_segments_sync(live_fraction=2)
     print(f"compaction: segment files {sum(before_files.values())} -> {sum(after_files.values())} bytes "
           f"for {sum(len(k) for k in kept)} live records of {record} bytes")
 
@@ -152,6 +160,24 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         await tier.flush()
         assert set(segment_files(d)) == set(files)
         assert (await tier.compact_segments()).records == 0
+
+
+@pytest.mark.asyncio
+async def test_an_active_segment_emptied_below_the_fraction_is_compacted_once_it_rotates(tmp_path: Path) -> None:
+    async with await LmdbTier.open(tmp_path / "c", **SETUP) as tier:
+        first = make_batch(12, 0, [RECORD] * 6)  # 6 records: past 1 MiB, the next append rotates
+        await tier.put_many(first)
+        source = pointers(tier)[first[0][0]].name
+        await tier.delete_many([k for k, _, _ in first[1:]])  # 1 of 6 left, but still the active segment
+        await tier.flush()
+        assert source in segment_files(tmp_path / "c") and tier.statistics().extra["compaction_passes"] == 0
+        second = make_batch(12, 1, [RECORD])
+        await tier.put_many(second)  # rotates: the closed segment is offered
+        await _gone(tmp_path / "c", source)
+        await tier.flush()
+        assert tier.statistics().extra["compacted_records"] == 1
+        await assert_served(tier, first[:1] + second)
+        assert_ledger_matches(tier)
 
 
 @pytest.mark.asyncio
@@ -253,6 +279,7 @@ async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_p
         assert meta == kept[0][0][1] and bytes(data) == chunk_content(kept[0][0][0])
         old_txn.abort()
         await _gone(path, source)  # the timer's retries delete it now
+        await tier.flush()  # after the writer job that deleted it (and counted it)
         assert tier.statistics().extra["compacted_segments"] == 1
         await assert_served(tier, kept[0])
         assert await tier.check() == []
@@ -397,6 +424,30 @@ async def test_a_corrupt_source_record_is_quarantined_not_copied(tmp_path: Path)
         assert await tier.check() == []
 
 
+@pytest.mark.asyncio
+async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(tmp_path: Path) -> None:
+    import struct
+
+    path, kept = await _three_segments(tmp_path, (3, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        bad = kept[0][1][0]
+        source = pointers(tier)[bad].name
+        value = bytearray(tier._read_txn(lambda txn: bytes(txn.get(bad, db=tier._tables.chunks))))
+        value[-4:] = struct.pack("<I", 0)  # the head length: a split pointer with no head cannot be right
+
+        def damage(txn):
+            txn.put(bad, bytes(value), db=tier._tables.chunks)
+            return lambda: None
+
+        await tier._writer.submit_async(lambda: tier._write(damage))
+        report = await tier.compact_segments()
+        assert (report.records, report.quarantined, report.files_freed) == (2, 1, 1)
+        assert source not in segment_files(path) and tier.quarantined_keys() == [bad]
+        await assert_served(tier, [kept[0][0], kept[0][2]])
+        assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
 def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from kvtier.tools.cli import main
 
@@ -433,17 +484,26 @@ async def _reopen_and_check(path: Path, items: List[Item]) -> None:
 
 
 def test_choose_segments_by_live_fraction_then_by_disk_budget() -> None:
-    usage = [SegmentUsage("a", 10, 1, 100), SegmentUsage("b", 40, 4, 100), SegmentUsage("c", 60, 6, 100),
-             SegmentUsage("d", 85, 8, 100), SegmentUsage("e", 95, 9, 100), SegmentUsage("f", 5, 1, 100)]
+    # 1 MB segments, one live record each (a page of its padding counts as live): 10 % ... 95 % live
+    end = 1_000_000
+
+    def seg(name: str, fraction: float) -> SegmentUsage:
+        return SegmentUsage(name, int(fraction * end) - 4096, 1, end)
+
+    usage = [seg("a", 0.1), seg("b", 0.4), seg("c", 0.6), seg("d", 0.85), seg("e", 0.95), seg("f", 0.05)]
+    assert [round(u.live_fraction, 2) for u in usage] == [0.1, 0.4, 0.6, 0.85, 0.95, 0.05]
+    assert usage[0].dead_bytes == 900_000
     closed = {"a", "b", "c", "d", "e"}  # f is someone's active segment
     names = lambda chosen: [u.name for u in chosen]  # noqa: E731
     assert names(choose_segments(usage, closed, live_fraction=0.5)) == ["a", "b"]
     assert names(choose_segments(usage, closed, live_fraction=0.0)) == []
-    # 600 committed bytes; a and b free 150: 450 > 420, so c (least live next) goes too
-    assert names(choose_segments(usage, closed, live_fraction=0.5, disk_budget_bytes=420)) == ["a", "b", "c"]
+    # 6 MB committed; a and b free 1.5 MB: 4.5 MB > 4.2 MB, so c (least live next) goes too
+    assert names(choose_segments(usage, closed, live_fraction=0.5, disk_budget_bytes=4_200_000)) == ["a", "b", "c"]
     # however tight the budget, segments over 90 % live are never rewritten for it
     assert names(choose_segments(usage, closed, live_fraction=0.5, disk_budget_bytes=0)) == ["a", "b", "c", "d"]
-    assert names(choose_segments(usage, closed, live_fraction=0.5, disk_budget_bytes=600)) == ["a", "b"]
+    assert names(choose_segments(usage, closed, live_fraction=0.5, disk_budget_bytes=6_000_000)) == ["a", "b"]
+    # a segment of small records, all live, is mostly padding: never below the fraction
+    assert SegmentUsage("small", 100 * 300, 100, 100 * 8192).live_fraction > 0.5
     for bad in (-0.1, 1.0, "half", True, None):
         with pytest.raises(ValueError, match=r"segment_compaction_live_fraction must be a number in \[0, 1\), got"):
             LmdbTier("/nonexistent/never-created", segment_compaction_live_fraction=bad)  # type: ignore[arg-type]
@@ -518,11 +578,16 @@ async def test_random_puts_deletes_evictions_and_compactions_agree_with_a_dict(t
             assert all(bytes(bufs[k]) == oracle[k] for k in bufs), f"step {step} ({op})"
             assert_ledger_matches(tier)
             assert await tier.check() == []
-        # at the end, after a pass: no closed segment of ours is left below the fraction
+        # at the end, after a pass (and any automatic one still running): no closed segment is left
+        # below the fraction
+        await tier.compact_segments()
+        deadline = time.monotonic() + 20
+        while tier._compaction_scheduled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await tier.compact_segments()
         active = tier._segment_writer.active if tier._segment_writer is not None else None
-        for name, (live, _, end) in ledger(tier).items():
-            assert name == active or live >= 0.5 * end, (name, live, end)
+        for name, (live, records, end) in ledger(tier).items():
+            assert name == active or SegmentUsage(name, live, records, end).live_fraction >= 0.5, (name, live, end)
         assert tier.statistics().extra["compacted_records"] >= 0
     finally:
         await tier.close()

@@ -69,7 +69,7 @@ async def test_round_trip_bitwise_above_and_below_the_threshold(tmp_path: Path) 
         assert {info.key for info in tier.iter_records() if info.header is not None} == {it[0] for it in items}
         assert os.stat(tmp_path / "c" / next(iter(pointers.values())).name).st_mode & 0o777 == 0o600
     # reopen: served as before, by a tier with segments off too (mixed caches read either way)
-    async with await LmdbTier.open(tmp_path / "c") as tier:
+    async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=None) as tier:
         await _assert_served(tier, items)
         assert await tier.check() == []
         more = _items(1, 1, [200_000])
@@ -258,9 +258,11 @@ async def test_engine_config_turns_segments_on_and_a_restart_loads_bitwise(tmp_p
         consumer = OffloadScenario(engine)
         consumer.producer_bytes = scenario.producer_bytes
         await consumer.consume(prompt + [1], expect_hit=32, expect_loaded={0: {0, 1}, 1: {6, 7}})
-    with pytest.raises(ValueError, match=r"lmdb_segment_threshold_bytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"^lmdb_segment_threshold_bytes must be an int >= 0 or None "
+                       r"\(None or 0: every record inside LMDB\), got -1$"):
         EngineConfig(cache_dir=str(tmp_path), lmdb_segment_threshold_bytes=-1)
-    with pytest.raises(ValueError, match=r"segment_threshold_bytes must be an int >= 0 or None, got 'x'"):
+    with pytest.raises(ValueError, match=r"^segment_threshold_bytes must be an int >= 0 or None "
+                       r"\(None or 0: every record inside LMDB\), got 'x'$"):
         LmdbTier(tmp_path / "other", segment_threshold_bytes="x")  # type: ignore[arg-type]
 
 

@@ -60,7 +60,13 @@ class TierKind:
 
 
 async def _open_lmdb(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    # the defaults: records of DEFAULT_SEGMENT_THRESHOLD_BYTES (128 KiB) and more in segments
     return await LmdbTier.open(path, capacity_bytes=capacity_bytes, map_size_bytes=8 << 20)
+
+
+async def _open_lmdb_inline(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    # segments off: every record inside LMDB (as caches written before segments were the default)
+    return await LmdbTier.open(path, capacity_bytes=capacity_bytes, map_size_bytes=8 << 20, segment_threshold_bytes=None)
 
 
 async def _open_lmdb_segments(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
@@ -141,6 +147,7 @@ def _break_chain_writes(tier: ChunkTier) -> Callable[[], None]:
 TIERS: List[TierKind] = [
     TierKind("lmdb", _open_lmdb, corrupt_stored_record, _LMDB_WRITES),
     TierKind("lmdb-segments", _open_lmdb_segments, corrupt_stored_record, _LMDB_WRITES),
+    TierKind("lmdb-inline", _open_lmdb_inline, corrupt_stored_record, _LMDB_WRITES),
     TierKind("files", _open_files, corrupt_stored_record, _FILE_WRITES),
     TierKind("faulty-lmdb", _wrapped(_open_lmdb), lambda t, k: corrupt_stored_record(t.inner, k), _LMDB_WRITES),
     TierKind("faulty-files", _wrapped(_open_files), lambda t, k: corrupt_stored_record(t.inner, k), _FILE_WRITES),

@@ -112,15 +112,27 @@ def test_bytes_through_vllm(tmp_path, r, retention):
         rig.shutdown()
 
 
-def test_restart_hits_from_disk_alone(tmp_path):
+# The tier's records where the defaults put them (these chunks are small: inside LMDB), and every one
+# in a segment file (the tier config's lmdb_segment_threshold_bytes reaches the LMDB tier).
+STORES = {"default": {}, "segments": {"lmdb_segment_threshold_bytes": 1}}
+
+
+def assert_records_where(tier, store: str) -> None:
+    places = {info.segment is not None for info in tier.disk_tier.iter_records()}
+    assert places == {store == "segments"}, places
+
+
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_restart_hits_from_disk_alone(tmp_path, store):
     """A new scheduler + connector + tier over the same cache directory restores bitwise."""
-    rig = make_rig(tmp_path, 3, None)
+    rig = make_rig(tmp_path, 3, None, **STORES[store])
     try:
         produced = rig.run(PROMPT)
         before = producer_block_bytes(rig, produced)
+        assert_records_where(rig.secondary_tiers[0], store)
     finally:
         rig.shutdown()
-    fresh = make_rig(tmp_path, 3, None)
+    fresh = make_rig(tmp_path, 3, None, **STORES[store])
     try:
         tier = fresh.secondary_tiers[0]
         assert tier.statistics()["indexed_chunks"] == 8  # listed from LMDB at start
@@ -132,13 +144,15 @@ def test_restart_hits_from_disk_alone(tmp_path):
         fresh.shutdown()
 
 
-def test_corrupt_record_is_a_failed_promotion_then_recomputed(tmp_path):
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_corrupt_record_is_a_failed_promotion_then_recomputed(tmp_path, store):
     """A record corrupted on disk: the load reports the key failed, vLLM recomputes, no wrong
     byte is reported loaded, and the engine keeps serving (the next producer stores again)."""
-    rig = make_rig(tmp_path)
+    rig = make_rig(tmp_path, **STORES[store])
     try:
         tier = rig.secondary_tiers[0]
         rig.run(PROMPT)
+        assert_records_where(tier, store)
         for key in list(tier._index):
             corrupt_stored_record(tier.disk_tier, key)
         rig.wipe()
@@ -230,6 +244,8 @@ def test_slow_tier_never_blocks_a_scheduler_step(tmp_path):
         ({"compression": 23}, "compression must be an int in 0..22"),
         ({"disk_capacity_bytes": -1}, "disk_capacity_bytes must be a positive int"),
         ({"remote_url": "localhost"}, "remote_url must be a redis://"),
+        ({"lmdb_segment_threshold_bytes": -1}, r"^KvtierTier lmdb_segment_threshold_bytes must be an int >= 0 or null "
+                                                r"\(null or 0: every record inside LMDB\), got -1$"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, extra, message):

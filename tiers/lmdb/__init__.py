@@ -7,6 +7,8 @@ Modules, one concern each:
 - ``tables``: the named databases and their value formats.
 - ``recovery``: checks of a directory before LMDB maps it, and moving a damaged one aside.
 - ``maintenance``: blocking walks for tools: ``iter_records``, ``verify``, ``gc``.
+- ``segments``: large records in append-only payload files beside ``data.mdb`` (on from
+  ``DEFAULT_SEGMENT_THRESHOLD_BYTES``), LMDB keeping a pointer.
 - ``timer``: the periodic housekeeping thread (stale readers, access-time flushes).
 """
 
@@ -14,6 +16,8 @@ from kvtier.errors import CorruptCacheError
 
 from .maintenance import RecordInfo, VerifyReport
 from .recovery import quarantine_cache_dir
+from .segments import DEFAULT_SEGMENT_THRESHOLD_BYTES
 from .tier import LmdbTier
 
-__all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir"]
+__all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir",
+           "DEFAULT_SEGMENT_THRESHOLD_BYTES"]

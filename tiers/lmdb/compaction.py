@@ -10,17 +10,17 @@ file, so moving a live record never turns a hit into a miss.
 
 A pass, in two phases:
 
-1. ``plan_compaction`` (a read-pool or tool thread, never the writer): read the ``segments`` table
+1. ``Compaction._plan_pass`` (a read-pool or tool thread, never the writer): read the ``segments`` table
    (live bytes | live records | committed end per segment) and ``choose_segments``: a segment is a
    candidate when it is closed -- not this writer's active one, and no writer (ours or another
    process's) holds its ``flock`` -- and its live bytes are below ``live_fraction`` of its committed
-   end; when a ``disk_budget_bytes`` is given and the segment files together exceed it, more segments
+   end (a page of padding per live record counted as live); when a ``disk_budget_bytes`` is given and the segment files together exceed it, more segments
    are taken, least live first, until the projected total fits. Then list the candidates' live
    records (key and pointer, from the small ``atime`` table's keys, in read transactions of a few
    thousand keys each) in file order.
 2. ``Compaction._compaction_step`` (writer thread, one job per step of at most ``step_bytes``, so
    puts queued meanwhile run between steps): keep only the records whose key still holds the planned
-   pointer, read each one and check its checksum (a corrupt one is quarantined like a failed read,
+   pointer, read each one (on the read pool, several in flight) and check its checksum (a corrupt one is quarantined like a failed read,
    never copied), append the good ones to this writer's segment (``_append_synced``, as puts:
    ``fdatasync``'d before the commit; also when new puts go inline), then ONE write transaction
    replaces each key's value ONLY IF it is still the exact old pointer (a put, delete or eviction by
@@ -34,11 +34,15 @@ stands, and the emptied source is deleted once retired or, if the process died f
 open (no entry in ``segments``: an orphan file).
 
 When it runs: after a commit (put, delete, eviction, quarantine) leaves a closed segment below
-``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, schedules an
-automatic pass), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
+``live_fraction`` (``_segments_changed``, a cheap check of the transaction's own ledger, offers it to
+an automatic pass, at most once per ``REOFFER_S``) or this writer closes its active segment below
+it (``_segment_rotated``), from ``LmdbTier.compact_segments`` / ``compact_segments_sync`` and from ``kvtier gc``.
 
 Primitives: ``SegmentUsage``, ``choose_segments`` (pure), ``CompactionReport``, ``segment_disk_bytes``,
-``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``, ``compact_segments_sync``).
+``oldest_reader`` (any thread), ``Compaction`` (a mixin of ``LmdbTier``: ``compact_segments``,
+``compact_segments_sync``; the automatic passes). Threads: plans on the read pool (automatic) or
+the caller's worker thread, steps and deletions on the writer thread, a timer thread only to queue
+a later deletion try.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ __all__ = [
     "Compaction",
     "DEFAULT_COMPACTION_LIVE_FRACTION",
     "check_live_fraction",
+    "oldest_reader",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,7 @@ DISK_MARGIN = 0.25
 # The capacity rule leaves segments at least this live: rewriting them would free little.
 _CAPACITY_RULE_MAX_LIVE = 0.9
 _LIST_BATCH = 4096
+_PAGE = 4096
 # Live bytes one pass takes at most (its plan holds a key and a pointer per record, and goes stale
 # as it runs); a pass that leaves candidates behind is followed by another.
 PASS_LIVE_BYTES = 4 << 30
@@ -96,6 +102,10 @@ PASS_LIVE_BYTES = 4 << 30
 # retries this often, this long apart, before leaving the rest to a timer (reads finish in ms).
 RETIRE_TRIES = 50
 RETIRE_WAIT_S = 0.02
+# A segment below the fraction is offered to an automatic pass at most this often (a pass that had
+# to skip it -- another process still appends to it -- retries once a later commit touches it).
+REOFFER_S = 30.0
+_OFFERED_MAX = 4096
 
 
 def check_live_fraction(value: object) -> float:
@@ -107,7 +117,11 @@ def check_live_fraction(value: object) -> float:
 
 @dataclass(frozen=True)
 class SegmentUsage:
-    """One row of the ``segments`` table: live record bytes, live records, committed end."""
+    """One row of the ``segments`` table: live record bytes, live records, committed end.
+
+    Each live record also takes about a page of padding in the file (its head page, its payload's
+    last partial page), which a copy takes again: counted as live, so a segment of small records
+    that is all live never looks worth rewriting."""
 
     name: str
     live_bytes: int
@@ -115,12 +129,17 @@ class SegmentUsage:
     committed_end: int
 
     @property
+    def live_extent(self) -> int:
+        return min(self.committed_end, self.live_bytes + self.live_records * _PAGE)
+
+    @property
     def live_fraction(self) -> float:
-        return self.live_bytes / self.committed_end if self.committed_end else 1.0
+        return self.live_extent / self.committed_end if self.committed_end else 1.0
 
     @property
     def dead_bytes(self) -> int:
-        return max(0, self.committed_end - self.live_bytes)
+        """What rewriting the segment gives back."""
+        return self.committed_end - self.live_extent
 
 
 def choose_segments(usage: Sequence[SegmentUsage], closed: Set[str], *, live_fraction: float,
@@ -201,8 +220,10 @@ class Compaction(WriterSide):
     # writer thread: an automatic pass is planned or running / a commit asked for another one since
     _compaction_scheduled: bool
     _compaction_wanted: bool
-    # segments the last plan found held by a writer: commits touching them do not trigger a pass
-    _compaction_locked: Set[str]
+    # writer thread: segment name -> when it was last offered to an automatic pass (monotonic s);
+    # whether a step is running (its own quarantines offer nothing)
+    _compaction_offered: Dict[str, float]
+    _compacting: bool
     # writer thread: (commit id, name, file size) of emptied sources not deleted yet, and whether a
     # timer will retry them
     _retiring: List[Tuple[int, str, int]]
@@ -226,8 +247,8 @@ class Compaction(WriterSide):
         nothing: each moved key holds its old pointer or its new one); no further step starts,
         records moved so far stay moved, and their emptied sources are deleted by a later step, a
         later pass or the next open."""
-        self._check_usable(write=True)
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        self._check_usable(write=True)
         stop = threading.Event()
         running = asyncio.get_running_loop().run_in_executor(None, lambda: self._run_passes(fraction, stop))
         running.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled caller's result
@@ -240,8 +261,8 @@ class Compaction(WriterSide):
     def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
         """Blocking ``compact_segments`` for tools (``kvtier gc``) and tests: plans on the calling
         thread, moves on the writer thread."""
-        self._check_usable(write=True)
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        self._check_usable(write=True)
         return self._run_passes(fraction, threading.Event())
 
     def _run_passes(self, fraction: float, stop: threading.Event) -> CompactionReport:
@@ -311,7 +332,6 @@ class Compaction(WriterSide):
                 chosen, more = chosen[:i], True  # bounded memory: the rest in the next pass
                 break
         below = {u.name for u in usage if u.live_fraction < live_fraction}
-        self._compaction_locked = locked & below
         plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
         plan.more = more
         plan.report.segments = len(chosen)
@@ -340,7 +360,7 @@ class Compaction(WriterSide):
                     key = bytes(cur.key())
                     value = txn.get(key, db=self._tables.chunks)
                     if value is not None and is_pointer(value):
-                        pointer = SegmentPointer.unpack(value)
+                        pointer = SegmentPointer.unpack(value, check=False)  # a damaged one: its read refuses it
                         if pointer.name in names:
                             found.append((pointer, key, bytes(value)))
                     n += 1
@@ -358,7 +378,11 @@ class Compaction(WriterSide):
     def _compaction_step(self, plan: _Pass) -> None:
         """Writer thread: move the next records of ``plan`` (at most ``_compaction_step_bytes``)."""
         plan.report.add(self._remove_retired())  # earlier steps' sources, when the readers allow
-        records, olds = self._read_sources(self._next_current(plan), plan.report)
+        self._compacting = True  # its quarantines offer nothing: the segments are this pass's already
+        try:
+            records, olds = self._read_sources(self._next_current(plan), plan.report)
+        finally:
+            self._compacting = False
         if not records:
             return
         # durable before the commit, as puts; into segments even when new puts go inline (the
@@ -376,7 +400,7 @@ class Compaction(WriterSide):
         while plan.pending and (not taken or nbytes < self._compaction_step_bytes):
             key, value = plan.pending.popleft()
             taken.append((key, value))
-            nbytes += SegmentPointer.unpack(value).length
+            nbytes += SegmentPointer.unpack(value, check=False).length
 
         def still_there(txn: lmdb.Transaction) -> List[bool]:
             return [txn.get(key, db=self._tables.chunks) == value for key, value in taken]
@@ -502,27 +526,46 @@ class Compaction(WriterSide):
     # ---------------------------------------------------------------------- automatic compaction
 
     def _segments_changed(self, ledger: Ledger) -> None:
-        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it takes a
-        closed segment from at or above the live fraction to below it, schedule an automatic pass
-        (after the commit: the plan runs on the read pool, which only sees committed data; an aborted
-        transaction at worst costs a pass that finds nothing). Only the crossing triggers, so each
-        segment costs one pass however many later commits touch it; segments already below the
-        fraction when the tier opened wait for ``compact_segments`` or ``kvtier gc``."""
+        """Writer thread, inside a put/delete/eviction/quarantine transaction: when it leaves a
+        closed segment below the live fraction, offer it to an automatic pass (scheduled after the
+        commit: the plan runs on the read pool, which only sees committed data; an aborted
+        transaction at worst costs a pass that finds nothing). A segment is offered again only
+        ``REOFFER_S`` later (one that another process still appends to is skipped by the pass, and
+        retried once it may be closed), so the many commits that touch a segment cost one pass."""
+        for name, usage in ledger.remaining.items():
+            self._offer(SegmentUsage(name, *usage))
+
+    def _segment_rotated(self, name: str) -> None:
+        """Writer thread, after this writer closed its active segment ``name``: records deleted
+        while it was active (not offered then) may have left it below the fraction."""
+
+        def usage_of(txn: lmdb.Transaction) -> Optional[SegmentUsage]:
+            value = txn.get(name.encode(), db=self._tables.segments)
+            return SegmentUsage(name, *LIVE.unpack(value)) if value is not None and len(value) == LIVE.size else None
+
+        usage = self._read_txn(usage_of)
+        if usage is not None:
+            self._offer(usage)
+
+    def _offer(self, usage: SegmentUsage) -> None:
+        """Writer thread: schedule an automatic pass if ``usage`` is a closed segment below the
+        fraction not offered in the last ``REOFFER_S``."""
         fraction = self._compaction_live_fraction
-        if fraction <= 0:
-            return
         active = self._segment_writer.active if self._segment_writer is not None else None
-        for name, (before, live, end) in ledger.remaining.items():
-            if name != active and name not in self._compaction_locked and live < fraction * end <= before:
-                break
-        else:
+        if fraction <= 0 or self._compacting or usage.name == active or usage.live_fraction >= fraction:
             return
+        now = time.monotonic()
+        if now - self._compaction_offered.get(usage.name, -REOFFER_S) < REOFFER_S:
+            return
+        if len(self._compaction_offered) >= _OFFERED_MAX:  # names of long-gone segments
+            self._compaction_offered = {n: t for n, t in self._compaction_offered.items() if now - t < REOFFER_S}
+        self._compaction_offered[usage.name] = now
         if self._compaction_scheduled:
             self._compaction_wanted = True
             return
         self._compaction_scheduled = True
-        # A writer job queued now runs after this transaction's commit (this thread runs jobs in
-        # order), so the plan it starts sees the commit.
+        # A writer job queued now runs after the current job (and its commit): this thread runs
+        # jobs in order, so the plan it starts sees the commit.
         assert self._writer is not None
         try:
             self._writer.submit(Job(self._start_automatic, _log_failure))

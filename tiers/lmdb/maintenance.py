@@ -21,7 +21,7 @@ import xxhash
 from kvtier.errors import CorruptRecordError
 
 from ..record_format import RecordHeader, decode_record, read_header, validate_record
-from .segments import is_pointer, stored_size
+from .segments import SegmentPointer, is_pointer, stored_size
 from .tables import ATIME
 from .compaction import Compaction
 
@@ -35,13 +35,15 @@ _ITER_BATCH = 256
 @dataclass(frozen=True)
 class RecordInfo:
     """One stored record as ``iter_records`` sees it: header (``None`` when it does not parse, then
-    ``error`` says why), stored bytes, last access in ns since the epoch (0 if never recorded)."""
+    ``error`` says why), stored bytes, last access in ns since the epoch (0 if never recorded), and
+    the segment file its pointer names (``None``: inside LMDB)."""
 
     key: bytes
     header: Optional[RecordHeader]
     error: Optional[str]
     stored_bytes: int
     atime_ns: int
+    segment: Optional[str] = None
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Maintenance(Compaction):
                 header, error = None, str(exc)
             at = txn.get(key, db=self._tables.atime)
             atime = ATIME.unpack(at)[0] if at is not None and len(at) == ATIME.size else 0
-            return RecordInfo(key, header, error, stored_size(value), atime)
+            segment = SegmentPointer.unpack(value, check=False).name if is_pointer(value) else None
+            return RecordInfo(key, header, error, stored_size(value), atime, segment)
 
         yield from self._scan(visit)
 

@@ -23,11 +23,12 @@ Promises and how they are kept:
 - several processes: each writer appends only to its own segment (named by pid and a counter,
   created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
 
-Known limits: a read that took a pointer just before the segment was deleted (its last record
-evicted or deleted meanwhile) and had not opened the file yet is a miss, counted ``corrupt`` (the
-key is gone, so nothing is quarantined). A segment is created and locked under a shared lock of
-``segments.lock`` and ``reclaim_orphans`` scans under its exclusive lock, so an open never takes
-another process's segment in the instant between its create and its ``flock``.
+A read that took a pointer just before the segment was deleted (its last record evicted or
+deleted meanwhile) and had not opened the file yet is a plain miss: the tier looks again in a
+fresh transaction and finds the key gone or rewritten, so it counts, logs and quarantines nothing.
+A segment is created and locked under a shared lock of ``segments.lock`` and ``reclaim_orphans``
+scans under its exclusive lock, so an open never takes another process's segment in the instant
+between its create and its ``flock``.
 
 Primitives: ``SegmentPointer`` (the 28-byte value in ``chunks``), ``SegmentWriter`` (writer thread
 only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record),
@@ -90,6 +91,8 @@ __all__ = [
     "segment_files",
     "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
+    "DEFAULT_SEGMENT_THRESHOLD_BYTES",
+    "check_segment_threshold",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,9 +107,24 @@ LIVE = struct.Struct("<QQQ")  # live record bytes | live records | committed end
 _ALIGN = 4096
 _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
+# Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
+# vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`, five runs,
+# docs/ARCHITECTURE.md), segments write 1.06-1.55x the inline tier at 128 KiB and 1.54-2.13x at
+# 256 KiB, but 0.62-0.84x at 64 KiB and 0.38-0.53x at 16 KiB (one LMDB transaction beats an extra
+# aligned file write and its fdatasync for small records).
+DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 _CREATION_LOCK = "segments.lock"
 POOLED_BUFFER_BYTES = 256 << 20  # free aligned buffers kept for reuse (all tiers of the process)
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
+
+
+def check_segment_threshold(value: object, name: str = "segment_threshold_bytes", none: str = "None") -> Optional[int]:
+    """The threshold as the writer uses it (``None``: every record inside LMDB; 0 means the same),
+    or ``ValueError`` naming ``name`` and the value. One check for every place that takes it
+    (``LmdbTier``, ``EngineConfig``, the vLLM tier's config), so they accept and say the same."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0 or {none} ({none} or 0: every record inside LMDB), got {value!r}")
+    return value or None
 
 
 def segment_name(pid: int, counter: int) -> str:
@@ -158,13 +176,15 @@ class SegmentPointer:
         return _POINTER.pack(_MAGIC, self.pid, self.counter, self.offset, self.length, self.head)
 
     @staticmethod
-    def unpack(value: "bytes | memoryview") -> "SegmentPointer":
+    def unpack(value: "bytes | memoryview", *, check: bool = True) -> "SegmentPointer":
+        """``check=False``: the fields as stored, even when the head length cannot be right (for
+        the accounting that a damaged pointer must not stop: its size, its segment's ledger)."""
         raw = bytes(value)
         if not is_pointer(raw):
             raise CorruptRecordError("segment pointer has a bad magic or length")
         if len(raw) == _POINTER.size:
             _, pid, counter, offset, length, head = _POINTER.unpack(raw)
-            if not 0 < head <= length:
+            if check and not 0 < head <= length:
                 raise CorruptRecordError(f"segment pointer with a head of {head} bytes in a {length}-byte record")
             return SegmentPointer(pid, counter, offset, length, head)
         _, pid, counter, offset, length = _POINTER_CONTIGUOUS.unpack(raw)
@@ -180,7 +200,7 @@ def is_pointer(value: "bytes | memoryview") -> bool:
 
 def stored_size(value: "bytes | memoryview") -> int:
     """The record bytes a ``chunks`` value stands for (what capacity counts)."""
-    return SegmentPointer.unpack(value).length if is_pointer(value) else len(value)
+    return SegmentPointer.unpack(value, check=False).length if is_pointer(value) else len(value)
 
 
 def _round_up(n: int) -> int:
@@ -554,6 +574,7 @@ class SegmentReader:
     def _extent(self, pointer: SegmentPointer) -> Iterator[memoryview]:
         """The record's whole extent, read into a pooled page-aligned buffer lent for the block."""
         assert _BUFFERS is not None
+        self._check_extent(pointer)
         pages = _BUFFERS.take(pointer.extent)
         view = memoryview(pages)
         try:
@@ -562,6 +583,20 @@ class SegmentReader:
         finally:
             view.release()
             _BUFFERS.give(pages)
+
+    def _check_extent(self, pointer: SegmentPointer) -> None:
+        """A damaged pointer can claim any length: check its extent against the file before a
+        buffer of that size is taken (a flipped high byte would ask for petabytes: MemoryError)."""
+        try:
+            size = os.fstat(self._fd(pointer.name)).st_size
+        except FileNotFoundError as exc:
+            raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
+        except OSError as exc:
+            raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
+        if pointer.offset + pointer.extent > size:
+            raise CorruptRecordError(
+                f"segment {pointer.name} is short: {size} bytes, the record claims {pointer.extent} at offset {pointer.offset}"
+            )
 
     def _read_exactly(self, pointer: SegmentPointer, pieces: List[memoryview]) -> None:
         """Fill ``pieces`` from the record's offset: a missing segment or one that ends first is
@@ -601,8 +636,8 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
-        # after ``commit``: name -> (live bytes before, live bytes after, committed end) of each
-        # touched segment that still has records (what the automatic compaction check looks at)
+        # after ``commit``: name -> (live bytes, live records, committed end) of each touched
+        # segment that still has records (what the automatic compaction check looks at)
         self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
@@ -614,7 +649,7 @@ class Ledger:
     def drop(self, value: "bytes | memoryview") -> None:
         """A ``chunks`` value is going away; counts only when it is a pointer."""
         if is_pointer(value):
-            pointer = SegmentPointer.unpack(value)
+            pointer = SegmentPointer.unpack(value, check=False)  # a damaged one goes too (quarantine)
             d = self._delta.setdefault(pointer.name, [0, 0, 0])
             d[0] -= pointer.length
             d[1] -= 1
@@ -623,14 +658,14 @@ class Ledger:
         for name, (dbytes, drecords, end) in self._delta.items():
             key = name.encode()
             old = self._txn.get(key, db=self._table)
-            before, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
-            live, records, committed = max(0, before + dbytes), max(0, records + drecords), max(committed, end)
+            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
             if records == 0:
                 self._txn.delete(key, db=self._table)
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
-                self.remaining[name] = (before, live, committed)
+                self.remaining[name] = (live, records, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:

@@ -47,7 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import lmdb
 import xxhash
@@ -89,7 +89,16 @@ from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
-from .segments import DEFAULT_SEGMENT_MAX_BYTES, SegmentReader, SegmentWriter, committed_ends, is_pointer, reclaim_orphans
+from .segments import (
+    DEFAULT_SEGMENT_MAX_BYTES,
+    DEFAULT_SEGMENT_THRESHOLD_BYTES,
+    SegmentReader,
+    SegmentWriter,
+    check_segment_threshold,
+    committed_ends,
+    is_pointer,
+    reclaim_orphans,
+)
 from .writes import PutJob
 
 __all__ = ["LmdbTier", "DEFAULT_READ_WORKERS"]
@@ -129,7 +138,9 @@ class LmdbTier(ChunkTier, Maintenance):
     touches it, when no other process has it open (``CorruptCacheError`` if damaged);
     ``segment_threshold_bytes``: records of at least this many encoded bytes go to append-only
     segment files beside ``data.mdb`` (``segments``: O_DIRECT, synced before the commit that points
-    at them); ``None`` or 0 keeps every record inside LMDB. ``segment_max_bytes``: a writer starts a
+    at them); the default, ``DEFAULT_SEGMENT_THRESHOLD_BYTES`` (128 KiB), is where segments start
+    to write faster than LMDB (docs/ARCHITECTURE.md); ``None`` or 0 keeps every record inside LMDB.
+    Either setting reads and deletes both kinds, so a cache written with one opens with the other. ``segment_max_bytes``: a writer starts a
     new segment past this size (space returns by whole segment).
     ``segment_compaction_live_fraction``: a closed segment whose live bytes fall below this fraction
     of its size has its live records moved and is deleted (``compaction``; 0 turns it off).
@@ -152,7 +163,7 @@ class LmdbTier(ChunkTier, Maintenance):
         max_quarantine_records: int = DEFAULT_MAX_QUARANTINE_RECORDS,
         max_raw_bytes: int = 1 << 31,
         verify_structure: bool = False,
-        segment_threshold_bytes: Optional[int] = None,
+        segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES,
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
         segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION,
     ) -> None:
@@ -171,21 +182,18 @@ class LmdbTier(ChunkTier, Maintenance):
         if not access_flush_interval_s > 0:
             raise ValueError(f"access_flush_interval_s must be > 0, got {access_flush_interval_s!r}")
         check_max_quarantine_records(max_quarantine_records)
-        if segment_threshold_bytes is not None and (
-            not isinstance(segment_threshold_bytes, int) or isinstance(segment_threshold_bytes, bool)
-            or segment_threshold_bytes < 0
-        ):
-            raise ValueError(f"segment_threshold_bytes must be an int >= 0 or None, got {segment_threshold_bytes!r}")
+        threshold = check_segment_threshold(segment_threshold_bytes)
         if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
             raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
         self._compaction_live_fraction = check_live_fraction(segment_compaction_live_fraction)
         self._compaction_step_bytes = COMPACTION_STEP_BYTES
         self._compaction_scheduled = False
         self._compaction_wanted = False
-        self._compaction_locked: Set[str] = set()
+        self._compaction_offered: Dict[str, float] = {}
+        self._compacting = False
         self._retiring: List[Tuple[int, str, int]] = []
         self._retire_timer = False
-        self._segment_threshold = segment_threshold_bytes or None  # 0 disables
+        self._segment_threshold = threshold
         self._segment_max_bytes = segment_max_bytes
         self._segment_writer: Optional[SegmentWriter] = None
         self._emptied_segments: List[str] = []
@@ -541,6 +549,8 @@ class LmdbTier(ChunkTier, Maintenance):
             return results
 
         results = self._read_txn(body)
+        if corrupt:
+            corrupt[:] = self._still_stored(corrupt)
         hits = sum(1 for r in results if r is not None)
         self._count(gets=len(items), hits=hits, misses=len(items) - hits, corrupt=len(corrupt))
         if not self._readonly:
@@ -562,6 +572,22 @@ class LmdbTier(ChunkTier, Maintenance):
                 except ClosedError:
                     pass
         return results
+
+    def _still_stored(self, corrupt: List[Tuple[bytes, int, str]]) -> List[Tuple[bytes, int, str]]:
+        """Of the records a read found bad, those whose key still holds the same value. A pointer
+        read just before its segment file was deleted (the key deleted, evicted or overwritten
+        meanwhile, by this process or another) finds the file gone: a plain miss, not corruption
+        to count, log or quarantine."""
+
+        def body(txn: lmdb.Transaction) -> List[Tuple[bytes, int, str]]:
+            out = []
+            for entry in corrupt:
+                current = txn.get(entry[0], db=self._tables.chunks)
+                if current is not None and xxhash.xxh3_64_intdigest(current) == entry[1]:
+                    out.append(entry)
+            return out
+
+        return self._read_txn(body)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Remove records in one transaction; returns how many existed (each reported as removed,

@@ -90,6 +90,10 @@ class WriterSide:
         (``compaction.Compaction``)."""
         raise NotImplementedError
 
+    def _segment_rotated(self, name: str) -> None:
+        """After this writer closed its active segment ``name``: compaction's other trigger."""
+        raise NotImplementedError
+
     def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
         """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
         commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
@@ -223,9 +227,12 @@ class WriterSide:
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
-            self._delete_records(txn, victims)
-            now = time.time_ns()
+            # One ledger for the evictions and the puts: when the victims are every earlier record
+            # of the segment this batch was just appended to, a ledger of their own would see it
+            # emptied and the commit would delete the file under the batch's new records.
             ledger = Ledger(txn, self._tables.segments)
+            self._delete_records(txn, victims, ledger)
+            now = time.time_ns()
             for key, record in batch.items():
                 self._io_hook.before("put")
                 old = txn.get(key, db=self._tables.chunks)
@@ -280,12 +287,16 @@ class WriterSide:
         if self._segment_writer is None:
             self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
         self._io_hook.before("put")
+        was = self._segment_writer.active
         try:
-            return self._segment_writer.append(records)
+            pointers = self._segment_writer.append(records)
         except (TierIOError, TierFullError):
             self._degraded = True
             self._count(errors=1)
             raise
+        if was is not None and self._segment_writer.active != was:
+            self._segment_rotated(was)
+        return pointers
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()
@@ -341,19 +352,23 @@ class WriterSide:
 
         return self._write(body)
 
-    def _delete_records(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> None:
+    def _delete_records(self, txn: lmdb.Transaction, keys: Sequence[bytes], ledger: Optional[Ledger] = None) -> None:
         """In a write transaction: delete ``keys`` from ``chunks`` and their ``atime`` entries; a
-        segment whose last record goes is deleted after the commit (``_write``)."""
-        ledger = Ledger(txn, self._tables.segments)
+        segment whose last record goes is deleted after the commit (``_write``). With ``ledger``
+        the segment changes go into the caller's ledger, which the caller commits."""
+        own = ledger is None
+        if ledger is None:
+            ledger = Ledger(txn, self._tables.segments)
         for key in keys:
             old = txn.get(key, db=self._tables.chunks)
             if old is not None:
                 ledger.drop(old)
             txn.delete(key, db=self._tables.chunks)
             txn.delete(key, db=self._tables.atime)
-        ledger.commit()
-        self._emptied_segments += ledger.emptied
-        self._segments_changed(ledger)
+        if own:
+            ledger.commit()
+            self._emptied_segments += ledger.emptied
+            self._segments_changed(ledger)
 
     def _forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
         """After the commit that removed ``keys``: drop them from the LRU, count, report them."""

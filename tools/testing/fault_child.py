@@ -15,8 +15,9 @@ Run as ``python -m kvtier.tools.testing.fault_child COMMAND ...`` (or, for ``spa
   it (a reader slot pinning a snapshot), print ``holding``, sleep. For kill -9 of a reader.
 - ``warmup-writer``: write batches for ``--duration-s`` seconds, deleting batches older than
   ``--window`` (a warmup process that recycles space): ``ack <batch> <keys>`` / ``del <batch>``.
-- ``corrupt-trials``: copy a pristine cache directory, flip bytes, and check what every read, the
-  verifier and ``kvtier verify`` say; one JSON line per trial (a crash names its trial).
+- ``corrupt-trials``: copy a pristine cache directory, flip bytes (in ``data.mdb``, and in its
+  segment files when it has some), and check what every read, the verifier and ``kvtier verify``
+  say; one JSON line per trial (a crash names its trial).
 
 Parent side: ``kill_during_spill`` runs one kill -9 iteration (start a ``spill`` or
 ``engine-spill`` child, SIGKILL it after a delay, reopen and check: ``check_cache`` /
@@ -365,7 +366,9 @@ async def _warmup_writer(args: argparse.Namespace) -> None:
     from kvtier.tiers.lmdb import LmdbTier
 
     rng = random.Random(args.seed)
-    async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2) as tier:
+    async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2,
+                                   segment_threshold_bytes=args.segment_threshold_bytes,
+                                   segment_max_bytes=args.segment_max_bytes) as tier:
         _emit("ready")
         deadline = time.monotonic() + args.duration_s
         batch = 0
@@ -493,16 +496,25 @@ def _corrupt_trials(args: argparse.Namespace) -> None:
     src = Path(args.src)
     originals = [bytes.fromhex(k) for k in Path(args.keys).read_text().split()]
     work = Path(args.work)
+    # the cache's files but LMDB's lock file (a fresh one per trial): data.mdb and any segments
+    files = sorted(p.name for p in src.iterdir() if p.is_file() and p.name != "lock.mdb")
+    segment_files = [name for name in files if name.startswith("seg-") and name.endswith(".kvs")]
+    wheres = ("records", "structure", "anywhere") + (("segments",) if segment_files else ())
     for trial in range(args.first, args.first + args.trials):
         rng = random.Random(args.seed * 100_003 + trial)
-        where = ("records", "structure", "anywhere")[trial % 3]
+        where = wheres[trial % len(wheres)]
         count = rng.randint(1, args.max_flips)
         d = work / f"trial-{trial}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(mode=0o700, parents=True)
-        shutil.copyfile(src / "data.mdb", d / "data.mdb")
-        os.chmod(d / "data.mdb", 0o600)
-        offsets = flip_bytes(d / "data.mdb", rng, count, where)
+        for name in files:
+            shutil.copyfile(src / name, d / name)
+            os.chmod(d / name, 0o600)
+        if where == "segments":  # anywhere in one segment file: payloads, headers, padding
+            target = d / rng.choice(segment_files)
+            offsets = flip_bytes(target, rng, count, "anywhere")
+        else:
+            offsets = flip_bytes(d / "data.mdb", rng, count, where)
         _emit(f"start {trial} {where} {count}")
         result: Dict[str, object] = {"trial": trial, "where": where, "flips": count, "offsets": offsets}
         # 1. The verifier, read-only, before any read moves records.
@@ -774,6 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--window", type=int, default=8)
     warm.add_argument("--pause-s", type=float, default=0.0)
     warm.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    warm.add_argument("--segment-threshold-bytes", type=int, default=0, help="0: every record inline")
+    warm.add_argument("--segment-max-bytes", type=int, default=1 << 20)
     trials = sub.add_parser("corrupt-trials")
     trials.add_argument("--src", required=True)
     trials.add_argument("--keys", required=True, help="file of the pristine keys, hex, whitespace-separated")
