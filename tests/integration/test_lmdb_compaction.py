@@ -180,6 +180,45 @@ async def test_an_active_segment_emptied_below_the_fraction_is_compacted_once_it
         assert_ledger_matches(tier)
 
 
+async def _churn_at_capacity(path: Path, fraction: float, hot_every: int) -> Tuple[int, int, int]:
+    """96 one-record puts of 128 KiB into a 4 MiB tier (1 MiB segments), every ``hot_every``-th
+    record read back after each put (kept young in the LRU; 0: none). Returns (bytes compacted,
+    most segment bytes on disk, segment bytes at the end)."""
+    hot: List[Item] = []
+    worst = 0
+    async with await LmdbTier.open(path, capacity_bytes=4 << 20, access_flush_interval_s=0.01,
+                                   segment_compaction_live_fraction=fraction, **SETUP) as tier:
+        for b in range(96):
+            items = make_batch(13, b, [128 << 10])
+            await tier.put_many(items)
+            if hot_every and b % hot_every == 0:
+                hot += items
+            if hot:
+                await assert_served(tier, hot)
+                await tier.flush()  # the reads reach the LRU before the next put evicts
+            worst = max(worst, segment_disk_bytes(path))
+        await tier.flush()
+        deadline = time.monotonic() + 20
+        while tier._compaction_scheduled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await assert_served(tier, hot)
+        assert await tier.check() == []
+        return int(tier.statistics().extra["compacted_bytes"]), worst, segment_disk_bytes(path)
+
+
+@pytest.mark.asyncio
+async def test_under_steady_eviction_only_records_kept_young_are_moved(tmp_path: Path) -> None:
+    # cold churn: every partial segment is being eaten by eviction: nothing is worth moving
+    moved, worst, _ = await _churn_at_capacity(tmp_path / "cold", 0.5, 0)
+    assert moved == 0 and worst <= (4 << 20) + (2 << 20)
+    # one record in eight kept hot: without compaction their old segments pile up; with it they move
+    _, worst_off, end_off = await _churn_at_capacity(tmp_path / "off", 0.0, 8)
+    moved, worst, end = await _churn_at_capacity(tmp_path / "on", 0.5, 8)
+    print(f"compaction at capacity (4 MiB): cold churn moved 0 bytes; with hot records segment files "
+          f"end at {end_off} bytes without compaction, {end} with it ({moved} bytes moved)")
+    assert moved > 0 and end < end_off and end <= (4 << 20) * 3 // 2
+
+
 @pytest.mark.asyncio
 async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_path: Path) -> None:
     path, kept = await _three_segments(tmp_path, (4, 10, 10))
