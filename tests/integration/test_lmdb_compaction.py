@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from kvtier.errors import ClosedError, TierIOError
+from kvtier.errors import ClosedError, TierFullError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
@@ -485,6 +485,32 @@ async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(t
         await assert_served(tier, [kept[0][0], kept[0][2]])
         assert_ledger_matches(tier)
         assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_fails_the_pass_and_loses_nothing(tmp_path: Path) -> None:
+    from mounts import fill_up, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "size=16m,mode=0700") as where:
+        path, kept = await _three_segments(where, (2, 4, 10))
+        async with await LmdbTier.open(path, **SETUP) as tier:
+            files = segment_files(path)
+            fill_up(where / "filler")
+            with pytest.raises(TierFullError, match="disk full"):
+                await tier.compact_segments()
+            assert tier.statistics().degraded and tier.statistics().errors == 1
+            await assert_served(tier, [it for its in kept for it in its])
+            assert_ledger_matches(tier)
+            assert await tier.check() == []
+            assert all(name in segment_files(path) for name in files)  # no source went
+            (where / "filler").unlink()
+            report = await tier.compact_segments()
+            assert (report.records, report.files_freed) == (6, 2) and not tier.statistics().degraded
+            await assert_served(tier, [it for its in kept for it in its])
+            assert_ledger_matches(tier)
+        async with await LmdbTier.open(path, **SETUP) as tier:  # the failed copy's bytes: orphans, reclaimed
+            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            assert segment_files(path) == ends
 
 
 def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
