@@ -246,12 +246,13 @@ class Compaction(WriterSide):
         """Plan a pass over the closed segments below ``live_fraction`` (default: the tier's
         ``segment_compaction_live_fraction``; and over the capacity margin) and move their live
         records, one writer job of at most ``STEP_BYTES`` at a time (puts queued meanwhile run
-        between the steps); returns what it did. Plans and waits on a worker thread.
+        between the steps); returns what it did. Plans and waits on a thread of the loop's default
+        executor, never on the loop.
 
         Cancelling it: the step already handed to the writer still runs to its commit (all or
         nothing: each moved key holds its old pointer or its new one); no further step starts,
-        records moved so far stay moved, and their emptied sources are deleted by a later step, a
-        later pass or the next open."""
+        records moved so far stay moved, and their emptied sources are still deleted once no older
+        read transaction remains (a timer retries; a crash leaves them to the next open)."""
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
         self._check_usable(write=True)
         stop = threading.Event()
