@@ -150,6 +150,14 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         stats = tier.statistics().extra
         assert (stats["compacted_records"], stats["compacted_segments"]) == (2, 1)
         await assert_served(tier, kept[0] + kept[1] + kept[2][:2])
+        # a plan that took long delays the next automatic one (PLAN_DUTY): as if it took 15 ms
+        assert tier._next_automatic_at > 0  # set by the first plan
+        tier._next_automatic_at = time.monotonic() + 0.3
+        second = pointers(tier)[kept[1][0][0]].name
+        await tier.delete_many([k for k, _, _ in kept[1][2:]])
+        await asyncio.sleep(0.15)
+        assert second in segment_files(path)
+        await _gone(path, second)
         assert_ledger_matches(tier)
         assert await tier.check() == []
     # off: the same delete leaves the segment alone

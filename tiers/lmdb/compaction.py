@@ -105,6 +105,9 @@ RETIRE_WAIT_S = 0.02
 # A segment below the fraction is offered to an automatic pass at most this often (a pass that had
 # to skip it -- another process still appends to it -- retries once a later commit touches it).
 REOFFER_S = 30.0
+# The share of time automatic planning may take (a plan walks every key of ``atime``: seconds for
+# millions of records): the next automatic plan starts no sooner than its duration / PLAN_DUTY later.
+PLAN_DUTY = 0.05
 # How far from the LRU's old end an automatic pass leaves records to eviction (``_eviction_horizon``).
 EVICTION_HORIZON_SEGMENTS = 4
 _OFFERED_MAX = 4096
@@ -229,6 +232,8 @@ class Compaction(WriterSide):
     # whether a step is running (its own quarantines offer nothing)
     _compaction_offered: Dict[str, float]
     _compacting: bool
+    # monotonic time before which no automatic plan starts (``PLAN_DUTY``)
+    _next_automatic_at: float
     # writer thread: (commit id, name, file size) of emptied sources not deleted yet, and whether a
     # timer will retry them
     _retiring: List[Tuple[int, str, int]]
@@ -246,12 +251,13 @@ class Compaction(WriterSide):
         """Plan a pass over the closed segments below ``live_fraction`` (default: the tier's
         ``segment_compaction_live_fraction``; and over the capacity margin) and move their live
         records, one writer job of at most ``STEP_BYTES`` at a time (puts queued meanwhile run
-        between the steps); returns what it did. Plans and waits on a worker thread.
+        between the steps); returns what it did. Plans and waits on a thread of the loop's default
+        executor, never on the loop.
 
         Cancelling it: the step already handed to the writer still runs to its commit (all or
         nothing: each moved key holds its old pointer or its new one); no further step starts,
-        records moved so far stay moved, and their emptied sources are deleted by a later step, a
-        later pass or the next open."""
+        records moved so far stay moved, and their emptied sources are still deleted once no older
+        read transaction remains (a timer retries; a crash leaves them to the next open)."""
         fraction = self._compaction_live_fraction if live_fraction is None else check_live_fraction(live_fraction)
         self._check_usable(write=True)
         stop = threading.Event()
@@ -546,11 +552,7 @@ class Compaction(WriterSide):
     def _queue_retry(self) -> None:
         """Timer thread: hand the next try to the writer."""
         self._retire_timer = False
-        assert self._writer is not None
-        try:
-            self._writer.submit(Job(self._retry_retired, _log_failure))
-        except ClosedError:
-            pass
+        self._queue_job(self._retry_retired)
 
     # ---------------------------------------------------------------------- automatic compaction
 
@@ -602,16 +604,35 @@ class Compaction(WriterSide):
             self._compaction_scheduled = False
 
     def _start_automatic(self) -> None:
-        """Writer thread, after the triggering commit: plan on the read pool."""
+        """Writer thread, after the triggering commit: plan on the read pool -- or, when the last
+        automatic plan took long (it walks every key), only ``PLAN_DUTY`` of the time later, so
+        planning never holds a read thread for more than that share of it."""
+        wait_s = self._next_automatic_at - time.monotonic()
         try:
-            self._submit_to_pool(self._plan_automatic)
+            if wait_s > 0:
+                timer = threading.Timer(wait_s, lambda: self._queue_job(self._start_automatic))
+                timer.daemon = True
+                timer.start()
+            else:
+                self._submit_to_pool(self._plan_automatic)
         except ClosedError:
             self._compaction_scheduled = False
+
+    def _queue_job(self, fn: Callable[[], None]) -> None:
+        """Timer thread: hand ``fn`` to the writer (closing: nothing more is done; retired files
+        left are orphans the next open deletes)."""
+        assert self._writer is not None
+        try:
+            self._writer.submit(Job(fn, _log_failure))
+        except ClosedError:
+            pass
 
     def _plan_automatic(self) -> None:
         """Read pool: plan an automatic pass and hand its first step to the writer."""
         try:
+            started = time.monotonic()
             plan = self._plan_pass(self._compaction_live_fraction)
+            self._next_automatic_at = started + (time.monotonic() - started) / PLAN_DUTY
             plan.automatic = True
             assert self._writer is not None
             self._writer.submit(Job(lambda: self._automatic_step(plan), _log_failure))
