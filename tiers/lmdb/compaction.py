@@ -113,10 +113,11 @@ EVICTION_HORIZON_SEGMENTS = 4
 _OFFERED_MAX = 4096
 
 
-def check_live_fraction(value: object) -> float:
-    """Validate ``segment_compaction_live_fraction``: a number in [0, 1) (0 turns compaction off)."""
+def check_live_fraction(value: object, name: str = "segment_compaction_live_fraction") -> float:
+    """Validate a compaction live fraction: a number in [0, 1) (0 turns compaction off);
+    ``ValueError`` naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"segment_compaction_live_fraction must be a number in [0, 1), got {value!r}")
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
 
 
