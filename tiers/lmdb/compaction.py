@@ -316,7 +316,6 @@ class Compaction(WriterSide):
         active = self._segment_writer.active if self._segment_writer is not None else None
         closed: Set[str] = set()
         locked: Set[str] = set()
-        sizes: Dict[str, int] = {}
         # Probe only what could be chosen, and never our own closed segments (this process appends to
         # its active one only): each probe takes the lock for an instant, and a remove_dead elsewhere
         # that meets it leaves that file for the next open.
@@ -332,19 +331,21 @@ class Compaction(WriterSide):
                 locked.add(u.name)
             else:
                 closed.add(u.name)
-        for u in usage:
+        chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
+        taken, live = 0, 0
+        for u in chosen:  # bounded memory: at least one segment, the rest in the next pass
+            if taken and live + u.live_bytes > PASS_LIVE_BYTES:
+                break
+            taken, live = taken + 1, live + u.live_bytes
+        more, chosen = taken < len(chosen), chosen[:taken]
+        sizes: Dict[str, int] = {}
+        for u in chosen:
             try:
                 sizes[u.name] = os.stat(self._path / u.name).st_size
             except FileNotFoundError:
-                pass
-        chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
-        more = False
-        for i in range(1, len(chosen)):
-            if sum(u.live_bytes for u in chosen[: i + 1]) > PASS_LIVE_BYTES:
-                chosen, more = chosen[:i], True  # bounded memory: the rest in the next pass
-                break
+                sizes[u.name] = 0
         below = {u.name for u in usage if u.live_fraction < live_fraction}
-        plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
+        plan = _Pass(deque(self._list_records(set(sizes))), sizes)
         plan.more = more
         plan.report.segments = len(chosen)
         plan.report.skipped_locked = len(locked & below)
