@@ -55,7 +55,7 @@ from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tiers.host import HostSlabPool
+from kvtier.tiers.host import HostSlabPool, slot_stride
 
 from .config import EngineConfig
 from .disk_index import DiskIndex, keys_of
@@ -331,7 +331,7 @@ class OffloadEngine:
         pools = []
         for g in groups:
             share = self.config.host_capacity_bytes * chunk_bytes[g] // total
-            slots = max(4, share // chunk_bytes[g])
+            slots = max(4, share // slot_stride(chunk_bytes[g]))  # page-aligned slots count their padding
             pools.append(
                 HostSlabPool(
                     chunk_bytes[g],

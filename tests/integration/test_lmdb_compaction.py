@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from kvtier.errors import ClosedError, TierIOError
+from kvtier.errors import ClosedError, TierFullError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
@@ -150,6 +150,14 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         stats = tier.statistics().extra
         assert (stats["compacted_records"], stats["compacted_segments"]) == (2, 1)
         await assert_served(tier, kept[0] + kept[1] + kept[2][:2])
+        # a plan that took long delays the next automatic one (PLAN_DUTY): as if it took 15 ms
+        assert tier._next_automatic_at > 0  # set by the first plan
+        tier._next_automatic_at = time.monotonic() + 0.3
+        second = pointers(tier)[kept[1][0][0]].name
+        await tier.delete_many([k for k, _, _ in kept[1][2:]])
+        await asyncio.sleep(0.15)
+        assert second in segment_files(path)
+        await _gone(path, second)
         assert_ledger_matches(tier)
         assert await tier.check() == []
     # off: the same delete leaves the segment alone
@@ -160,6 +168,63 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         await tier.flush()
         assert set(segment_files(d)) == set(files)
         assert (await tier.compact_segments()).records == 0
+
+
+@pytest.mark.asyncio
+async def test_an_active_segment_emptied_below_the_fraction_is_compacted_once_it_rotates(tmp_path: Path) -> None:
+    async with await LmdbTier.open(tmp_path / "c", **SETUP) as tier:
+        first = make_batch(12, 0, [RECORD] * 6)  # 6 records: past 1 MiB, the next append rotates
+        await tier.put_many(first)
+        source = pointers(tier)[first[0][0]].name
+        await tier.delete_many([k for k, _, _ in first[1:]])  # 1 of 6 left, but still the active segment
+        await tier.flush()
+        assert source in segment_files(tmp_path / "c") and tier.statistics().extra["compaction_passes"] == 0
+        second = make_batch(12, 1, [RECORD])
+        await tier.put_many(second)  # rotates: the closed segment is offered
+        await _gone(tmp_path / "c", source)
+        await tier.flush()
+        assert tier.statistics().extra["compacted_records"] == 1
+        await assert_served(tier, first[:1] + second)
+        assert_ledger_matches(tier)
+
+
+async def _churn_at_capacity(path: Path, fraction: float, hot_every: int) -> Tuple[int, int, int]:
+    """96 one-record puts of 128 KiB into a 4 MiB tier (1 MiB segments), every ``hot_every``-th
+    record read back after each put (kept young in the LRU; 0: none). Returns (bytes compacted,
+    most segment bytes on disk, segment bytes at the end)."""
+    hot: List[Item] = []
+    worst = 0
+    async with await LmdbTier.open(path, capacity_bytes=4 << 20, access_flush_interval_s=0.01,
+                                   segment_compaction_live_fraction=fraction, **SETUP) as tier:
+        for b in range(96):
+            items = make_batch(13, b, [128 << 10])
+            await tier.put_many(items)
+            if hot_every and b % hot_every == 0:
+                hot += items
+            if hot:
+                await assert_served(tier, hot)
+                await tier.flush()  # the reads reach the LRU before the next put evicts
+            worst = max(worst, segment_disk_bytes(path))
+        await tier.flush()
+        deadline = time.monotonic() + 20
+        while tier._compaction_scheduled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await assert_served(tier, hot)
+        assert await tier.check() == []
+        return int(tier.statistics().extra["compacted_bytes"]), worst, segment_disk_bytes(path)
+
+
+@pytest.mark.asyncio
+async def test_under_steady_eviction_only_records_kept_young_are_moved(tmp_path: Path) -> None:
+    # cold churn: every partial segment is being eaten by eviction: nothing is worth moving
+    moved, worst, _ = await _churn_at_capacity(tmp_path / "cold", 0.5, 0)
+    assert moved == 0 and worst <= (4 << 20) + (2 << 20)
+    # one record in eight kept hot: without compaction their old segments pile up; with it they move
+    _, worst_off, end_off = await _churn_at_capacity(tmp_path / "off", 0.0, 8)
+    moved, worst, end = await _churn_at_capacity(tmp_path / "on", 0.5, 8)
+    print(f"compaction at capacity (4 MiB): cold churn moved 0 bytes; with hot records segment files "
+          f"end at {end_off} bytes without compaction, {end} with it ({moved} bytes moved)")
+    assert moved > 0 and end < end_off and end <= (4 << 20) * 3 // 2
 
 
 @pytest.mark.asyncio
@@ -428,6 +493,32 @@ async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(t
         await assert_served(tier, [kept[0][0], kept[0][2]])
         assert_ledger_matches(tier)
         assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_fails_the_pass_and_loses_nothing(tmp_path: Path) -> None:
+    from mounts import fill_up, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "size=16m,mode=0700") as where:
+        path, kept = await _three_segments(where, (2, 4, 10))
+        async with await LmdbTier.open(path, **SETUP) as tier:
+            files = segment_files(path)
+            fill_up(where / "filler")
+            with pytest.raises(TierFullError, match="disk full"):
+                await tier.compact_segments()
+            assert tier.statistics().degraded and tier.statistics().errors == 1
+            await assert_served(tier, [it for its in kept for it in its])
+            assert_ledger_matches(tier)
+            assert await tier.check() == []
+            assert all(name in segment_files(path) for name in files)  # no source went
+            (where / "filler").unlink()
+            report = await tier.compact_segments()
+            assert (report.records, report.files_freed) == (6, 2) and not tier.statistics().degraded
+            await assert_served(tier, [it for its in kept for it in its])
+            assert_ledger_matches(tier)
+        async with await LmdbTier.open(path, **SETUP) as tier:  # the failed copy's bytes: orphans, reclaimed
+            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            assert segment_files(path) == ends
 
 
 def test_kvtier_gc_compacts_and_reports_what_it_reclaimed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -553,3 +553,63 @@ def test_power_cut_order_segment_bytes_and_names_are_synced_before_any_index_wri
     # not vacuous: batches went to segments (rotating at 1 MiB) and were committed
     assert counts["segment writes"] >= 15 and counts["segment syncs"] >= 5
     assert counts["segments created"] >= 2 and counts["lmdb writes"] >= 6
+
+
+@pytest.mark.asyncio
+async def test_each_batch_allocates_exactly_its_extents_before_writing(tmp_path: Path) -> None:
+    """The blocks a batch writes are allocated first (fallocate: the direct writes then land inside
+    the file), and exactly those: while the segment is active it is never longer than its
+    committed records, so no space is held that capacity does not count."""
+    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not segments._fallocate(probe, 0, 4096):
+            pytest.skip("this filesystem has no fallocate: segment writes extend the file")
+    finally:
+        os.close(probe)
+    allocations: List[Tuple[int, int]] = []
+    real = segments._fallocate
+
+    def recording(fd: int, offset: int, length: int) -> bool:
+        allocations.append((offset, length))
+        return real(fd, offset, length)
+
+    segments._fallocate = recording
+    try:
+        async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
+            for batch in range(3):
+                items = _items(8, batch, [65536, 100_000, 700])
+                await tier.put_many(items)
+                (name, (_, _, end)), = _ledger(tier).items()
+                assert _segment_files(tmp_path / "c") == {name: end}
+            extents = sorted((p.offset, p.extent) for p in _pointers(tier).values())
+    finally:
+        segments._fallocate = real
+    # one allocation per batch, covering exactly its two segment records' extents
+    assert allocations == [(extents[2 * i][0], extents[2 * i][1] + extents[2 * i + 1][1]) for i in range(3)]
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_at_segment_allocation_is_typed_commits_nothing_and_recovers(tmp_path: Path) -> None:
+    """A batch that cannot get its segment blocks fails with TierFullError before any byte of it
+    is written; nothing of it is visible, earlier records still read bitwise, and puts work again
+    once space returns (real tmpfs, filled to the last byte)."""
+    from kvtier.errors import TierFullError
+
+    from mounts import fill_up, tmpfs
+
+    with tmpfs(tmp_path / "mnt", "size=8m,mode=0700") as mnt:
+        async with await LmdbTier.open(mnt / "c", segment_threshold_bytes=THRESHOLD,
+                                       segment_max_bytes=1 << 20) as tier:
+            early = _items(9, 0, [1 << 20, 500_000])
+            await tier.put_many(early)
+            fill_up(mnt / "filler")
+            late = _items(9, 1, [1 << 20, 600_000])
+            with pytest.raises(TierFullError, match="disk full"):
+                await tier.put_many(late)
+            assert await tier.contains_many([it[0] for it in late]) == [False, False]
+            await _assert_served(tier, early)
+            (mnt / "filler").unlink()
+            await tier.put_many(late)
+            await _assert_served(tier, early + late)
+            _assert_ledger_matches(tier)
+            assert await tier.check() == []

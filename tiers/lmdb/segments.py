@@ -39,6 +39,8 @@ only: ``append`` a batch, ``rotate``), ``SegmentReader`` (any thread: ``read`` a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -377,6 +379,7 @@ class SegmentWriter:
         self._counter = -1
         self._fd: Optional[int] = None
         self._end = 0
+        self._allocate = True  # False once fallocate is unsupported on the active segment's filesystem
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
         self._lanes: Optional[ThreadPoolExecutor] = None  # helper threads of one append (never state)
 
@@ -407,7 +410,7 @@ class SegmentWriter:
             except OSError as exc:
                 raise _io_error(exc, f"cannot create segment {path}") from exc
             fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
-            self._fd, self._end = fd, 0
+            self._fd, self._end, self._allocate = fd, 0, True
             fsync_dir(str(self._dir))  # the new name survives a power cut before any pointer to it commits
             return
 
@@ -416,6 +419,17 @@ class SegmentWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def _allocate_batch(self, end: int) -> None:
+        """Allocate the batch's blocks ``[self._end, end)`` before writing them (``fallocate``), so
+        the direct writes land inside the file's size: extending direct writes to one file are
+        serialised by the filesystem (ext4 takes the inode lock exclusively for them), writes into
+        allocated blocks run side by side (measured here, 4 in flight: 1.2-1.4 GB/s extending,
+        1.5-1.7 GB/s allocated). A full disk shows here, before any byte of the batch is written.
+        Where the filesystem has no ``fallocate`` the writes just extend the file."""
+        assert self._fd is not None
+        if self._allocate and end > self._end:
+            self._allocate = _fallocate(self._fd, self._end, end - self._end)
 
     def append(self, records: Sequence["SegmentRecord | bytes"]) -> List[SegmentPointer]:
         """Write ``records`` one after another at page-aligned offsets (each record's head page,
@@ -434,6 +448,7 @@ class SegmentWriter:
             pointers.append(pointer)
             pos += pointer.extent
         try:
+            self._allocate_batch(pos)
             lanes = [range(k, len(placed), WRITES_IN_FLIGHT) for k in range(min(len(placed), WRITES_IN_FLIGHT))]
             self._run_all([lambda lane=lane: self._write_records(placed, pointers, lane) for lane in lanes])
             os.fdatasync(self._fd)
@@ -621,8 +636,8 @@ class Ledger:
         self._table = table
         self._delta: Dict[str, List[int]] = {}
         self.emptied: List[str] = []
-        # after ``commit``: name -> (live bytes before, live bytes after, committed end) of each
-        # touched segment that still has records (what the automatic compaction check looks at)
+        # after ``commit``: name -> (live bytes, live records, committed end) of each touched
+        # segment that still has records (what the automatic compaction check looks at)
         self.remaining: Dict[str, Tuple[int, int, int]] = {}
 
     def add(self, pointer: SegmentPointer) -> None:
@@ -643,14 +658,14 @@ class Ledger:
         for name, (dbytes, drecords, end) in self._delta.items():
             key = name.encode()
             old = self._txn.get(key, db=self._table)
-            before, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
-            live, records, committed = max(0, before + dbytes), max(0, records + drecords), max(committed, end)
+            live, records, committed = LIVE.unpack(old) if old is not None and len(old) == LIVE.size else (0, 0, 0)
+            live, records, committed = max(0, live + dbytes), max(0, records + drecords), max(committed, end)
             if records == 0:
                 self._txn.delete(key, db=self._table)
                 self.emptied.append(name)
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
-                self.remaining[name] = (before, live, committed)
+                self.remaining[name] = (live, records, committed)
 
 
 def _locked_elsewhere(fd: int) -> bool:
@@ -761,6 +776,33 @@ def committed_ends(txn: lmdb.Transaction, table: "lmdb._Database") -> Dict[str, 
         if len(v) == LIVE.size:
             out[bytes(k).decode(errors="replace")] = LIVE.unpack(v)[2]
     return out
+
+
+def _load_fallocate() -> Optional[Callable[..., int]]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
+
+
+def _fallocate(fd: int, offset: int, length: int) -> bool:
+    """Linux ``fallocate(fd, 0, offset, length)`` (never glibc's ``posix_fallocate``, which writes
+    zeros where the filesystem lacks it); False where unsupported, ``OSError`` (ENOSPC) otherwise."""
+    if _FALLOCATE is None:
+        return False
+    if _FALLOCATE(fd, 0, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def _pwritev_all(fd: int, views: List[memoryview], offset: int) -> None:

@@ -47,7 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import lmdb
 import xxhash
@@ -189,7 +189,9 @@ class LmdbTier(ChunkTier, Maintenance):
         self._compaction_step_bytes = COMPACTION_STEP_BYTES
         self._compaction_scheduled = False
         self._compaction_wanted = False
-        self._compaction_locked: Set[str] = set()
+        self._compaction_offered: Dict[str, float] = {}
+        self._compacting = False
+        self._next_automatic_at = 0.0
         self._retiring: List[Tuple[int, str, int]] = []
         self._retire_timer = False
         self._segment_threshold = threshold

@@ -90,6 +90,10 @@ class WriterSide:
         (``compaction.Compaction``)."""
         raise NotImplementedError
 
+    def _segment_rotated(self, name: str) -> None:
+        """After this writer closed its active segment ``name``: compaction's other trigger."""
+        raise NotImplementedError
+
     def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
         """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
         commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
@@ -283,12 +287,16 @@ class WriterSide:
         if self._segment_writer is None:
             self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
         self._io_hook.before("put")
+        was = self._segment_writer.active
         try:
-            return self._segment_writer.append(records)
+            pointers = self._segment_writer.append(records)
         except (TierIOError, TierFullError):
             self._degraded = True
             self._count(errors=1)
             raise
+        if was is not None and self._segment_writer.active != was:
+            self._segment_rotated(was)
+        return pointers
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()

@@ -65,8 +65,9 @@ async def _run_threads(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], Non
 
 
 class DirectLimit(DiskSubject):
-    """The disk's O_DIRECT limit: one file per round, chunk-sized aligned ``pwrite``s straight from
-    the page-aligned host slots with ``DIRECT_IN_FLIGHT`` threads, one ``fdatasync`` at the end;
+    """The disk's O_DIRECT limit: one file per round, its blocks allocated first (``fallocate``),
+    chunk-sized aligned ``pwrite``s straight from the page-aligned host slots with
+    ``DIRECT_IN_FLIGHT`` threads, one ``fdatasync`` at the end;
     read back with aligned ``preadv`` into the page-aligned restore buffers, as many in flight."""
 
     name = "O_DIRECT"
@@ -82,6 +83,9 @@ class DirectLimit(DiskSubject):
         size = self.chunks[0].nbytes
         fd = os.open(self._path(indices), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
+            # Blocks allocated first: direct writes inside the file's size run side by side, where
+            # extending ones to one file are serialised by the filesystem (as kvtier's segments do).
+            os.posix_fallocate(fd, 0, len(indices) * size)
             def writer(part: int) -> Callable[[], None]:
                 def run() -> None:
                     for i in indices[part::DIRECT_IN_FLIGHT]:
