@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from kvtier.errors import KvtierError
+from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, check_live_fraction
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
@@ -35,7 +36,9 @@ class VllmTierConfig:
     ``cache_dir``: the LMDB directory (created 0700). ``disk_capacity_bytes``: LRU bound on stored
     record bytes (``None``: unbounded). ``lmdb_segment_threshold_bytes``: records of at least this
     many encoded bytes go to O_DIRECT segment files beside LMDB's index (default 128 KiB, where
-    they start to write faster; ``null`` or 0 keeps every record inside LMDB). ``compression``: zstd level 1..22 on the byte planes, or 0
+    they start to write faster; ``null`` or 0 keeps every record inside LMDB).
+    ``lmdb_segment_compaction_live_fraction``: a closed segment file whose live bytes fall below this
+    fraction has its live records moved and is deleted (default 0.5; 0 turns it off). ``compression``: zstd level 1..22 on the byte planes, or 0
     for raw records. ``remote_url``: ``redis://host:port`` or ``redis+cluster://h1:p1,...`` of a
     Valkey/Redis server shared by a fleet, chained write-through behind the disk (``None``: disk
     only); ``remote_namespace`` separates caches on one server. ``weights_version``: a tag bound
@@ -60,6 +63,7 @@ class VllmTierConfig:
     enable_kv_events: bool = False
     locality: Optional[str] = None
     lmdb_segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES
+    lmdb_segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> VllmTierConfigError:
@@ -72,6 +76,10 @@ class VllmTierConfig:
             raise bad("disk_capacity_bytes", "a positive int or null")
         try:
             check_segment_threshold(self.lmdb_segment_threshold_bytes, "KvtierTier lmdb_segment_threshold_bytes", "null")
+        except ValueError as exc:
+            raise VllmTierConfigError(str(exc)) from None
+        try:
+            check_live_fraction(self.lmdb_segment_compaction_live_fraction, "KvtierTier lmdb_segment_compaction_live_fraction")
         except ValueError as exc:
             raise VllmTierConfigError(str(exc)) from None
         if isinstance(self.compression, bool) or not isinstance(self.compression, int) or not 0 <= self.compression <= 22:

@@ -113,13 +113,15 @@ def test_bytes_through_vllm(tmp_path, r, retention):
 
 
 # The tier's records where the defaults put them (these chunks are small: inside LMDB), and every one
-# in a segment file (the tier config's lmdb_segment_threshold_bytes reaches the LMDB tier).
-STORES = {"default": {}, "segments": {"lmdb_segment_threshold_bytes": 1}}
+# in a segment file (the tier config's lmdb_segment_threshold_bytes and compaction fraction reach
+# the LMDB tier).
+STORES = {"default": {}, "segments": {"lmdb_segment_threshold_bytes": 1, "lmdb_segment_compaction_live_fraction": 0.25}}
 
 
 def assert_records_where(tier, store: str) -> None:
     places = {info.segment is not None for info in tier.disk_tier.iter_records()}
     assert places == {store == "segments"}, places
+    assert tier.disk_tier._compaction_live_fraction == (0.25 if store == "segments" else 0.5)
 
 
 @pytest.mark.parametrize("store", sorted(STORES))
@@ -246,6 +248,8 @@ def test_slow_tier_never_blocks_a_scheduler_step(tmp_path):
         ({"remote_url": "localhost"}, "remote_url must be a redis://"),
         ({"lmdb_segment_threshold_bytes": -1}, r"^KvtierTier lmdb_segment_threshold_bytes must be an int >= 0 or null "
                                                 r"\(null or 0: every record inside LMDB\), got -1$"),
+        ({"lmdb_segment_compaction_live_fraction": 1}, r"^KvtierTier lmdb_segment_compaction_live_fraction must be a "
+                                                       r"number in \[0, 1\), got 1$"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, extra, message):

@@ -113,10 +113,11 @@ EVICTION_HORIZON_SEGMENTS = 4
 _OFFERED_MAX = 4096
 
 
-def check_live_fraction(value: object) -> float:
-    """Validate ``segment_compaction_live_fraction``: a number in [0, 1) (0 turns compaction off)."""
+def check_live_fraction(value: object, name: str = "segment_compaction_live_fraction") -> float:
+    """Validate a compaction live fraction: a number in [0, 1) (0 turns compaction off);
+    ``ValueError`` naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"segment_compaction_live_fraction must be a number in [0, 1), got {value!r}")
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
 
 
@@ -315,7 +316,6 @@ class Compaction(WriterSide):
         active = self._segment_writer.active if self._segment_writer is not None else None
         closed: Set[str] = set()
         locked: Set[str] = set()
-        sizes: Dict[str, int] = {}
         # Probe only what could be chosen, and never our own closed segments (this process appends to
         # its active one only): each probe takes the lock for an instant, and a remove_dead elsewhere
         # that meets it leaves that file for the next open.
@@ -331,19 +331,21 @@ class Compaction(WriterSide):
                 locked.add(u.name)
             else:
                 closed.add(u.name)
-        for u in usage:
+        chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
+        taken, live = 0, 0
+        for u in chosen:  # bounded memory: at least one segment, the rest in the next pass
+            if taken and live + u.live_bytes > PASS_LIVE_BYTES:
+                break
+            taken, live = taken + 1, live + u.live_bytes
+        more, chosen = taken < len(chosen), chosen[:taken]
+        sizes: Dict[str, int] = {}
+        for u in chosen:
             try:
                 sizes[u.name] = os.stat(self._path / u.name).st_size
             except FileNotFoundError:
-                pass
-        chosen = choose_segments(usage, closed, live_fraction=live_fraction, disk_budget_bytes=budget)
-        more = False
-        for i in range(1, len(chosen)):
-            if sum(u.live_bytes for u in chosen[: i + 1]) > PASS_LIVE_BYTES:
-                chosen, more = chosen[:i], True  # bounded memory: the rest in the next pass
-                break
+                sizes[u.name] = 0
         below = {u.name for u in usage if u.live_fraction < live_fraction}
-        plan = _Pass(deque(self._list_records({u.name for u in chosen})), {u.name: sizes.get(u.name, 0) for u in chosen})
+        plan = _Pass(deque(self._list_records(set(sizes))), sizes)
         plan.more = more
         plan.report.segments = len(chosen)
         plan.report.skipped_locked = len(locked & below)
