@@ -150,7 +150,7 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
     subjects: List[DiskSubject] = [
         RawFile(work / f"raw-{label}", chunks, outs),
         DirectLimit(work / f"direct-{label}", chunks, outs),
-        TierSubject(work / f"lmdb-{label}", chunks, outs, kind="lmdb", compress=False),
+        TierSubject(work / f"lmdb-{label}", chunks, outs, kind="lmdb", compress=False, segment_threshold_bytes=None),
         TierSubject(work / f"lmdbseg-{label}", chunks, outs, kind="lmdb", compress=False,
                     segment_threshold_bytes=SEGMENT_THRESHOLD_BYTES),
         SegmentProbe(work / f"segments-{label}", chunks, outs),
@@ -164,14 +164,14 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
         raise RuntimeError("; ".join(failures))
     out: Dict[str, float] = {}
     for kind in ("write", "read"):
-        names = ["raw", "O_DIRECT", "lmdb raw", "lmdb segments raw", "segments"] + (["vllm fs +fsync"] if vllm else [])
+        names = ["raw", "O_DIRECT", "lmdb inline raw", "lmdb segments raw", "segments"] + (["vllm fs +fsync"] if vllm else [])
         for s in names:
             out[f"{s} {kind} MB/s"] = round(times.mb_s(s, kind))
-        for s in ["lmdb raw", "O_DIRECT"] + (["vllm fs +fsync"] if vllm else []):
+        for s in ["lmdb inline raw", "O_DIRECT"] + (["vllm fs +fsync"] if vllm else []):
             out[f"lmdb-segments/{s} {kind}"] = round(times.ratio("lmdb segments raw", kind, s), 2)
-        out[f"segments/lmdb {kind}"] = round(times.ratio("segments", kind, "lmdb raw"), 2)
+        out[f"segments/lmdb {kind}"] = round(times.ratio("segments", kind, "lmdb inline raw"), 2)
         out[f"segments/O_DIRECT {kind}"] = round(times.ratio("segments", kind, "O_DIRECT"), 2)
-        out[f"lmdb/O_DIRECT {kind}"] = round(times.ratio("lmdb raw", kind, "O_DIRECT"), 2)
+        out[f"lmdb/O_DIRECT {kind}"] = round(times.ratio("lmdb inline raw", kind, "O_DIRECT"), 2)
     return out
 
 

@@ -613,3 +613,66 @@ async def test_a_full_disk_at_segment_allocation_is_typed_commits_nothing_and_re
             await _assert_served(tier, early + late)
             _assert_ledger_matches(tier)
             assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_adjacent_records_are_read_together_and_a_short_one_fails_alone(tmp_path: Path) -> None:
+    """Records written in one batch lie one after another and come back in one vectored read per
+    run; when the segment ends inside the last of them, that one is a miss (quarantined) and its
+    neighbours in the run still hit bitwise."""
+    items = _items(11, 0, [65536] * 6)
+    aligned = []
+    for key, meta, raw in items:
+        buf = _page_aligned(raw.nbytes)
+        buf[:] = raw
+        aligned.append((key, meta, buf))
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False), read_workers=1,
+                                   segment_threshold_bytes=THRESHOLD) as tier:  # one read slice: one run
+        await tier.put_many(aligned)
+        by_offset = sorted(_pointers(tier).items(), key=lambda kv: kv[1].offset)
+        assert [p.offset for _, p in by_offset] == [k * by_offset[0][1].extent for k in range(6)]
+        calls: List[int] = []
+        real = segments._preadv_all
+
+        def counting(fd: int, views: List[memoryview], offset: int) -> bool:
+            calls.append(sum(v.nbytes for v in views))
+            return real(fd, views, offset)
+
+        segments._preadv_all = counting
+        try:
+            outs = [_page_aligned(65536) for _ in items]
+            assert await tier.get_many_into([(it[0], out) for it, out in zip(items, outs)]) == [it[1] for it in items]
+        finally:
+            segments._preadv_all = real
+        assert calls == [6 * by_offset[0][1].extent]  # the six records in one read
+        last_key, last = by_offset[-1]
+        await asyncio.to_thread(tier._writer.call, tier._segment_writer.rotate)
+        os.truncate(tmp_path / "c" / last.name, last.offset + last.extent // 2)
+        outs = [_page_aligned(65536) for _ in items]
+        metas = await tier.get_many_into([(it[0], out) for it, out in zip(items, outs)])
+        for it, meta, out in zip(items, metas, outs):
+            if it[0] == last_key:
+                assert meta is None
+            else:
+                assert meta == it[1] and bytes(out) == chunk_content(it[0])
+        await tier.flush()
+        assert tier.quarantined_keys() == [last_key]
+        assert tier.statistics().corrupt == 1
+
+
+def test_adjacent_runs_partition_in_order_within_the_bounds() -> None:
+    """adjacent_runs against its definition, over random extents and lane counts."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(500):
+        extents = [rng.choice([4096, 65536, 266240, 1 << 20, 4 << 20, 5 << 20]) for _ in range(rng.randrange(0, 400))]
+        lanes = rng.randrange(1, 9)
+        runs = segments.adjacent_runs(extents, lanes=lanes)
+        assert [k for run in runs for k in run] == list(range(len(extents)))  # a partition, in order
+        limit = max(4096, min(segments.RUN_BYTES, sum(extents) // lanes))
+        for run in runs:
+            assert len(run) >= 1 and len(run) <= segments._RUN_RECORDS
+            assert len(run) == 1 or sum(extents[k] for k in run) <= limit
+        for a, b in zip(runs, runs[1:]):  # a run ends only where the next record would not fit
+            assert len(a) == segments._RUN_RECORDS or sum(extents[k] for k in a) + extents[b.start] > limit

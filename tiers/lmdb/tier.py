@@ -530,13 +530,19 @@ class LmdbTier(ChunkTier, Maintenance):
             records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
             # the whole slice's pages in flight
             advise_willneed(r for r in records if r is not None and not is_pointer(r))
-            for (key, buf), record in zip(items, records):
+            # segment records first, all together (adjacent ones share a read); outcomes by index
+            in_segments = [i for i, r in enumerate(records) if r is not None and is_pointer(r)]
+            outcomes = dict(zip(in_segments, self._segment_reader.read_many_into(
+                [(items[i][0], records[i], items[i][1]) for i in in_segments], max_raw_bytes=self._max_raw_bytes)))
+            for i, ((key, buf), record) in enumerate(zip(items, records)):
                 if record is None:
                     results.append(None)
                     continue
                 try:
-                    if is_pointer(record):
-                        meta = self._segment_reader.read_into(key, record, buf, max_raw_bytes=self._max_raw_bytes)
+                    if i in outcomes:
+                        meta = outcomes[i]
+                        if isinstance(meta, BaseException):
+                            raise meta
                     else:
                         meta, _ = decode_record(key, record, buf, max_raw_bytes=self._max_raw_bytes)
                 except RecordSizeMismatchError as exc:

@@ -25,7 +25,7 @@ import xxhash
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import FileTier
-from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb import DEFAULT_SEGMENT_THRESHOLD_BYTES, LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 
 from .kv import KVGeometry
@@ -181,13 +181,19 @@ class TierSubject(DiskSubject):
     time, straight into the buffers."""
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
-                 kind: str, compress: bool, segment_threshold_bytes: Optional[int] = None) -> None:
+                 kind: str, compress: bool,
+                 segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES) -> None:
         super().__init__(directory, chunks, outs)
         self.kind = kind
         self.compress = compress
-        self.segment_threshold_bytes = segment_threshold_bytes  # LMDB only: records >= it in segments
-        segments = " segments" if segment_threshold_bytes else ""
-        self.name = f"{kind}{segments} {'zstd' if compress else 'raw'}"
+        # LMDB only: records >= it go to segments. The tier's default is kvtier as shipped ("lmdb
+        # raw"); None keeps every record inside LMDB ("lmdb inline raw"); another value is named so.
+        self.segment_threshold_bytes = segment_threshold_bytes
+        if kind != "lmdb" or segment_threshold_bytes == DEFAULT_SEGMENT_THRESHOLD_BYTES:
+            variant = ""
+        else:
+            variant = " segments" if segment_threshold_bytes else " inline"
+        self.name = f"{kind}{variant} {'zstd' if compress else 'raw'}"
         size = chunks[0].nbytes
         self.meta = ChunkMeta(b"kvtier-bench", 0, 0, "bfloat16", (size // 2,))
         self.tier: Any = None
@@ -390,6 +396,15 @@ def _lmdb_rows(ctx: RowContext) -> None:
                   target=f">= {TARGET_RESTORE_VS_RAW}x"), TARGET_RESTORE_VS_RAW)
 
 
+def _lmdb_inline_rows(ctx: RowContext) -> None:
+    """The LMDB tier with every record inline (as before segments), beside the tier as shipped."""
+    name, label = ctx.subject.name, ctx.label
+    ctx.add(f"lmdb inline spill raw codec {label}", name, "write", "raw", "raw fdatasync write")
+    ctx.add(f"lmdb inline cold restore raw codec {label}", name, "read", "raw", "raw cold read")
+    ctx.add(f"lmdb spill raw codec {label} vs inline", "lmdb raw", "write", name, "lmdb inline write")
+    ctx.add(f"lmdb cold restore raw codec {label} vs inline", "lmdb raw", "read", name, "lmdb inline cold read")
+
+
 def _lmdb_zstd_rows(ctx: RowContext) -> None:
     _lmdb_rows(ctx)
     assert isinstance(ctx.subject, TierSubject)
@@ -407,5 +422,7 @@ TIER_SUBJECTS: List[SubjectSpec] = [
     SubjectSpec("baseline", FilePerChunk, _baseline_rows),
     SubjectSpec("lmdb-raw", lambda d, c, o: TierSubject(d, c, o, kind="lmdb", compress=False), _lmdb_rows),
     SubjectSpec("lmdb-zstd", lambda d, c, o: TierSubject(d, c, o, kind="lmdb", compress=True), _lmdb_zstd_rows),
+    SubjectSpec("lmdb-inline", lambda d, c, o: TierSubject(d, c, o, kind="lmdb", compress=False,
+                                                            segment_threshold_bytes=None), _lmdb_inline_rows),
     SubjectSpec("files", lambda d, c, o: TierSubject(d, c, o, kind="files", compress=False), _files_rows),
 ]
