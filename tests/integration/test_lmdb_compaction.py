@@ -171,6 +171,19 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
 
 
 @pytest.mark.asyncio
+async def test_segments_below_the_fraction_at_open_are_compacted_after_the_first_commit(tmp_path: Path) -> None:
+    path, kept = await _three_segments(tmp_path, (2, 10, 10))
+    async with await LmdbTier.open(path, **SETUP) as tier:
+        source = pointers(tier)[kept[0][0][0]].name
+        await asyncio.sleep(0.2)
+        assert source in segment_files(path)  # reading alone starts nothing
+        await tier.put_many(make_batch(14, 0, [700]))  # any commit: an unrelated inline record
+        await _gone(path, source)
+        await assert_served(tier, kept[0])
+        assert_ledger_matches(tier)
+
+
+@pytest.mark.asyncio
 async def test_an_active_segment_emptied_below_the_fraction_is_compacted_once_it_rotates(tmp_path: Path) -> None:
     async with await LmdbTier.open(tmp_path / "c", **SETUP) as tier:
         first = make_batch(12, 0, [RECORD] * 6)  # 6 records: past 1 MiB, the next append rotates
@@ -408,7 +421,9 @@ from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.testing.fault_child import make_batch
 async def main():
-    async with await LmdbTier.open(sys.argv[1], segment_threshold_bytes=16384, codec=CodecConfig(compress=False)) as t:
+    # no passes of its own: they would take the parent's mostly-dead segment first
+    async with await LmdbTier.open(sys.argv[1], segment_threshold_bytes=16384, codec=CodecConfig(compress=False),
+                                   segment_compaction_live_fraction=0) as t:
         items = make_batch(11, 0, [200_000] * 4)
         await t.put_many(items)
         await t.delete_many([k for k, _, _ in items[1:]])  # its active segment: 25 % live, and held

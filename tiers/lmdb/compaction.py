@@ -233,8 +233,10 @@ class Compaction(WriterSide):
     # whether a step is running (its own quarantines offer nothing)
     _compaction_offered: Dict[str, float]
     _compacting: bool
-    # monotonic time before which no automatic plan starts (``PLAN_DUTY``)
+    # monotonic time before which no automatic plan starts (``PLAN_DUTY``); whether the first
+    # commit offered the segments found at open
     _next_automatic_at: float
+    _offered_at_open: bool
     # writer thread: (commit id, name, file size) of emptied sources not deleted yet, and whether a
     # timer will retry them
     _retiring: List[Tuple[int, str, int]]
@@ -307,12 +309,7 @@ class Compaction(WriterSide):
         if self._capacity is not None:
             budget = int(self._capacity * (1 + DISK_MARGIN))
 
-        def usage_of(txn: lmdb.Transaction) -> List[SegmentUsage]:
-            return [SegmentUsage(bytes(k).decode(errors="replace"), *LIVE.unpack(v))
-                    for k, v in txn.cursor(db=self._tables.segments).iternext(keys=True, values=True)
-                    if len(v) == LIVE.size]
-
-        usage = self._read_txn(usage_of)
+        usage = self._read_txn(self._usage_in)
         active = self._segment_writer.active if self._segment_writer is not None else None
         closed: Set[str] = set()
         locked: Set[str] = set()
@@ -564,9 +561,32 @@ class Compaction(WriterSide):
         commit: the plan runs on the read pool, which only sees committed data; an aborted
         transaction at worst costs a pass that finds nothing). A segment is offered again only
         ``REOFFER_S`` later (one that another process still appends to is skipped by the pass, and
-        retried once it may be closed), so the many commits that touch a segment cost one pass."""
+        retried once it may be closed), so the many commits that touch a segment cost one pass.
+        The first such commit of this tier also offers every segment already below the fraction
+        when it opened (a job after the commit reads the table): left by an earlier process, or by
+        records deleted while they were some writer's active segment. Read-only uses (inspect,
+        verify of a clean cache) commit nothing and so never start a pass."""
+        if not self._compacting and not self._offered_at_open:
+            self._offered_at_open = True
+            assert self._writer is not None
+            try:
+                self._writer.submit(Job(self._offer_all, _log_failure))
+            except ClosedError:
+                pass
         for name, usage in ledger.remaining.items():
             self._offer(SegmentUsage(name, *usage))
+
+    def _offer_all(self) -> None:
+        """Writer thread: offer every segment in the ``segments`` table."""
+
+        for usage in self._read_txn(self._usage_in):
+            self._offer(usage)
+
+    def _usage_in(self, txn: lmdb.Transaction) -> List[SegmentUsage]:
+        """Every row of the ``segments`` table."""
+        return [SegmentUsage(bytes(k).decode(errors="replace"), *LIVE.unpack(v))
+                for k, v in txn.cursor(db=self._tables.segments).iternext(keys=True, values=True)
+                if len(v) == LIVE.size]
 
     def _segment_rotated(self, name: str) -> None:
         """Writer thread, after this writer closed its active segment ``name``: records deleted

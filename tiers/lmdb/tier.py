@@ -192,6 +192,7 @@ class LmdbTier(ChunkTier, Maintenance):
         self._compaction_offered: Dict[str, float] = {}
         self._compacting = False
         self._next_automatic_at = 0.0
+        self._offered_at_open = False
         self._retiring: List[Tuple[int, str, int]] = []
         self._retire_timer = False
         self._segment_threshold = threshold
