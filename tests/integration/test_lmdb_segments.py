@@ -676,3 +676,46 @@ def test_adjacent_runs_partition_in_order_within_the_bounds() -> None:
             assert len(run) == 1 or sum(extents[k] for k in run) <= limit
         for a, b in zip(runs, runs[1:]):  # a run ends only where the next record would not fit
             assert len(a) == segments._RUN_RECORDS or sum(extents[k] for k in a) + extents[b.start] > limit
+
+
+def _format_marker(path: Path) -> bytes:
+    import lmdb
+
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8)
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            return bytes(txn.get(b"format", db=meta))
+    finally:
+        env.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cache_that_may_hold_pointers_is_marked_so_an_older_reader_refuses_it(tmp_path: Path) -> None:
+    """The tier format marker says whether records may be segment pointers: an all-inline cache
+    stays b"1" (readable by kvtier before segments), the first writable open with segments marks
+    it b"2"; a marker this kvtier does not read is refused with its value in the message."""
+    import lmdb
+
+    from kvtier.errors import TierIOError
+
+    items = _items(12, 0, [65536, 700])
+    async with await LmdbTier.open(tmp_path / "inline", segment_threshold_bytes=None) as tier:
+        await tier.put_many(items)
+    assert _format_marker(tmp_path / "inline") == b"1"
+    async with await LmdbTier.open(tmp_path / "inline", segment_threshold_bytes=THRESHOLD) as tier:
+        await _assert_served(tier, items)  # an inline cache reads on, now marked for pointers
+    assert _format_marker(tmp_path / "inline") == b"2"
+    async with await LmdbTier.open(tmp_path / "inline", segment_threshold_bytes=None) as tier:
+        await _assert_served(tier, items)
+    assert _format_marker(tmp_path / "inline") == b"2"  # never marked back: pointers may be there
+    async with await LmdbTier.open(tmp_path / "new") as tier:  # the default: segments
+        await tier.put_many(items)
+    assert _format_marker(tmp_path / "new") == b"2"
+
+    env = lmdb.open(str(tmp_path / "new"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"3", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(TierIOError, match=r"has tier format b'3', this kvtier reads b'1' and b'2'"):
+        await LmdbTier.open(tmp_path / "new")

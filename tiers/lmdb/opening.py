@@ -127,14 +127,14 @@ def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
             )
 
 
-def open_kvtier_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
+def open_kvtier_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers: bool = False) -> Tables:
     """``open_tables``, refusing a foreign environment first and retrying when another process grew
     the map meanwhile (``MDB_MAP_RESIZED``: adopt the new size with ``set_mapsize(0)``)."""
     last: Optional[BaseException] = None
     for _ in range(_MAP_RESIZED_ATTEMPTS):
         try:
             _refuse_foreign(env, path)
-            return open_tables(env, path, readonly)
+            return open_tables(env, path, readonly, pointers=pointers)
         except lmdb.MapResizedError as exc:
             last = exc
             env.set_mapsize(0)  # no transaction is open here

@@ -26,9 +26,15 @@ from kvtier.errors import TierIOError
 
 from .segments import stored_size
 
-__all__ = ["FORMAT_VERSION", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence"]
+__all__ = ["FORMAT_VERSION", "INLINE_FORMAT_VERSION", "READABLE_FORMATS", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence"]
 
-FORMAT_VERSION = b"1"
+# The tier format in ``meta``: b"1" every record inline; b"2" records may be segment pointers
+# (tiers/lmdb/segments.py). A cache is marked b"2" by the first writable open that may write
+# pointers, so a kvtier that reads only b"1" refuses it with a clear error instead of taking the
+# pointers for corrupt records and quarantining them.
+FORMAT_VERSION = b"2"
+INLINE_FORMAT_VERSION = b"1"
+READABLE_FORMATS = (INLINE_FORMAT_VERSION, FORMAT_VERSION)
 _DB_CHUNKS = b"chunks"
 _DB_ATIME = b"atime"
 _DB_QUARANTINE = b"quarantine"
@@ -52,10 +58,12 @@ class Tables:
     segments: "Optional[lmdb._Database]" = None
 
 
-def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
-    """Open the four tables (creating them and the format marker unless ``readonly``) and check the
-    format version. LMDB errors propagate to the caller, which maps them; a version this kvtier does
-    not read, or a read-only open of a directory without tables, is ``TierIOError``."""
+def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers: bool = False) -> Tables:
+    """Open the tables (creating them and the format marker unless ``readonly``) and check the
+    format version; ``pointers``: this writer may store segment pointers, so the marker becomes
+    ``FORMAT_VERSION`` (b"1" stays b"1" otherwise). LMDB errors propagate to the caller, which
+    maps them; a version this kvtier does not read, or a read-only open of a directory without
+    tables, is ``TierIOError``."""
     try:
         if readonly:
             # py-lmdb opens each handle in its own read transaction and keeps it (a handle
@@ -79,13 +87,14 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool) -> Tables:
                     env.open_db(_DB_SEGMENTS, txn=txn),
                 )
                 version = txn.get(b"format", db=tables.meta)
-                if version is None:
-                    txn.put(b"format", FORMAT_VERSION, db=tables.meta)
-                    version = FORMAT_VERSION
+                wanted = FORMAT_VERSION if pointers else INLINE_FORMAT_VERSION
+                if version is None or (version == INLINE_FORMAT_VERSION and wanted != version):
+                    txn.put(b"format", wanted, db=tables.meta)
+                    version = wanted
     except lmdb.NotFoundError as exc:
         raise TierIOError(f"{path} holds no kvtier LMDB tables (read-only open)") from exc
-    if version != FORMAT_VERSION:
-        raise TierIOError(f"{path} has tier format {version!r}, this kvtier uses {FORMAT_VERSION!r}")
+    if version not in READABLE_FORMATS:
+        raise TierIOError(f"{path} has tier format {version!r}, this kvtier reads {' and '.join(map(repr, READABLE_FORMATS))}")
     return tables
 
 

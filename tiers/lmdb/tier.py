@@ -318,7 +318,9 @@ class LmdbTier(ChunkTier, Maintenance):
                 raise TierFullError(f"no space left to open the LMDB environment at {self._path}: {exc}") from exc
             raise TierIOError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
         try:
-            self._tables = open_kvtier_tables(self._env, self._path, self._readonly)
+            # compaction moves pointers too, but only in a cache that already holds them (b"2")
+            self._tables = open_kvtier_tables(self._env, self._path, self._readonly,
+                                              pointers=self._segment_threshold is not None)
         except CORRUPT_LMDB_ERRORS as exc:
             self._env.close()
             raise CorruptCacheError(f"the tables in {self._path} are damaged: {exc}") from exc
