@@ -323,7 +323,9 @@ def test_segment_record_is_head_page_then_payload_pages_borrowed_only_when_align
     content = (bytes(range(256)) * 36)[:9000]
     aligned = _page_aligned(9000)
     aligned[:] = content
-    for raw, codec, borrowed in ((content, CodecConfig(compress=False), False),
+    off_page = _page_aligned(9000 + 64)[64:]  # a bytes object may start on a page boundary by chance
+    off_page[:] = content
+    for raw, codec, borrowed in ((off_page, CodecConfig(compress=False), False),
                                  (aligned, CodecConfig(compress=False), True),
                                  (bytes(9000), CodecConfig(), False),  # compressed: planes are ours
                                  (aligned[1:], CodecConfig(compress=False), False)):  # off a page boundary
