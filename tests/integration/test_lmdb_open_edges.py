@@ -238,3 +238,48 @@ def test_a_cache_directory_whose_parent_is_missing_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"cache_dir '.*/nvme/kvtier': its parent .*/nvme does not exist \(kvtier creates only the last"):
         OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(tmp_path / "nvme" / "kvtier"), fingerprint=FINGERPRINT)
     assert listing(tmp_path) == []
+
+
+def _damage_meta(path: Path, change) -> None:
+    """Open the cache's LMDB environment directly and apply ``change(txn, meta_db)``."""
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            change(txn, env.open_db(b"meta", txn=txn))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("damage", ["marker gone", "marker garbled", "table name flipped"])
+def test_a_kvtier_cache_with_damaged_names_or_marker_is_corrupt_not_foreign(tmp_path: Path, damage: str) -> None:
+    """kvtier creates its tables and the format marker in one transaction: its own table names with
+    the marker gone or garbled, or a table name a byte away from one of its own, are damage
+    (CorruptCacheError: the engine moves the cache aside), not another program's database
+    (TierIOError: refused, kept). A newer kvtier's marker (a larger decimal version) stays refused."""
+    from kvtier.errors import CorruptCacheError
+
+    cache = tmp_path / "c"
+    with LmdbTier(cache):
+        pass
+    if damage == "marker gone":
+        _damage_meta(cache, lambda txn, meta: txn.delete(b"format", db=meta))
+    elif damage == "marker garbled":
+        _damage_meta(cache, lambda txn, meta: txn.put(b"format", b"\x12", db=meta))
+    else:  # a flipped bit in the main database's key 'atime' (every copy of its page): 'atimf'
+        data = (cache / "data.mdb").read_bytes()
+        assert b"atime" in data
+        (cache / "data.mdb").write_bytes(data.replace(b"atime", b"atimf"))
+    with pytest.raises(CorruptCacheError, match="damaged"):
+        LmdbTier(cache)
+
+
+def test_a_newer_format_marker_is_refused_not_moved_aside(tmp_path: Path) -> None:
+    from kvtier.errors import CorruptCacheError
+
+    cache = tmp_path / "c"
+    with LmdbTier(cache):
+        pass
+    _damage_meta(cache, lambda txn, meta: txn.put(b"format", b"9", db=meta))
+    with pytest.raises(TierIOError, match="has tier format b'9'") as info:
+        LmdbTier(cache)
+    assert not isinstance(info.value, CorruptCacheError)

@@ -721,3 +721,26 @@ async def test_a_cache_that_may_hold_pointers_is_marked_so_an_older_reader_refus
     env.close()
     with pytest.raises(TierIOError, match=r"has tier format b'3', this kvtier reads b'1' and b'2'"):
         await LmdbTier.open(tmp_path / "new")
+
+
+@pytest.mark.asyncio
+async def test_a_pointer_damaged_off_a_page_boundary_is_a_miss_not_an_io_error(tmp_path: Path) -> None:
+    """Every record starts on a page; a pointer whose offset lost that (a flipped low bit) is
+    corruption -- a miss, quarantined -- and never reaches a direct read (which would fail with
+    EINVAL and look like a broken disk)."""
+    items = _items(13, 0, [65536, 70000])
+    async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
+        await tier.put_many(items)
+        bad = items[1][0]
+        pointer = _pointers(tier)[bad]
+        damaged = SegmentPointer(pointer.pid, pointer.counter, pointer.offset + 100, pointer.length, pointer.head)
+
+        def body(txn):
+            txn.put(bad, damaged.pack(), db=tier._tables.chunks)
+            return lambda: None
+
+        await asyncio.to_thread(tier._writer.call, lambda: tier._write(body))
+        outs = [_page_aligned(it[2].nbytes) for it in items]
+        assert await tier.get_many_into([(it[0], o) for it, o in zip(items, outs)]) == [items[0][1], None]
+        await tier.flush()
+        assert tier.quarantined_keys() == [bad] and tier.statistics().corrupt == 1

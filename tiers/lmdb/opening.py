@@ -25,7 +25,7 @@ from typing import Optional
 
 import lmdb
 
-from kvtier.errors import TierFullError, TierIOError
+from kvtier.errors import CorruptCacheError, TierFullError, TierIOError
 
 from .tables import Tables, open_tables
 
@@ -37,6 +37,7 @@ LOCK_FILE_BYTES = 8 * 1024
 # The named databases of a kvtier environment (tables.py): anything else in the main database
 # means another program's LMDB.
 _KVTIER_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta", b"segments"})
+_CORE_TABLES = frozenset({b"chunks", b"atime", b"quarantine", b"meta"})  # every kvtier cache has these
 _MAP_RESIZED_ATTEMPTS = 3
 
 
@@ -107,24 +108,42 @@ def prepare_lock_file(directory: Path) -> None:
 
 
 def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
+    """Refuse an environment kvtier did not create (``TierIOError``: never write into another
+    program's database), but call a kvtier environment with damaged names or marker what it is,
+    ``CorruptCacheError`` (the engine then moves it aside): kvtier creates its tables and the format
+    marker in one transaction, so its table names with a table or the marker missing, or a name one
+    or two bytes away from a missing one of its own, are damage, not another program."""
     with env.begin() as txn:
         names = {bytes(key) for key in txn.cursor().iternext(keys=True, values=False)}
     if not names:
         return  # a new, empty environment: kvtier creates its tables in it
     foreign = sorted(names - _KVTIER_TABLES)
-    if foreign or b"meta" not in names:
-        shown = ", ".join(repr(n)[2:-1] for n in foreign[:5]) or "no kvtier format marker"
+    missing = _KVTIER_TABLES - names
+    if foreign:
+        shown = ", ".join(repr(n)[2:-1] for n in foreign[:5])
+        if all(_near_any(name, missing) for name in foreign):
+            raise CorruptCacheError(f"{path} has damaged LMDB table names ({shown}, where kvtier's "
+                                    f"{', '.join(sorted(repr(n)[2:-1] for n in missing))} should be)")
         raise TierIOError(
             f"{path} holds an LMDB environment kvtier did not create ({shown}); kvtier refuses to "
             "write into another program's database: use an empty directory as the cache directory"
         )
+    if b"meta" not in names:
+        raise CorruptCacheError(f"{path} has kvtier's LMDB tables but not its 'meta' table (damaged)")
     meta = env.open_db(b"meta", create=False)
     with env.begin() as txn:
         if txn.get(b"format", db=meta) is None:
+            if _CORE_TABLES <= names:
+                raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
             raise TierIOError(
                 f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
                 "format marker); use an empty directory as the cache directory"
             )
+
+
+def _near_any(name: bytes, candidates: "frozenset[bytes] | set[bytes]") -> bool:
+    """Whether ``name`` is one of ``candidates`` with at most two bytes changed (a bit flip)."""
+    return any(len(name) == len(c) and sum(a != b for a, b in zip(name, c)) <= 2 for c in candidates)
 
 
 def open_kvtier_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers: bool = False) -> Tables:

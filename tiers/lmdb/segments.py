@@ -194,9 +194,14 @@ class SegmentPointer:
             _, pid, counter, offset, length, head = _POINTER.unpack(raw)
             if check and not 0 < head <= min(length, _MAX_HEAD):
                 raise CorruptRecordError(f"segment pointer with a head of {head} bytes in a {length}-byte record")
-            return SegmentPointer(pid, counter, offset, length, head)
-        _, pid, counter, offset, length = _POINTER_CONTIGUOUS.unpack(raw)
-        return SegmentPointer(pid, counter, offset, length)
+            pointer = SegmentPointer(pid, counter, offset, length, head)
+        else:
+            _, pid, counter, offset, length = _POINTER_CONTIGUOUS.unpack(raw)
+            pointer = SegmentPointer(pid, counter, offset, length)
+        if check and offset % _ALIGN:
+            # every record starts on a page (a direct read elsewhere would fail with EINVAL)
+            raise CorruptRecordError(f"segment pointer to offset {offset}, not on a page boundary")
+        return pointer
 
 
 def is_pointer(value: "bytes | memoryview") -> bool:

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import lmdb
 
-from kvtier.errors import TierIOError
+from kvtier.errors import CorruptCacheError, TierIOError
 
 from .segments import stored_size
 
@@ -94,7 +94,11 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers
     except lmdb.NotFoundError as exc:
         raise TierIOError(f"{path} holds no kvtier LMDB tables (read-only open)") from exc
     if version not in READABLE_FORMATS:
-        raise TierIOError(f"{path} has tier format {version!r}, this kvtier reads {' and '.join(map(repr, READABLE_FORMATS))}")
+        readable = " and ".join(map(repr, READABLE_FORMATS))
+        if not bytes(version).isdigit() or int(version) < int(INLINE_FORMAT_VERSION):
+            # kvtier writes decimal versions only: anything else is a damaged marker
+            raise CorruptCacheError(f"{path} has a damaged tier format marker {bytes(version)!r} (this kvtier reads {readable})")
+        raise TierIOError(f"{path} has tier format {version!r}, this kvtier reads {readable}")
     return tables
 
 
