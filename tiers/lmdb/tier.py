@@ -84,7 +84,7 @@ from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
 from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, STEP_BYTES as COMPACTION_STEP_BYTES, check_live_fraction
 from .maintenance import Maintenance
 from .readahead import advise_willneed
-from .segments import borrows_buffers, encode_for_segments
+from .segment_records import borrows_buffers, encode_for_segments
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence

@@ -31,7 +31,8 @@ from ..base import IOHook, Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
 from ..writer import Job, SharedExclusiveLock
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, codec_of, is_pointer, release_records, remove_dead, stored_size
+from .segment_records import codec_of, release_records
+from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence
 
 __all__ = ["WriterSide", "PutJob"]
