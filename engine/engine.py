@@ -55,7 +55,7 @@ from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tiers.host import HostSlabPool, slot_stride
+from kvtier.tiers.host import HostSlabPool, pools_for_budget
 
 from .config import EngineConfig
 from .disk_index import DiskIndex, keys_of
@@ -323,24 +323,9 @@ class OffloadEngine:
         return self._closing
 
     def _make_pools(self) -> List[HostSlabPool]:
-        # Split the host budget in proportion to each group's chunk bytes, with a floor of a few
-        # slots so that a tiny group can still hold the chunks of one request.
-        groups = range(len(self.layout.groups))
-        chunk_bytes = [self.device.chunk_nbytes(g) for g in groups]
-        total = sum(chunk_bytes)
-        pools = []
-        for g in groups:
-            share = self.config.host_capacity_bytes * chunk_bytes[g] // total
-            slots = max(4, share // slot_stride(chunk_bytes[g]))  # page-aligned slots count their padding
-            pools.append(
-                HostSlabPool(
-                    chunk_bytes[g],
-                    slots,
-                    device_kind=self.config.device_kind,
-                    eviction=self.config.host_eviction_policy,
-                )
-            )
-        return pools
+        chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
+        return pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=self.config.device_kind,
+                                eviction=self.config.host_eviction_policy)
 
     # ------------------------------------------------------------------ the disk index
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from kvtier.errors import ClosedError, SlotStateError
 from .device import _PAGE_BYTES, DeviceBackend
 from .eviction import EvictionPolicy, make_eviction_policy
 
-__all__ = ["HostSlabPool", "Allocation", "SlotStateError"]
+__all__ = ["HostSlabPool", "Allocation", "SlotStateError", "pools_for_budget", "slot_stride", "PAGE_ALIGNED_SLOT_MIN_BYTES"]
 
 
 
@@ -68,6 +68,20 @@ def slot_stride(slot_bytes: int) -> int:
     if slot_bytes < PAGE_ALIGNED_SLOT_MIN_BYTES:
         return slot_bytes
     return -(-slot_bytes // _PAGE_BYTES) * _PAGE_BYTES
+
+
+def pools_for_budget(capacity_bytes: int, chunk_bytes: Sequence[int], *, device_kind: str = "cpu",
+                     eviction: str = "lru") -> List["HostSlabPool"]:
+    """One pool per group, the host budget split in proportion to each group's chunk bytes, with a
+    floor of 4 slots so a tiny group can still hold the chunks of one request. Page-aligned slots
+    count their padding (``slot_stride``), so the slabs stay within ``capacity_bytes``."""
+    total = sum(chunk_bytes)
+    pools = []
+    for nbytes in chunk_bytes:
+        share = capacity_bytes * nbytes // total
+        pools.append(HostSlabPool(nbytes, max(4, share // slot_stride(nbytes)), device_kind=device_kind,
+                                  eviction=eviction))
+    return pools
 
 
 class HostSlabPool:

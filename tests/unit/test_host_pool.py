@@ -359,3 +359,20 @@ def test_slots_of_segment_sized_chunks_start_on_page_boundaries() -> None:
             v.fill_(7)
         assert all(int(v.sum()) == 7 * slot_bytes for v in views)
         pool.close()
+
+
+def test_pools_for_budget_split_in_proportion_within_the_budget_with_a_floor() -> None:
+    from kvtier.tiers.host import pools_for_budget, slot_stride
+
+    chunk_bytes = [100_000, 4096, 1 << 20]
+    budget = 64 << 20
+    pools = pools_for_budget(budget, chunk_bytes)
+    total = sum(chunk_bytes)
+    for pool, nbytes in zip(pools, chunk_bytes):
+        assert pool.slot_bytes == nbytes
+        assert pool.num_slots == max(4, (budget * nbytes // total) // slot_stride(nbytes))
+    # the slabs (slot strides included) stay within the budget, floors aside
+    assert sum(p.num_slots * slot_stride(n) for p, n in zip(pools, chunk_bytes) if p.num_slots > 4) <= budget
+    assert [p.num_slots for p in pools_for_budget(1, [100, 200])] == [4, 4]
+    for p in pools:
+        p.close()
