@@ -1,0 +1,145 @@
+"""A trace seen through one layout: per request, the identity of every complete chunk of every group.
+
+Primitives: ``Workload`` (``prepare(trace, layout)``), ``host_slots`` (the engine's per-group slot
+counts for a host budget), ``record_bytes`` (what the LMDB tier counts per stored chunk), ``Plans``
+(memoised store and load plans of the coverage contract). Pure; any thread.
+
+Chunk identities are small ints, equal exactly when the engine's chunk keys are equal: a Mooncake
+block id is a prefix hash, so the chunk of group ``g`` ending at token ``e`` is named by the chain
+of block ids up to the block holding token ``e - 1`` (interned, so a trace that broke the prefix
+property could not merge two chains), the offset of ``e`` in that block and ``g``. Prompts given as
+token ids are keyed with kvtier's own ``KeyChain``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from kvtier.policy import KeyChain
+from kvtier.policy.plan import load_block_plan
+from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
+
+from .layouts import ReplayLayout
+from .trace import Trace
+
+__all__ = ["Workload", "Plans", "host_slots", "record_bytes", "REPLAY_FINGERPRINT"]
+
+# The engine-mode fingerprint's length matters for the record header size; its value does not.
+REPLAY_FINGERPRINT = "kvtier-replay-v1"
+_PAGE = 4096
+_PAGE_ALIGNED_SLOT_MIN_BYTES = 64 << 10
+
+
+def host_slots(capacity_bytes: int, chunk_bytes: Sequence[int]) -> List[int]:
+    """Per group, the slots ``tiers.host.pools_for_budget`` gives for ``capacity_bytes``: the
+    budget split in proportion to chunk bytes, page-aligned slots counting their padding, at least
+    4 slots per group (a unit test holds this to the real function)."""
+    total = sum(chunk_bytes)
+    slots = []
+    for nbytes in chunk_bytes:
+        stride = nbytes if nbytes < _PAGE_ALIGNED_SLOT_MIN_BYTES else -(-nbytes // _PAGE) * _PAGE
+        slots.append(max(4, capacity_bytes * nbytes // total // stride))
+    return slots
+
+
+def record_bytes(layout: ReplayLayout, fingerprint: bytes) -> List[int]:
+    """Per group, the bytes the LMDB tier counts for one stored chunk (record header + payload of
+    incompressible KV), measured by encoding one with the engine's default codec."""
+    from kvtier.engine import EngineConfig
+    from kvtier.tiers.base import ChunkMeta
+    from kvtier.tiers.record_format import encode_record
+
+    codec = EngineConfig().codec_config()
+    sizes = []
+    for g, group in enumerate(layout.layout.groups):
+        payload = layout.chunk_bytes(g)
+        meta = ChunkMeta(fingerprint, g, 0, "uint8", (1, group.blocks_per_chunk, layout.block_bytes[g]))
+        probe = min(payload, 4096)  # the header does not depend on the payload's size
+        overhead = len(encode_record(bytes(32), meta, os.urandom(probe), codec)) - probe
+        sizes.append(payload + overhead)
+    return sizes
+
+
+class Plans:
+    """The coverage contract's per-request plans, memoised (they depend on token counts only):
+    ``store(g, n)`` chunks a producer of ``n`` tokens stores under the retention interval,
+    ``load(g, h)`` chunks a hit of ``h`` tokens reads."""
+
+    def __init__(self, layout: ReplayLayout, retention_interval: Optional[int]) -> None:
+        check_retention_interval(layout.layout, retention_interval)
+        self.layout = layout.layout
+        self.retention = retention_interval
+        self._store: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+        self._load: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+
+    def store(self, group_index: int, num_tokens: int) -> Tuple[int, ...]:
+        key = (group_index, num_tokens)
+        found = self._store.get(key)
+        if found is None:
+            found = self._store[key] = tuple(
+                retention_store_chunk_indices(self.layout, group_index, num_tokens, self.retention))
+        return found
+
+    def load(self, group_index: int, hit_tokens: int) -> Tuple[int, ...]:
+        key = (group_index, hit_tokens)
+        found = self._load.get(key)
+        if found is None:
+            found = self._load[key] = tuple(c for c, _ in load_block_plan(self.layout, group_index, hit_tokens))
+        return found
+
+
+@dataclass
+class Workload:
+    """``ids[r][g]``: chunk ids (ints) of request ``r``'s complete chunks of group ``g``;
+    ``tokens[r]``: its input length; ``unique_chunks[g]``: distinct chunks of group ``g``."""
+
+    trace: Trace
+    layout: ReplayLayout
+    ids: List[List[List[int]]]
+    tokens: List[int]
+    unique_chunks: List[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def unique_bytes(self, per_chunk: Sequence[int]) -> int:
+        """Bytes every distinct chunk of the trace takes at ``per_chunk[g]`` bytes each."""
+        return sum(count * size for count, size in zip(self.unique_chunks, per_chunk))
+
+    @classmethod
+    def prepare(cls, trace: Trace, layout: ReplayLayout) -> "Workload":
+        groups = layout.layout.groups
+        num_groups = len(groups)
+        block = trace.block_tokens
+        chains: Dict[Tuple[int, int], int] = {}
+        keyed: Dict[bytes, int] = {}
+        ids: List[List[List[int]]] = []
+        tokens: List[int] = []
+        for request in trace.requests:
+            n = request.input_length
+            tokens.append(n)
+            if request.block_ids is not None:
+                canon = np.empty(len(request.block_ids), dtype=np.int64)
+                previous = -1
+                for i, h in enumerate(request.block_ids.tolist()):
+                    previous = chains.setdefault((previous, h), len(chains))
+                    canon[i] = previous
+                per_group = []
+                for g, group in enumerate(groups):
+                    size = group.tokens_per_chunk
+                    ends = np.arange(1, n // size + 1, dtype=np.int64) * size - 1
+                    per_group.append(((canon[ends // block] * block + ends % block) * num_groups + g).tolist())
+                ids.append(per_group)
+            else:
+                chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=REPLAY_FINGERPRINT)
+                ids.append([[keyed.setdefault(k, len(keyed)) for k in chain.keys[g]] for g in range(num_groups)])
+        unique = [len({i for request in ids for i in request[g]}) for g in range(num_groups)]
+        return cls(trace, layout, ids, tokens, unique)
