@@ -152,6 +152,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     host = [order_class() for _ in range(num_groups)]
     disk = _ByteLru(disk_capacity)
     disk_sizes = disk.sizes
+    disk_group: Dict[int, int] = {}
     touched: Dict[int, None] = {}  # disk reads since the last write, first read first
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
     hcount, dcount = tiers["host"], tiers.get("disk")
@@ -193,10 +194,12 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                         victims.append(key)
                         freed += size
                 for key in victims:
-                    dcount.evicted_bytes += disk.pop(key)
+                    disk.pop(key)
+                    dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
                     dcount.evicted_chunks += 1
         for g, key in batch:
             disk.put(key, disk_record_bytes[g])
+            disk_group[key] = g
             dcount.stored_chunks += 1
             dcount.stored_bytes += chunk_bytes[g]
 
