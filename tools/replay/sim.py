@@ -217,7 +217,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         hit = longest_hit(layout, max(0, n - 1), state) or 0
         hits[r] = hit
         if hit:
-            jobs = [(g, ids[g][c]) for g in range(num_groups) for c in plans.load(g, hit)]
+            jobs = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.load(g, hit))]
             # The engine's windows: a new one as soon as a group has half its slots in this one.
             windows: List[List[tuple]] = []
             current: List[tuple] = []
@@ -258,8 +258,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                     hcount.read_bytes += len(pinned[g]) * chunk_bytes[g]
                 for g, key in window:
                     host[g].touch(key)
-        new = [(g, ids[g][c]) for g in range(num_groups) for c in plans.store(g, n)
-               if ids[g][c] not in host[g] and ids[g][c] not in disk_sizes]
+        new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
+               if key not in host[g] and key not in disk_sizes]
         if new:
             need = [0] * num_groups
             for g, _ in new:
@@ -296,7 +296,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     read = {"host": read_host}
     if has_disk:
         read["disk"] = read_disk
-    return Outcome("engine-model", hits, np.asarray(work.tokens, dtype=np.int64), read, stored, tiers,
+    return Outcome("simulate", hits, np.asarray(work.tokens, dtype=np.int64), read, stored, tiers,
                    {k: v for k, v in dropped.items() if v}, {"failed_loads": failed_loads})
 
 
@@ -326,12 +326,11 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         hits[r] = hit
         if hit:
             for g in range(num_groups):
-                for c in plans.load(g, hit):
-                    cache.move_to_end(ids[g][c])
+                for key in ids[g].take(plans.load(g, hit)):
+                    cache.move_to_end(key)
                     read[r] += chunk_bytes[g]
         for g in range(num_groups):
-            for c in plans.store(g, n):
-                key = ids[g][c]
+            for key in ids[g].take(plans.store(g, n)):
                 if key not in cache:
                     cache[key] = chunk_bytes[g]
                     total += chunk_bytes[g]
@@ -347,20 +346,30 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
                    {"cache": counts})
 
 
-def _next_uses(work: Workload) -> List[Dict[int, int]]:
-    """Per request, each of its chunk ids -> the index of the next request holding it (or a
-    number past the end)."""
+def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
+    """Per request, the chunk ids it may read -> the index of the next request that may read
+    them (``len(work) + 1``: never again). A request may read every complete chunk of a full-attention
+    group and, of a sliding group, the chunks its dense store plan holds (every alignment
+    boundary's window): a hit at another boundary is not foreseen, so the bound errs low there."""
+    dense = Plans(work.layout, None)
     never = len(work) + 1
     following: Dict[int, int] = {}
     out: List[Dict[int, int]] = [dict() for _ in range(len(work))]
+    groups = plans.layout.groups
     for r in range(len(work) - 1, -1, -1):
+        n = work.tokens[r]
         mine = out[r]
-        for group_ids in work.ids[r]:
-            for key in group_ids:
-                mine[key] = following.get(key, never)
-        for group_ids in work.ids[r]:
-            for key in group_ids:
-                following[key] = r
+        keys: List[int] = []
+        for g, group in enumerate(groups):
+            ids = work.ids[r][g]
+            if group.sliding_window is None:
+                keys.extend(ids.take(range(len(ids))))
+            else:
+                keys.extend(ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n)))))
+        for key in keys:
+            mine[key] = following.get(key, never)
+        for key in keys:
+            following[key] = r
     return out
 
 
@@ -369,7 +378,7 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
     ``capacity``, evict the chunk whose next use is farthest (a new chunk not used again goes first:
     the bound may decline to keep it)."""
     layout, num_groups, n_req, hits, read, stored, counts = _single_tier(work, plans)
-    nexts = _next_uses(work)
+    nexts = _next_uses(work, plans)
     cache: Dict[int, int] = {}  # key -> next use
     size_of: Dict[int, int] = {}
     heap: List[tuple] = []
@@ -388,13 +397,12 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         if hit:
             for g in range(num_groups):
                 read[r] += len(plans.load(g, hit)) * chunk_bytes[g]
-        for key, when in upcoming.items():
-            if key in cache:
-                cache[key] = when
-                heapq.heappush(heap, (-when, key))
+        for key in cache.keys() & upcoming.keys() if len(cache) < len(upcoming) else upcoming.keys() & cache.keys():
+            when = upcoming[key]
+            cache[key] = when
+            heapq.heappush(heap, (-when, key))
         for g in range(num_groups):
-            for c in plans.store(g, n):
-                key = ids[g][c]
+            for key in ids[g].take(plans.store(g, n)):
                 if key not in cache:
                     when = upcoming[key]
                     cache[key] = when

@@ -92,14 +92,45 @@ class Plans:
         return found
 
 
+class ChunkIds:
+    """The chunk ids of one group of one request, computed when read (a list of ints for a
+    sliding group of 4-token chunks would hold tens of millions): ``ids[c]`` and
+    ``ids.take(chunks)``."""
+
+    __slots__ = ("_canon", "_size", "_block", "_groups", "_group", "_count")
+
+    def __init__(self, canon: List[int], chunk_tokens: int, block: int, groups: int, group: int, count: int) -> None:
+        self._canon, self._size, self._block, self._groups, self._group, self._count = (
+            canon, chunk_tokens, block, groups, group, count)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, chunk: int) -> int:
+        end = (chunk + 1) * self._size - 1
+        block = self._block
+        return (self._canon[end // block] * block + end % block) * self._groups + self._group
+
+    def take(self, chunks: Sequence[int]) -> List[int]:
+        return [self[c] for c in chunks]
+
+
+class KeyIds(list):
+    """Chunk ids of one group of a prompt given as token ids (keyed by ``KeyChain``)."""
+
+    def take(self, chunks: Sequence[int]) -> List[int]:
+        return [self[c] for c in chunks]
+
+
 @dataclass
 class Workload:
-    """``ids[r][g]``: chunk ids (ints) of request ``r``'s complete chunks of group ``g``;
-    ``tokens[r]``: its input length; ``unique_chunks[g]``: distinct chunks of group ``g``."""
+    """``ids[r][g]``: the chunk ids (``ChunkIds`` / ``KeyIds``) of request ``r``'s complete chunks
+    of group ``g``; ``tokens[r]``: its input length; ``unique_chunks[g]``: distinct chunks of
+    group ``g`` over the trace."""
 
     trace: Trace
     layout: ReplayLayout
-    ids: List[List[List[int]]]
+    ids: List[list]
     tokens: List[int]
     unique_chunks: List[int]
 
@@ -121,25 +152,37 @@ class Workload:
         block = trace.block_tokens
         chains: Dict[Tuple[int, int], int] = {}
         keyed: Dict[bytes, int] = {}
-        ids: List[List[List[int]]] = []
+        ids: List[list] = []
         tokens: List[int] = []
+        # Per group and block chain, the most chunk ends any request has inside that block.
+        ends_in_block: List[List[Tuple[np.ndarray, np.ndarray]]] = [[] for _ in groups]
         for request in trace.requests:
             n = request.input_length
             tokens.append(n)
             if request.block_ids is not None:
-                canon = np.empty(len(request.block_ids), dtype=np.int64)
+                canon: List[int] = []
                 previous = -1
-                for i, h in enumerate(request.block_ids.tolist()):
+                for h in request.block_ids.tolist():
                     previous = chains.setdefault((previous, h), len(chains))
-                    canon[i] = previous
+                    canon.append(previous)
+                starts = np.arange(len(canon), dtype=np.int64) * block
+                his = np.minimum(starts + block, n)
                 per_group = []
                 for g, group in enumerate(groups):
                     size = group.tokens_per_chunk
-                    ends = np.arange(1, n // size + 1, dtype=np.int64) * size - 1
-                    per_group.append(((canon[ends // block] * block + ends % block) * num_groups + g).tolist())
+                    per_group.append(ChunkIds(canon, size, block, num_groups, g, n // size))
+                    ends_in_block[g].append((np.asarray(canon, dtype=np.int64), his // size - starts // size))
                 ids.append(per_group)
             else:
                 chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=REPLAY_FINGERPRINT)
-                ids.append([[keyed.setdefault(k, len(keyed)) for k in chain.keys[g]] for g in range(num_groups)])
-        unique = [len({i for request in ids for i in request[g]}) for g in range(num_groups)]
+                ids.append([KeyIds(keyed.setdefault(k, len(keyed)) for k in chain.keys[g]) for g in range(num_groups)])
+        unique = []
+        for g in range(num_groups):
+            count = len({i for request in ids if isinstance(request[g], KeyIds) for i in request[g]})
+            if ends_in_block[g]:
+                most = np.zeros(len(chains), dtype=np.int64)
+                for canon, counts in ends_in_block[g]:
+                    np.maximum.at(most, canon, counts)
+                count += int(most.sum())
+            unique.append(count)
         return cls(trace, layout, ids, tokens, unique)

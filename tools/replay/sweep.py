@@ -1,0 +1,89 @@
+"""``kvtier replay --sweep``: what MTP's extra retained tokens and the retention interval cost.
+
+Primitives: ``SWEEP_R``, ``SWEEP_RETENTIONS``, ``SWEEP_BUDGETS``, ``run_sweep`` (rows of the fast
+mode over ``R`` x retention x budget for some layouts), ``format_sweep`` (a Markdown table). Pure;
+any thread.
+
+Each budget is a share of the trace's unique bytes (every complete chunk of every group, counted
+once), the same for every ``R`` and retention so rows compare at equal bytes; the host pool and
+the disk tier both get it (the host is inclusive: the disk holds what the host holds, so the
+hierarchy holds the budget). The difference against ``R = 0`` at the same retention and budget
+comes with a paired bootstrap interval over requests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .layouts import preset
+from .report import paired_bootstrap
+from .sim import simulate_engine
+from .trace import Trace
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+
+__all__ = ["SWEEP_R", "SWEEP_RETENTIONS", "SWEEP_BUDGETS", "SWEEP_LAYOUTS", "run_sweep", "format_sweep"]
+
+SWEEP_R = (0, 1, 3)
+SWEEP_RETENTIONS = (None, 0)
+SWEEP_BUDGETS = (0.02, 0.05, 0.10, 0.20, 0.50)
+SWEEP_LAYOUTS = ("gpt-oss-120b", "gemma-3-27b", "deepseek-v4")
+
+
+def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: Sequence[float] = SWEEP_BUDGETS,
+              r_values: Sequence[int] = SWEEP_R, retentions: Sequence[Optional[int]] = SWEEP_RETENTIONS,
+              bytes_scale: float = 1.0, bootstrap: int = 1000,
+              progress: Optional[Callable[[int], None]] = None) -> List[Dict[str, object]]:
+    """One row per (layout, retention, budget, R): hit rate, bytes stored per request, and the
+    delta against ``R = r_values[0]`` with its 95% interval."""
+    rows: List[Dict[str, object]] = []
+    fingerprint = REPLAY_FINGERPRINT.encode().ljust(32, b"\0")
+    for name in layouts:
+        base = preset(name, 0).scaled(bytes_scale)
+        work = Workload.prepare(trace, base)
+        chunk_bytes = base.all_chunk_bytes
+        records = record_bytes(base, fingerprint)
+        unique = work.unique_bytes(chunk_bytes)
+        for retention in retentions:
+            for budget in budgets:
+                outcomes = {}
+                for r in r_values:
+                    layout = preset(name, r).scaled(bytes_scale)
+                    started = time.perf_counter()
+                    capacity = int(budget * unique)
+                    outcome = simulate_engine(work, Plans(layout, retention), host_slots=host_slots(capacity, chunk_bytes),
+                                              chunk_bytes=chunk_bytes, disk_capacity=int(budget * work.unique_bytes(records)),
+                                              disk_record_bytes=records)
+                    outcomes[r] = outcome
+                    row: Dict[str, object] = {
+                        "layout": name, "R": r, "retention": "dense" if retention is None else retention,
+                        "budget": budget, "hit_rate": outcome.hit_rate,
+                        "bytes_stored_per_request": float(outcome.stored_bytes.mean()),
+                        "dropped_chunks": sum(outcome.dropped_stores.values()),
+                        "seconds": time.perf_counter() - started,
+                    }
+                    if r != r_values[0]:
+                        reference = outcomes[r_values[0]]
+                        delta, low, high = paired_bootstrap(outcome.hit_tokens, reference.hit_tokens, outcome.input_tokens,
+                                                            samples=bootstrap)
+                        row.update(delta_points=100 * delta, delta_low=100 * low, delta_high=100 * high,
+                                   stored_ratio=(row["bytes_stored_per_request"] /
+                                                 max(1e-9, float(reference.stored_bytes.mean()))))
+                    rows.append(row)
+                    if progress is not None:
+                        progress(1)
+    return rows
+
+
+def format_sweep(rows: Sequence[Dict[str, object]]) -> str:
+    """The sweep as a Markdown table."""
+    lines = ["| layout | retention | budget | R | hit rate | delta vs R=0 (95% CI), points | stored/request | vs R=0 |",
+             "|---|---|---:|---:|---:|---|---:|---:|"]
+    for row in rows:
+        delta = (f"{row['delta_points']:+.3f} ({row['delta_low']:+.3f}, {row['delta_high']:+.3f})"
+                 if "delta_points" in row else "")
+        ratio = f"{row['stored_ratio']:.3f}x" if "stored_ratio" in row else ""
+        lines.append(f"| {row['layout']} | {row['retention']} | {100 * float(row['budget']):g}% | {row['R']} | "
+                     f"{100 * float(row['hit_rate']):.2f}% | {delta} | "
+                     f"{float(row['bytes_stored_per_request']) / (1 << 20):,.1f} MiB | {ratio} |")
+    return "\n".join(lines)
