@@ -121,13 +121,16 @@ def test_unique_chunks_count_each_chunk_once():
                                             block_ids=np.asarray(b)) for i, b in enumerate(blocks)], block_tokens=BLOCK)
     work = Workload.prepare(trace, LAYOUT)
     # chains 1, 1-2, 1-2-3 complete; 1-2-4 is partial in request 1 (11 tokens): not a chunk.
-    assert work.unique_chunks == [3]
+    assert work.unique_chunks == work.all_chunks == [3]
     assert work.ids[0][0].take([0, 1, 2]) == work.ids[2][0].take([0, 1, 2])
     assert work.ids[1][0].take([0, 1]) == work.ids[0][0].take([0, 1])
     two = ReplayLayout("two", ModelLayout((AttentionGroup(BLOCK), AttentionGroup(2, sliding_window=2))), (10, 3), ("f", "s"))
     both = Workload.prepare(trace, two)
     # 2-token chunks: two per complete block, and one in the 3 tokens request 1 has of block 1-2-4.
-    assert both.unique_chunks == [3, 7]
+    assert both.all_chunks == [3, 7]
+    # A dense store keeps, per 4-token boundary, the window's last token: the second chunk of each
+    # block, and at the final block boundary of request 1 (10 tokens) the chunk of tokens 8-9.
+    assert both.unique_chunks == [3, 4]
     assert len(set(both.ids[0][1].take(range(6))) | set(both.ids[0][0].take(range(3)))) == 9  # groups never collide
 
 

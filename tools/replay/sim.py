@@ -15,8 +15,9 @@ its work flushed after every request (the way engine mode replays):
   ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
   disk-only ones into new slots and touches them all, in windows of half a pool;
 - disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
-  byte LRU counts record bytes, keeps the batch being written, and sees disk reads as touches at
-  the next write (only reads from disk touch it: a chunk hot on the host ages on disk);
+  byte LRU counts record bytes, keeps the batch being written, and sees each disk read as a touch
+  (only reads from disk touch it: a chunk hot on the host ages on disk). The tier applies reads
+  at its next write or on a timer; engine mode flushes them after each load, so both orders agree;
 - a chunk evicted from disk stays on the host until evicted there; lookups see both.
 """
 
@@ -135,6 +136,11 @@ class _ByteLru:
         return size
 
 
+def _step(hit: int, tiers: Dict[str, TierCounts]) -> tuple:
+    """One request's trail for ``steps``: its hit and every tier's running counts."""
+    return (int(hit),) + tuple(tuple(vars(tiers[name]).values()) for name in sorted(tiers))
+
+
 def _new_counts(names: Sequence[str]) -> Dict[str, TierCounts]:
     return {name: TierCounts() for name in names}
 
@@ -142,10 +148,12 @@ def _new_counts(names: Sequence[str]) -> Dict[str, TierCounts]:
 def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], chunk_bytes: Sequence[int],
                     disk_capacity: Optional[int], disk_record_bytes: Sequence[int], has_disk: bool = True,
                     policy: str = "lru", store_queue_max_chunks: int = 4096, spill_batch_max_chunks: int = 256,
-                    spill_batch_max_bytes: int = 64 << 20, progress: Optional[Callable[[int], None]] = None) -> Outcome:
+                    spill_batch_max_bytes: int = 64 << 20, progress: Optional[Callable[[int], None]] = None,
+                    steps: Optional[list] = None) -> Outcome:
     """Replay ``work`` through a model of the engine (see the module docstring). ``host_slots[g]``
     slots of ``chunk_bytes[g]`` per group; a disk tier (``has_disk``) of ``disk_capacity`` record
-    bytes (``None``: unbounded) counting ``disk_record_bytes[g]`` per chunk."""
+    bytes (``None``: unbounded) counting ``disk_record_bytes[g]`` per chunk. ``steps`` (a list)
+    receives each request's hit and running tier counts, to find where two runs part."""
     layout = plans.layout
     num_groups = len(layout.groups)
     order_class = policy_class(policy)
@@ -153,7 +161,6 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     disk = _ByteLru(disk_capacity)
     disk_sizes = disk.sizes
     disk_group: Dict[int, int] = {}
-    touched: Dict[int, None] = {}  # disk reads since the last write, first read first
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
     hcount, dcount = tiers["host"], tiers.get("disk")
     dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
@@ -172,10 +179,6 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             hcount.evicted_bytes += chunk_bytes[g]
 
     def write(batch: List[tuple]) -> None:
-        for key in touched:
-            if key in disk_sizes:
-                disk_sizes.move_to_end(key)
-        touched.clear()
         batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
         cap = disk.capacity
         if cap is not None and batch_bytes > cap:
@@ -247,7 +250,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                             evict_host(g, shortfall, pinned[g])
                         for key in promote[g]:
                             host[g].insert(key)
-                            touched.setdefault(key, None)
+                            disk_sizes.move_to_end(key)
                             read_disk[r] += chunk_bytes[g]
                             dcount.read_chunks += 1
                             dcount.read_bytes += chunk_bytes[g]
@@ -293,6 +296,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 write(batch)
         if progress is not None:
             progress(1)
+        if steps is not None:
+            steps.append(_step(hits[r], tiers))
     read = {"host": read_host}
     if has_disk:
         read["disk"] = read_disk

@@ -14,12 +14,12 @@ token ids are keyed with kvtier's own ``KeyChain``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kvtier.policy import KeyChain
+from kvtier.policy import KeyChain, ModelLayout
 from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
 
@@ -125,14 +125,18 @@ class KeyIds(list):
 @dataclass
 class Workload:
     """``ids[r][g]``: the chunk ids (``ChunkIds`` / ``KeyIds``) of request ``r``'s complete chunks
-    of group ``g``; ``tokens[r]``: its input length; ``unique_chunks[g]``: distinct chunks of
-    group ``g`` over the trace."""
+    of group ``g``; ``tokens[r]``: its input length; ``all_chunks[g]``: distinct complete chunks
+    of group ``g`` over the trace; ``unique_chunks[g]``: the distinct ones a dense store (every
+    alignment boundary) with ``R = 0`` writes -- the basis of budgets given as shares, the same
+    whatever ``R`` and retention a run uses (a sliding group's chunks outside every window, and
+    DeepSeek-V4's per-token carry state, are never stored, so they do not count)."""
 
     trace: Trace
     layout: ReplayLayout
     ids: List[list]
     tokens: List[int]
-    unique_chunks: List[int]
+    all_chunks: List[int]
+    unique_chunks: List[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -185,4 +189,12 @@ class Workload:
                     np.maximum.at(most, canon, counts)
                 count += int(most.sum())
             unique.append(count)
-        return cls(trace, layout, ids, tokens, unique)
+        work = cls(trace, layout, ids, tokens, unique)
+        model = layout.layout
+        dense = Plans(replace(layout, layout=ModelLayout(
+            tuple(replace(g, extra_retained_tokens=0) for g in model.groups),
+            alignment_tokens=model.alignment_tokens, hit_granularity_tokens=model.hit_granularity_tokens)), None)
+        work.unique_chunks = [
+            len({key for r, n in enumerate(tokens) for key in ids[r][g].take(dense.store(g, n))})
+            for g in range(num_groups)]
+        return work
