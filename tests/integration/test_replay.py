@@ -95,7 +95,7 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
 def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention):
     # Budgets small enough that both tiers evict and hits come from the host and from disk.
     args = ["--trace", conversations, "--layout", layout, "-R", extra, "--retention", retention,
-            "--bytes-scale", "0.0005", "--host-bytes", "30%", "--disk-bytes", "20%"]
+            "--bytes-scale", "0.002", "--host-bytes", "30%", "--disk-bytes", "20%"]
     engine = replay_json(capsys, *args)
     fast = replay_json(capsys, *args, "--simulate")
     main_run, model = engine["main"], engine["simulate"]
@@ -127,12 +127,12 @@ def test_engine_mode_without_a_disk_tier(capsys, conversations):
 def test_hit_rates_do_not_depend_on_the_bytes_scale(capsys, conversations):
     for layout in ("full-attention", "gpt-oss-120b"):
         rates = {}
-        for scale in ("1", "0.01", "0.0005"):
+        for scale in ("1", "0.01", "0.002"):
             result = replay_json(capsys, "--trace", conversations, "--layout", layout, "-R", "3", "--simulate",
                                  "--bytes-scale", scale, "--host-bytes", "30%", "--disk-bytes", "20%")
             rates[scale] = (result["hit_rate"], result["main"]["hit_rate_by_tier"], result["references"]["lru"]["hit_rate"],
                             result["references"]["belady"]["hit_rate"])
-        assert rates["1"] == rates["0.01"] == rates["0.0005"], (layout, rates)
+        assert rates["1"] == rates["0.01"] == rates["0.002"], (layout, rates)
         assert rates["1"][0] > 0
 
 
@@ -164,7 +164,8 @@ def test_model_config_and_vllm_layout_files(capsys, tmp_path, conversations):
               "layer_types": ["sliding_attention", "full_attention"] * 2}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    result = replay_json(capsys, "--trace", conversations, "--model-config", str(path), "--simulate", "-R", "2")
+    result = replay_json(capsys, "--trace", conversations, "--model-config", str(path), "--simulate", "-R", "2",
+                         "--host-bytes", "30%")
     assert "SWA W=64 R=2" in result["layout"] and "full" in result["layout"]
     # 2 full layers x 2 KV heads x (32 + 32) dims x 2 bytes = 512 B per token; 512-token chunks.
     assert "262144 B/chunk" in result["layout"]
@@ -192,14 +193,16 @@ def test_sweep_rows_and_plot(capsys, tmp_path, conversations):
         plot = None
     result = replay_json(capsys, *args)
     rows = result["rows"]
-    assert len(rows) == 3 * 2 * 5
+    by_key = {(r["layout"], r["retention"], r["budget"], r["R"]): r for r in rows}
+    assert len(rows) == len(by_key) == 3 * 2 * 5
     assert {(r["R"], r["retention"]) for r in rows} == {(r, t) for r in (0, 1, 3) for t in ("dense", 0)}
     for row in rows:
         if row["R"] == 0:
             assert "delta_points" not in row
         else:
             assert row["delta_low"] <= row["delta_points"] <= row["delta_high"]
-            assert row["stored_ratio"] >= 1.0  # more retained tokens never store fewer bytes
+            if not row["dropped_chunks"] and not by_key[(row["layout"], row["retention"], row["budget"], 0)]["dropped_chunks"]:
+                assert row["stored_ratio"] >= 1.0  # more retained tokens never store fewer bytes
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store retention interval: none = every alignment boundary (default), 0 = final boundary only, "
                         "K = every K tokens")
     parser.add_argument("--bytes-scale", type=_scale, default=1.0, metavar="F",
-                        help="multiply bytes per token by F (0 < F <= 1) so budgets fit this machine; hit rates do not depend on it")
+                        help="shrink every chunk's bytes by F (0 < F <= 1) so the budgets fit this machine; budgets and "
+                        "reported bytes stay the model's true ones and hit rates do not depend on F")
     parser.add_argument("--host-bytes", default=DEFAULT_HOST, metavar="SIZE|P%",
                         help=f"host tier budget: bytes (4GiB) or a share of the trace's unique bytes (default {DEFAULT_HOST}%)")
     parser.add_argument("--disk-bytes", default=DEFAULT_DISK, metavar="SIZE|P%|unbounded|0",
@@ -125,44 +126,62 @@ def _progress(total: int, disabled: bool, desc: str):
     return tqdm(total=total, desc=desc, unit="req", disable=True if disabled else None, file=sys.stderr)
 
 
-def _budget(text: str, option: str, unique: int) -> Optional[int]:
-    size, share = parse_budget(text, option)
-    if share is not None:
-        return max(1, int(share * unique))
-    return size
+class Budgets:
+    """A run's budgets, in the model's true bytes and as the scaled run holds them.
+
+    ``host_slots``: chunks per host pool, from the true chunk sizes (``pools_for_budget``), the
+    same at every ``--bytes-scale``; ``disk_capacity``: the LMDB tier's record bytes at the run's
+    scale (records shrink by the scale exactly, ``ReplayLayout.scaled``); ``reference_capacity``:
+    the plain caches' payload bytes, at true sizes."""
+
+    def __init__(self, args, work: Workload, layout: ReplayLayout) -> None:
+        groups = range(len(layout.layout.groups))
+        true_chunks = [layout.full_chunk_bytes(g) for g in groups]
+        true_records = [size - layout.chunk_bytes(g) + layout.full_chunk_bytes(g)
+                        for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
+        self.chunk_bytes = true_chunks
+        self.unique_bytes = work.unique_bytes(true_chunks)
+        host_size, host_share = parse_budget(args.host_bytes, "--host-bytes")
+        if host_size is None and host_share is None:
+            raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
+        self.host_bytes = host_size if host_share is None else max(1, int(host_share * self.unique_bytes))
+        self.host_slots = host_slots(self.host_bytes, true_chunks)
+        disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
+        self.has_disk = not (disk_size == 0 and disk_share is None)
+        self.disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(true_records)))
+        if not self.has_disk:
+            self.disk_bytes = None
+        self.disk_capacity = None if self.disk_bytes is None else max(1, int(self.disk_bytes * layout.scale))
+        self.disk_record_bytes = record_bytes(layout, REPLAY_FINGERPRINT)
+        share = disk_share if self.has_disk else host_share
+        if share is not None:
+            self.reference_capacity: Optional[int] = max(1, int(share * self.unique_bytes))
+        else:
+            self.reference_capacity = self.disk_bytes if self.has_disk else self.host_bytes
 
 
 def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
     """One replay (engine mode, or the fast mode with ``args.simulate``) and its references."""
     started = time.perf_counter()
     work = Workload.prepare(trace, layout)
-    chunk_bytes = layout.all_chunk_bytes
-    records = record_bytes(layout, REPLAY_FINGERPRINT.encode().ljust(32, b"\0"))
-    unique_payload = work.unique_bytes(chunk_bytes)
-    host_size, host_share = parse_budget(args.host_bytes, "--host-bytes")
-    if host_size is None and host_share is None:
-        raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
-    host_bytes = host_size if host_share is None else max(1, int(host_share * unique_payload))
-    disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
-    has_disk = not (disk_size == 0 and disk_share is None)
-    disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(records)))
-    slots = host_slots(host_bytes, chunk_bytes)
+    budgets = Budgets(args, work, layout)
     plans = Plans(layout, args.retention)
     warm = args.warmup_fraction
     progress_off = args.no_progress or args.json
 
     def fast(progress=None):
-        return simulate_engine(work, plans, host_slots=slots, chunk_bytes=chunk_bytes,
-                               disk_capacity=disk_bytes if has_disk else None, disk_record_bytes=records,
-                               has_disk=has_disk, policy=args.policy, progress=progress)
+        return simulate_engine(work, plans, host_slots=budgets.host_slots, chunk_bytes=budgets.chunk_bytes,
+                               disk_capacity=budgets.disk_capacity, disk_record_bytes=budgets.disk_record_bytes,
+                               has_disk=budgets.has_disk, spill_chunk_bytes=layout.all_chunk_bytes,
+                               policy=args.policy, progress=progress)
 
     result: Dict[str, object] = {
         "trace": trace.path, "trace_format": trace.format, "prefix_sharing": trace.prefix_sharing,
         "requests": len(trace), "input_tokens": trace.input_tokens, "layout": layout.describe(),
-        "layout_name": layout.name, "bytes_scale": layout.scale, "host_bytes": host_bytes, "host_slots": slots,
-        "disk": has_disk, "disk_bytes": disk_bytes if has_disk else None, "unique_bytes": unique_payload,
-        "retention": "dense" if args.retention is None else args.retention, "R": args.extra_retained_tokens,
-        "policy": args.policy, "mode": "simulate" if args.simulate else "engine",
+        "layout_name": layout.name, "bytes_scale": layout.scale, "host_bytes": budgets.host_bytes,
+        "host_slots": budgets.host_slots, "disk": budgets.has_disk, "disk_bytes": budgets.disk_bytes,
+        "unique_bytes": budgets.unique_bytes, "retention": "dense" if args.retention is None else args.retention,
+        "R": args.extra_retained_tokens, "policy": args.policy, "mode": "simulate" if args.simulate else "engine",
     }
     if args.simulate:
         with _progress(len(trace), progress_off, "kvtier replay --simulate") as bar:
@@ -172,15 +191,15 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
     else:
         from .engine_mode import replay_engine
 
-        temporary = args.cache_dir is None and has_disk
-        cache_dir = tempfile.mkdtemp(prefix="kvtier-replay-") if temporary else (args.cache_dir if has_disk else None)
+        temporary = args.cache_dir is None and budgets.has_disk
+        cache_dir = tempfile.mkdtemp(prefix="kvtier-replay-") if temporary else (args.cache_dir if budgets.has_disk else None)
         try:
             from kvtier.tools.valkey import remote_server
 
             with remote_server(args.remote) as remote_url, _progress(len(trace), progress_off, "kvtier replay") as bar:
                 begun = time.perf_counter()
                 main = asyncio.run(replay_engine(
-                    trace, layout, host_bytes=host_bytes, disk_bytes=disk_bytes if has_disk else None,
+                    trace, layout, host_slots=budgets.host_slots, disk_bytes=budgets.disk_capacity,
                     cache_dir=cache_dir, retention_interval=args.retention, policy=args.policy,
                     remote_url=remote_url, progress=bar.update))
                 wall = time.perf_counter() - begun
@@ -192,20 +211,15 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
         result["simulate"] = summarize(model, warmup_fraction=warm)
         result["agreement_points"] = 100 * (main.hit_rate - model.hit_rate)
     if not args.no_references:
-        capacity = None
-        share = disk_share if has_disk else host_share
-        size = disk_bytes if has_disk else host_bytes
-        if share is not None:
-            capacity = max(1, int(share * unique_payload))
-        elif size is not None:
-            capacity = size
+        capacity = budgets.reference_capacity
         result["references"] = {
-            "lru": summarize(simulate_lru(work, plans, chunk_bytes=chunk_bytes, capacity=capacity), warmup_fraction=warm),
-            "belady": summarize(simulate_belady(work, plans, chunk_bytes=chunk_bytes, capacity=capacity), warmup_fraction=warm),
+            "lru": summarize(simulate_lru(work, plans, chunk_bytes=budgets.chunk_bytes, capacity=capacity),
+                             warmup_fraction=warm),
+            "belady": summarize(simulate_belady(work, plans, chunk_bytes=budgets.chunk_bytes, capacity=capacity),
+                                warmup_fraction=warm),
         }
         result["reference_capacity_bytes"] = capacity
-    main_summary = result["main"]
-    result["hit_rate"] = main_summary["hit_rate"]
+    result["hit_rate"] = result["main"]["hit_rate"]
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -256,7 +270,7 @@ def _run_sweep(args, trace: Trace) -> int:
     total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(SWEEP_BUDGETS)
     started = time.perf_counter()
     with _progress(total, args.no_progress or args.json, "kvtier replay --sweep") as bar:
-        rows = run_sweep(trace, layouts=names, bytes_scale=args.bytes_scale, bootstrap=args.bootstrap, progress=bar.update)
+        rows = run_sweep(trace, layouts=names, bootstrap=args.bootstrap, progress=bar.update)
     if args.plot:
         plot_sweep(rows, args.plot)
     if args.json:

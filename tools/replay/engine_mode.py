@@ -30,6 +30,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import cdiv, layout_fingerprint
 from kvtier.policy.plan import load_block_plan
 from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.host import HostSlabPool
 
 from .layouts import ReplayLayout
 from .sim import Outcome, TierCounts, _step
@@ -47,6 +48,22 @@ def chunk_bytes_of_key(key: bytes, nbytes: int) -> np.ndarray:
     return np.frombuffer(blake3.blake3(key).digest(length=nbytes), dtype=np.uint8)
 
 
+class _SizedPoolsEngine(OffloadEngine):
+    """The engine with host pools of given slot counts: those the true (unscaled) chunk sizes
+    give for the host budget (``tiers.host.pools_for_budget``), so that ``--bytes-scale`` shrinks
+    the slots' bytes without changing how many chunks the host holds (page padding of large
+    slots, which the split counts, would otherwise change with the scale)."""
+
+    def __init__(self, *args, host_slots: List[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._replay_slots = list(host_slots)
+
+    def _make_pools(self) -> List[HostSlabPool]:
+        config = self.config
+        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=config.device_kind,
+                             eviction=config.host_eviction_policy) for g, slots in enumerate(self._replay_slots)]
+
+
 def _request_tokens(trace: Trace, index: int) -> List[int]:
     request = trace.requests[index]
     if request.token_ids is not None:
@@ -58,7 +75,7 @@ async def replay_engine(
     trace: Trace,
     layout: ReplayLayout,
     *,
-    host_bytes: int,
+    host_slots: List[int],
     disk_bytes: Optional[int],
     cache_dir: Optional[str],
     retention_interval: Optional[int],
@@ -67,13 +84,15 @@ async def replay_engine(
     progress: Optional[Callable[[int], None]] = None,
     steps: Optional[list] = None,
 ) -> Outcome:
-    """Replay ``trace`` through an engine with a host budget of ``host_bytes`` and, with
-    ``cache_dir``, an LMDB tier of ``disk_bytes`` record bytes (``None``: unbounded). Raises
+    """Replay ``trace`` through an engine whose host pools hold ``host_slots[g]`` chunks and, with
+    ``cache_dir``, an LMDB tier of ``disk_bytes`` record bytes (``None``: unbounded). Bytes are
+    reported at the model's true chunk sizes (``layout.full_chunk_bytes``). Raises
     ``EngineReplayError`` at the first wrong byte. ``steps``: as ``simulate_engine``'s."""
     model = layout.layout
     groups = model.groups
     num_groups = len(groups)
     chunk_bytes = layout.all_chunk_bytes
+    true_bytes = [layout.full_chunk_bytes(g) for g in range(num_groups)]
     max_tokens = max(r.input_length for r in trace.requests)
     blocks = [cdiv(max_tokens, g.block_size) + 1 for g in groups]
     caches = [[torch.zeros(blocks[g], layout.block_bytes[g], dtype=torch.uint8)] for g in range(num_groups)]
@@ -81,6 +100,7 @@ async def replay_engine(
     arrays = [caches[g][0].numpy() for g in range(num_groups)]
     fingerprint = layout_fingerprint(model, model=f"kvtier-replay:{layout.name}", dtype="uint8",
                                      shapes=[(b,) for b in layout.block_bytes], weights_version="replay-1")
+    host_bytes = sum(n * size for n, size in zip(host_slots, chunk_bytes))
     options: Dict[str, object] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
                                       host_eviction_policy=policy, events_max=1 << 20)
     if cache_dir is not None:
@@ -111,7 +131,7 @@ async def replay_engine(
             if counts is None:
                 continue
             group = event.group_index if event.group_index >= 0 else disk_group.get(event.key, -1)
-            size = chunk_bytes[group] if group >= 0 else 0
+            size = true_bytes[group] if group >= 0 else 0
             if event.kind == "stored":
                 counts.stored_chunks += 1
                 counts.stored_bytes += size
@@ -126,7 +146,7 @@ async def replay_engine(
                     disk_group.pop(event.key, None)
         return arrived
 
-    async with OffloadEngine(model, device, config, fingerprint=fingerprint) as engine:
+    async with _SizedPoolsEngine(model, device, config, fingerprint=fingerprint, host_slots=host_slots) as engine:
         # The LMDB tier applies disk reads to its LRU at its next write, keeping each key's first
         # read, or earlier on a 5 s timer: which of the two depends on timing when a key is read
         # twice between writes. Applying them after every load that read the disk makes the order
@@ -152,9 +172,9 @@ async def replay_engine(
                 if promoted and flushable:
                     await engine.disk_tier.flush()
                 for g in promoted:
-                    read["disk"][r] += chunk_bytes[g]
+                    read["disk"][r] += true_bytes[g]
                     tiers["disk"].read_chunks += 1
-                    tiers["disk"].read_bytes += chunk_bytes[g]
+                    tiers["disk"].read_bytes += true_bytes[g]
                 if result.ok:
                     hits[r] = hit
                     for g in range(num_groups):
@@ -168,8 +188,8 @@ async def replay_engine(
                                         f"request {r}: group {g} chunk {c} block {block}: {wrong} of {bb} loaded "
                                         "bytes differ from what the chunk's key stands for")
                             verified += 1
-                    from_host = sum(chunk_bytes[g] * len(plans[g]) for g in range(num_groups)) - sum(
-                        chunk_bytes[g] for g in promoted)
+                    from_host = sum(true_bytes[g] * len(plans[g]) for g in range(num_groups)) - sum(
+                        true_bytes[g] for g in promoted)
                     read["host"][r] += from_host
                     tiers["host"].read_bytes += from_host
                     tiers["host"].read_chunks += sum(len(p) for p in plans) - len(promoted)
@@ -184,7 +204,7 @@ async def replay_engine(
             handle = engine.store(keys, table)
             ops += 1
             await handle.wait_released()
-            stored[r] = sum(chunk_bytes[g] for g, _ in handle.scheduled)
+            stored[r] = sum(true_bytes[g] for g, _ in handle.scheduled)
             await engine.flush()
             take_events(engine)
             if progress is not None:

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvtier.policy import AttentionGroup, ModelLayout
 
@@ -29,13 +29,23 @@ _FP32 = 4
 @dataclass(frozen=True)
 class ReplayLayout:
     """``layout`` with ``block_bytes[g]``: bytes of one device block of group ``g`` (all its layers).
-    ``group_names`` label the report; ``scale`` is the ``--bytes-scale`` already applied."""
+    ``group_names`` label the report; ``scale`` is the ``--bytes-scale`` already applied and
+    ``full_block_bytes`` the model's true block bytes (equal to ``block_bytes`` unscaled)."""
 
     name: str
     layout: ModelLayout
     block_bytes: Tuple[int, ...]
     group_names: Tuple[str, ...]
     scale: float = 1.0
+    full_block_bytes: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.full_block_bytes:
+            object.__setattr__(self, "full_block_bytes", tuple(self.block_bytes))
+
+    def full_chunk_bytes(self, group_index: int) -> int:
+        """The model's true bytes of one chunk of the group, whatever the scale."""
+        return self.full_block_bytes[group_index] * self.layout.groups[group_index].blocks_per_chunk
 
     def chunk_bytes(self, group_index: int) -> int:
         return self.block_bytes[group_index] * self.layout.groups[group_index].blocks_per_chunk
@@ -47,15 +57,29 @@ class ReplayLayout:
     def bytes_per_token(self, group_index: int) -> float:
         return self.block_bytes[group_index] / self.layout.groups[group_index].block_size
 
-    def scaled(self, scale: float) -> "ReplayLayout":
-        """Block bytes times ``scale`` (rounded, at least 1 byte). Every group scales by the same
-        factor up to that rounding, so byte budgets given as shares keep their meaning."""
+    def scaled(self, scale: float, record_overhead: Sequence[int] = ()) -> "ReplayLayout":
+        """Chunks whose stored records are ``scale`` times the true ones: a chunk's record is its
+        payload plus a header of ``record_overhead`` bytes, so the payload becomes
+        ``scale * (chunk + overhead) - overhead`` (rounded to whole blocks). Every record, hence
+        every disk cost and budget, shrinks by the same factor, and a byte LRU makes the same
+        choices at any scale (a payload merely times ``scale`` would make the fixed header a
+        larger share of small chunks than of large ones)."""
         if not (isinstance(scale, (int, float)) and 0 < scale <= 1):
             raise ValueError(f"--bytes-scale must be in (0, 1], got {scale!r}")
         if scale == 1:
             return self
-        blocks = tuple(max(1, round(b * scale)) for b in self.block_bytes)
-        return replace(self, block_bytes=blocks, scale=self.scale * scale)
+        blocks = []
+        for g, group in enumerate(self.layout.groups):
+            per_chunk = group.blocks_per_chunk
+            overhead = record_overhead[g] if record_overhead else 0
+            payload = scale * (self.block_bytes[g] * per_chunk + overhead) - overhead
+            block = round(payload / per_chunk)
+            if block < 1:
+                raise ValueError(f"--bytes-scale {scale:g} is too small for {self.name}'s {self.group_names[g]} group: "
+                                 f"its records ({self.block_bytes[g] * per_chunk + overhead} bytes) would shrink below "
+                                 f"their own {overhead}-byte header")
+            blocks.append(block)
+        return replace(self, block_bytes=tuple(blocks), scale=self.scale * scale, full_block_bytes=self.full_block_bytes)
 
     def describe(self) -> str:
         parts = []
@@ -243,5 +267,10 @@ def resolve_layout(name: Optional[str], *, model_config: Optional[str] = None, v
         layout = layout_from_vllm_file(vllm_layout, extra_retained_tokens=extra_retained_tokens)
     else:
         layout = preset(name or "full-attention", extra_retained_tokens)
-    return layout.scaled(bytes_scale)
+    if bytes_scale == 1:
+        return layout
+    from .workload import REPLAY_FINGERPRINT, record_bytes
+
+    overhead = [size - layout.chunk_bytes(g) for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
+    return layout.scaled(bytes_scale, overhead)
 

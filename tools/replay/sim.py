@@ -147,12 +147,15 @@ def _new_counts(names: Sequence[str]) -> Dict[str, TierCounts]:
 
 def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], chunk_bytes: Sequence[int],
                     disk_capacity: Optional[int], disk_record_bytes: Sequence[int], has_disk: bool = True,
+                    spill_chunk_bytes: Optional[Sequence[int]] = None,
                     policy: str = "lru", store_queue_max_chunks: int = 4096, spill_batch_max_chunks: int = 256,
                     spill_batch_max_bytes: int = 64 << 20, progress: Optional[Callable[[int], None]] = None,
                     steps: Optional[list] = None) -> Outcome:
     """Replay ``work`` through a model of the engine (see the module docstring). ``host_slots[g]``
     slots of ``chunk_bytes[g]`` per group; a disk tier (``has_disk``) of ``disk_capacity`` record
-    bytes (``None``: unbounded) counting ``disk_record_bytes[g]`` per chunk. ``steps`` (a list)
+    bytes (``None``: unbounded) counting ``disk_record_bytes[g]`` per chunk. Bytes are reported
+    at ``chunk_bytes[g]`` per chunk; spill batches are cut at ``spill_chunk_bytes`` (the engine's
+    payloads, default ``chunk_bytes``). ``steps`` (a list)
     receives each request's hit and running tier counts, to find where two runs part."""
     layout = plans.layout
     num_groups = len(layout.groups)
@@ -166,6 +169,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
     failed_loads = 0
     caps = [max(1, s // 2) for s in host_slots]
+    spill_sizes = list(chunk_bytes if spill_chunk_bytes is None else spill_chunk_bytes)
     n_req = len(work)
     hits = np.zeros(n_req, dtype=np.int64)
     read_host = np.zeros(n_req, dtype=np.int64)
@@ -287,7 +291,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 batch: List[tuple] = []
                 batch_bytes = 0
                 for g, key in new:
-                    size = chunk_bytes[g]
+                    size = spill_sizes[g]
                     if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
                         write(batch)
                         batch, batch_bytes = [], 0

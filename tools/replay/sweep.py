@@ -32,23 +32,22 @@ SWEEP_LAYOUTS = ("gpt-oss-120b", "gemma-3-27b", "deepseek-v4")
 
 def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: Sequence[float] = SWEEP_BUDGETS,
               r_values: Sequence[int] = SWEEP_R, retentions: Sequence[Optional[int]] = SWEEP_RETENTIONS,
-              bytes_scale: float = 1.0, bootstrap: int = 1000,
+              bootstrap: int = 1000,
               progress: Optional[Callable[[int], None]] = None) -> List[Dict[str, object]]:
     """One row per (layout, retention, budget, R): hit rate, bytes stored per request, and the
     delta against ``R = r_values[0]`` with its 95% interval."""
     rows: List[Dict[str, object]] = []
-    fingerprint = REPLAY_FINGERPRINT.encode().ljust(32, b"\0")
     for name in layouts:
-        base = preset(name, 0).scaled(bytes_scale)
+        base = preset(name, 0)  # nothing moves: the model's true bytes
         work = Workload.prepare(trace, base)
         chunk_bytes = base.all_chunk_bytes
-        records = record_bytes(base, fingerprint)
+        records = record_bytes(base, REPLAY_FINGERPRINT)
         unique = work.unique_bytes(chunk_bytes)
         for retention in retentions:
             for budget in budgets:
                 outcomes = {}
                 for r in r_values:
-                    layout = preset(name, r).scaled(bytes_scale)
+                    layout = preset(name, r)
                     started = time.perf_counter()
                     capacity = int(budget * unique)
                     outcome = simulate_engine(work, Plans(layout, retention), host_slots=host_slots(capacity, chunk_bytes),

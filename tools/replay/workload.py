@@ -28,8 +28,9 @@ from .trace import Trace
 
 __all__ = ["Workload", "Plans", "host_slots", "record_bytes", "REPLAY_FINGERPRINT"]
 
-# The engine-mode fingerprint's length matters for the record header size; its value does not.
-REPLAY_FINGERPRINT = "kvtier-replay-v1"
+# What engine mode's records are bound to is a 32-byte layout fingerprint; only its length matters
+# for the record header's size.
+REPLAY_FINGERPRINT = bytes(32)
 _PAGE = 4096
 _PAGE_ALIGNED_SLOT_MIN_BYTES = 64 << 10
 
@@ -178,7 +179,7 @@ class Workload:
                     ends_in_block[g].append((np.asarray(canon, dtype=np.int64), his // size - starts // size))
                 ids.append(per_group)
             else:
-                chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=REPLAY_FINGERPRINT)
+                chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=b"kvtier-replay")
                 ids.append([KeyIds(keyed.setdefault(k, len(keyed)) for k in chain.keys[g]) for g in range(num_groups)])
         unique = []
         for g in range(num_groups):
