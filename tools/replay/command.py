@@ -153,11 +153,14 @@ class Budgets:
             self.disk_bytes = None
         self.disk_capacity = None if self.disk_bytes is None else max(1, int(self.disk_bytes * layout.scale))
         self.disk_record_bytes = record_bytes(layout, REPLAY_FINGERPRINT)
-        share = disk_share if self.has_disk else host_share
-        if share is not None:
-            self.reference_capacity: Optional[int] = max(1, int(share * self.unique_bytes))
+        # The plain caches get the larger tier's budget: the host is inclusive (every chunk it
+        # takes is written behind to the disk), so the hierarchy holds the larger of the two.
+        if self.has_disk and self.disk_bytes is None:
+            self.reference_capacity: Optional[int] = None
         else:
-            self.reference_capacity = self.disk_bytes if self.has_disk else self.host_bytes
+            shares = [s for s in (host_share, disk_share if self.has_disk else None) if s is not None]
+            sizes = [b for b in (host_size, disk_size if self.has_disk else None) if b is not None]
+            self.reference_capacity = max([int(s * self.unique_bytes) for s in shares] + sizes + [1])
 
 
 def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
@@ -182,7 +185,10 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
         "host_slots": budgets.host_slots, "disk": budgets.has_disk, "disk_bytes": budgets.disk_bytes,
         "unique_bytes": budgets.unique_bytes, "retention": "dense" if args.retention is None else args.retention,
         "R": args.extra_retained_tokens, "policy": args.policy, "mode": "simulate" if args.simulate else "engine",
+        "remote": bool(args.remote),
     }
+    if args.remote and args.simulate:
+        raise ValueError("--remote goes with engine mode: the fast mode does not model the remote tier")
     if args.simulate:
         with _progress(len(trace), progress_off, "kvtier replay --simulate") as bar:
             begun = time.perf_counter()

@@ -115,8 +115,10 @@ async def replay_engine(
     read = {"host": np.zeros(n_req, dtype=np.int64)}
     if cache_dir is not None:
         read["disk"] = np.zeros(n_req, dtype=np.int64)
+    if remote_url is not None:
+        read["remote"] = np.zeros(n_req, dtype=np.int64)
     stored = np.zeros(n_req, dtype=np.int64)
-    tiers = {name: TierCounts() for name in read}
+    tiers = {name: TierCounts() for name in read if name != "remote"}
     disk_group: Dict[bytes, int] = {}  # the group of each chunk on disk (its removal event has none)
     verified = 0
     failed_loads = 0
@@ -146,6 +148,12 @@ async def replay_engine(
                     disk_group.pop(event.key, None)
         return arrived
 
+    def remote_hits(engine: OffloadEngine) -> float:
+        from kvtier.tiers.chain import tier_statistics_dict
+
+        return float(tier_statistics_dict(engine.disk_tier).get("hits.remote", 0.0))
+
+    seen_remote = [0.0]
     async with _SizedPoolsEngine(model, device, config, fingerprint=fingerprint, host_slots=host_slots) as engine:
         # The LMDB tier applies disk reads to its LRU at its next write, keeping each key's first
         # read, or earlier on a 5 s timer: which of the two depends on timing when a key is read
@@ -171,6 +179,15 @@ async def replay_engine(
                 promoted = take_events(engine)
                 if promoted and flushable:
                     await engine.disk_tier.flush()
+                if remote_url is not None and promoted:
+                    # The chain counts its hits per tier; the remote's share of this load's reads
+                    # moves from the disk column to the remote one (by chunk count).
+                    now = remote_hits(engine)
+                    share = min(1.0, (now - seen_remote[0]) / len(promoted))
+                    seen_remote[0] = now
+                    moved = int(round(share * sum(true_bytes[g] for g in promoted)))
+                    read["remote"][r] += moved
+                    read["disk"][r] -= moved
                 for g in promoted:
                     read["disk"][r] += true_bytes[g]
                     tiers["disk"].read_chunks += 1

@@ -98,7 +98,9 @@ def format_report(result: Dict[str, object]) -> str:
     if "chunks_verified" in main:
         lines.append(f"  chunks verified {main['chunks_verified']:,}, wrong bytes {main['wrong_bytes']}")
     if result.get("agreement_points") is not None:
-        lines.append(f"  engine vs fast mode: {result['agreement_points']:+.3f} points")
+        lines.append(f"  engine vs fast mode: {result['agreement_points']:+.3f} points"
+                     + (" (the fast mode and the references have no remote tier: they are not expected to agree)"
+                        if result.get("remote") else ""))
     lines.append(f"  wall {main.get('wall_s', 0):.1f} s, {main.get('ops_per_s', 0):,.0f} engine ops/s"
                  if "engine_ops" in main else f"  wall {result.get('wall_s', 0):.1f} s")
     return "\n".join(lines)
