@@ -220,3 +220,15 @@ def test_summary_splits_hits_by_the_bytes_each_tier_served():
     assert summary["hit_rate_by_tier"]["host"] + summary["hit_rate_by_tier"]["disk"] == pytest.approx(summary["hit_rate"])
     assert summary["hit_rate_after_warmup"] == pytest.approx(12 / 16) and summary["warmup_requests"] == 1
     assert summary["tiers"]["disk"]["stored_chunks"] == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_tokens=st.integers(0, 3000), extra=st.sampled_from([0, 1, 3]), retention=st.sampled_from([None, 0, 512, 1024]),
+       name=st.sampled_from(["gpt-oss-120b", "gemma-3-27b", "deepseek-v4", "full-attention"]))
+def test_store_plans_are_the_policys(num_tokens, extra, retention, name):
+    from kvtier.policy.retention import retention_store_chunk_indices
+
+    layout = preset(name, extra)
+    plans = Plans(layout, retention)
+    for g in range(len(layout.layout.groups)):
+        assert list(plans.store(g, num_tokens)) == retention_store_chunk_indices(layout.layout, g, num_tokens, retention)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.policy import KeyChain, ModelLayout
 from kvtier.policy.plan import load_block_plan
-from kvtier.policy.retention import check_retention_interval, retention_store_chunk_indices
+from kvtier.policy.retention import check_retention_interval, retention_store_block_mask
 
 from .layouts import ReplayLayout
 from .trace import Trace
@@ -81,9 +81,23 @@ class Plans:
         key = (group_index, num_tokens)
         found = self._store.get(key)
         if found is None:
-            found = self._store[key] = tuple(
-                retention_store_chunk_indices(self.layout, group_index, num_tokens, self.retention))
+            found = self._store[key] = self._store_chunks(group_index, num_tokens)
         return found
+
+    def _store_chunks(self, group_index: int, num_tokens: int) -> Tuple[int, ...]:
+        """``retention_store_chunk_indices``: the policy's block mask, each complete chunk kept when
+        any of its blocks is (numpy for that last step: a 4-token sliding group has a chunk per
+        block, and a Python ``any`` per chunk was a third of a DeepSeek-V4 replay)."""
+        group = self.layout.groups[group_index]
+        if group.sliding_window is None:
+            return tuple(range(num_tokens // group.tokens_per_chunk))
+        mask = retention_store_block_mask(self.layout, group_index, num_tokens, self.retention)
+        per_chunk = group.blocks_per_chunk
+        complete = num_tokens // group.tokens_per_chunk
+        if not complete:
+            return ()
+        blocks = np.asarray(mask[: complete * per_chunk], dtype=bool).reshape(complete, per_chunk)
+        return tuple(np.flatnonzero(blocks.any(axis=1)).tolist())
 
     def load(self, group_index: int, hit_tokens: int) -> Tuple[int, ...]:
         key = (group_index, hit_tokens)
