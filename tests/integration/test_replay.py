@@ -195,12 +195,14 @@ def test_sweep_rows_and_plot(capsys, tmp_path, conversations):
     rows = result["rows"]
     by_key = {(r["layout"], r["retention"], r["budget"], r["R"]): r for r in rows}
     assert len(rows) == len(by_key) == 3 * 2 * 5
+    assert all(0 <= r["lru_hit_rate"] <= 1 for r in rows)
     assert {(r["R"], r["retention"]) for r in rows} == {(r, t) for r in (0, 1, 3) for t in ("dense", 0)}
     for row in rows:
         if row["R"] == 0:
             assert "delta_points" not in row
         else:
             assert row["delta_low"] <= row["delta_points"] <= row["delta_high"]
+            assert row["lru_delta_low"] <= row["lru_delta_points"] <= row["lru_delta_high"]
             if not row["dropped_chunks"] and not by_key[(row["layout"], row["retention"], row["budget"], 0)]["dropped_chunks"]:
                 assert row["stored_ratio"] >= 1.0  # more retained tokens never store fewer bytes
     if plot is not None:
