@@ -147,7 +147,11 @@ def plot_sweep(rows: Sequence[Dict[str, object]], path: str) -> None:
             axis.plot([100 * p for p, _ in points], [100 * h for _, h in points], marker="o",
                       label=f"R={r}, retention={retention}")
         axis.set_xscale("log")
-        axis.set_xlabel("budget, % of unique bytes")
+        budgets = sorted({100 * float(r["budget"]) for r in rows if r["layout"] == name})
+        axis.set_xticks(budgets)
+        axis.set_xticklabels([f"{b:g}%" for b in budgets])
+        axis.minorticks_off()
+        axis.set_xlabel("host and disk budget, share of unique bytes")
         axis.set_ylabel("token hit rate, %")
         axis.set_title(name)
         axis.grid(True, alpha=0.3)
