@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default lru)")
     parser.add_argument("--simulate", action="store_true",
                         help="fast mode: the engine's decisions over byte costs, no bytes moved (the whole trace in seconds)")
-    parser.add_argument("--cache-dir", help="engine mode: LMDB directory (default: a temporary one, removed afterwards)")
+    parser.add_argument("--cache-dir", help="engine mode: LMDB directory (default: a temporary one, removed afterwards); "
+                        "one an earlier replay filled starts warm, which the fast mode does not model")
     parser.add_argument("--remote", metavar="URL|embedded", help="engine mode: chain a remote tier (Valkey) behind LMDB")
     parser.add_argument("--limit", type=_positive, help="replay only the first N requests")
     parser.add_argument("--max-input-tokens", type=_positive, help="cut every prompt to at most N tokens")
