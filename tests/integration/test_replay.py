@@ -228,3 +228,26 @@ def test_engine_mode_with_a_remote_tier_serves_from_it(capsys, conversations):
     assert main_run["hit_rate_by_tier"]["remote"] > 0
     assert result["hit_rate"] > result["simulate"]["hit_rate"]
     assert sum(main_run["hit_rate_by_tier"].values()) == pytest.approx(result["hit_rate"])
+
+
+def test_a_wrong_loaded_byte_fails_the_run(capsys, monkeypatch, tmp_path, conversations):
+    # A first run fills a cache directory; a second one on it expects other bytes for the same keys
+    # (as if the disk had changed them): its first disk hit must fail the run, exit 1.
+    from kvtier.tools.replay import engine_mode
+
+    cache = tmp_path / "cache"
+    args = ["replay", "--trace", conversations, "--limit", "20", "--bytes-scale", "0.002", "--host-bytes", "30%",
+            "--disk-bytes", "unbounded", "--cache-dir", str(cache), "--no-progress", "--no-references"]
+    assert main(args + ["--json"]) == 0
+    capsys.readouterr()
+    original = engine_mode.chunk_bytes_of_key
+
+    def other_bytes(key, nbytes):
+        data = original(key, nbytes).copy()
+        data[0] ^= 1
+        return data
+
+    monkeypatch.setattr(engine_mode, "chunk_bytes_of_key", other_bytes)
+    assert main(args) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("kvtier: error: wrong bytes loaded: request ") and "differ from what the chunk's key stands for" in error

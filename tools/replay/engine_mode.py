@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.errors import EngineInvariantError
 from kvtier.policy import cdiv, layout_fingerprint
 from kvtier.policy.plan import load_block_plan
 from kvtier.tiers.device import DeviceKVView
@@ -39,8 +40,9 @@ from .trace import Trace, block_tokens
 __all__ = ["replay_engine", "chunk_bytes_of_key", "EngineReplayError"]
 
 
-class EngineReplayError(AssertionError):
-    """A loaded byte differed from what its key stands for (a kvtier bug, never a user error)."""
+class EngineReplayError(EngineInvariantError):
+    """A loaded byte differed from what its key stands for: kvtier broke its promise (the command
+    exits 1), never the user's mistake."""
 
 
 def chunk_bytes_of_key(key: bytes, nbytes: int) -> np.ndarray:
