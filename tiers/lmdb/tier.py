@@ -10,8 +10,8 @@ Primitives and the threads they run on:
 - the read pool (``read_workers`` threads): encodes put batches (zstd, off the loop), runs read
   transactions, decodes records straight from ``txn.get(key)`` (``buffers=True``) into the caller's
   buffers while the transaction is open.
-- the timer thread (``timer.PeriodicThread``): ``env.reader_check()`` every
-  ``reader_check_interval_s`` (and once at open), and asks the writer to persist access times every
+- the timer thread (``timer.PeriodicThread``): ``env.reader_check()`` and the segment reader's
+  ``sweep`` every ``reader_check_interval_s`` (reader check also once at open), and asks the writer to persist access times every
   ``access_flush_interval_s``.
 - blocking helpers for tools (``maintenance.Maintenance``): ``iter_records``, ``verify``, ``gc``,
   ``quarantined_keys``, ``compact_segments_sync``, and ``close_sync``; ``compact_segments`` (async)
@@ -333,26 +333,36 @@ class LmdbTier(ChunkTier, Maintenance):
             self._env.close()
             raise
 
-    def _load_index(self) -> None:
-        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
+    def _read_at_open(self, body: Callable[[lmdb.Transaction], T]) -> T:
+        """``body`` in a new read transaction while opening (LMDB errors propagate to the caller,
+        which maps them), adopting a map another process grew since we opened it."""
         for attempt in range(3):
             try:
                 with self._env.begin(buffers=True) as txn:
-                    entries = index_entries(txn, self._tables)
-                    self._sequence = read_sequence(txn, self._tables)
-                break
+                    return body(txn)
             except lmdb.MapResizedError:
                 if attempt == 2:
                     raise
-                self._env.set_mapsize(0)  # another process grew the map since we opened it
+                self._env.set_mapsize(0)
+        raise AssertionError("unreachable")
+
+    def _load_index(self) -> None:
+        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
+        entries, self._sequence = self._read_at_open(
+            lambda txn: (index_entries(txn, self._tables), read_sequence(txn, self._tables)))
         entries.sort()
         self._lru = ByteLru((key, size) for _, key, size in entries)
 
     def _reclaim_segment_orphans(self) -> None:
-        """Truncate or delete what a crash between a segment append and its commit left behind."""
-        with self._env.begin(buffers=True) as txn:
-            ends = committed_ends(txn, self._tables.segments)
-        removed, truncated = reclaim_orphans(self._path, ends)
+        """Truncate or delete what a crash between a segment append and its commit left behind. The
+        committed ends are read by ``reclaim_orphans`` itself, in a transaction begun only once it
+        holds every file it decides on (its docstring says why nothing a live writer committed, or
+        will commit, is touched)."""
+        try:
+            removed, truncated = reclaim_orphans(
+                self._path, lambda: self._read_at_open(lambda txn: committed_ends(txn, self._tables.segments)))
+        except OSError as exc:
+            raise TierIOError(f"cannot reclaim orphan segments in {self._path}: {exc}") from exc
         if removed or truncated:
             log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
                         self._path, removed, truncated)
@@ -748,12 +758,14 @@ class LmdbTier(ChunkTier, Maintenance):
         return None
 
     def _clear_stale_readers(self) -> Optional[bool]:
-        """Free reader slots of dead processes (False ends the timer: closing)."""
+        """Free reader slots of dead processes, and close read fds of segments deleted meanwhile
+        (``SegmentReader.sweep``: their space comes back; False ends the timer: closing)."""
         try:
             with self._map_lock.shared():
                 if self._closed:
                     return False
                 cleared = self._env.reader_check()
+            self._segment_reader.sweep()  # fds of segments deleted meanwhile (by any process): space back
             if cleared:
                 log.warning("kvtier lmdb: cleared %d stale readers in %s", cleared, self._path)
                 self._count(stale_readers_cleared=cleared)
