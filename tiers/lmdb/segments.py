@@ -13,29 +13,38 @@ Promises and how they are kept:
 - all or nothing: segment bytes are invisible until the transaction holding their pointers
   commits; a crash in between leaves an orphan tail past the segment's committed end (kept in the
   ``segments`` table), truncated by ``reclaim_orphans`` at the next writable open;
-- power loss: segment data and a new segment's directory entry are synced before the commit;
+- power loss: segment data and a new segment's directory entry are synced before the commit; a
+  new segment becomes the active one only once its name is synced (a failed sync is
+  ``TierIOError``, the file is removed and never appended to);
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
   segment, in this or another process). A closed segment left mostly dead is compacted
   (``compaction``: its live records move to the active segment, each pointer replaced only where
   the key still holds the old one; the emptied file goes once no older read transaction is open).
-- several processes: each writer appends only to its own segment (named by pid and a counter,
-  created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
+  Nothing after a commit can fail it: a file that cannot be deleted is logged and left to the next
+  open. Readers close a deleted segment's fd as soon as no read of theirs uses it, so its space
+  comes back; at most ``MAX_OPEN_SEGMENTS`` fds stay cached.
+- several processes: each writer appends only to its own segment (named by pid and a number from
+  the directory's counter in LMDB, so a name never repeats; created ``O_EXCL``, ``flock``'d while
+  active); readers open segments by name and check, before each read, that a cached fd is still
+  the file the name leads to (device and inode).
 
 A read that took a pointer just before the segment was deleted (its last record evicted or
 deleted meanwhile) and had not opened the file yet is a plain miss: the tier looks again in a
 fresh transaction and finds the key gone or rewritten, so it counts, logs and quarantines nothing.
 A segment is created and locked under a shared lock of ``segments.lock`` and ``reclaim_orphans``
 scans under its exclusive lock, so an open never takes another process's segment in the instant
-between its create and its ``flock``.
+between its create and its ``flock``; it locks each file before it reads the committed ends, so a
+live writer's commits are never cut off (``reclaim_orphans`` says why, interleaving by interleaving).
 
 Primitives: ``SegmentPointer`` (the 32-byte value in ``chunks``; 28 bytes in the first layout),
 ``SegmentWriter`` (writer thread only: ``append`` a batch of ``segment_records.SegmentRecord``, in
 runs of adjacent records, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record,
 ``read_into`` / ``read_many_into`` a caller's buffers),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread).
+``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread),
+``SegmentReader.sweep`` (the tier's timer: fds of segments another process deleted).
 """
 
 from __future__ import annotations
