@@ -26,7 +26,8 @@ from kvtier.errors import CorruptCacheError, CorruptRecordError, TierIOError
 from kvtier.tiers.base import Removal
 from kvtier.tiers.lmdb import LmdbTier, quarantine_cache_dir
 from kvtier.tiers.lmdb import segments
-from kvtier.tiers.lmdb.segments import SegmentReader, SegmentWriter, committed_ends
+from kvtier.tiers.lmdb.segment_reader import SegmentReader
+from kvtier.tiers.lmdb.segments import SegmentWriter, committed_ends
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.cli import main
 from kvtier.tools.testing.fault_child import make_batch
