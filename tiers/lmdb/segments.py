@@ -265,7 +265,7 @@ class SegmentWriter:
                 fd = self._create(path)
                 if fd is None:
                     self._counter = number
-                    continue  # a reused pid left this name: take the next number
+                    continue  # a file the numbering did not know of (a reused pid): the next number
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
                     fsync_dir(str(self._dir))  # the name survives a power cut before any pointer to it commits
