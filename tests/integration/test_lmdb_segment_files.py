@@ -434,3 +434,25 @@ async def test_a_segment_that_cannot_be_deleted_after_its_commit_fails_nothing(t
     async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD) as tier:
         assert not (path / name).exists()  # an orphan: reclaimed
         await assert_served(tier, second)
+
+
+def test_a_pointer_cache_without_its_segments_table_is_damage_and_no_segment_is_deleted(tmp_path: Path) -> None:
+    """A tier format b"2" cache always has its ``segments`` table (the first writable open creates
+    it with the marker). Without it every segment's ledger is gone: the open says the cache is
+    damaged instead of taking the files for orphans (before, it created the table empty and
+    deleted every payload)."""
+    import lmdb
+
+    path = tmp_path / "c"
+    with LmdbTier(path, segment_threshold_bytes=THRESHOLD, codec=RAW) as tier:
+        asyncio.run(tier.put_many(make_batch(4, 0, [65536, 131072])))
+    before = _segments_with_data(path)
+    assert before
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"segments", txn=txn), delete=True)
+    env.close()
+    for readonly in (False, True):
+        with pytest.raises(CorruptCacheError, match=r"tier format b'2' cache without its 'segments' table \(damaged\)"):
+            LmdbTier(path, readonly=readonly)
+    assert _segments_with_data(path) == before

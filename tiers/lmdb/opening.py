@@ -27,7 +27,7 @@ import lmdb
 
 from kvtier.errors import CorruptCacheError, TierFullError, TierIOError
 
-from .tables import Tables, open_tables
+from .tables import FORMAT_VERSION, Tables, open_tables
 
 __all__ = ["DirectorySnapshot", "prepare_lock_file", "lock_for_readonly", "open_kvtier_tables", "is_disk_full"]
 
@@ -132,13 +132,19 @@ def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
         raise CorruptCacheError(f"{path} has kvtier's LMDB tables but not its 'meta' table (damaged)")
     meta = env.open_db(b"meta", create=False)
     with env.begin() as txn:
-        if txn.get(b"format", db=meta) is None:
-            if _CORE_TABLES <= names:
-                raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
-            raise TierIOError(
-                f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
-                "format marker); use an empty directory as the cache directory"
-            )
+        marker = txn.get(b"format", db=meta)
+    if marker is None:
+        if _CORE_TABLES <= names:
+            raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
+        raise TierIOError(
+            f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
+            "format marker); use an empty directory as the cache directory"
+        )
+    if marker == FORMAT_VERSION and b"segments" not in names:
+        # A cache that may hold segment pointers was created with its segments table (every
+        # writable open creates it): without it the ledger of every segment file is lost, and a
+        # writable open would take the files for orphans and delete every payload.
+        raise CorruptCacheError(f"{path} is a tier format {marker!r} cache without its 'segments' table (damaged)")
 
 
 def _near_any(name: bytes, candidates: "frozenset[bytes] | set[bytes]") -> bool:
