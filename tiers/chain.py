@@ -16,7 +16,7 @@ The engine takes it as its disk tier, so host -> LMDB -> remote needs no change 
   another host) are hits.
 - Removals: a tier's removal is reported by the chain only when no tier holds the key any more
   (checked with ``contains_many`` on the others), with the chain's own sequence taken before that
-  check, so a put that lands meanwhile (a later sequence) wins, as the contract orders.
+  check, so a put begun meanwhile (a later sequence) wins, as the contract orders.
 - Sequences: a put's sequence is taken when the call starts, before any tier is fed, so every
   removal the chain reports after that point has a later sequence and wins over the put (the first
   tier may evict the key before the call returns: the put must not then win). At worst that costs a
@@ -162,7 +162,7 @@ class ChainedTier(ChunkTier):
             if index == 0 and key in self._dirty:
                 del self._dirty[key]
                 self._extra["writeback_lost"] += 1
-        seq = self._next_sequence()  # taken before the check: a put landing meanwhile wins
+        seq = self._next_sequence()  # taken before the check: a put begun meanwhile wins
         # Never skipped (unlike copies): a removal the engine never hears of breaks "exactly once".
         self._background.spawn(self._confirm_removed(index, keys, reasons, seq)).add_done_callback(self._background_done)
 
