@@ -4,6 +4,7 @@ flight, timeouts, bounded queues, host exhaustion, pressure back-off, prefetch, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 
@@ -210,6 +211,9 @@ async def test_a_slow_tier_past_its_timeout_is_a_miss_and_rolls_back(tmp_path):
     engine.check()
     assert engine.statistics()["chunks_by_state"] == {"pending": 0, "ready": 0, "loading": 0}
     engine.disk_tier.heal()
+    # The same engine loads them again, with a timeout a healthy disk meets on a loaded machine
+    # (50 ms was only there to be missed by the slow tier).
+    engine.config = dataclasses.replace(engine.config, tier_timeout_s=5.0)
     await scenario.consume(prompt + [1], expect_hit=32, expect_loaded=LOADED_AT_32)
     await close_checked(engine)
 
