@@ -540,10 +540,10 @@ class LmdbTier(ChunkTier, Maintenance):
             results: List[Optional[ChunkMeta]] = []
             corrupt.clear()
             records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
-            if self._lockless:  # a writer may reuse these pages mid-read: check only a private copy
-                records = [None if r is None else bytes(r) for r in records]
             # the whole slice's pages in flight
             advise_willneed(r for r in records if r is not None and not is_pointer(r))
+            if self._lockless:  # a writer may reuse these pages mid-read: check only a private copy
+                records = [None if r is None else memoryview(bytes(r)) for r in records]
             # segment records first, all together (adjacent ones share a read); outcomes by index
             in_segments = [i for i, r in enumerate(records) if r is not None and is_pointer(r)]
             outcomes = dict(zip(in_segments, self._segment_reader.read_many_into(
