@@ -27,20 +27,20 @@ import pytest
 
 from kvtier.tiers.base import ChunkMeta, IOHook
 from kvtier.tiers.lmdb import LmdbTier
-from mounts import bind_mount
+from mounts import bind_mount, tmpfs
 
 RECORD_BYTES = 256 << 10  # several overflow pages per record
 KEYS = [b"reader-key-%d" % i for i in range(4)]
 
 
-def value(key_index: int, generation: int) -> bytes:
+def value(key_index: int, generation: int, nbytes: int = RECORD_BYTES) -> bytes:
     """What put number ``generation`` wrote under ``KEYS[key_index]``: its own 8-byte tag, repeated."""
     tag = (generation * len(KEYS) + key_index).to_bytes(8, "little")
-    return tag * (RECORD_BYTES // 8)
+    return tag * (nbytes // 8)
 
 
-def meta(key_index: int) -> ChunkMeta:
-    return ChunkMeta(b"readers", 0, key_index, "uint8", (RECORD_BYTES,))
+def meta(key_index: int, nbytes: int = RECORD_BYTES) -> ChunkMeta:
+    return ChunkMeta(b"readers", 0, key_index, "uint8", (nbytes,))
 
 
 # Rewrites every key, one commit per generation, from --first for --count generations (or, with
@@ -51,22 +51,25 @@ _WRITER = textwrap.dedent(
     import numpy as np
     from kvtier.tiers.lmdb import LmdbTier
     from kvtier.tiers.record_format import CodecConfig
-    from test_lmdb_readonly_readers import KEYS, meta, value
+    from test_lmdb_readonly_readers import KEYS, RECORD_BYTES, meta, value
 
     parser = argparse.ArgumentParser()
     parser.add_argument("path")
     parser.add_argument("--first", type=int, default=1)
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=0.0)
+    parser.add_argument("--keys", type=int, default=len(KEYS))
+    parser.add_argument("--record-bytes", type=int, default=RECORD_BYTES)
     args = parser.parse_args()
 
     async def main():
-        async with await LmdbTier.open(args.path, map_size_bytes=64 << 20, segment_threshold_bytes=None,
+        async with await LmdbTier.open(args.path, map_size_bytes=256 << 20, segment_threshold_bytes=None,
                                        codec=CodecConfig(compress=False)) as tier:
             generation, deadline = args.first, time.monotonic() + args.seconds
             while generation < args.first + args.count or time.monotonic() < deadline:
-                await tier.put_many([(key, meta(i), np.frombuffer(value(i, generation), np.uint8))
-                                     for i, key in enumerate(KEYS)])
+                n = args.record_bytes
+                await tier.put_many([(key, meta(i, n), np.frombuffer(value(i, generation, n), np.uint8))
+                                     for i, key in enumerate(KEYS[:args.keys])])
                 generation += 1
             print(generation - args.first, flush=True)
 
@@ -105,14 +108,14 @@ class PauseInRead(IOHook):
             time.sleep(self.hold_s)
 
 
-def fill(path: Path) -> None:
-    writer = run_writer(path, "--first", "0", "--count", "1")
+def fill(path: Path, *args: str) -> None:
+    writer = run_writer(path, "--first", "0", "--count", "1", *args)
     assert finish(writer) == 1
     os.unlink(path / "lock.mdb")  # as a copied (or restored) directory: data.mdb alone
 
 
-async def read_all(tier: LmdbTier):
-    bufs = [bytearray(RECORD_BYTES) for _ in KEYS]
+async def read_all(tier: LmdbTier, keys: int = len(KEYS), nbytes: int = RECORD_BYTES):
+    bufs = [bytearray(nbytes) for _ in KEYS[:keys]]
     metas = await tier.get_many_into([(key, memoryview(b)) for key, b in zip(KEYS, bufs)])
     return metas, [bytes(b) for b in bufs]
 
@@ -143,35 +146,39 @@ def put_by(key_index: int, data: bytes) -> int:
     """The generation whose put wrote ``data`` under ``KEYS[key_index]`` (-1: no put wrote it)."""
     n = int.from_bytes(data[:8], "little")
     generation, index = divmod(n, len(KEYS))
-    return generation if index == key_index and data == value(key_index, generation) else -1
+    return generation if index == key_index and data == value(key_index, generation, len(data)) else -1
 
 
 @pytest.mark.asyncio
 async def test_a_read_only_mount_reads_only_bytes_a_put_wrote_while_a_writer_rewrites_them(tmp_path):
-    source = tmp_path / "source"
-    fill(source)
-    writer = run_writer(source, "--first", "1", "--seconds", "6")
-    try:
-        while not (source / "lock.mdb").exists():  # the writer's: on the read-only mount it cannot be written
-            await asyncio.sleep(0.01)
-        with bind_mount(source, tmp_path / "ro", read_only=True) as ro:
-            async with await LmdbTier.open(ro, readonly=True, map_size_bytes=64 << 20, read_workers=1) as reader:
-                assert reader._lockless  # no reader table for this open
-                reader._io_hook = PauseInRead(hold_s=0.02)
-                reader._io_hook.entered.set()  # no first-read wait: each transaction stays open 20 ms
-                reads = hits = 0
-                wrong = []
-                started = time.monotonic()
-                while writer.poll() is None and time.monotonic() - started < 8:
-                    metas, got = await read_all(reader)
-                    for i, (m, data) in enumerate(zip(metas, got)):
-                        reads += 1
-                        if m is not None:
-                            hits += 1
-                            if put_by(i, data) < 0:
-                                wrong.append((i, data[:16].hex()))
-    finally:
-        generations = finish(writer)
+    # The writer on tmpfs: its commits never wait for a disk, so it rewrites pages all the time.
+    with tmpfs(tmp_path / "fast", "size=256m,mode=0700") as fast:
+        source = fast / "source"
+        fill(source)
+        writer = run_writer(source, "--first", "1", "--seconds", "6")
+        try:
+            while not (source / "lock.mdb").exists():  # the writer's: on the read-only mount it cannot be written
+                await asyncio.sleep(0.01)
+            with bind_mount(source, tmp_path / "ro", read_only=True) as ro:
+                async with await LmdbTier.open(ro, readonly=True, map_size_bytes=64 << 20,
+                                               read_workers=len(KEYS)) as reader:
+                    assert reader._lockless  # no reader table for this open
+                    # Each transaction stays open a while: its snapshot goes stale, its pages are reused.
+                    reader._io_hook = PauseInRead(hold_s=0.01)
+                    reader._io_hook.entered.set()  # no first-read wait
+                    reads = hits = 0
+                    wrong = []
+                    started = time.monotonic()
+                    while writer.poll() is None and time.monotonic() - started < 8:
+                        metas, got = await read_all(reader)  # one key per read thread
+                        for i, (m, data) in enumerate(zip(metas, got)):
+                            reads += 1
+                            if m is not None:
+                                hits += 1
+                                if put_by(i, data) < 0:
+                                    wrong.append((i, data[:16].hex()))
+        finally:
+            generations = finish(writer)
     print(f"read-only mount beside a writer: {generations} generations written, {reads} reads, {hits} hits, "
           f"{len(wrong)} wrong")
     assert generations > 10 and reads > 100
