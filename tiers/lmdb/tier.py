@@ -293,9 +293,8 @@ class LmdbTier(ChunkTier, Maintenance):
         if self._readonly:
             use_lock = lock_for_readonly(self._path)
             if not use_lock:
-                log.info("kvtier lmdb: %s: cannot use or create lock.mdb (read-only mount or no "
-                            "permission): reading without LMDB's lock, each record copied then checked",
-                            self._path)
+                log.info("kvtier lmdb: %s: cannot use or create lock.mdb (a read-only mount, no permission "
+                         "or no space): reading without LMDB's lock, each record copied, then checked", self._path)
         else:
             prepare_lock_file(self._path)
             use_lock = True
