@@ -284,7 +284,7 @@ class OffloadEngine:
     async def _open_cache_dir(self) -> ChunkTier:
         """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
         when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
-        from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier, quarantine_cache_dir
+        from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 
         config = self.config
         kwargs: Dict[str, Any] = dict(
@@ -296,16 +296,11 @@ class OffloadEngine:
             segment_threshold_bytes=config.lmdb_segment_threshold_bytes,
             segment_compaction_live_fraction=config.lmdb_segment_compaction_live_fraction,
         )
-        try:
-            return await LmdbTier.open(config.cache_dir, **kwargs)
-        except CorruptCacheError as exc:
-            if not config.quarantine_corrupt_cache_dir:
-                raise
-            aside = await self._loop.run_in_executor(None, quarantine_cache_dir, config.cache_dir)
+        tier, aside = await open_replacing_damaged(config.cache_dir, lambda: LmdbTier.open(config.cache_dir, **kwargs),
+                                                   quarantine=config.quarantine_corrupt_cache_dir)
+        if aside is not None:
             self._quarantined_cache_dir = str(aside)
-            logger.error("cache directory %s is damaged (%s); moved aside to %s, starting with an empty one",
-                         config.cache_dir, exc, aside)
-        return await LmdbTier.open(config.cache_dir, **kwargs)
+        return tier
 
     @property
     def quarantined_cache_dir(self) -> Optional[str]:

@@ -8,18 +8,22 @@ when it moves a damaged directory aside):
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
   process has the environment open.
 - ``quarantine_cache_dir``: move a damaged environment's files aside so a fresh one can be made.
+- ``open_replacing_damaged`` (async, the opener's event loop): open a cache directory, and when it
+  is damaged move it aside and open a fresh one: how every serving process (the engine, vLLM's
+  tier) starts on a cache directory.
 - ``CORRUPT_LMDB_ERRORS``: the LMDB errors that mean "these bytes are not a sound environment".
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import struct
 import time
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Awaitable, Callable, Optional, Tuple, TypeVar, Union
 
 import lmdb
 
@@ -27,11 +31,13 @@ from kvtier.errors import CorruptCacheError, TierIOError
 
 from .segments import segment_files
 
-__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir"]
+__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir",
+           "open_replacing_damaged"]
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
+T = TypeVar("T")
 
 # LMDB's on-disk meta pages (64-bit builds, LMDB 0.9): pages 0 and 1 each hold a 16-byte page header
 # then MDB_meta: magic u32 | version u32 | address | mapsize | 2 x MDB_db (48 bytes; the first one's
@@ -226,3 +232,23 @@ def _new_aside_dir(parent: Path, name: str, errors: list) -> Optional[Path]:
         except OSError as exc:
             errors.append(f"{dst}: {exc}")
             return None
+
+
+async def open_replacing_damaged(path: PathLike, open_tier: Callable[[], Awaitable[T]], *,
+                                 quarantine: bool) -> Tuple[T, Optional[Path]]:
+    """``await open_tier()`` (which opens the cache directory at ``path``); when it raises
+    ``CorruptCacheError`` and ``quarantine`` is true, move the damaged files aside
+    (``quarantine_cache_dir``, on a worker thread), log where, and open again: an empty directory.
+    Returns the tier and where the damaged files went (``None`` when nothing was moved). With
+    ``quarantine`` false the error propagates and the directory is left alone. Cancelling it: a
+    move already started finishes on its thread (the files are then aside), and nothing is opened
+    after it."""
+    try:
+        return await open_tier(), None
+    except CorruptCacheError as exc:
+        if not quarantine:
+            raise
+        aside = await asyncio.get_running_loop().run_in_executor(None, quarantine_cache_dir, path)
+        log.error("cache directory %s is damaged (%s); moved aside to %s, starting with an empty one",
+                  path, exc, aside)
+    return await open_tier(), aside
