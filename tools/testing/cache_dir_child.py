@@ -29,6 +29,7 @@ acknowledged. A cut last line (no newline) is ignored by ``read_journal``. Lines
 ``BAD <key hex>``              a read returned bytes no put wrote
 ``MISS <key hex>``             a read missed an acknowledged chunk not deleted by this writer
 ``ADMIT <key hex>``            a lookup (``contains_many``) found a key after its ``gone``
+``UNTYPED <text>``             a put raised something else than a kvtier error
 ``done <json>``                clean end, with counters
 """
 
@@ -87,6 +88,7 @@ class JournalEntries:
     bad: List[bytes] = field(default_factory=list)
     missed: List[bytes] = field(default_factory=list)
     admitted: List[bytes] = field(default_factory=list)
+    untyped: List[str] = field(default_factory=list)
     done: Optional[Dict[str, float]] = None
 
 
@@ -124,6 +126,8 @@ def read_journal(path: Path) -> JournalEntries:
             out.missed.append(bytes.fromhex(rest[0]))
         elif word == "ADMIT":
             out.admitted.append(bytes.fromhex(rest[0]))
+        elif word == "UNTYPED":
+            out.untyped.append(line)
         elif word == "done":
             out.done = json.loads(line.partition(" ")[2])
     return out
@@ -155,7 +159,8 @@ async def _writer(args: argparse.Namespace) -> None:
                                segment_max_bytes=1 << 20)
     tier.subscribe_removals(_journal_removals(journal))
     if args.fail_at:
-        inject_io_faults(tier, IOFaultPlan(fail_at=args.fail_at, ops=("put", "commit"),
+        # a commit: what LMDB itself raises there (EIO, or ENOSPC as lmdb.DiskError)
+        inject_io_faults(tier, IOFaultPlan(fail_at=args.fail_at, ops=("commit",),
                                            errno=errno_codes.ENOSPC if args.enospc else errno_codes.EIO))
     print("ready", flush=True)
     rng = random.Random(args.seed)
@@ -173,8 +178,10 @@ async def _writer(args: argparse.Namespace) -> None:
             journal.write(f"try {batch} " + " ".join(k.hex() for k in keys))
             try:
                 sequence = await tier.put_many(items)
-            except KvtierError as exc:
+            except Exception as exc:  # noqa: BLE001 - journaled; anything but a kvtier error is a defect
                 journal.write(f"fail {batch} {type(exc).__name__}")
+                if not isinstance(exc, KvtierError):
+                    journal.write(f"UNTYPED put_many raised {type(exc).__name__}: {exc}".replace("\n", " "))
                 counts["failed"] += 1
             else:
                 journal.write(f"ack {sequence} {batch}")

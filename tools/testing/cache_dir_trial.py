@@ -386,10 +386,11 @@ def run_trial(root: Path, seed: int, rounds: int, *, engine_round: Optional[int]
     return report
 
 
-def _excused(key: bytes, acked_at: int, own: JournalEntries, removals: Dict[bytes, List[tuple]]) -> Optional[str]:
-    """Why an acknowledged record may be absent: its writer deleted it, or a tier reported it
-    evicted or deleted by a commit after its put; None when nothing explains it."""
-    if key in own.deleting:
+def _excused(key: bytes, acked_at: int, own: Optional[JournalEntries], removals: Dict[bytes, List[tuple]]) -> Optional[str]:
+    """Why an acknowledged record may be absent: its writer deleted it (``own``: that writer's
+    journal; ``None`` for a read its writer made while the key was not being deleted), or a tier
+    reported it evicted or deleted by a commit after its put; None when nothing explains it."""
+    if own is not None and key in own.deleting:
         return "deleted"
     for sequence, reason in removals.get(key, ()):
         if reason in ("evicted", "deleted") and sequence > acked_at:
@@ -416,14 +417,17 @@ def check_against_journals(trial: _Trial) -> None:
             r.reads += int(j.done["reads"])
         for key in j.bad:
             r.problems.append(f"a writer read bytes no put wrote for {key.hex()}")
+        r.problems.extend(j.untyped)
         for key in j.admitted:
             r.problems.append(f"a lookup found {key.hex()} after its delete returned")
-        for key in j.missed:
-            if key in j.acked and _excused(key, j.acked[key], j, removals) is None:
+        for key in j.missed:  # a read while the key was not being deleted by its writer
+            if key in j.acked and _excused(key, j.acked[key], None, removals) is None:
                 r.lost.append(f"{key.hex()}: a read by its own writer missed it")
         for key, entries in j.removed.items():
-            if key in j.acked and any(reason == "quarantined" for _, reason in entries):
-                r.problems.append(f"the acknowledged, good record {key.hex()} was quarantined")
+            # No record is damaged on purpose: a quarantine before its delete is a loss.
+            quarantined = [seq for seq, reason in entries if reason == "quarantined"]
+            if key in j.acked and quarantined and min(quarantined) < j.gone.get(key, 1 << 62):
+                r.lost.append(f"{key.hex()}: acknowledged, good, quarantined at sequence {min(quarantined)}")
     for out in trial.reader_outputs:
         for line in out.splitlines():
             if line.startswith("BAD "):
