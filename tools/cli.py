@@ -281,9 +281,9 @@ def _cmd_verify(args) -> int:
     except CorruptCacheError as exc:
         # The file itself, not a record: nothing can be checked or quarantined record by record.
         raise CorruptCacheError(
-            f"{exc}; no record was checked or quarantined: move {args.cache_dir}'s data.mdb aside (or "
-            "delete it) and warm the cache again; an engine started with quarantine_corrupt_cache_dir "
-            "on (the default) moves it aside itself"
+            f"{exc}; no record was checked, quarantined or deleted: move {args.cache_dir}'s data.mdb and "
+            "seg-*.kvs files aside (or delete them) and warm the cache again; an engine started with "
+            "quarantine_corrupt_cache_dir on (the default) moves them aside itself"
         ) from exc
     bad = [(key.hex(), reason) for key, reason in report.corrupt]
     if args.json:

@@ -74,7 +74,7 @@ def _cases(root: Path, readonly: Path):
         (["demo", "--cache-dir", str(root / "unmounted" / "kvtier")],
          f"cache_dir '{root / 'unmounted' / 'kvtier'}': its parent {root / 'unmounted'} does not exist"),
         (["verify", "--cache-dir", str(root / "damaged")],
-         f"no record was checked or quarantined: move {root / 'damaged'}'s data.mdb aside"),
+         f"no record was checked, quarantined or deleted: move {root / 'damaged'}'s data.mdb and seg-*.kvs files aside"),
     ]
 
 

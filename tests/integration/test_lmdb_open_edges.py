@@ -96,7 +96,7 @@ def test_a_full_disk_without_lock_file_is_one_line_and_leaves_the_directory_as_i
         assert listing(copied) == ["data.mdb"]
 
 
-def test_a_read_only_inspect_writes_nothing(small_cache, tmp_path, capsys):
+def test_a_read_only_inspect_writes_no_data_only_lmdbs_lock_file(small_cache, tmp_path, capsys):
     copied = tmp_path / "copied"
     copied.mkdir(mode=0o700)
     shutil.copy(small_cache / "data.mdb", copied / "data.mdb")
@@ -104,8 +104,25 @@ def test_a_read_only_inspect_writes_nothing(small_cache, tmp_path, capsys):
     assert main(["inspect", "--cache-dir", str(copied), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["records"] > 0
     assert main(["verify", "--cache-dir", str(copied), "--no-quarantine"]) == 0
-    assert listing(copied) == ["data.mdb"]  # no lock.mdb
+    # lock.mdb holds LMDB's reader slots (so a writer opening later cannot reuse pages these reads
+    # use), no cache data; nothing else appears and data.mdb is unchanged.
+    assert listing(copied) == ["data.mdb", "lock.mdb"]
+    assert (copied / "lock.mdb").stat().st_mode & 0o777 == 0o600
     assert (copied / "data.mdb").read_bytes() == before
+
+
+def test_a_read_only_inspect_works_on_a_read_only_mount_and_writes_nothing(small_cache, tmp_path, capsys):
+    source = tmp_path / "source"
+    source.mkdir(mode=0o700)
+    shutil.copy(small_cache / "data.mdb", source / "data.mdb")  # no lock.mdb, and none can be made
+    before = (source / "data.mdb").read_bytes()
+    with bind_mount(source, tmp_path / "ro", read_only=True) as ro:
+        assert main(["inspect", "--cache-dir", str(ro), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["records"] > 0
+        assert main(["verify", "--cache-dir", str(ro), "--no-quarantine"]) == 0
+        assert "20 records checked, 20 ok" in capsys.readouterr().out
+    assert listing(source) == ["data.mdb"]
+    assert (source / "data.mdb").read_bytes() == before
 
 
 def test_another_programs_lmdb_is_refused_and_left_alone(tmp_path, capsys):

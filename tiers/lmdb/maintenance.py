@@ -59,6 +59,8 @@ class VerifyReport:
 class Maintenance(Compaction):
     """Blocking tool helpers of ``LmdbTier``; see the module docstring."""
 
+    _lockless: bool  # LmdbTier's: read-only without LMDB's lock (values are copied before use)
+
     def _scan(self, visit: Callable[[lmdb.Transaction, bytes, memoryview], T]) -> Iterator[T]:
         """``visit(txn, key, value)`` for every record of ``chunks`` in cursor order, inside read
         transactions of ``_ITER_BATCH`` records each (so a long scan never pins old pages for long);
@@ -78,7 +80,10 @@ class Maintenance(Compaction):
                 key: Optional[bytes] = None
                 while positioned and len(out) < _ITER_BATCH:
                     key = bytes(cur.key())
-                    out.append(visit(txn, key, cur.value()))
+                    value = cur.value()
+                    if self._lockless:  # see LmdbTier._open_env: only a private copy is checked
+                        value = memoryview(bytes(value))
+                    out.append(visit(txn, key, value))
                     positioned = cur.next()
                 return out, key
 

@@ -3,7 +3,8 @@
 Primitives (blocking; called by ``LmdbTier`` while opening, on the opening thread, and by the engine
 when it moves a damaged directory aside):
 
-- ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS).
+- ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS), and
+  a missing or empty one beside payload segment files (a lost index, not a new cache).
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
   process has the environment open.
 - ``quarantine_cache_dir``: move a damaged environment's files aside so a fresh one can be made.
@@ -23,6 +24,8 @@ from typing import Optional, Tuple, Union
 import lmdb
 
 from kvtier.errors import CorruptCacheError, TierIOError
+
+from .segments import segment_files
 
 __all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir"]
 
@@ -68,6 +71,7 @@ def check_data_file(directory: Path) -> None:
             size = os.fstat(f.fileno()).st_size
             if len(head) < 160:
                 if size == 0:
+                    _refuse_lost_index(directory, "is empty")
                     return  # an empty file: LMDB initialises it as a new environment
                 raise CorruptCacheError(f"{path} is truncated: {size} bytes, not even one meta page")
             magic, version = _META_MAGIC.unpack_from(head, 16)
@@ -79,6 +83,7 @@ def check_data_file(directory: Path) -> None:
             f.seek(psize)
             meta1 = f.read(160)
     except FileNotFoundError:
+        _refuse_lost_index(directory, "is missing")
         return
     except OSError as exc:
         raise TierIOError(f"cannot read {path}: {exc}") from exc
@@ -99,6 +104,23 @@ def check_data_file(directory: Path) -> None:
         raise CorruptCacheError(
             f"{path} is truncated: {size} bytes, but its meta page uses {needed} "
             f"(last page {newest[1]}, page size {psize})"
+        )
+
+
+def _refuse_lost_index(directory: Path, what: str) -> None:
+    """A missing or empty ``data.mdb`` is a new cache only where no payload segment files lie
+    beside it: with them it is a lost index (``: > data.mdb``, a deleted file), and opening it as
+    new would create an empty index and then delete every segment as an orphan."""
+    try:
+        found = segment_files(directory)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise TierIOError(f"cannot list {directory}: {exc}") from exc
+    if found:
+        raise CorruptCacheError(
+            f"{directory / 'data.mdb'} {what} but {len(found)} payload segment files (seg-*.kvs) lie beside it: "
+            "the index that points into them is lost (damaged, not a new cache)"
         )
 
 
@@ -150,7 +172,8 @@ def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> No
 
 
 def quarantine_cache_dir(path: PathLike) -> Path:
-    """Move a damaged environment's files (``data.mdb``, ``lock.mdb``: only what kvtier owns) aside
+    """Move a damaged environment's files (``data.mdb``, ``lock.mdb`` and its payload segments
+    ``seg-*.kvs``, useless without that index: only what kvtier owns) aside
     into a new directory ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and return that path.
     Blocking. Nothing else in the directory is touched, and the directory itself stays, so this
     works when it is a mount point (renaming a mount point fails with EBUSY) and never moves other
@@ -160,7 +183,11 @@ def quarantine_cache_dir(path: PathLike) -> Path:
     ``TierIOError`` when they cannot be moved."""
     src = Path(os.fspath(path)).expanduser().absolute()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    owned = [src / name for name in ("data.mdb", "lock.mdb") if (src / name).exists()]
+    try:
+        segments = segment_files(src)
+    except OSError:
+        segments = []
+    owned = [src / name for name in ("data.mdb", "lock.mdb", *segments) if (src / name).exists()]
     errors = []
     for parent, prefix in ((src.parent, f"{src.name}.corrupt"), (src, ".kvtier-corrupt")):
         if parent == src.parent and os.path.ismount(src):
@@ -173,7 +200,7 @@ def quarantine_cache_dir(path: PathLike) -> Path:
                 os.rename(file, dst / file.name)
         except OSError as exc:
             errors.append(f"{dst}: {exc}")
-            for file in owned:  # put back what moved, so the next try moves both or none
+            for file in owned:  # put back what moved, so the next try moves all or none
                 if (dst / file.name).exists() and not file.exists():
                     os.rename(dst / file.name, file)
             try:

@@ -51,6 +51,7 @@ import os
 import re
 import struct
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,7 @@ _MAX_HEAD = 10 + MAX_HEADER_BYTES  # a record's prefix and largest header
 # the throughput of large ones. Bounded by the iovec limit too (at most 3 pieces a record).
 RUN_BYTES = 4 << 20
 _RUN_RECORDS = max(1, (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024) // 3)
-_NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
+NAME_PATTERN = _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")  # pid, number
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
 # vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`, five runs,
@@ -125,6 +126,9 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 _CREATION_LOCK = "segments.lock"
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
+# Read fds a SegmentReader keeps open: 256 segments of the default 256 MiB reach 64 GiB without a
+# reopen, and stay well inside the usual 1024-descriptor soft limit.
+MAX_OPEN_SEGMENTS = 256
 
 
 def check_segment_threshold(value: object, name: str = "segment_threshold_bytes", none: str = "None") -> Optional[int]:
@@ -219,11 +223,19 @@ def stored_size(value: "bytes | memoryview") -> int:
 
 class SegmentWriter:
     """This process's active segment (writer thread only). ``append`` writes a batch page-aligned and
-    syncs it; the returned pointers may be committed to LMDB once it returns."""
+    syncs it; the returned pointers may be committed to LMDB once it returns.
 
-    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> None:
+    ``numbers`` hands out segment numbers that never repeat in the directory (the tier takes them
+    from a counter in its ``meta`` table, bumped in a write transaction of their own): a name is
+    never reused, so a reader that keeps a file open by name never meets a new file under an old
+    name. Without it (tools and tests driving a writer by hand) numbers count up from 0 in this
+    writer, skipping names that exist."""
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
+                 numbers: Optional[Callable[[], int]] = None) -> None:
         self._dir = directory
         self._max_bytes = max_bytes
+        self._numbers = numbers
         self._pid = os.getpid()
         self._counter = -1
         self._fd: Optional[int] = None
@@ -236,38 +248,62 @@ class SegmentWriter:
     def active(self) -> Optional[str]:
         return segment_name(self._pid, self._counter) if self._fd is not None else None
 
-    def _open_next(self) -> None:
-        with _creation_lock(self._dir, fcntl.LOCK_SH):
-            self._create_locked()
+    def _next_number(self) -> int:
+        return self._numbers() if self._numbers is not None else self._counter + 1
 
-    def _create_locked(self) -> None:
+    def _open_next(self) -> None:
+        """Create, lock and name-sync the next segment; only then is it the active one. Any failure
+        is ``TierIOError`` / ``TierFullError`` and leaves no active segment: a file whose directory
+        entry was not synced is never appended to (a power cut could lose its name while LMDB kept
+        pointers into it), it is removed (or, failing that, left without an entry in ``segments``:
+        an orphan the next writable open deletes)."""
         while True:
-            self._counter += 1
-            path = self._dir / segment_name(self._pid, self._counter)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-            try:
+            number = self._next_number()  # an LMDB write: never under segments.lock
+            path = self._dir / segment_name(self._pid, number)
+            with _creation_lock(self._dir, fcntl.LOCK_SH):
+                fd = self._create(path)
+                if fd is None:
+                    self._counter = number
+                    continue  # a reused pid left this name: take the next number
                 try:
-                    fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-                    self.direct = hasattr(os, "O_DIRECT")
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
+                    fsync_dir(str(self._dir))  # the name survives a power cut before any pointer to it commits
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
-                    self.direct = False
-            except FileExistsError:
-                continue  # a reused pid left this name: take the next counter
-            except OSError as exc:
-                raise _io_error(exc, f"cannot create segment {path}") from exc
-            fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
-            self._fd, self._end, self._allocate = fd, 0, True
-            fsync_dir(str(self._dir))  # the new name survives a power cut before any pointer to it commits
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise _io_error(exc, f"cannot lock and sync new segment {path}") from exc
+            self._fd, self._counter, self._end, self._allocate = fd, number, 0, True
             return
 
+    def _create(self, path: Path) -> Optional[int]:
+        """``O_EXCL`` create (O_DIRECT where the filesystem takes it); ``None`` when the name exists."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+                self.direct = hasattr(os, "O_DIRECT")
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
+                self.direct = False
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            raise _io_error(exc, f"cannot create segment {path}") from exc
+        return fd
+
     def rotate(self) -> None:
-        """Close the active segment (its lock goes with it); the next append starts a new one."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the active segment (its lock goes with it); the next append starts a new one. Never
+        raises: it runs after commits (``remove_dead``), and a failed ``close`` still releases the
+        descriptor and its lock."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                log.warning("kvtier lmdb: closing segment %s failed: %s", self._dir, exc)
 
     def _allocate_batch(self, end: int) -> None:
         """Allocate the batch's blocks ``[self._end, end)`` before writing them (``fallocate``), so
@@ -417,32 +453,86 @@ def _outcome(fn: Callable[[], object]) -> object:
         return exc
 
 
-class SegmentReader:
-    """Reads records out of segments by pointer (any thread). Keeps one read-only fd per segment,
-    O_DIRECT where the filesystem takes it: a split record's payload goes from the disk straight
-    into the caller's page-aligned buffer, with neither the page cache's copy nor ours."""
+class _OpenSegment:
+    """One cached read descriptor: the file it is (device, inode), the reads using it now, and
+    whether it was dropped from the cache (closed when the last of those reads ends)."""
 
-    def __init__(self, directory: Path) -> None:
+    __slots__ = ("fd", "ident", "users", "retired")
+
+    def __init__(self, fd: int, ident: Tuple[int, int]) -> None:
+        self.fd, self.ident, self.users, self.retired = fd, ident, 0, False
+
+
+class SegmentReader:
+    """Reads records out of segments by pointer (any thread). Keeps a read-only fd per segment,
+    O_DIRECT where the filesystem takes it: a split record's payload goes from the disk straight
+    into the caller's page-aligned buffer, with neither the page cache's copy nor ours.
+
+    Descriptors: at most ``max_open`` stay cached (least recently used closed first), a cached one
+    is used only while the name still leads to that file (device and inode checked against a fresh
+    ``stat`` before each read: a deleted file's descriptor never serves a pointer), and one dropped
+    from the cache -- evicted, ``forget`` (its file deleted), replaced, ``sweep`` -- is closed as
+    soon as no read is using it (a count of reads in flight, under the lock): closing it while
+    another thread is in ``preadv`` could hand its number to an unrelated file. So the disk space
+    of deleted segments comes back as their last read ends, and open fds stay bounded."""
+
+    def __init__(self, directory: Path, max_open: int = MAX_OPEN_SEGMENTS) -> None:
         self._dir = directory
-        self._fds: Dict[str, int] = {}
-        # fds of deleted segments: closed only at close(), since a read on another thread may still
-        # be in pread on one (closing it there could hand the number to an unrelated open file).
-        self._retired: List[int] = []
+        self._max_open = max_open
+        self._open: "OrderedDict[str, _OpenSegment]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def _fd(self, name: str) -> int:
+    @contextlib.contextmanager
+    def _using(self, name: str) -> Iterator[int]:
+        """The fd of segment ``name`` for one read (``FileNotFoundError``: the file is gone)."""
+        path = self._dir / name
+        ident = _identity(os.stat(path))
         with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-                try:
-                    fd = os.open(self._dir / name, flags | getattr(os, "O_DIRECT", 0))
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    fd = os.open(self._dir / name, flags)  # tmpfs and others refuse O_DIRECT
-                self._fds[name] = fd
-            return fd
+            entry = self._open.get(name)
+            if entry is not None and entry.ident != ident:
+                self._retire(self._open.pop(name))  # another file has the name now
+                entry = None
+            if entry is None:
+                entry = self._opened(path)
+                self._open[name] = entry
+                while len(self._open) > self._max_open:
+                    self._retire(self._open.popitem(last=False)[1])
+            else:
+                self._open.move_to_end(name)
+            entry.users += 1
+        try:
+            yield entry.fd
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if entry.retired and entry.users == 0:
+                    _close_quietly(entry.fd)
+
+    @staticmethod
+    def _opened(path: Path) -> _OpenSegment:
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, flags)  # tmpfs and others refuse O_DIRECT
+        try:
+            return _OpenSegment(fd, _identity(os.fstat(fd)))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _retire(self, entry: _OpenSegment) -> None:
+        """Under the lock: ``entry`` is out of the cache; close it now unless a read uses it."""
+        entry.retired = True
+        if entry.users == 0:
+            _close_quietly(entry.fd)
+
+    def open_count(self) -> int:
+        """Descriptors cached now (retired ones still in a read not counted)."""
+        with self._lock:
+            return len(self._open)
 
     def read(self, value: "bytes | memoryview") -> bytes:
         """The record a pointer names, as one run of bytes (``encode_record``'s). A missing segment
@@ -534,7 +624,8 @@ class SegmentReader:
         """A damaged pointer can claim any length: check its extent against the file before a
         buffer of that size is taken (a flipped high byte would ask for petabytes: MemoryError)."""
         try:
-            size = os.fstat(self._fd(pointer.name)).st_size
+            with self._using(pointer.name) as fd:
+                size = os.fstat(fd).st_size
         except FileNotFoundError as exc:
             raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
         except OSError as exc:
@@ -549,7 +640,8 @@ class SegmentReader:
         corruption (a miss, quarantined like a checksum failure), any other OS error
         ``TierIOError``."""
         try:
-            complete = _preadv_all(self._fd(pointer.name), pieces, pointer.offset)
+            with self._using(pointer.name) as fd:
+                complete = _preadv_all(fd, pieces, pointer.offset)
         except FileNotFoundError as exc:
             raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
         except OSError as exc:
@@ -558,18 +650,51 @@ class SegmentReader:
             raise CorruptRecordError(f"segment {pointer.name} is short: it ends inside the record at offset {pointer.offset}")
 
     def forget(self, names: Iterable[str]) -> None:
+        """Segments ``names`` are being deleted: drop their fds (each closed once no read uses it)."""
         with self._lock:
             for name in names:
-                fd = self._fds.pop(name, None)
-                if fd is not None:
-                    self._retired.append(fd)
+                entry = self._open.pop(name, None)
+                if entry is not None:
+                    self._retire(entry)
+
+    def sweep(self) -> int:
+        """Drop the fds of segments whose name no longer leads to their file (deleted, by this
+        process or another); returns how many. Any thread (the tier's timer): another process's
+        deletions are otherwise seen only when this one reads that name again or evicts it."""
+        with self._lock:
+            cached = [(name, entry) for name, entry in self._open.items()]
+        gone = []
+        for name, entry in cached:
+            try:
+                if _identity(os.stat(self._dir / name)) == entry.ident:
+                    continue
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # cannot tell: the next read decides
+            gone.append((name, entry))
+        with self._lock:
+            for name, entry in gone:
+                if self._open.get(name) is entry:
+                    self._retire(self._open.pop(name))
+        return len(gone)
 
     def close(self) -> None:
         with self._lock:
-            for fd in [*self._fds.values(), *self._retired]:
-                os.close(fd)
-            self._fds.clear()
-            self._retired.clear()
+            while self._open:
+                self._retire(self._open.popitem()[1])
+
+
+def _identity(st: os.stat_result) -> Tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _close_quietly(fd: int) -> None:
+    """Close a read descriptor; a failure is logged (it is released whatever close says)."""
+    try:
+        os.close(fd)
+    except OSError as exc:
+        log.warning("kvtier lmdb: closing a segment read descriptor failed: %s", exc)
 
 
 class Ledger:
@@ -642,7 +767,10 @@ def segment_files(directory: Path) -> List[str]:
 
 def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:
     """After the commit that emptied ``names``: delete each segment file, unless a writer still
-    appends to it (ours is rotated first; another process's keeps its lock: left for later)."""
+    appends to it (ours is rotated first; another process's keeps its lock: left for later).
+    Returns the names deleted. Never raises: it runs after a commit, which must stand whatever
+    the files do; a file that cannot be deleted (a permission, an I/O error) is logged and left
+    without an entry in ``segments``, an orphan the next writable open deletes."""
     removed = []
     for name in names:
         if writer is not None and writer.active == name:
@@ -650,16 +778,23 @@ def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentW
         reader.forget([name])
         path = directory / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("kvtier lmdb: cannot open emptied segment %s to delete it (left for the next open): %s", path, exc)
             continue
         try:
             if _locked_elsewhere(fd):
                 continue
             os.unlink(path)
             removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("kvtier lmdb: cannot delete emptied segment %s (left for the next open): %s", path, exc)
         finally:
-            os.close(fd)
+            _close_quietly(fd)
     return removed
 
 
@@ -672,46 +807,73 @@ def _creation_lock(directory: Path, mode: int) -> Iterator[None]:
     except OSError as exc:
         raise _io_error(exc, f"cannot open {directory / _CREATION_LOCK}") from exc
     try:
-        fcntl.flock(fd, mode)
+        try:
+            fcntl.flock(fd, mode)
+        except OSError as exc:
+            raise _io_error(exc, f"cannot lock {directory / _CREATION_LOCK}") from exc
         yield
     finally:
         os.close(fd)
 
 
-def reclaim_orphans(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
+def reclaim_orphans(directory: Path, committed: Callable[[], Dict[str, int]]) -> Tuple[int, int]:
     """At a writable open: delete segment files no committed record points into and truncate each
     other one to its committed end (what a crash between ``append`` and the commit left behind),
-    skipping segments a live writer holds. ``committed``: segment name -> committed end. Returns
-    (files removed, files truncated)."""
+    skipping segments a live writer holds. ``committed``: reads segment name -> committed end in a
+    NEW read transaction (called once, after every file it decides on is locked). Returns (files
+    removed, files truncated).
+
+    Why it cannot take a live writer's records, whatever the interleaving (W: a writer in another
+    process, R: this reclaim):
+
+    - R holds ``segments.lock`` exclusively throughout; W creates and ``flock``s every new segment
+      under it shared. So each file R lists was created, and locked by its writer, before R began.
+    - R takes each file's ``flock`` (non-blocking; a file whose lock is held is some writer's active
+      segment and is left alone), and only then reads the committed ends, in a transaction begun
+      after the last of those locks. A writer appends only to its active segment and commits every
+      pointer into it before it releases the lock (``rotate`` comes after the commit; a failed
+      append rotates before any commit), so every commit that will ever point into a file R holds
+      has happened before R's lock, and so before R's transaction: the end R reads is final, and a
+      file R finds without an entry has no committed record and never will.
+    - While R holds a file's lock, nobody appends to it (names never repeat, so no writer creates
+      it again) and ``remove_dead`` elsewhere leaves it for later. R truncates only bytes past the
+      committed end, deletes only files without one, then drops its locks.
+
+    Reading the ends first and locking afterwards (as before) let a writer commit into a segment
+    and release it in between (its records cut off), or create, fill and release a new one (deleted
+    whole)."""
     if not any(_NAME.match(name) for name in os.listdir(directory)):
         return 0, 0  # nothing to look at: no lock file created for caches without segments
     with _creation_lock(directory, fcntl.LOCK_EX):
-        return _reclaim(directory, committed)
-
-
-def _reclaim(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
-    removed = truncated = 0
-    for entry in os.scandir(directory):
-        if not _NAME.match(entry.name):
-            continue
-        path = directory / entry.name
+        held: List[Tuple[str, int]] = []
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
-        try:
-            if _locked_elsewhere(fd):
-                continue
-            end = committed.get(entry.name)
-            if end is None:
-                os.unlink(path)
-                removed += 1
-            elif os.fstat(fd).st_size > end:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
-                truncated += 1
+            for name in segment_files(directory):
+                try:
+                    fd = os.open(directory / name, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    continue  # deleted meanwhile (an emptied segment)
+                if _locked_elsewhere(fd):
+                    os.close(fd)
+                    continue
+                held.append((name, fd))
+            ends = committed() if held else {}
+            return _reclaim(directory, held, ends)
         finally:
-            os.close(fd)
+            for _, fd in held:
+                os.close(fd)
+
+
+def _reclaim(directory: Path, held: List[Tuple[str, int]], ends: Dict[str, int]) -> Tuple[int, int]:
+    removed = truncated = 0
+    for name, fd in held:
+        end = ends.get(name)
+        if end is None:
+            os.unlink(directory / name)
+            removed += 1
+        elif os.fstat(fd).st_size > end:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            truncated += 1
     return removed, truncated
 
 
