@@ -18,13 +18,20 @@ limits" promises about tools beside a live writer.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.base import IOHook
+from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tools.testing.cache_dir_child import read_journal
 from kvtier.tools.testing.cache_dir_trial import run_trial
+from kvtier.tools.testing.fault_child import make_batch
 
 SEED = int(os.environ.get("KVTIER_FAULT_SEED", "20240607"))
 ROUNDS = 12
@@ -44,3 +51,66 @@ def test_processes_sharing_a_cache_directory_lose_no_acknowledged_record(tmp_pat
     assert report.acked > 1000 and report.present > 0 and report.reads > 1000 and report.engine_requests > 0
     assert report.injected_faults > 0 and report.deleted > 0 and report.evicted > 0
     assert time.monotonic() - started < 240
+
+
+def evict_all_in_another_process(cache: Path, journal: Path) -> None:
+    """``kvtier gc --max-bytes 0`` (journaled) in a child process: every record goes."""
+    subprocess.run([sys.executable, "-m", "kvtier.tools.testing.cache_dir_child", "gc", "--dir", str(cache),
+                    "--journal", str(journal), "--max-bytes", "0"], check=True, timeout=120)
+
+
+class _OnFirstRead(IOHook):
+    """Runs ``action`` once, inside the first read transaction (its snapshot already taken)."""
+
+    def __init__(self, action) -> None:
+        self.action = action
+
+    def before(self, op: str) -> None:
+        if op == "read" and self.action is not None:
+            action, self.action = self.action, None
+            action()
+
+
+def test_verify_beside_a_writer_does_not_call_a_record_deleted_meanwhile_corrupt(tmp_path: Path) -> None:
+    # The scan's transaction still shows the pointer; another process's gc evicts the record and
+    # deletes its segment file before the scan reads it: gone, not "segment is missing".
+    cache = tmp_path / "cache"
+    items = make_batch(3, 0, [200000, 200000, 4096])
+    with LmdbTier(cache, segment_threshold_bytes=8192) as tier:
+        asyncio.run(tier.put_many(items))
+    segments_before = sorted(p.name for p in cache.glob("seg-*.kvs"))
+    with LmdbTier(cache, readonly=True) as reader:
+        reader._io_hook = _OnFirstRead(lambda: evict_all_in_another_process(cache, tmp_path / "gc.journal"))
+        report = reader.verify(quarantine=False)
+    assert segments_before and not list(cache.glob("seg-*.kvs"))  # the segment file did go mid-scan
+    assert len(read_journal(tmp_path / "gc.journal").removed) == 3
+    assert report.corrupt == [], report.corrupt
+    assert report.ok == report.checked == 1  # the inline record, read from the old snapshot
+
+
+def test_access_times_flushed_after_another_process_removed_the_record_list_no_key(tmp_path: Path) -> None:
+    # This process read the records (access times pending), another process evicted them, then
+    # the access times were persisted: no access-time entry may come back without its record
+    # (verify calls that a damaged table, exit 1; the two tables disagreeing makes every open walk
+    # the whole data file, and where the counts happen to match, list the dangling key).
+    cache = tmp_path / "cache"
+    items = make_batch(4, 0, [4096, 30000, 200000])
+    keys = [k for k, _, _ in items]
+
+    async def scenario() -> None:
+        async with await LmdbTier.open(cache, access_flush_interval_s=3600.0, segment_threshold_bytes=8192) as tier:
+            await tier.put_many(items)
+            await tier.flush()
+            got = await tier.get_many_into([(k, memoryview(bytearray(len(r)))) for k, _, r in items])
+            assert all(m is not None for m in got)
+            await asyncio.to_thread(evict_all_in_another_process, cache, tmp_path / "gc.journal")
+            await tier.flush()  # persists the access times of the reads above
+            assert await tier.contains_many(keys) == [False] * 3
+            snapshot = await tier.snapshot_keys()
+            assert snapshot.keys == frozenset(), [k.hex() for k in snapshot.keys]
+
+    asyncio.run(scenario())
+    assert sorted(read_journal(tmp_path / "gc.journal").removed) == sorted(keys)
+    with LmdbTier(cache, readonly=True) as reader:
+        report = reader.verify(quarantine=False)
+    assert report.corrupt == [] and report.checked == 0, report.corrupt

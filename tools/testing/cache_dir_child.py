@@ -5,8 +5,8 @@ Run as ``python -m kvtier.tools.testing.cache_dir_child COMMAND ...``. Commands:
 - ``writer``: an ``LmdbTier`` writer (a serving process's disk tier, or a warmup) that stores
   batches of fault-suite chunks (``fault_child.make_batch``: bytes are a function of the key, and
   keys spell the writer's seed, so no two writers and no two lives of one writer share a key) and
-  deletes the batch ``--window`` batches back, for ``--duration-s`` seconds or until killed. A
-  reader coroutine reads acknowledged chunks back all the time. ``--fail-at N`` fails the Nth put
+  deletes the batch ``--window`` batches back (reading it back first), for ``--duration-s`` seconds
+  or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N`` fails the Nth put
   or commit of the tier with an injected I/O error (``faults.IOFaultPlan``).
 - ``gc``: ``tools.maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
   ``--max-bytes``, then compaction), with every record it evicts journaled.
@@ -189,6 +189,8 @@ async def _writer(args: argparse.Namespace) -> None:
                 live[batch] = keys
             old = batch - args.window
             if old in live:
+                # every acknowledged record is read back once more before its delete
+                await check(live[old])
                 doomed = live.pop(old)
                 deleting.update(doomed)
                 journal.write(f"del {old}")
@@ -207,25 +209,26 @@ async def _writer(args: argparse.Namespace) -> None:
             await asyncio.sleep(args.pause_s)
         stop.set()
 
+    async def check(keys: List[bytes]) -> None:
+        try:
+            outcomes = await _read_back(tier, keys)
+        except KvtierError:
+            return  # a typed read failure, not a wrong byte
+        for key, ok in zip(keys, outcomes):
+            counts["reads"] += 1
+            if ok is False:
+                journal.write(f"BAD {key.hex()}")
+            elif ok is None and key not in deleting:
+                journal.write(f"MISS {key.hex()}")
+            elif ok:
+                counts["hits"] += 1
+
     async def read() -> None:
         while not stop.is_set():
             await asyncio.sleep(0.005)
             pool = [k for keys in live.values() for k in keys]
-            if not pool:
-                continue
-            keys = rng.sample(pool, min(4, len(pool)))
-            try:
-                outcomes = await _read_back(tier, keys)
-            except KvtierError:
-                continue  # an injected read fault: typed, not a wrong byte
-            for key, ok in zip(keys, outcomes):
-                counts["reads"] += 1
-                if ok is False:
-                    journal.write(f"BAD {key.hex()}")
-                elif ok is None and key not in deleting:
-                    journal.write(f"MISS {key.hex()}")
-                elif ok:
-                    counts["hits"] += 1
+            if pool:
+                await check(rng.sample(pool, min(4, len(pool))))
 
     await asyncio.gather(write(), read())
     stats = tier.statistics().as_dict()

@@ -82,7 +82,7 @@ class TrialReport:
     reads: int = 0  # reads by the writers and the read-only readers, every hit checked
     reopens: int = 0  # writable opens by the reopen loops
     engine_requests: int = 0  # requests an engine acknowledged durable, loaded after its restart
-    lost: List[str] = field(default_factory=list)  # acknowledged records gone with nothing to excuse it
+    lost: List[str] = field(default_factory=list)  # acknowledged records gone with nothing to excuse it, one line each
     problems: List[str] = field(default_factory=list)
     peak_disk_bytes: int = 0
     peak_held_deleted_bytes: int = 0
@@ -409,6 +409,7 @@ def check_against_journals(trial: _Trial) -> None:
     for j in writers + gcs:
         for key, entries in j.removed.items():
             removals.setdefault(key, []).extend(entries)
+    lost: Dict[bytes, str] = {}
     tried = {k for j in writers for k in j.tried}
     r.tried = len(tried)
     r.acked = sum(len(j.acked) for j in writers)
@@ -420,14 +421,14 @@ def check_against_journals(trial: _Trial) -> None:
         r.problems.extend(j.untyped)
         for key in j.admitted:
             r.problems.append(f"a lookup found {key.hex()} after its delete returned")
-        for key in j.missed:  # a read while the key was not being deleted by its writer
+        for key in dict.fromkeys(j.missed):  # a read while the key was not being deleted by its writer
             if key in j.acked and _excused(key, j.acked[key], None, removals) is None:
-                r.lost.append(f"{key.hex()}: a read by its own writer missed it")
+                lost[key] = "a read by its own writer missed it"
         for key, entries in j.removed.items():
             # No record is damaged on purpose: a quarantine before its delete is a loss.
             quarantined = [seq for seq, reason in entries if reason == "quarantined"]
             if key in j.acked and quarantined and min(quarantined) < j.gone.get(key, 1 << 62):
-                r.lost.append(f"{key.hex()}: acknowledged, good, quarantined at sequence {min(quarantined)}")
+                lost.setdefault(key, f"acknowledged, good, quarantined at sequence {min(quarantined)}")
     for out in trial.reader_outputs:
         for line in out.splitlines():
             if line.startswith("BAD "):
@@ -467,8 +468,9 @@ def check_against_journals(trial: _Trial) -> None:
             elif why == "evicted":
                 r.evicted += 1
             elif key not in intact:
-                r.lost.append(f"{key.hex()} (batch {j.tried[key]}, sequence {acked_at}): acknowledged, gone, "
-                              f"no removal explains it ({removals.get(key, [])})")
+                lost.setdefault(key, f"(batch {j.tried[key]}, sequence {acked_at}) acknowledged, gone at the end, "
+                                     f"no removal explains it ({removals.get(key, [])})")
+    r.lost = [f"{key.hex()}: {why}" for key, why in lost.items()]
     if r.peak_held_deleted_bytes > HELD_DELETED_SLACK_BYTES:
         r.problems.append(f"the writer held {r.peak_held_deleted_bytes} bytes of deleted files open")
     if r.peak_disk_bytes > DISK_BOUND_BYTES:
