@@ -89,10 +89,10 @@ from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
+from .segment_reader import SegmentReader
 from .segments import (
     DEFAULT_SEGMENT_MAX_BYTES,
     DEFAULT_SEGMENT_THRESHOLD_BYTES,
-    SegmentReader,
     SegmentWriter,
     check_segment_threshold,
     committed_ends,

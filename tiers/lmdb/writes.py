@@ -32,7 +32,8 @@ from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
 from ..writer import Job, SharedExclusiveLock
 from .segment_records import codec_of, release_records
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, remove_dead, stored_size
+from .segment_reader import SegmentReader
+from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, remove_dead, stored_size
 from .tables import ATIME, Tables, bump_sequence, take_segment_number
 
 __all__ = ["WriterSide", "PutJob"]
