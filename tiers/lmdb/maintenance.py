@@ -138,6 +138,8 @@ class Maintenance(Compaction):
                     scratch = bytearray(header.raw_length)
                 decode_record(key, record, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
             except CorruptRecordError as exc:
+                if txn.get(key, db=self._tables.chunks) is None:  # a damaged key: bad, not rechecked
+                    return key, 0, str(exc)
                 return key, xxhash.xxh3_64_intdigest(value), str(exc)
             if txn.get(key, db=self._tables.chunks) is None:
                 return key, 0, "listed by the cursor but not found by its key (damaged B-tree page)"
@@ -155,7 +157,8 @@ class Maintenance(Compaction):
 
         if found:
             # A key another process deleted, evicted or rewrote after this scan's transaction began
-            # (its segment file deleted meanwhile) is gone, not corrupt: reported by neither.
+            # (its segment file deleted meanwhile) is gone, not corrupt: reported by neither. Only
+            # records their key reached in the scan's transaction are rechecked (``found``).
             still = self._still_stored(found)
             gone = {k for k, _, _ in found} - {k for k, _, _ in still}
             report.corrupt = [(k, why) for k, why in report.corrupt if k not in gone]
