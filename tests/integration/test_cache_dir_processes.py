@@ -2,7 +2,7 @@
 
 One seeded trial (``kvtier.tools.testing.cache_dir_trial``): a long-lived ``LmdbTier`` writer
 acknowledging durable puts, killed -9 at random points and restarted, with an injected EIO or
-ENOSPC in each life; beside it, round after round, a second writer (a warmup, killed -9 at times),
+ENOSPC in most lives; beside it, round after round, a second writer (a warmup, killed -9 at times),
 ``kvtier verify`` (writable and read-only), ``kvtier gc`` with compaction (killed -9 at times), a
 gc that evicts (journaled), ``kvtier inspect``, a read-only reader, and once an ``OffloadEngine``
 killed -9 and restarted over the directory. Every writer journals what it acknowledged (fsync'd
@@ -45,7 +45,9 @@ def test_processes_sharing_a_cache_directory_lose_no_acknowledged_record(tmp_pat
     assert report.lost == [], f"{len(report.lost)} acknowledged records lost:\n" + "\n".join(report.lost[:20])
     assert report.problems == [], "\n".join(report.problems[:20])
     # Not vacuous: every kind of process ran, writers were killed, records went through all of it.
-    for kind in ("writer", "warmup", "kvtier-verify", "kvtier-gc", "gc-evict", "kvtier-inspect", "read-check", "reopen-loop", "engine"):
+    kinds = ("writer", "warmup", "kvtier-verify", "kvtier-gc", "gc-evict", "kvtier-inspect", "read-check",
+             "reopen-loop", "engine")
+    for kind in kinds:
         assert report.processes[kind] > 0, (kind, report.processes)
     assert report.kills["writer"] >= 2 and report.kills["engine"] == 1, report.kills
     assert report.acked > 1000 and report.present > 0 and report.reads > 1000 and report.engine_requests > 0

@@ -6,8 +6,8 @@ Run as ``python -m kvtier.tools.testing.cache_dir_child COMMAND ...``. Commands:
   batches of fault-suite chunks (``fault_child.make_batch``: bytes are a function of the key, and
   keys spell the writer's seed, so no two writers and no two lives of one writer share a key) and
   deletes the batch ``--window`` batches back (reading it back first), for ``--duration-s`` seconds
-  or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N`` fails the Nth put
-  or commit of the tier with an injected I/O error (``faults.IOFaultPlan``).
+  or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N``
+  fails the Nth commit of the tier with an injected I/O error (``faults.IOFaultPlan``).
 - ``gc``: ``tools.maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
   ``--max-bytes``, then compaction), with every record it evicts journaled.
 - ``reopen``: open the directory writable and close it again, in a loop for ``--duration-s`` (a

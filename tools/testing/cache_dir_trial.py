@@ -4,12 +4,13 @@
 
 - a long-lived writer (``cache_dir_child writer``: an ``LmdbTier`` acknowledging durable puts,
   deleting old batches, reading its chunks back) runs throughout; it is killed -9 at random points
-  and restarted (a new life, new keys), and each life fails one put or commit with an injected EIO
-  or ENOSPC (``faults.IOFaultPlan``);
+  and restarted (a new life, new keys), and most lives fail one commit (a put's or a delete's) with
+  an injected EIO or ENOSPC (``faults.IOFaultPlan``);
 - each round starts two or three more processes side by side, chosen by the seed: a second writer
   (a warmup, killed -9 half the time), ``kvtier verify`` (writable, quarantining) and ``kvtier verify
   --no-quarantine``, ``kvtier gc`` with compaction (a bound above what is stored: it evicts nothing,
-  and is killed -9 at times), a loop of writable opens (a server restarting), a journaled gc evicting down to a few MiB (``cache_dir_child gc``),
+  and is killed -9 at times), a loop of writable opens (a server restarting), a journaled gc
+  evicting down to a few MiB (``cache_dir_child gc``),
   ``kvtier inspect``, a read-only reader (``cache_dir_child read-check``), a restart of the writer;
   once, an ``OffloadEngine`` storing requests (``fault_child engine-spill``) killed -9 and then an
   engine restarted over the directory that must load every request it acknowledged bitwise
@@ -96,7 +97,8 @@ class TrialReport:
         kills = ", ".join(f"{n} {k}" for k, n in sorted(self.kills.items()))
         return (
             f"seed {self.seed}: {sum(self.processes.values())} processes ({procs}); {sum(self.kills.values())} "
-            f"kill -9 ({kills}); {self.reopens} writable reopens in loops; {self.injected_faults} injected I/O errors; {self.acked} acknowledged records "
+            f"kill -9 ({kills}); {self.reopens} writable reopens in loops; {self.injected_faults} injected I/O "
+            f"errors; {self.acked} acknowledged records "
             f"of {self.tried} put, {self.deleted} deleted by their writer, {self.evicted} evicted by a gc; "
             f"{self.present} records checked at the end; {self.reads} reads checked; {self.engine_requests} "
             f"engine requests loaded after the restart; lost: {len(self.lost)}; other problems: "
@@ -436,7 +438,7 @@ def check_against_journals(trial: _Trial) -> None:
                 r.problems.append(f"a read-only reader read bytes no put wrote for {line[4:]}")
             elif line.startswith("done "):
                 r.reads += int(json.loads(line[5:])["reads"])
-    r.injected_faults = sum(len(j.failed) for j in writers)
+    r.injected_faults = sum(len(j.failed) + len(j.failed_deletes) for j in writers)
 
     with LmdbTier(trial.cache, readonly=True, map_size_bytes=1 << 20, verify_structure=True) as tier:
         report = tier.verify(quarantine=False)
