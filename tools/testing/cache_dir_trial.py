@@ -50,9 +50,11 @@ from .fault_child import chunk_content, kill_during_spill, parse_key, read_line
 __all__ = ["TrialReport", "run_trial", "HELD_DELETED_SLACK_BYTES", "DISK_BOUND_BYTES", "FD_SLACK"]
 
 # What the workload keeps stored at most: the writer's window (9 batches of at most 6 x 200000
-# bytes), a warmup's as much, warmups' leftovers until a journaled gc trims them (8 MiB at most
-# after each), failed batches that landed. 24 MiB covers it with room.
+# bytes), a warmup's as much, warmups' leftovers and failed batches that landed, which a journaled
+# gc to 8 MiB trims after any round that ends with the directory over CRON_GC_AT_BYTES (a cron
+# `kvtier gc`). 24 MiB covers it with room.
 STORED_BOUND_BYTES = 24 << 20
+CRON_GC_AT_BYTES = 16 << 20
 # Disk bytes over what is stored: segment files are compacted when less than half live (so up to
 # twice their live bytes), one 1 MiB active segment per writer, LMDB's page rounding and free pages
 # (a reader's snapshot pins pages freed after it). Stated bound on files in the directory plus
@@ -228,6 +230,15 @@ class _Trial:
             if proc is not None:
                 self.sample(proc.pid)
 
+    def directory_bytes(self) -> int:
+        total = 0
+        for path in self.cache.iterdir():
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass  # deleted since the listing
+        return total
+
     def sample(self, pid: int) -> None:
         disk = 0
         try:
@@ -287,9 +298,9 @@ class _Trial:
             if report["evicted_records"]:
                 self.problem(f"kvtier gc above what is stored evicted {report['evicted_records']} records")
 
-    def journaled_gc(self, rng: random.Random) -> None:
+    def journaled_gc(self, rng: random.Random, mib: Optional[int] = None) -> None:
         journal = self.journal("gc-evict")
-        mib = rng.choice((2, 4, 8))
+        mib = rng.choice((2, 4, 8)) if mib is None else mib
         proc, err = self.start("gc-evict", _module("testing.cache_dir_child") + [
             "gc", "--dir", str(self.cache), "--journal", str(journal), "--max-bytes", str(mib << 20)])
         self.gc_journals.append(journal)
@@ -372,6 +383,8 @@ def run_trial(root: Path, seed: int, rounds: int, *, engine_round: Optional[int]
                     trial.start_writer(rng, life)
                 for future in futures:
                     future.result()
+                if trial.directory_bytes() > CRON_GC_AT_BYTES:  # a cron gc keeps the directory bounded
+                    trial.journaled_gc(rng, 8)
                 with trial.lock:
                     alive = trial.life is not None and trial.life.poll() is None
                 if not alive:
