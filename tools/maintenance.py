@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
+from kvtier.tiers.base import RemovalCallback
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, segment_disk_bytes
 
@@ -122,15 +123,19 @@ def verify_cache(cache_dir: str, *, quarantine: bool = True):
         return tier.verify(quarantine=quarantine)
 
 
-def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
+def gc_cache(cache_dir: str, max_bytes: int, *, on_removed: Optional[RemovalCallback] = None) -> Dict[str, int]:
     """Evict least-recently-used records until stored bytes are at most ``max_bytes``, then compact
     the payload segments left mostly dead (``LmdbTier.compact_segments_sync``). Reports record
-    bytes before/after, and the segment files' bytes on disk before/after (what the disk got back)."""
+    bytes before/after, and the segment files' bytes on disk before/after (what the disk got back).
+    ``on_removed``: called (on the tier's writer thread) with each batch of records evicted, before
+    this returns (``LmdbTier.subscribe_removals``)."""
     if max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
     # automatic passes off: the one explicit pass after the eviction does the work and reports it whole
     with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True, segment_compaction_live_fraction=0) as tier:
+        if on_removed is not None:
+            tier.subscribe_removals(on_removed)
         before = tier.statistics().bytes
         segments_before = segment_disk_bytes(tier.path)
         evicted = tier.gc(max_bytes)
