@@ -366,6 +366,17 @@ def parse_dtype(dtype: Union[str, torch.dtype]) -> Tuple[str, torch.dtype]:
     return str(value).replace("torch.", ""), value
 
 
+def require_model_dir(model_dir: Any) -> str:
+    """``model_dir`` as a path string when it is a directory; else a ``ValueError`` saying what it is
+    (missing, or a file: kvtier never downloads models)."""
+    path = os.fspath(model_dir)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"model directory {path!r} is not a directory (pass the directory holding config.json)")
+    raise ValueError(f"model directory {path!r} does not exist (kvtier never downloads models)")
+
+
 def load_model(
     model_dir: Union[str, os.PathLike],
     *,
@@ -376,9 +387,7 @@ def load_model(
     """``AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)`` in eval mode on
     ``device``. Never downloads: a missing or incomplete directory raises ``ValueError``."""
     transformers = _require_transformers()
-    path = os.fspath(model_dir)
-    if not os.path.isdir(path):
-        raise ValueError(f"model directory {path!r} does not exist (kvtier never downloads models)")
+    path = require_model_dir(model_dir)
     _, torch_dtype = parse_dtype(dtype)
     kwargs = {"local_files_only": True, "dtype": torch_dtype}
     if attn_implementation is not None:
