@@ -247,8 +247,8 @@ class OffloadEngine:
             if config.device_kind == "cuda":
                 sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
             else:
-                # No GPU to watch: NVML is still asked once so the log says "unknown" for it.
-                sources["device_memory"] = nvml_device_memory_source(0)
+                # No GPU to watch: NVML is still asked, and its absence said once, at INFO.
+                sources["device_memory"] = nvml_device_memory_source(0, optional=True)
         sources = dict(sources)
         sources.setdefault("disk_write_latency", self._write_latency.fraction)
         self._pressure = PressureMonitor(

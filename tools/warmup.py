@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
-from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
+from kvtier.policy import ChunkState, KvtierError, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
@@ -419,7 +419,15 @@ async def run_warmup(
     fingerprint = model_fingerprint(config, layout, dtype_name, weights_version=weights_version)
     probe = next((ids[:8] for ids in prompts if ids), None)
     if probe is not None:  # the model caches what the config says (shapes), checked before the engine opens
-        await asyncio.to_thread(plan.capture, model, probe)
+        try:
+            await asyncio.to_thread(plan.capture, model, probe)
+        except (KvtierError, ValueError):
+            raise
+        except Exception as exc:  # the model's own forward: a model problem, not a kvtier bug
+            raise ValueError(
+                f"the model in {os.fspath(model_dir)!r} fails its own forward pass on an 8-token probe "
+                f"({type(exc).__name__}: {exc}); its config does not describe a model that runs"
+            ) from exc
 
     max_tokens = max((len(ids) for ids in prompts), default=1) or 1
     num_blocks = [cdiv(max_tokens, g.block_size) for g in layout.groups]
