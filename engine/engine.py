@@ -70,17 +70,8 @@ from .selfcheck import host_problems
 from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (
-    check_count,
-    check_engine_settings,
-    check_fence_arguments,
-    check_load_arguments,
-    check_load_targets,
-    check_request_keys,
-    check_store_arguments,
-    check_timeout,
-    check_token_ids,
-)
+from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
+                         check_load_targets, check_request_keys, check_store_arguments, check_timeout, check_token_ids)
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -567,7 +558,6 @@ class OffloadEngine:
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        self._check_block_table(block_table)
         return self._stores.schedule(keys, num_tokens, block_table)
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
@@ -710,9 +700,6 @@ class OffloadEngine:
         self._check_open()
         keys = self._keys(request, salt)
         hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
-        if not isinstance(hit_tokens, int) or not 0 <= hit_tokens <= keys.num_tokens:
-            raise ValueError(f"hit_tokens must be in [0, {keys.num_tokens}], got {hit_tokens!r}")
-        self._check_block_table(block_table)
         jobs = []  # (group, chunk, key, device block per block of the chunk or None)
         missing = False
         for gi in range(len(self.layout.groups)):
@@ -854,12 +841,6 @@ class OffloadEngine:
                 raise DeviceError(
                     f"group {group_index}: device block {block} is out of range (the KV cache has {limit} blocks)"
                 )
-
-    def _check_block_table(self, block_table: BlockTable) -> None:
-        if len(block_table) != len(self.layout.groups):
-            raise ValueError(
-                f"block_table must have one list per group ({len(self.layout.groups)}), got {len(block_table)}"
-            )
 
     # ------------------------------------------------------------------ observability
 
