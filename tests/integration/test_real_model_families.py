@@ -58,9 +58,10 @@ def deepseek_v3_config():
 
 
 def llama4_config():
-    # Three chunked layers (chunk 16 = WINDOW) and one full-attention layer.
+    # Three chunked layers and one full-attention layer. Chunks of 32: the hit (48) ends inside the
+    # chunk [32, 64), so the decoded tokens read restored positions 32..47 of the chunked layers.
     return transformers.Llama4TextConfig(**SMALL, intermediate_size=128, intermediate_size_mlp=128, num_key_value_heads=2,
-                                         head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2,
+                                         head_dim=16, attention_chunk_size=2 * WINDOW, num_local_experts=2,
                                          interleave_moe_layer_step=1, no_rope_layers=[1, 1, 1, 0])
 
 
