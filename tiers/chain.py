@@ -16,7 +16,14 @@ The engine takes it as its disk tier, so host -> LMDB -> remote needs no change 
   another host) are hits.
 - Removals: a tier's removal is reported by the chain only when no tier holds the key any more
   (checked with ``contains_many`` on the others), with the chain's own sequence taken before that
-  check, so a put that lands meanwhile (a later sequence) wins, as the contract orders.
+  check, so a put begun meanwhile (a later sequence) wins, as the contract orders.
+- Sequences: a put's sequence is taken when the call starts, before any tier is fed, so every
+  removal the chain reports after that point has a later sequence and wins over the put (the first
+  tier may evict the key before the call returns: the put must not then win). At worst that costs a
+  hit (the removal was of an older record); it never promises a key no tier holds. A snapshot's
+  sequence stays below every put still in flight.
+- Background work (write-behind, promotions, removal checks) is owned by the chain: ``flush`` and
+  ``close`` wait for it without cancelling it, so a cancelled caller never loses a removal report.
 
 Everything runs on the event-loop thread; the tiers do their own blocking work. The chain owns its
 tiers: ``close`` closes them.
@@ -33,6 +40,7 @@ from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
 from .codec_pool import wait_through_cancel
+from .owned_tasks import OwnedTasks
 from .remote.tier import PutAbortedError
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
@@ -89,7 +97,9 @@ class ChainedTier(ChunkTier):
         self._loop = asyncio.get_running_loop()
         self._sequence = 0
         self._removal_feed = RemovalFeed()
-        self._background: Set["asyncio.Task[Any]"] = set()
+        self._background = OwnedTasks()
+        self._puts_in_flight: Set[int] = set()  # sequences of puts that have not returned yet
+        self._closing: Optional["asyncio.Task[None]"] = None
         self._closed = False
         # write_back_on_evict: keys in the first tier not copied down yet, oldest first.
         self._dirty: "OrderedDict[bytes, Tuple[ChunkMeta, int]]" = OrderedDict()
@@ -123,13 +133,10 @@ class ChainedTier(ChunkTier):
             coro.close()
             self._extra[counter] += 1
             return False
-        task = self._loop.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
+        self._background.spawn(coro).add_done_callback(self._background_done)
         return True
 
     def _background_done(self, task: "asyncio.Task[Any]") -> None:
-        self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("chained tier background task failed: %r", task.exception())
 
@@ -155,11 +162,9 @@ class ChainedTier(ChunkTier):
             if index == 0 and key in self._dirty:
                 del self._dirty[key]
                 self._extra["writeback_lost"] += 1
-        seq = self._next_sequence()  # taken before the check: a put landing meanwhile wins
+        seq = self._next_sequence()  # taken before the check: a put begun meanwhile wins
         # Never skipped (unlike copies): a removal the engine never hears of breaks "exactly once".
-        task = self._loop.create_task(self._confirm_removed(index, keys, reasons, seq))
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
+        self._background.spawn(self._confirm_removed(index, keys, reasons, seq)).add_done_callback(self._background_done)
 
     async def _confirm_removed(self, index: int, keys: List[bytes], reasons: List[str], seq: int) -> None:
         held = [False] * len(keys)
@@ -200,7 +205,8 @@ class ChainedTier(ChunkTier):
     async def put_many(self, items: Sequence[PutItem]) -> int:
         """Store in the first tier (durable when it returns, all or nothing, its errors raised as
         they are) and write behind to the lower tiers (their failures are counted, never raised).
-        Returns the chain's sequence for the batch.
+        Returns the chain's sequence for the batch, taken when the call began: every removal the
+        chain reports after that has a later one.
 
         Cancelling it: the first tier's put and the lower tiers' stores run on as they do for those
         tiers; the call returns (re-raising ``CancelledError``) only once every tier has finished
@@ -211,6 +217,25 @@ class ChainedTier(ChunkTier):
             check_key(key)  # before any tier starts: a refused batch starts nothing anywhere
         if not items:
             return self._sequence
+        # Taken before any tier sees the batch: a removal the chain reports from now on (the first
+        # tier evicting one of these keys before this call returns) has a later sequence and wins.
+        seq = self._next_sequence()
+        self._puts_in_flight.add(seq)
+        try:
+            await self._put_all(items)
+        finally:
+            self._puts_in_flight.discard(seq)
+        self._stats["puts"] += len(items)
+        self._stats["put_batches"] += 1
+        if self.write_policy == "write_back_on_evict" and len(self.tiers) > 1:
+            for key, meta, raw in items:
+                self._dirty.pop(key, None)
+                self._dirty[key] = (meta, memoryview(raw).nbytes)
+            self._maybe_write_back()
+        return seq
+
+    async def _put_all(self, items: List[PutItem]) -> None:
+        """The first tier's put, and the lower tiers' stores started behind it (``put_many``)."""
         first = self.tiers[0]
         # Lower tiers encode while the first tier writes, but send only after it succeeded: a
         # failed put is then visible in no tier (all or nothing for the chain too).
@@ -240,15 +265,6 @@ class ChainedTier(ChunkTier):
                     cancelled = await wait_through_cancel(task) or cancelled
             if cancelled:
                 raise asyncio.CancelledError
-        seq = self._next_sequence()
-        self._stats["puts"] += len(items)
-        self._stats["put_batches"] += 1
-        if self.write_policy == "write_back_on_evict" and len(self.tiers) > 1:
-            for key, meta, raw in items:
-                self._dirty.pop(key, None)
-                self._dirty[key] = (meta, memoryview(raw).nbytes)
-            self._maybe_write_back()
-        return seq
 
     def _write_behind(self, tier: ChunkTier, items: List[PutItem], gate: "asyncio.Future[None]"
                       ) -> Optional["asyncio.Future[Any]"]:
@@ -268,10 +284,9 @@ class ChainedTier(ChunkTier):
         return encoded
 
     def _track_lower_put(self, task: "asyncio.Future[Any]", count: int) -> None:
-        self._background.add(task)  # type: ignore[arg-type]
+        self._background.spawn(task)  # the lower tier's task joins the chain's own work
 
         def done(t: "asyncio.Future[Any]") -> None:
-            self._background.discard(t)  # type: ignore[arg-type]
             if not t.cancelled() and isinstance(t.exception(), PutAbortedError):
                 self._extra["writebehind_skipped"] += count  # the first tier's put failed
             elif t.cancelled() or t.exception() is not None:
@@ -404,7 +419,9 @@ class ChainedTier(ChunkTier):
         return list(seen)
 
     async def snapshot_keys(self) -> KeySnapshot:
-        seq = self._sequence
+        """The keys of every tier, at a sequence below every put still in flight (such a put
+        has its sequence already, but may not have landed yet). Cancelling drops the answer only."""
+        seq = min(self._puts_in_flight, default=self._sequence + 1) - 1
         return KeySnapshot(frozenset(await self.list_keys()), seq)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -433,9 +450,9 @@ class ChainedTier(ChunkTier):
         return n
 
     async def flush(self) -> None:
-        """Wait for write-behind copies and promotions in flight, then each tier's own flush."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Wait for write-behind copies, promotions and removal checks in flight, then each tier's
+        own flush. Cancelling it stops only this wait: the chain's work runs on."""
+        await self._background.wait_all()
         for tier in self.tiers:
             flush = getattr(tier, "flush", None)
             if flush is not None:
@@ -479,12 +496,17 @@ class ChainedTier(ChunkTier):
         )
 
     async def close(self) -> None:
-        """Wait for background copies, then close every tier. Safe to call twice."""
-        if self._closed:
-            return
+        """Wait for background copies and removal checks, then close every tier. Safe to call
+        twice. Cancelling it stops only this wait: the chain goes on closing (its background work
+        finishes, then its tiers close); call it again to wait for that."""
+        if self._closing is None:
+            self._closing = self._loop.create_task(self._close())
+            self._closing.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         try:
-            while self._background:
-                await asyncio.gather(*list(self._background), return_exceptions=True)
+            await self._background.wait_all()
         finally:
             self._closed = True
             for tier in self.tiers:

@@ -196,6 +196,25 @@ class SharedExclusiveLock:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
+    def shared_nowait(self) -> Iterator[bool]:
+        """The shared side if it is free now (yields True, released on exit), else yields False at
+        once: for callers that must not wait behind a remap and every read transaction before it."""
+        with self._cond:
+            if self._exclusive or self._waiting:
+                held = False
+            else:
+                self._shared += 1
+                held = True
+        try:
+            yield held
+        finally:
+            if held:
+                with self._cond:
+                    self._shared -= 1
+                    if self._shared == 0:
+                        self._cond.notify_all()
+
+    @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
             self._waiting += 1

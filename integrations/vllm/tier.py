@@ -52,7 +52,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import tier_statistics_dict
-from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
 
 from .config import VllmTierConfig
@@ -178,6 +178,8 @@ class KvtierTier(SecondaryTierManager):
         self._events: Optional[List[OffloadingEvent]] = [] if self._events_enabled(offloading_spec) else None
         self._closed = False
         self.counters: Counter = Counter()
+        # Where a damaged cache_dir's files were moved at start (None: it was sound, or new).
+        self.quarantined_cache_dir: Optional[str] = None
 
         self._loop = LoopThread()
         try:
@@ -214,15 +216,22 @@ class KvtierTier(SecondaryTierManager):
 
     async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
         codec = codec_for(self.config.compression)
-        disk = await LmdbTier.open(
+        disk, aside = await open_replacing_damaged(
             self.config.cache_dir,
-            capacity_bytes=self.config.disk_capacity_bytes,
-            segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
-            segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
-            codec=codec,
-            read_workers=self.config.read_workers,
-            max_raw_bytes=max(self._row_bytes, 1 << 20),
+            lambda: LmdbTier.open(
+                self.config.cache_dir,
+                capacity_bytes=self.config.disk_capacity_bytes,
+                segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
+                segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
+                codec=codec,
+                read_workers=self.config.read_workers,
+                max_raw_bytes=max(self._row_bytes, 1 << 20),
+                verify_structure=self.config.lmdb_verify_on_open,
+            ),
+            quarantine=self.config.quarantine_corrupt_cache_dir,
         )
+        if aside is not None:
+            self.quarantined_cache_dir = str(aside)
         tier: ChunkTier = disk
         try:
             if self.config.remote_url is not None:

@@ -39,9 +39,10 @@ def tmpfs(where: Path, options: str):
     return mounted(where, ["-t", "tmpfs", "-o", options, "tmpfs"])
 
 
-def bind_mount(source: Path, where: Path):
-    """``source`` bind-mounted at ``where``: ``where`` becomes a mount point."""
-    return mounted(where, ["--bind", str(source)])
+def bind_mount(source: Path, where: Path, *, read_only: bool = False):
+    """``source`` bind-mounted at ``where``: ``where`` becomes a mount point (read-only: writes
+    through ``where`` fail with EROFS, while ``source`` stays writable)."""
+    return mounted(where, ["--bind", *(["-o", "ro"] if read_only else []), str(source)])
 
 
 def fill_up(path: Path) -> None:

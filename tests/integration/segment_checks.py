@@ -16,8 +16,15 @@ Item = Tuple[bytes, ChunkMeta, memoryview]
 
 
 def segment_files(path: Path) -> Dict[str, int]:
-    """Segment file name -> size on disk."""
-    return {p.name: p.stat().st_size for p in path.glob("seg-*.kvs")}
+    """Segment file name -> size on disk (a file a background compaction deletes between the
+    listing and its stat is left out: it is gone)."""
+    sizes = {}
+    for p in path.glob("seg-*.kvs"):
+        try:
+            sizes[p.name] = p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return sizes
 
 
 def _pointers_in(tier: LmdbTier, txn) -> Dict[bytes, SegmentPointer]:

@@ -1,4 +1,5 @@
-"""ChainedTier: LMDB first, the remote tier behind it, on a real Valkey node."""
+"""ChainedTier: LMDB first, the remote tier behind it, on a real Valkey node; its sequence order and
+cancellation over two local tiers."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import time
 import pytest
 
 from kvtier.engine import EngineConfig
+from kvtier.engine.disk_index import DiskIndex
 from kvtier.errors import TierFullError
+from kvtier.tiers.base import KeySnapshot
 from kvtier.tiers.chain import ChainedTier
+from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.remote import RemoteTier
+from kvtier.tools.testing.tier_seam import SeamTier
 
 from kvtier.tools.testing.valkey import TEST_FINGERPRINT as FP
 from kvtier.tools.testing.valkey import make_items, read_back, wait_for
@@ -310,5 +315,92 @@ async def test_promotion_off_keeps_remote_hits_out_of_lmdb(tmp_path, valkey_node
         await chain.flush()
         assert await lmdb.contains_many([k for k, _, _ in items]) == [False] * 3
         assert chain.statistics().extra["promotions"] == 0
+    finally:
+        await chain.close()
+
+
+# -- ordering and cancellation, over two local tiers (no server needed) -------------------------
+
+ONE_RECORD = 100 << 10  # an LMDB capacity that holds one 64 KiB record, not two
+
+
+async def local_chain(tmp_path, **kwargs):
+    """A chain over a one-record LMDB behind a seam and a file tier behind a seam:
+    (chain, lmdb, lmdb seam, file seam, removals the chain reported)."""
+    lmdb = await LmdbTier.open(str(tmp_path / "lmdb"), capacity_bytes=ONE_RECORD)
+    first = SeamTier(lmdb)
+    lower = SeamTier(await FileTier.open(tmp_path / "files"))
+    chain = ChainedTier([first, lower], **kwargs)
+    removals: list = []
+    chain.subscribe_removals(removals.extend)
+    return chain, lmdb, first, lower, removals
+
+
+@pytest.mark.asyncio
+async def test_a_first_tier_eviction_before_the_put_returns_wins_over_the_put(tmp_path):
+    # The put lands in LMDB, and LMDB evicts its key (another writer's record needs the room)
+    # before the chain's call returns. The removal is of the record this put wrote, so by the
+    # contract (readable iff put sequence > removal sequence) the put's sequence must be the
+    # smaller: an engine ordering its index by them would otherwise keep a key no tier holds.
+    chain, lmdb, first, _, removals = await local_chain(tmp_path, write_policy="write_back_on_evict")
+    try:
+        mine, other = make_items(2, 64 << 10, seed=31)
+        gate = first.hold_next("put_many", after=True)  # landed in LMDB; the answer waits
+        put = asyncio.ensure_future(chain.put_many([mine]))
+        await gate.entered.wait()
+        await lmdb.put_many([other])  # evicts mine
+        assert await wait_for(lambda: removals)  # reported while the chain's put is in flight
+        gate.release()
+        sequence = await put
+        assert [(r.key, r.reason) for r in removals] == [(mine[0], "evicted")]
+        assert await chain.contains_many([mine[0], other[0]]) == [False, True]
+        assert removals[0].sequence > sequence  # so the key reads as gone, as it is
+        index = DiskIndex()  # the engine's view, ordered by these sequences
+        token = index.begin()
+        index.remove(mine[0], removals[0].sequence)
+        assert index.add(mine[0], token, sequence) is False
+    finally:
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_a_snapshot_stays_below_a_put_in_flight(tmp_path):
+    chain, _, first, _, _ = await local_chain(tmp_path)
+    try:
+        (item,) = make_items(1, 1 << 10, seed=32)
+        gate = first.hold_next("put_many")  # the put has its sequence, nothing landed
+        put = asyncio.ensure_future(chain.put_many([item]))
+        await gate.entered.wait()
+        snapshot = await chain.snapshot_keys()
+        gate.release()
+        sequence = await put
+        assert (snapshot.keys, snapshot.sequence) == (frozenset(), sequence - 1)
+        assert (await chain.snapshot_keys()) == KeySnapshot(frozenset([item[0]]), sequence)
+    finally:
+        await chain.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wait", ["flush", "close"])
+async def test_cancelling_flush_or_close_never_loses_a_removal_report(tmp_path, wait):
+    # A first-tier eviction is reported only after the lower tier said it does not hold the key;
+    # that check is the chain's own work: a caller cancelling its wait must not cancel it.
+    chain, lmdb, _, lower, removals = await local_chain(tmp_path)
+    try:
+        evicted, other = make_items(2, 64 << 10, seed=33)
+        gate = lower.hold_next("contains_many")
+        await lmdb.put_many([evicted])
+        await lmdb.put_many([other])  # evicts the first
+        await gate.entered.wait()  # the chain is asking the file tier about it
+        waiting = asyncio.ensure_future(getattr(chain, wait)())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.release()
+        await getattr(chain, wait)()  # waits for the same work, uncancelled
+        assert [(r.key, r.reason) for r in removals] == [(evicted[0], "evicted")]
     finally:
         await chain.close()

@@ -370,6 +370,27 @@ async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_p
 
 
 @pytest.mark.asyncio
+async def test_a_spill_whose_key_was_evicted_before_its_answer_is_not_durable(tmp_path):
+    # The put landed, then another writer's records evicted its key, and that removal reached the
+    # engine before the put's answer: the index refuses the key, so the handle is not durable.
+    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    r = await rig(tmp_path, inner=inner)
+    hold = r.seam.hold_next("put_many", after=True)
+    first = r.scenario.tokens(17)
+    produced = asyncio.ensure_future(r.scenario.produce(first))  # waits for wait_durable()
+    await hold.entered.wait()
+    for _ in range(3):
+        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
+    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
+    key = r.engine.request_keys(first).keys[0][0]
+    assert await inner.contains_many([key]) == [False]
+    hold.release()
+    record = await produced
+    assert (record.durable, key in r.engine.disk_index) == (False, False)
+    await r.close()
+
+
+@pytest.mark.asyncio
 async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path):
     inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
     r = await rig(tmp_path, inner=inner, host_capacity_bytes=1)
@@ -432,6 +453,37 @@ async def test_a_stalled_prefetch_read_times_out(tmp_path):
     r.seam.heal()
     await r.engine.flush()  # the abandoned read ends; its slots are released
     await r.scenario.consume(prompt, expect_hit=64)
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_timed_out_read_keeps_its_slots_until_the_tier_lets_go(tmp_path):
+    # Eight host slots. A prefetch read of four chunks stalls past the timeout and is abandoned;
+    # the tier still holds the four buffers, so the slots stay pinned until it reports. A store
+    # meanwhile takes the other four; the late read then lands in its own slots, never in the
+    # store's (whose host copies the load below checks bitwise).
+    nbytes = make_cpu_device(FULL, num_blocks=128).chunk_nbytes(0)
+    r = await rig(tmp_path, host_capacity_bytes=8 * nbytes, tier_timeout_s=0.2)
+    pool = r.engine._pools[0]
+    prompt = r.scenario.tokens(17 * 4)
+    await r.scenario.produce(prompt)
+    for _ in range(2):  # eight other chunks push the prompt's host copies out
+        await r.scenario.produce(r.scenario.tokens(17 * 4))
+    keys = r.engine.request_keys(prompt).keys[0][:4]
+    assert not any(k in r.engine._entries for k in keys)
+    r.seam.stall("get_many_into")
+    assert await r.engine.prefetch(prompt) == 4
+    await asyncio.sleep(0.4)
+    assert r.engine.lookup(prompt) == 64  # abandoned: lookup answers from the disk again
+    assert pool.statistics()["pinned_slots"] == 4  # the read's slots, held for the tier
+    later = r.scenario.tokens(17 * 4)
+    await r.scenario.produce(later)
+    assert pool.statistics()["pinned_slots"] == 4
+    r.seam.heal()
+    await r.engine.flush()  # the late read reports; its result is discarded, its slots freed
+    assert pool.statistics()["pinned_slots"] == 0
+    assert all(r.engine._entries[k].state.name == "READY" for k in r.engine.request_keys(later).keys[0][:4])
+    await r.scenario.consume(later + [1], expect_hit=64)  # from the host copies, bitwise
     await r.close()
 
 

@@ -22,7 +22,8 @@ from kvtier.errors import ClosedError, TierFullError, TierIOError
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_disk_bytes
-from kvtier.tiers.lmdb.segments import SegmentReader, committed_ends
+from kvtier.tiers.lmdb.segment_reader import SegmentReader
+from kvtier.tiers.lmdb.segments import committed_ends
 from kvtier.tiers.record_format import CodecConfig, decode_record
 from kvtier.tools.testing.fault_child import check_cache, chunk_content, make_batch, run_kill_chains, summarize_kills
 from kvtier.tools.testing.faults import corrupt_stored_record

@@ -96,7 +96,7 @@ def test_a_full_disk_without_lock_file_is_one_line_and_leaves_the_directory_as_i
         assert listing(copied) == ["data.mdb"]
 
 
-def test_a_read_only_inspect_writes_nothing(small_cache, tmp_path, capsys):
+def test_a_read_only_inspect_writes_no_data_only_lmdbs_lock_file(small_cache, tmp_path, capsys):
     copied = tmp_path / "copied"
     copied.mkdir(mode=0o700)
     shutil.copy(small_cache / "data.mdb", copied / "data.mdb")
@@ -104,8 +104,56 @@ def test_a_read_only_inspect_writes_nothing(small_cache, tmp_path, capsys):
     assert main(["inspect", "--cache-dir", str(copied), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["records"] > 0
     assert main(["verify", "--cache-dir", str(copied), "--no-quarantine"]) == 0
-    assert listing(copied) == ["data.mdb"]  # no lock.mdb
+    # lock.mdb holds LMDB's reader slots (so a writer opening later cannot reuse pages these reads
+    # use), no cache data; nothing else appears and data.mdb is unchanged.
+    assert listing(copied) == ["data.mdb", "lock.mdb"]
+    assert (copied / "lock.mdb").stat().st_mode & 0o777 == 0o600
     assert (copied / "data.mdb").read_bytes() == before
+
+
+def test_a_read_only_inspect_works_on_a_read_only_mount_and_writes_nothing(small_cache, tmp_path, capsys):
+    source = tmp_path / "source"
+    source.mkdir(mode=0o700)
+    shutil.copy(small_cache / "data.mdb", source / "data.mdb")  # no lock.mdb, and none can be made
+    before = (source / "data.mdb").read_bytes()
+    with bind_mount(source, tmp_path / "ro", read_only=True) as ro:
+        assert main(["inspect", "--cache-dir", str(ro), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["records"] > 0
+        assert main(["verify", "--cache-dir", str(ro), "--no-quarantine"]) == 0
+        assert "20 records checked, 20 ok" in capsys.readouterr().out
+    assert listing(source) == ["data.mdb"]
+    assert (source / "data.mdb").read_bytes() == before
+
+
+def without_write_permission_override(argv):
+    """``argv`` as this user without CAP_DAC_OVERRIDE: as root, too, a directory's mode bits then
+    hold (a directory the owner made 0500 refuses new files)."""
+    if os.geteuid() != 0:
+        return argv
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to drop root's permission override")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps, "--", *argv]
+
+
+def test_a_read_only_inspect_works_in_a_directory_it_may_not_write(small_cache, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    shutil.copy(small_cache / "data.mdb", locked / "data.mdb")
+    before = (locked / "data.mdb").read_bytes()
+    locked.chmod(0o500)  # its owner may read it, not create lock.mdb in it
+    try:
+        cases = [["inspect", "--cache-dir", str(locked), "--json"],
+                 ["verify", "--cache-dir", str(locked), "--no-quarantine"]]
+        proc = subprocess.run(without_write_permission_override([sys.executable, "-c", _DRIVER, json.dumps(cases)]),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"the child died with {proc.returncode}: {proc.stderr[-2000:]}"
+        results = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert [code for code, _ in results] == [0, 0], results
+    finally:
+        locked.chmod(0o700)
+    assert listing(locked) == ["data.mdb"]
+    assert (locked / "data.mdb").read_bytes() == before
 
 
 def test_another_programs_lmdb_is_refused_and_left_alone(tmp_path, capsys):

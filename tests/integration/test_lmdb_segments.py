@@ -22,7 +22,7 @@ import pytest
 from kvtier.tiers.base import ChunkMeta, IOHook, Removal
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tiers.lmdb import segments
+from kvtier.tiers.lmdb import segment_reader, segments
 from kvtier.tiers.lmdb.segments import SegmentPointer, committed_ends
 from kvtier.tools.testing.fault_child import (
     check_cache,
@@ -273,7 +273,7 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_synced_writes(
     # this kernel's tmpfs takes it, so the refusal is injected at os.open
     import errno
 
-    from kvtier.tiers.lmdb import segments
+    from kvtier.tiers.lmdb import segment_reader, segments
 
     real_open = os.open
 
@@ -634,18 +634,18 @@ async def test_adjacent_records_are_read_together_and_a_short_one_fails_alone(tm
         by_offset = sorted(_pointers(tier).items(), key=lambda kv: kv[1].offset)
         assert [p.offset for _, p in by_offset] == [k * by_offset[0][1].extent for k in range(6)]
         calls: List[int] = []
-        real = segments._preadv_all
+        real = segment_reader._preadv_all
 
         def counting(fd: int, views: List[memoryview], offset: int) -> bool:
             calls.append(sum(v.nbytes for v in views))
             return real(fd, views, offset)
 
-        segments._preadv_all = counting
+        segment_reader._preadv_all = counting
         try:
             outs = [_page_aligned(65536) for _ in items]
             assert await tier.get_many_into([(it[0], out) for it, out in zip(items, outs)]) == [it[1] for it in items]
         finally:
-            segments._preadv_all = real
+            segment_reader._preadv_all = real
         assert calls == [6 * by_offset[0][1].extent]  # the six records in one read
         last_key, last = by_offset[-1]
         await asyncio.to_thread(tier._writer.call, tier._segment_writer.rotate)

@@ -6,10 +6,11 @@ of its segment is a plain miss, and large records keep LMDB's map small."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -175,20 +176,22 @@ async def test_a_read_racing_the_deletion_of_its_segment_is_a_plain_miss(tmp_pat
         (name,) = {p.name for p in pointers(tier).values()}
         tier._segment_writer.rotate()  # no writer holds it: emptied, it is deleted at once
         reader = tier._segment_reader
-        real_fd = reader._fd
+        real_using = reader._using
 
-        def open_after_the_delete(segment: str) -> int:
+        @contextlib.contextmanager
+        def open_after_the_delete(segment: str) -> Iterator[int]:
             # inside the read's transaction (it already holds the pointer): the key is deleted
             # meanwhile and its segment goes, before this process ever opened the file
-            reader._fd = real_fd
+            reader._using = real_using
             assert segment == name
             assert tier._writer.call(lambda: tier._delete_keys([key])) == 1
             assert not (tmp_path / "c" / name).exists()
-            return real_fd(segment)
+            with real_using(segment) as fd:
+                yield fd
 
-        reader._fd = open_after_the_delete
+        reader._using = open_after_the_delete
         assert await tier.get_many_into([(key, memoryview(bytearray(200_000)))]) == [None]
-        assert reader._fd == real_fd  # the race ran
+        assert reader._using == real_using  # the race ran
         stats = tier.statistics()
         assert (stats.misses, stats.corrupt) == (1, 0)
         await tier.flush()

@@ -9,7 +9,11 @@ fails these tests (no skip).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
+import shutil
+import struct
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,6 +23,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from kvtier.errors import CorruptCacheError
 from kvtier.integrations.vllm import KvtierTier, VllmTierConfigError
 from kvtier.integrations.vllm.testing import VllmCpuRig
 from kvtier.policy import AttentionGroup, ModelLayout
@@ -250,6 +255,8 @@ def test_slow_tier_never_blocks_a_scheduler_step(tmp_path):
                                                 r"\(null or 0: every record inside LMDB\), got -1$"),
         ({"lmdb_segment_compaction_live_fraction": 1}, r"^KvtierTier lmdb_segment_compaction_live_fraction must be a "
                                                        r"number in \[0, 1\), got 1$"),
+        ({"lmdb_verify_on_open": 1}, r"^KvtierTier lmdb_verify_on_open must be a bool, got 1$"),
+        ({"quarantine_corrupt_cache_dir": "yes"}, r"^KvtierTier quarantine_corrupt_cache_dir must be a bool, got 'yes'$"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, extra, message):
@@ -338,3 +345,68 @@ def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_pat
         assert assert_restored_bitwise(host_b, consumed, before) == 5
     finally:
         host_b.shutdown()
+
+
+def damage(data_file, how: str) -> bytes:
+    """Damage a data.mdb: ``garbage`` (random bytes), ``truncated`` (half of it), or ``leak`` (both
+    meta pages claim one page more than any table uses: only py-lmdb's verifier notices; LMDB and
+    kvtier's own open checks serve the file as it is). Returns the damaged bytes."""
+    data = bytearray(data_file.read_bytes())
+    if how == "garbage":
+        data = bytearray(random.Random(7).randbytes(len(data)))
+    elif how == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        psize = struct.unpack_from("<I", data, 40)[0]
+        for meta in (0, psize):  # last_pg of each meta page, at byte 136
+            struct.pack_into("<Q", data, meta + 136, struct.unpack_from("<Q", data, meta + 136)[0] + 1)
+        last = max(struct.unpack_from("<Q", data, meta + 136)[0] for meta in (0, psize))
+        data += bytes(max(0, (last + 1) * psize - len(data)))
+    data_file.write_bytes(bytes(data))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "leak"])
+def test_a_damaged_cache_dir_is_checked_moved_aside_and_replaced_under_vllm(tmp_path, how, caplog):
+    """As the engine does, by default: the LMDB file is verified before LMDB maps it, and a damaged
+    cache directory is moved aside (where to is logged and kept on the tier) and vLLM starts on an
+    empty one. With quarantine_corrupt_cache_dir off the start fails and the directory stays."""
+    rig = make_rig(tmp_path)
+    try:
+        rig.run(PROMPT)
+    finally:
+        rig.shutdown()
+    cache = tmp_path / "kv"
+    if how == "leak":
+        # Only the verifier sees this damage: with lmdb_verify_on_open off, a copy is served as is.
+        unchecked = tmp_path / "unchecked"
+        shutil.copytree(cache, unchecked / "kv")
+        damage(unchecked / "kv" / "data.mdb", how)
+        served = make_rig(unchecked, lmdb_verify_on_open=False)
+        try:
+            assert served.secondary_tiers[0].quarantined_cache_dir is None
+            assert served.secondary_tiers[0].statistics()["indexed_chunks"] == 4
+        finally:
+            served.shutdown()
+    broken = damage(cache / "data.mdb", how)
+
+    with pytest.raises(CorruptCacheError):
+        make_rig(tmp_path, quarantine_corrupt_cache_dir=False)
+    assert (cache / "data.mdb").read_bytes() == broken  # left alone
+
+    with caplog.at_level(logging.ERROR, logger="kvtier"):
+        fresh = make_rig(tmp_path)
+    try:
+        tier = fresh.secondary_tiers[0]
+        aside = tier.quarantined_cache_dir
+        assert aside is not None and os.path.dirname(aside) == str(tmp_path)
+        assert os.path.basename(aside).startswith("kv.corrupt-")
+        with open(os.path.join(aside, "data.mdb"), "rb") as f:
+            assert f.read() == broken  # kept for inspection
+        assert [r for r in caplog.records if f"moved aside to {aside}, starting with an empty one" in r.getMessage()]
+        assert tier.statistics()["indexed_chunks"] == 0  # a cold cache, not a wrong one
+        consumed = fresh.run(CONSUMER)
+        assert consumed.external_hit_tokens == 0
+        assert tier.statistics()["indexed_chunks"] == 4  # and it serves: the consumer's stores landed
+    finally:
+        fresh.shutdown()

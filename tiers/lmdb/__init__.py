@@ -15,9 +15,9 @@ Modules, one concern each:
 from kvtier.errors import CorruptCacheError
 
 from .maintenance import RecordInfo, VerifyReport
-from .recovery import quarantine_cache_dir
+from .recovery import open_replacing_damaged, quarantine_cache_dir
 from .segments import DEFAULT_SEGMENT_THRESHOLD_BYTES
 from .tier import LmdbTier
 
 __all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir",
-           "DEFAULT_SEGMENT_THRESHOLD_BYTES"]
+           "open_replacing_damaged", "DEFAULT_SEGMENT_THRESHOLD_BYTES"]

@@ -8,8 +8,14 @@ Primitives (blocking; run by ``LmdbTier`` while opening, on the opening thread):
 - ``prepare_lock_file``: allocate ``lock.mdb`` before LMDB maps it. LMDB sizes the lock file with
   ``ftruncate`` (a sparse file) and then writes it through ``mmap``: on a full disk the first write
   to an unallocated page is SIGBUS, which kills the whole process without a word. Allocating it
-  with ``posix_fallocate`` first turns that into ENOSPC, said as ``TierFullError``. A read-only
-  opener never creates it: ``lock_for_readonly`` says whether to open with LMDB's lock at all.
+  with ``posix_fallocate`` first turns that into ENOSPC, said as ``TierFullError``.
+- ``lock_for_readonly``: the same for a read-only opener, which must use the lock file too: only
+  reads listed in its reader table keep a writer (in any process, opening later) from reusing the
+  pages they read. Creating it is acceptable for a read-only open: ``lock.mdb`` holds no cached
+  data, only LMDB's reader slots, and the directory is the same user's (0700, owner checked by
+  ``safedir``); ``data.mdb`` and the segments are never written. Where it cannot be written (a
+  read-only mount, no permission, no space) the open goes without it, and says so: the tier then
+  copies every record out of the map before checking it.
 - ``open_kvtier_tables``: ``tables.open_tables`` that adopts a map another process grew
   (``MDB_MAP_RESIZED``, retried like every read and write) and refuses an environment kvtier did
   not create (another program's LMDB), before writing anything into it.
@@ -27,7 +33,7 @@ import lmdb
 
 from kvtier.errors import CorruptCacheError, TierFullError, TierIOError
 
-from .tables import Tables, open_tables
+from .tables import FORMAT_VERSION, Tables, open_tables
 
 __all__ = ["DirectorySnapshot", "prepare_lock_file", "lock_for_readonly", "open_kvtier_tables", "is_disk_full"]
 
@@ -75,10 +81,71 @@ class DirectorySnapshot:
                 pass
 
 
+# Why a read-only opener cannot have a lock file it may write: a read-only mount, no permission.
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def lock_for_readonly(directory: Path) -> bool:
-    """Whether a read-only open should use LMDB's lock file: only when one exists. A directory
-    without ``lock.mdb`` has no live LMDB user (each holds it), and creating it would be a write."""
-    return (directory / "lock.mdb").exists()
+    """Give a read-only open LMDB's lock file: use ``lock.mdb``, creating it (allocated, as
+    ``prepare_lock_file``) when missing; True when the open can use it. False when it cannot be
+    written (a read-only mount, no permission, no space to allocate it): the open must then go
+    without LMDB's lock, its reads in no reader table (see the module docstring), and nothing is
+    left behind. A new lock file appears whole: it is allocated under a private name and linked
+    into place, so no other opener ever maps a half-made one."""
+    path = directory / "lock.mdb"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            made = _link_new_lock_file(directory)
+            if made is None:
+                continue  # another opener linked one first: use it
+            return made
+        except OSError as exc:
+            if exc.errno in _CANNOT_WRITE:
+                return False
+            raise TierIOError(f"cannot open {path}: {exc}") from exc
+        try:
+            _allocate_lock_file(fd, directory)
+        except TierFullError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+    raise TierIOError(f"{path} keeps appearing and disappearing while it is opened")
+
+
+def _link_new_lock_file(directory: Path) -> Optional[bool]:
+    """``lock.mdb`` made under a private name and linked into place: True when linked, False when
+    it cannot be made here, None when another opener's appeared first."""
+    temp = directory / f".lock.mdb-{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno in _CANNOT_WRITE or is_disk_full(exc):
+            return False
+        raise TierIOError(f"cannot create {temp}: {exc}") from exc
+    try:
+        try:
+            _allocate_lock_file(fd, directory)
+        except TierFullError:
+            return False
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, directory / "lock.mdb")
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            if exc.errno in _CANNOT_WRITE or exc.errno in (errno.EOPNOTSUPP, errno.EMLINK):
+                return False  # no hard links here: go without, rather than map a half-made file
+            raise TierIOError(f"cannot create {directory / 'lock.mdb'}: {exc}") from exc
+        return True
+    finally:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
 
 
 def prepare_lock_file(directory: Path) -> None:
@@ -92,6 +159,14 @@ def prepare_lock_file(directory: Path) -> None:
             raise TierFullError(f"no space left on the device of {directory} to create lock.mdb") from exc
         raise TierIOError(f"cannot create {path}: {exc}") from exc
     try:
+        _allocate_lock_file(fd, directory)
+    finally:
+        os.close(fd)
+
+
+def _allocate_lock_file(fd: int, directory: Path) -> None:
+    """Allocate the lock file's pages (``TierFullError`` when there is no room)."""
+    try:
         # Allocates holes only: an existing lock file's contents (a live environment's readers)
         # are untouched, and a file already this large is left as it is.
         os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
@@ -102,9 +177,7 @@ def prepare_lock_file(directory: Path) -> None:
                 f"({LOCK_FILE_BYTES} bytes); free some space or use another cache directory"
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate
-            raise TierIOError(f"cannot allocate {path}: {exc}") from exc
-    finally:
-        os.close(fd)
+            raise TierIOError(f"cannot allocate {directory / 'lock.mdb'}: {exc}") from exc
 
 
 def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
@@ -132,13 +205,19 @@ def _refuse_foreign(env: lmdb.Environment, path: object) -> None:
         raise CorruptCacheError(f"{path} has kvtier's LMDB tables but not its 'meta' table (damaged)")
     meta = env.open_db(b"meta", create=False)
     with env.begin() as txn:
-        if txn.get(b"format", db=meta) is None:
-            if _CORE_TABLES <= names:
-                raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
-            raise TierIOError(
-                f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
-                "format marker); use an empty directory as the cache directory"
-            )
+        marker = txn.get(b"format", db=meta)
+    if marker is None:
+        if _CORE_TABLES <= names:
+            raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
+        raise TierIOError(
+            f"{path} holds an LMDB environment kvtier did not create (its 'meta' table has no kvtier "
+            "format marker); use an empty directory as the cache directory"
+        )
+    if marker == FORMAT_VERSION and b"segments" not in names:
+        # A cache that may hold segment pointers was created with its segments table (every
+        # writable open creates it): without it the ledger of every segment file is lost, and a
+        # writable open would take the files for orphans and delete every payload.
+        raise CorruptCacheError(f"{path} is a tier format {marker!r} cache without its 'segments' table (damaged)")
 
 
 def _near_any(name: bytes, candidates: "frozenset[bytes] | set[bytes]") -> bool:

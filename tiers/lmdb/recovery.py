@@ -3,32 +3,41 @@
 Primitives (blocking; called by ``LmdbTier`` while opening, on the opening thread, and by the engine
 when it moves a damaged directory aside):
 
-- ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS).
+- ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS), and
+  a missing or empty one beside payload segment files (a lost index, not a new cache).
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
   process has the environment open.
 - ``quarantine_cache_dir``: move a damaged environment's files aside so a fresh one can be made.
+- ``open_replacing_damaged`` (async, the opener's event loop): open a cache directory, and when it
+  is damaged move it aside and open a fresh one: how every serving process (the engine, vLLM's
+  tier) starts on a cache directory.
 - ``CORRUPT_LMDB_ERRORS``: the LMDB errors that mean "these bytes are not a sound environment".
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import struct
 import time
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Awaitable, Callable, Optional, Tuple, TypeVar, Union
 
 import lmdb
 
 from kvtier.errors import CorruptCacheError, TierIOError
 
-__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir"]
+from .segments import segment_files
+
+__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir",
+           "open_replacing_damaged"]
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
+T = TypeVar("T")
 
 # LMDB's on-disk meta pages (64-bit builds, LMDB 0.9): pages 0 and 1 each hold a 16-byte page header
 # then MDB_meta: magic u32 | version u32 | address | mapsize | 2 x MDB_db (48 bytes; the first one's
@@ -68,6 +77,7 @@ def check_data_file(directory: Path) -> None:
             size = os.fstat(f.fileno()).st_size
             if len(head) < 160:
                 if size == 0:
+                    _refuse_lost_index(directory, "is empty")
                     return  # an empty file: LMDB initialises it as a new environment
                 raise CorruptCacheError(f"{path} is truncated: {size} bytes, not even one meta page")
             magic, version = _META_MAGIC.unpack_from(head, 16)
@@ -79,6 +89,7 @@ def check_data_file(directory: Path) -> None:
             f.seek(psize)
             meta1 = f.read(160)
     except FileNotFoundError:
+        _refuse_lost_index(directory, "is missing")
         return
     except OSError as exc:
         raise TierIOError(f"cannot read {path}: {exc}") from exc
@@ -99,6 +110,23 @@ def check_data_file(directory: Path) -> None:
         raise CorruptCacheError(
             f"{path} is truncated: {size} bytes, but its meta page uses {needed} "
             f"(last page {newest[1]}, page size {psize})"
+        )
+
+
+def _refuse_lost_index(directory: Path, what: str) -> None:
+    """A missing or empty ``data.mdb`` is a new cache only where no payload segment files lie
+    beside it: with them it is a lost index (``: > data.mdb``, a deleted file), and opening it as
+    new would create an empty index and then delete every segment as an orphan."""
+    try:
+        found = segment_files(directory)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise TierIOError(f"cannot list {directory}: {exc}") from exc
+    if found:
+        raise CorruptCacheError(
+            f"{directory / 'data.mdb'} {what} but {len(found)} payload segment files (seg-*.kvs) lie beside it: "
+            "the index that points into them is lost (damaged, not a new cache)"
         )
 
 
@@ -150,7 +178,8 @@ def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> No
 
 
 def quarantine_cache_dir(path: PathLike) -> Path:
-    """Move a damaged environment's files (``data.mdb``, ``lock.mdb``: only what kvtier owns) aside
+    """Move a damaged environment's files (``data.mdb``, ``lock.mdb`` and its payload segments
+    ``seg-*.kvs``, useless without that index: only what kvtier owns) aside
     into a new directory ``<dir>.corrupt-<UTC time>-<pid>`` next to it, and return that path.
     Blocking. Nothing else in the directory is touched, and the directory itself stays, so this
     works when it is a mount point (renaming a mount point fails with EBUSY) and never moves other
@@ -160,7 +189,11 @@ def quarantine_cache_dir(path: PathLike) -> Path:
     ``TierIOError`` when they cannot be moved."""
     src = Path(os.fspath(path)).expanduser().absolute()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    owned = [src / name for name in ("data.mdb", "lock.mdb") if (src / name).exists()]
+    try:
+        segments = segment_files(src)
+    except OSError:
+        segments = []
+    owned = [src / name for name in ("data.mdb", "lock.mdb", *segments) if (src / name).exists()]
     errors = []
     for parent, prefix in ((src.parent, f"{src.name}.corrupt"), (src, ".kvtier-corrupt")):
         if parent == src.parent and os.path.ismount(src):
@@ -173,7 +206,7 @@ def quarantine_cache_dir(path: PathLike) -> Path:
                 os.rename(file, dst / file.name)
         except OSError as exc:
             errors.append(f"{dst}: {exc}")
-            for file in owned:  # put back what moved, so the next try moves both or none
+            for file in owned:  # put back what moved, so the next try moves all or none
                 if (dst / file.name).exists() and not file.exists():
                     os.rename(dst / file.name, file)
             try:
@@ -199,3 +232,23 @@ def _new_aside_dir(parent: Path, name: str, errors: list) -> Optional[Path]:
         except OSError as exc:
             errors.append(f"{dst}: {exc}")
             return None
+
+
+async def open_replacing_damaged(path: PathLike, open_tier: Callable[[], Awaitable[T]], *,
+                                 quarantine: bool) -> Tuple[T, Optional[Path]]:
+    """``await open_tier()`` (which opens the cache directory at ``path``); when it raises
+    ``CorruptCacheError`` and ``quarantine`` is true, move the damaged files aside
+    (``quarantine_cache_dir``, on a worker thread), log where, and open again: an empty directory.
+    Returns the tier and where the damaged files went (``None`` when nothing was moved). With
+    ``quarantine`` false the error propagates and the directory is left alone. Cancelling it: a
+    move already started finishes on its thread (the files are then aside), and nothing is opened
+    after it."""
+    try:
+        return await open_tier(), None
+    except CorruptCacheError as exc:
+        if not quarantine:
+            raise
+        aside = await asyncio.get_running_loop().run_in_executor(None, quarantine_cache_dir, path)
+        log.error("cache directory %s is damaged (%s); moved aside to %s, starting with an empty one",
+                  path, exc, aside)
+    return await open_tier(), aside

@@ -13,29 +13,38 @@ Promises and how they are kept:
 - all or nothing: segment bytes are invisible until the transaction holding their pointers
   commits; a crash in between leaves an orphan tail past the segment's committed end (kept in the
   ``segments`` table), truncated by ``reclaim_orphans`` at the next writable open;
-- power loss: segment data and a new segment's directory entry are synced before the commit;
+- power loss: segment data and a new segment's directory entry are synced before the commit; a
+  new segment becomes the active one only once its name is synced (a failed sync is
+  ``TierIOError``, the file is removed and never appended to);
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
   segment, in this or another process). A closed segment left mostly dead is compacted
   (``compaction``: its live records move to the active segment, each pointer replaced only where
   the key still holds the old one; the emptied file goes once no older read transaction is open).
-- several processes: each writer appends only to its own segment (named by pid and a counter,
-  created ``O_EXCL``, ``flock``'d while active); readers open segments by name.
+  Nothing after a commit can fail it: a file that cannot be deleted is logged and left to the next
+  open. Readers close a deleted segment's fd as soon as no read of theirs uses it, so its space
+  comes back; at most ``MAX_OPEN_SEGMENTS`` fds stay cached.
+- several processes: each writer appends only to its own segment (named by pid and a number from
+  the directory's counter in LMDB, so a name never repeats; created ``O_EXCL``, ``flock``'d while
+  active); readers open segments by name and check, before each read, that a cached fd is still
+  the file the name leads to (device and inode).
 
 A read that took a pointer just before the segment was deleted (its last record evicted or
 deleted meanwhile) and had not opened the file yet is a plain miss: the tier looks again in a
 fresh transaction and finds the key gone or rewritten, so it counts, logs and quarantines nothing.
 A segment is created and locked under a shared lock of ``segments.lock`` and ``reclaim_orphans``
 scans under its exclusive lock, so an open never takes another process's segment in the instant
-between its create and its ``flock``.
+between its create and its ``flock``; it locks each file before it reads the committed ends, so a
+live writer's commits are never cut off (``reclaim_orphans`` says why, interleaving by interleaving).
 
 Primitives: ``SegmentPointer`` (the 32-byte value in ``chunks``; 28 bytes in the first layout),
 ``SegmentWriter`` (writer thread only: ``append`` a batch of ``segment_records.SegmentRecord``, in
-runs of adjacent records, ``rotate``), ``SegmentReader`` (any thread: ``read`` a pointer's record,
-``read_into`` / ``read_many_into`` a caller's buffers),
+runs of adjacent records, ``rotate``), ``segment_reader.SegmentReader`` (any thread: ``read`` a
+pointer's record, ``read_into`` / ``read_many_into`` a caller's buffers; its own module),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread).
+``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread),
+and ``SegmentReader.sweep`` (the tier's timer: fds of segments another process deleted).
 """
 
 from __future__ import annotations
@@ -46,29 +55,23 @@ import ctypes.util
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import re
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import lmdb
 
 from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
-from ..base import ChunkMeta
 from ..files.layout import fsync_dir
-from ..record_format import MAX_HEADER_BYTES, check_payload_in_place, decode_record, decode_split
+from ..record_format import MAX_HEADER_BYTES
 from .segment_records import (  # SegmentRecord .. release_records: re-exported (__all__)
     _ALIGN,
-    _BUFFERS,
     SegmentRecord,
-    _aligned,
-    _byte_view,
     _round_up,
     borrows_buffers,
     codec_of,
@@ -79,7 +82,6 @@ from .segment_records import (  # SegmentRecord .. release_records: re-exported 
 __all__ = [
     "SegmentPointer",
     "SegmentWriter",
-    "SegmentReader",
     "SegmentRecord",
     "encode_for_segments",
     "codec_of",
@@ -100,6 +102,9 @@ __all__ = [
     "check_segment_threshold",
 ]
 
+if TYPE_CHECKING:
+    from .segment_reader import SegmentReader
+
 log = logging.getLogger(__name__)
 
 _MAGIC = b"KVSH"  # split layout: the record's head, then its payload from the next page boundary
@@ -115,7 +120,7 @@ _MAX_HEAD = 10 + MAX_HEADER_BYTES  # a record's prefix and largest header
 # the throughput of large ones. Bounded by the iovec limit too (at most 3 pieces a record).
 RUN_BYTES = 4 << 20
 _RUN_RECORDS = max(1, (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024) // 3)
-_NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")
+NAME_PATTERN = _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")  # pid, number
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
 # vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`, five runs,
@@ -219,11 +224,19 @@ def stored_size(value: "bytes | memoryview") -> int:
 
 class SegmentWriter:
     """This process's active segment (writer thread only). ``append`` writes a batch page-aligned and
-    syncs it; the returned pointers may be committed to LMDB once it returns."""
+    syncs it; the returned pointers may be committed to LMDB once it returns.
 
-    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> None:
+    ``numbers`` hands out segment numbers that never repeat in the directory (the tier takes them
+    from a counter in its ``meta`` table, bumped in a write transaction of their own): a name is
+    never reused, so a reader that keeps a file open by name never meets a new file under an old
+    name. Without it (tools and tests driving a writer by hand) numbers count up from 0 in this
+    writer, skipping names that exist."""
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
+                 numbers: Optional[Callable[[], int]] = None) -> None:
         self._dir = directory
         self._max_bytes = max_bytes
+        self._numbers = numbers
         self._pid = os.getpid()
         self._counter = -1
         self._fd: Optional[int] = None
@@ -236,38 +249,62 @@ class SegmentWriter:
     def active(self) -> Optional[str]:
         return segment_name(self._pid, self._counter) if self._fd is not None else None
 
-    def _open_next(self) -> None:
-        with _creation_lock(self._dir, fcntl.LOCK_SH):
-            self._create_locked()
+    def _next_number(self) -> int:
+        return self._numbers() if self._numbers is not None else self._counter + 1
 
-    def _create_locked(self) -> None:
+    def _open_next(self) -> None:
+        """Create, lock and name-sync the next segment; only then is it the active one. Any failure
+        is ``TierIOError`` / ``TierFullError`` and leaves no active segment: a file whose directory
+        entry was not synced is never appended to (a power cut could lose its name while LMDB kept
+        pointers into it), it is removed (or, failing that, left without an entry in ``segments``:
+        an orphan the next writable open deletes)."""
         while True:
-            self._counter += 1
-            path = self._dir / segment_name(self._pid, self._counter)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-            try:
+            number = self._next_number()  # an LMDB write: never under segments.lock
+            path = self._dir / segment_name(self._pid, number)
+            with _creation_lock(self._dir, fcntl.LOCK_SH):
+                fd = self._create(path)
+                if fd is None:
+                    self._counter = number
+                    continue  # a file the numbering did not know of (a reused pid): the next number
                 try:
-                    fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-                    self.direct = hasattr(os, "O_DIRECT")
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
+                    fsync_dir(str(self._dir))  # the name survives a power cut before any pointer to it commits
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
-                    self.direct = False
-            except FileExistsError:
-                continue  # a reused pid left this name: take the next counter
-            except OSError as exc:
-                raise _io_error(exc, f"cannot create segment {path}") from exc
-            fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
-            self._fd, self._end, self._allocate = fd, 0, True
-            fsync_dir(str(self._dir))  # the new name survives a power cut before any pointer to it commits
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise _io_error(exc, f"cannot lock and sync new segment {path}") from exc
+            self._fd, self._counter, self._end, self._allocate = fd, number, 0, True
             return
 
+    def _create(self, path: Path) -> Optional[int]:
+        """``O_EXCL`` create (O_DIRECT where the filesystem takes it); ``None`` when the name exists."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+                self.direct = hasattr(os, "O_DIRECT")
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
+                self.direct = False
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            raise _io_error(exc, f"cannot create segment {path}") from exc
+        return fd
+
     def rotate(self) -> None:
-        """Close the active segment (its lock goes with it); the next append starts a new one."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the active segment (its lock goes with it); the next append starts a new one. Never
+        raises: it runs after commits (``remove_dead``), and a failed ``close`` still releases the
+        descriptor and its lock."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                log.warning("kvtier lmdb: closing segment %s failed: %s", self._dir, exc)
 
     def _allocate_batch(self, end: int) -> None:
         """Allocate the batch's blocks ``[self._end, end)`` before writing them (``fallocate``), so
@@ -349,227 +386,12 @@ class SegmentWriter:
             self._lanes = None
 
 
-def _in_place(pointer: SegmentPointer, target: memoryview) -> bool:
-    """Whether a record can be read with its payload straight into ``target``: the split layout,
-    a writable page-aligned buffer of the payload's size (a raw record of a host slot's size; a
-    compressed one is smaller than its slot)."""
-    return pointer.split and pointer.payload_length == target.nbytes and not target.readonly and _aligned(target)
-
-
-class _InPlaceRead:
-    """One record read in place: its head and its partial last page into pooled pages, the whole
-    pages of its payload into the caller's buffer (``pieces``, in file order)."""
-
-    __slots__ = ("pointer", "target", "pieces", "_pages", "_whole")
-
-    def __init__(self, pointer: SegmentPointer, target: memoryview) -> None:
-        assert _BUFFERS is not None
-        self.pointer, self.target = pointer, target
-        self._whole = target.nbytes - target.nbytes % _ALIGN
-        head_bytes = _round_up(pointer.head)
-        self._pages: Optional[mmap.mmap] = _BUFFERS.take(head_bytes + _round_up(target.nbytes - self._whole))
-        view = memoryview(self._pages)
-        self.pieces = [view[:head_bytes], target[: self._whole]]
-        if len(self._pages) > head_bytes:
-            self.pieces.append(view[head_bytes:])
-
-    def finish(self, key: bytes, max_raw_bytes: int) -> ChunkMeta:
-        """After the read: the partial last page into place, then the checks (``out`` holds the
-        bytes whatever they are; a bad record is an error and a miss)."""
-        head = self.pieces[0]
-        if len(self.pieces) == 3:
-            self.target[self._whole :] = self.pieces[2][: self.target.nbytes - self._whole]
-        return check_payload_in_place(key, head[: self.pointer.head], self.target, max_raw_bytes=max_raw_bytes)
-
-    def close(self) -> None:
-        pages, self._pages = self._pages, None
-        for piece in self.pieces:
-            piece.release()
-        self.pieces = []
-        if pages is not None and _BUFFERS is not None:
-            _BUFFERS.give(pages)
-
-
-def _runs_in_files(direct: List[Tuple[int, SegmentPointer, memoryview]]) -> List[List[Tuple[int, SegmentPointer, memoryview]]]:
-    """Reads sorted by (segment, offset) -> runs of records adjacent in one file (``adjacent_runs``)."""
-    runs: List[List[Tuple[int, SegmentPointer, memoryview]]] = []
-    group: List[Tuple[int, SegmentPointer, memoryview]] = []
-
-    def close_group() -> None:
-        for run in adjacent_runs([p.extent for _, p, _ in group]):
-            runs.append([group[k] for k in run])
-
-    for item in direct:
-        if group and (item[1].name != group[-1][1].name or item[1].offset != group[-1][1].offset + group[-1][1].extent):
-            close_group()
-            group = []
-        group.append(item)
-    if group:
-        close_group()
-    return runs
-
-
-def _outcome(fn: Callable[[], object]) -> object:
-    """``fn()``, or the exception it raised (the caller sorts misses from failures)."""
+def _close_quietly(fd: int) -> None:
+    """Close a read descriptor; a failure is logged (it is released whatever close says)."""
     try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - handed back as this record's outcome
-        return exc
-
-
-class SegmentReader:
-    """Reads records out of segments by pointer (any thread). Keeps one read-only fd per segment,
-    O_DIRECT where the filesystem takes it: a split record's payload goes from the disk straight
-    into the caller's page-aligned buffer, with neither the page cache's copy nor ours."""
-
-    def __init__(self, directory: Path) -> None:
-        self._dir = directory
-        self._fds: Dict[str, int] = {}
-        # fds of deleted segments: closed only at close(), since a read on another thread may still
-        # be in pread on one (closing it there could hand the number to an unrelated open file).
-        self._retired: List[int] = []
-        self._lock = threading.Lock()
-
-    def _fd(self, name: str) -> int:
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-                try:
-                    fd = os.open(self._dir / name, flags | getattr(os, "O_DIRECT", 0))
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    fd = os.open(self._dir / name, flags)  # tmpfs and others refuse O_DIRECT
-                self._fds[name] = fd
-            return fd
-
-    def read(self, value: "bytes | memoryview") -> bytes:
-        """The record a pointer names, as one run of bytes (``encode_record``'s). A missing segment
-        or short read is ``CorruptRecordError`` (a miss, quarantined like a checksum failure);
-        other OS errors are ``TierIOError``."""
-        pointer = SegmentPointer.unpack(value)
-        with self._extent(pointer) as extent:
-            if not pointer.split:
-                return bytes(extent[: pointer.length])
-            payload_at = _round_up(pointer.head)
-            return bytes(extent[: pointer.head]) + bytes(extent[payload_at : payload_at + pointer.payload_length])
-
-    def read_into(self, key: bytes, value: "bytes | memoryview", out: memoryview, *, max_raw_bytes: int) -> ChunkMeta:
-        """Decode the record a pointer names into ``out`` and return its meta (``decode_record``'s
-        checks and errors, plus ``read``'s). When ``out`` is page-aligned and of the payload's
-        size (a raw record of a host slot's size), one vectored read puts the head in a pooled
-        page and the payload straight into ``out``, checksummed there: nothing of the chunk's size
-        is allocated or copied (at 4 MiB, the bytes object and its copy cost a third of a cold
-        read). Anything else is read into a pooled buffer and decoded from it. ``out`` is
-        unspecified after a failure, as ``get_many_into`` allows for a miss."""
-        pointer = SegmentPointer.unpack(value)
-        target = _byte_view(out)
-        if not _in_place(pointer, target):
-            with self._extent(pointer) as extent:
-                if not pointer.split:
-                    return decode_record(key, extent[: pointer.length], out, max_raw_bytes=max_raw_bytes)[0]
-                payload_at = _round_up(pointer.head)
-                return decode_split(key, extent[: pointer.head], extent[payload_at : payload_at + pointer.payload_length],
-                                    out, max_raw_bytes=max_raw_bytes)[0]
-        read = _InPlaceRead(pointer, target)
-        try:
-            self._read_exactly(pointer, read.pieces)
-            return read.finish(key, max_raw_bytes)
-        finally:
-            read.close()
-
-    def read_many_into(self, items: Sequence[Tuple[bytes, "bytes | memoryview", memoryview]], *,
-                       max_raw_bytes: int) -> List[object]:
-        """``read_into`` of a batch; per item its meta or the exception its read raised. Records
-        read in place that lie one after another in a segment (as a batch was written) are read
-        together, one vectored direct read per run of up to ``RUN_BYTES``: at 256 KiB a request
-        per record leaves the disk's throughput on small requests. A run whose read fails is
-        retried record by record, so each record gets its own outcome."""
-        results: List[object] = [None] * len(items)
-        direct: List[Tuple[int, SegmentPointer, memoryview]] = []
-        for i, (key, value, out) in enumerate(items):
-            try:
-                pointer = SegmentPointer.unpack(value)
-                target = _byte_view(out)
-            except Exception as exc:  # noqa: BLE001 - this record's outcome
-                results[i] = exc
-                continue
-            if _in_place(pointer, target):
-                direct.append((i, pointer, target))
-            else:
-                results[i] = _outcome(lambda: self.read_into(key, value, out, max_raw_bytes=max_raw_bytes))
-        direct.sort(key=lambda d: (d[1].name, d[1].offset))
-        for run in _runs_in_files(direct):
-            reads = [_InPlaceRead(pointer, target) for _, pointer, target in run]
-            try:
-                outcome = _outcome(lambda: self._read_exactly(run[0][1], [p for r in reads for p in r.pieces]))
-                for (i, _, _), read in zip(run, reads):
-                    key, value, out = items[i]
-                    if outcome is None:
-                        results[i] = _outcome(lambda: read.finish(key, max_raw_bytes))
-                    else:  # one record's damage (a short file) must not fail its neighbours
-                        results[i] = outcome if len(run) == 1 else _outcome(
-                            lambda: self.read_into(key, value, out, max_raw_bytes=max_raw_bytes))
-            finally:
-                for read in reads:
-                    read.close()
-        return results
-
-    @contextlib.contextmanager
-    def _extent(self, pointer: SegmentPointer) -> Iterator[memoryview]:
-        """The record's whole extent, read into a pooled page-aligned buffer lent for the block."""
-        assert _BUFFERS is not None
-        self._check_extent(pointer)
-        pages = _BUFFERS.take(pointer.extent)
-        view = memoryview(pages)
-        try:
-            self._read_exactly(pointer, [view])
-            yield view
-        finally:
-            view.release()
-            _BUFFERS.give(pages)
-
-    def _check_extent(self, pointer: SegmentPointer) -> None:
-        """A damaged pointer can claim any length: check its extent against the file before a
-        buffer of that size is taken (a flipped high byte would ask for petabytes: MemoryError)."""
-        try:
-            size = os.fstat(self._fd(pointer.name)).st_size
-        except FileNotFoundError as exc:
-            raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
-        except OSError as exc:
-            raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
-        if pointer.offset + pointer.extent > size:
-            raise CorruptRecordError(
-                f"segment {pointer.name} is short: {size} bytes, the record claims {pointer.extent} at offset {pointer.offset}"
-            )
-
-    def _read_exactly(self, pointer: SegmentPointer, pieces: List[memoryview]) -> None:
-        """Fill ``pieces`` from the record's offset: a missing segment or one that ends first is
-        corruption (a miss, quarantined like a checksum failure), any other OS error
-        ``TierIOError``."""
-        try:
-            complete = _preadv_all(self._fd(pointer.name), pieces, pointer.offset)
-        except FileNotFoundError as exc:
-            raise CorruptRecordError(f"segment {pointer.name} is missing") from exc
-        except OSError as exc:
-            raise TierIOError(f"cannot read segment {pointer.name} in {self._dir}: {exc}") from exc
-        if not complete:
-            raise CorruptRecordError(f"segment {pointer.name} is short: it ends inside the record at offset {pointer.offset}")
-
-    def forget(self, names: Iterable[str]) -> None:
-        with self._lock:
-            for name in names:
-                fd = self._fds.pop(name, None)
-                if fd is not None:
-                    self._retired.append(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in [*self._fds.values(), *self._retired]:
-                os.close(fd)
-            self._fds.clear()
-            self._retired.clear()
+        os.close(fd)
+    except OSError as exc:
+        log.warning("kvtier lmdb: closing a segment read descriptor failed: %s", exc)
 
 
 class Ledger:
@@ -640,9 +462,13 @@ def segment_files(directory: Path) -> List[str]:
     return sorted(name for name in os.listdir(directory) if _NAME.match(name))
 
 
-def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter], reader: SegmentReader) -> List[str]:
+def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter],
+                reader: "SegmentReader") -> List[str]:
     """After the commit that emptied ``names``: delete each segment file, unless a writer still
-    appends to it (ours is rotated first; another process's keeps its lock: left for later)."""
+    appends to it (ours is rotated first; another process's keeps its lock: left for later).
+    Returns the names deleted. Never raises: it runs after a commit, which must stand whatever
+    the files do; a file that cannot be deleted (a permission, an I/O error) is logged and left
+    without an entry in ``segments``, an orphan the next writable open deletes."""
     removed = []
     for name in names:
         if writer is not None and writer.active == name:
@@ -650,16 +476,23 @@ def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentW
         reader.forget([name])
         path = directory / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("kvtier lmdb: cannot open emptied segment %s to delete it (left for the next open): %s", path, exc)
             continue
         try:
             if _locked_elsewhere(fd):
                 continue
             os.unlink(path)
             removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("kvtier lmdb: cannot delete emptied segment %s (left for the next open): %s", path, exc)
         finally:
-            os.close(fd)
+            _close_quietly(fd)
     return removed
 
 
@@ -672,46 +505,73 @@ def _creation_lock(directory: Path, mode: int) -> Iterator[None]:
     except OSError as exc:
         raise _io_error(exc, f"cannot open {directory / _CREATION_LOCK}") from exc
     try:
-        fcntl.flock(fd, mode)
+        try:
+            fcntl.flock(fd, mode)
+        except OSError as exc:
+            raise _io_error(exc, f"cannot lock {directory / _CREATION_LOCK}") from exc
         yield
     finally:
         os.close(fd)
 
 
-def reclaim_orphans(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
+def reclaim_orphans(directory: Path, committed: Callable[[], Dict[str, int]]) -> Tuple[int, int]:
     """At a writable open: delete segment files no committed record points into and truncate each
     other one to its committed end (what a crash between ``append`` and the commit left behind),
-    skipping segments a live writer holds. ``committed``: segment name -> committed end. Returns
-    (files removed, files truncated)."""
+    skipping segments a live writer holds. ``committed``: reads segment name -> committed end in a
+    NEW read transaction (called once, after every file it decides on is locked). Returns (files
+    removed, files truncated).
+
+    Why it cannot take a live writer's records, whatever the interleaving (W: a writer in another
+    process, R: this reclaim):
+
+    - R holds ``segments.lock`` exclusively throughout; W creates and ``flock``s every new segment
+      under it shared. So each file R lists was created, and locked by its writer, before R began.
+    - R takes each file's ``flock`` (non-blocking; a file whose lock is held is some writer's active
+      segment and is left alone), and only then reads the committed ends, in a transaction begun
+      after the last of those locks. A writer appends only to its active segment and commits every
+      pointer into it before it releases the lock (``rotate`` comes after the commit; a failed
+      append rotates before any commit), so every commit that will ever point into a file R holds
+      has happened before R's lock, and so before R's transaction: the end R reads is final, and a
+      file R finds without an entry has no committed record and never will.
+    - While R holds a file's lock, nobody appends to it (names never repeat, so no writer creates
+      it again) and ``remove_dead`` elsewhere leaves it for later. R truncates only bytes past the
+      committed end, deletes only files without one, then drops its locks.
+
+    Reading the ends first and locking afterwards (as before) let a writer commit into a segment
+    and release it in between (its records cut off), or create, fill and release a new one (deleted
+    whole)."""
     if not any(_NAME.match(name) for name in os.listdir(directory)):
         return 0, 0  # nothing to look at: no lock file created for caches without segments
     with _creation_lock(directory, fcntl.LOCK_EX):
-        return _reclaim(directory, committed)
-
-
-def _reclaim(directory: Path, committed: Dict[str, int]) -> Tuple[int, int]:
-    removed = truncated = 0
-    for entry in os.scandir(directory):
-        if not _NAME.match(entry.name):
-            continue
-        path = directory / entry.name
+        held: List[Tuple[str, int]] = []
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
-        try:
-            if _locked_elsewhere(fd):
-                continue
-            end = committed.get(entry.name)
-            if end is None:
-                os.unlink(path)
-                removed += 1
-            elif os.fstat(fd).st_size > end:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
-                truncated += 1
+            for name in segment_files(directory):
+                try:
+                    fd = os.open(directory / name, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    continue  # deleted meanwhile (an emptied segment)
+                if _locked_elsewhere(fd):
+                    os.close(fd)
+                    continue
+                held.append((name, fd))
+            ends = committed() if held else {}
+            return _reclaim(directory, held, ends)
         finally:
-            os.close(fd)
+            for _, fd in held:
+                os.close(fd)
+
+
+def _reclaim(directory: Path, held: List[Tuple[str, int]], ends: Dict[str, int]) -> Tuple[int, int]:
+    removed = truncated = 0
+    for name, fd in held:
+        end = ends.get(name)
+        if end is None:
+            os.unlink(directory / name)
+            removed += 1
+        elif os.fstat(fd).st_size > end:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            truncated += 1
     return removed, truncated
 
 

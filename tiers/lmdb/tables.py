@@ -7,26 +7,30 @@ Primitives (any thread; a write transaction only on the writer thread):
 - ``index_entries``: every stored key with its last access and size, read from ``atime``.
 - ``read_sequence`` / ``bump_sequence``: the environment's mutation sequence (``meta``), bumped by
   every write transaction of every process, so removals and puts are ordered across processes.
+- ``take_segment_number``: the next segment number of the directory (``meta``), so segment names
+  never repeat, whichever process or tier instance creates them.
 
 Tables: ``chunks`` (key -> record, see ``tiers.record_format``), ``atime`` (key -> last access | stored
 bytes, the LRU side table, written in batches), ``quarantine`` (key -> a corrupt record, at most
 ``max_quarantine_records`` kept), ``segments`` (segment name -> live bytes | records | committed
-end, see ``segments``), ``meta`` (format version; ``sequence``, a u64).
+end, see ``segments``), ``meta`` (format version; ``sequence``, a u64; ``segment_counter``, a u64).
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 import lmdb
 
 from kvtier.errors import CorruptCacheError, TierIOError
 
-from .segments import stored_size
+from .segments import NAME_PATTERN, segment_files, stored_size
 
-__all__ = ["FORMAT_VERSION", "INLINE_FORMAT_VERSION", "READABLE_FORMATS", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence"]
+__all__ = ["FORMAT_VERSION", "INLINE_FORMAT_VERSION", "READABLE_FORMATS", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence",
+           "take_segment_number"]
 
 # The tier format in ``meta``: b"1" every record inline; b"2" records may be segment pointers
 # (tiers/lmdb/segments.py). A cache is marked b"2" by the first writable open that may write
@@ -43,6 +47,8 @@ _DB_SEGMENTS = b"segments"
 ATIME = struct.Struct("<QQ")  # last access (time_ns), stored record bytes
 _SEQUENCE_KEY = b"sequence"
 _SEQUENCE = struct.Struct("<Q")
+_SEGMENT_COUNTER_KEY = b"segment_counter"
+_MAX_SEGMENT_NUMBER = 0xFFFFFFFF  # a pointer's counter field (segments._POINTER)
 
 
 @dataclass(frozen=True)
@@ -145,3 +151,20 @@ def bump_sequence(txn: lmdb.Transaction, tables: Tables) -> int:
     sequence = read_sequence(txn, tables) + 1
     txn.put(_SEQUENCE_KEY, _SEQUENCE.pack(sequence), db=tables.meta)
     return sequence
+
+
+def take_segment_number(txn: lmdb.Transaction, tables: Tables, directory: Path) -> int:
+    """Inside a write transaction: a segment number no earlier segment of this directory had (the
+    counter in ``meta``, bumped). A cache from before the counter starts past every number its
+    ``segments`` table and its files show, so no name it ever used comes back."""
+    value = txn.get(_SEGMENT_COUNTER_KEY, db=tables.meta)
+    if value is not None and len(value) == _SEQUENCE.size:
+        number = _SEQUENCE.unpack(value)[0]
+    else:
+        names = [bytes(k).decode(errors="replace") for k in txn.cursor(db=tables.segments).iternext(keys=True, values=False)]
+        seen = [int(m.group(2)) for m in map(NAME_PATTERN.match, names + segment_files(directory)) if m]
+        number = max(seen, default=-1) + 1
+    if number > _MAX_SEGMENT_NUMBER:
+        raise TierIOError(f"{directory} has used every segment number (pointers hold 32 bits)")
+    txn.put(_SEGMENT_COUNTER_KEY, _SEQUENCE.pack(number + 1), db=tables.meta)
+    return number

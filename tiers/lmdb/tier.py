@@ -10,8 +10,8 @@ Primitives and the threads they run on:
 - the read pool (``read_workers`` threads): encodes put batches (zstd, off the loop), runs read
   transactions, decodes records straight from ``txn.get(key)`` (``buffers=True``) into the caller's
   buffers while the transaction is open.
-- the timer thread (``timer.PeriodicThread``): ``env.reader_check()`` every
-  ``reader_check_interval_s`` (and once at open), and asks the writer to persist access times every
+- the timer thread (``timer.PeriodicThread``): ``env.reader_check()`` and the segment reader's
+  ``sweep`` every ``reader_check_interval_s`` (reader check also once at open), and asks the writer to persist access times every
   ``access_flush_interval_s``.
 - blocking helpers for tools (``maintenance.Maintenance``): ``iter_records``, ``verify``, ``gc``,
   ``quarantined_keys``, ``compact_segments_sync``, and ``close_sync``; ``compact_segments`` (async)
@@ -89,10 +89,10 @@ from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_
 from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
+from .segment_reader import SegmentReader
 from .segments import (
     DEFAULT_SEGMENT_MAX_BYTES,
     DEFAULT_SEGMENT_THRESHOLD_BYTES,
-    SegmentReader,
     SegmentWriter,
     check_segment_threshold,
     committed_ends,
@@ -286,11 +286,19 @@ class LmdbTier(ChunkTier, Maintenance):
 
     def _open_env(self, map_size_bytes: int) -> None:
         check_data_file(self._path)
-        # Read-only: no lock file is created (that would be a write); otherwise it is allocated
-        # before LMDB maps it, so a full disk is TierFullError instead of SIGBUS.
-        use_lock = lock_for_readonly(self._path) if self._readonly else True
-        if use_lock and not self._readonly:
+        # The lock file is allocated before LMDB maps it, so a full disk is TierFullError instead
+        # of SIGBUS. A read-only open uses it too (creating it if it can): reads outside LMDB's
+        # reader table let a writer reuse their pages mid-read. Where it cannot, every read copies
+        # the record out of the map before checking it (``_lockless``).
+        if self._readonly:
+            use_lock = lock_for_readonly(self._path)
+            if not use_lock:
+                log.info("kvtier lmdb: %s: cannot use or create lock.mdb (a read-only mount, no permission "
+                         "or no space): reading without LMDB's lock, each record copied, then checked", self._path)
+        else:
             prepare_lock_file(self._path)
+            use_lock = True
+        self._lockless = not use_lock
         if self._verify_structure and not hasattr(self, "_env"):  # not on a reopen after MDB_PANIC
             verify_structure_at_rest(self._path, create_lock=not self._readonly)
         try:
@@ -332,27 +340,38 @@ class LmdbTier(ChunkTier, Maintenance):
         except BaseException:
             self._env.close()
             raise
+        self._map_size_read = float(self._env.info()["map_size"])  # statistics() while a remap runs
 
-    def _load_index(self) -> None:
-        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
+    def _read_at_open(self, body: Callable[[lmdb.Transaction], T]) -> T:
+        """``body`` in a new read transaction while opening (LMDB errors propagate to the caller,
+        which maps them), adopting a map another process grew since we opened it."""
         for attempt in range(3):
             try:
                 with self._env.begin(buffers=True) as txn:
-                    entries = index_entries(txn, self._tables)
-                    self._sequence = read_sequence(txn, self._tables)
-                break
+                    return body(txn)
             except lmdb.MapResizedError:
                 if attempt == 2:
                     raise
-                self._env.set_mapsize(0)  # another process grew the map since we opened it
+                self._env.set_mapsize(0)
+        raise AssertionError("unreachable")
+
+    def _load_index(self) -> None:
+        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
+        entries, self._sequence = self._read_at_open(
+            lambda txn: (index_entries(txn, self._tables), read_sequence(txn, self._tables)))
         entries.sort()
         self._lru = ByteLru((key, size) for _, key, size in entries)
 
     def _reclaim_segment_orphans(self) -> None:
-        """Truncate or delete what a crash between a segment append and its commit left behind."""
-        with self._env.begin(buffers=True) as txn:
-            ends = committed_ends(txn, self._tables.segments)
-        removed, truncated = reclaim_orphans(self._path, ends)
+        """Truncate or delete what a crash between a segment append and its commit left behind. The
+        committed ends are read by ``reclaim_orphans`` itself, in a transaction begun only once it
+        holds every file it decides on (its docstring says why nothing a live writer committed, or
+        will commit, is touched)."""
+        try:
+            removed, truncated = reclaim_orphans(
+                self._path, lambda: self._read_at_open(lambda txn: committed_ends(txn, self._tables.segments)))
+        except OSError as exc:
+            raise TierIOError(f"cannot reclaim orphan segments in {self._path}: {exc}") from exc
         if removed or truncated:
             log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
                         self._path, removed, truncated)
@@ -532,6 +551,8 @@ class LmdbTier(ChunkTier, Maintenance):
             records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
             # the whole slice's pages in flight
             advise_willneed(r for r in records if r is not None and not is_pointer(r))
+            if self._lockless:  # a writer may reuse these pages mid-read: check only a private copy
+                records = [None if r is None else memoryview(bytes(r)) for r in records]
             # segment records first, all together (adjacent ones share a read); outcomes by index
             in_segments = [i for i, r in enumerate(records) if r is not None and is_pointer(r)]
             outcomes = dict(zip(in_segments, self._segment_reader.read_many_into(
@@ -722,16 +743,24 @@ class LmdbTier(ChunkTier, Maintenance):
         ``put_commits``, ``raw_bytes_in``, ``stored_bytes_in``, ``compressed_records``,
         ``map_growths``, ``stale_readers_cleared``, and segment compaction's ``compaction_passes``,
         ``compacted_records`` / ``compacted_bytes`` (records moved), ``compacted_segments`` /
-        ``compaction_bytes_freed`` (segment files it emptied and deleted, their sizes). Cheap; any thread of the opening process (it
-        reads the environment's info, which a forked child must not touch)."""
+        ``compaction_bytes_freed`` (segment files it emptied and deleted, their sizes). Cheap and
+        never waits; any thread of the opening process (it reads the environment's info, which a
+        forked child must not touch). The map size is read under the shared map lock, as every
+        read transaction: a growth or reopen remaps the environment under the exclusive one, and
+        LMDB's info reads the meta pages inside the map (py-lmdb releases the GIL there). When the
+        lock is taken (a remap running or waiting), the size this call last read is reported: the
+        event loop and vLLM's scheduler call this, and must not wait behind a remap."""
         if os.getpid() != self._pid:
             raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
         with self._counters_lock:
             counters = dict(self._counters)
-        try:
-            map_size = float(self._env.info()["map_size"]) if not self._closed else 0.0
-        except lmdb.Error:
-            map_size = 0.0
+        with self._map_lock.shared_nowait() as held:
+            if held and not self._closed:
+                try:
+                    self._map_size_read = float(self._env.info()["map_size"])
+                except lmdb.Error:
+                    self._map_size_read = 0.0
+        map_size = self._map_size_read if not self._closed else 0.0
         return TierStatistics.from_counters(
             counters, self._lru, capacity_bytes=self._capacity, degraded=self._degraded, map_size_bytes=map_size
         )
@@ -748,12 +777,14 @@ class LmdbTier(ChunkTier, Maintenance):
         return None
 
     def _clear_stale_readers(self) -> Optional[bool]:
-        """Free reader slots of dead processes (False ends the timer: closing)."""
+        """Free reader slots of dead processes, and close read fds of segments deleted meanwhile
+        (``SegmentReader.sweep``: their space comes back; False ends the timer: closing)."""
         try:
             with self._map_lock.shared():
                 if self._closed:
                     return False
                 cleared = self._env.reader_check()
+            self._segment_reader.sweep()  # fds of segments deleted meanwhile (by any process): space back
             if cleared:
                 log.warning("kvtier lmdb: cleared %d stale readers in %s", cleared, self._path)
                 self._count(stale_readers_cleared=cleared)

@@ -32,8 +32,9 @@ from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
 from ..writer import Job, SharedExclusiveLock
 from .segment_records import codec_of, release_records
-from .segments import Ledger, SegmentPointer, SegmentReader, SegmentWriter, is_pointer, remove_dead, stored_size
-from .tables import ATIME, Tables, bump_sequence
+from .segment_reader import SegmentReader
+from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, remove_dead, stored_size
+from .tables import ATIME, Tables, bump_sequence, take_segment_number
 
 __all__ = ["WriterSide", "PutJob"]
 
@@ -118,9 +119,12 @@ class WriterSide:
                 raise self._write_failed(exc, nbytes) from exc
             self._degraded = False
             self._sequence = max(self._sequence, sequence)
+            # Committed: nothing below may fail the batch. The in-memory update and its removal
+            # reports come first; deleting the emptied files never raises (``remove_dead``).
+            result = apply()
             if self._emptied_segments:
                 remove_dead(self._path, self._emptied_segments, self._segment_writer, self._segment_reader)
-            return apply()
+            return result
 
     def _grow_map(self, nbytes: int, cause: BaseException) -> None:
         current = self._env.info()["map_size"]
@@ -174,7 +178,9 @@ class WriterSide:
     def _put_access_times(self, txn: lmdb.Transaction, accesses: List[Tuple[bytes, int]], skip: object) -> None:
         for key, t in accesses:
             size = self._lru.get(key)
-            if size is not None and key not in skip:  # type: ignore[operator]
+            # Another process may have removed the record since it was read (our LRU does not see
+            # that): an access time without its record would list a key no record backs.
+            if size is not None and key not in skip and txn.get(key, db=self._tables.chunks) is not None:  # type: ignore[operator]
                 txn.put(key, ATIME.pack(t, size), db=self._tables.atime)
 
     def _flush_accesses(self) -> None:
@@ -286,18 +292,30 @@ class WriterSide:
         """Append ``records`` to this writer's segment (opening one if needed) and sync it; a
         failure marks the tier degraded (puts, and compaction's moves)."""
         if self._segment_writer is None:
-            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes)
+            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes, numbers=self._take_segment_number)
         self._io_hook.before("put")
         was = self._segment_writer.active
         try:
             pointers = self._segment_writer.append(records)
-        except (TierIOError, TierFullError):
+        except (TierIOError, TierFullError) as exc:
             self._degraded = True
-            self._count(errors=1)
+            if not isinstance(exc.__cause__, lmdb.Error):  # a failed numbering commit: _write counted it
+                self._count(errors=1)
             raise
         if was is not None and self._segment_writer.active != was:
             self._segment_rotated(was)
         return pointers
+
+    def _take_segment_number(self) -> int:
+        """Writer thread, before a new segment is created: its number, taken from the directory's
+        counter in a write transaction of its own (committed before the file exists, so no other
+        process or later tier instance ever gets the same one)."""
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            number = take_segment_number(txn, self._tables, self._path)
+            return lambda: number
+
+        return self._write(body)
 
     def _delete_keys(self, keys: List[bytes]) -> int:
         accesses = self._take_accesses()
