@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
+from kvtier.tiers.eviction import eviction_policy_names
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 
 logger = logging.getLogger("kvtier.engine")
@@ -34,7 +35,7 @@ _KiB = 1 << 10
 _MiB = 1 << 20
 _GiB = 1 << 30
 
-HOST_EVICTION_POLICIES: Tuple[str, ...] = ("lru", "arc")
+HOST_EVICTION_POLICIES: Tuple[str, ...] = eviction_policy_names()
 DEVICE_KINDS: Tuple[str, ...] = ("cpu", "cuda")
 REMOTE_WRITE_POLICIES: Tuple[str, ...] = ("write_through", "write_back_on_evict")
 

@@ -31,11 +31,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 from kvtier.policy import ChunkState, longest_hit
+from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 
 from .workload import Plans, Workload
 
 __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate_belady", "POLICIES",
-           "policy_class", "LruOrder"]
+           "policy_class", "HostOrder"]
 
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
@@ -73,49 +74,40 @@ class Outcome:
         return float(self.hit_tokens.sum()) / total if total else 0.0
 
 
-class LruOrder:
-    """Least recently used first; ``victims(n, exclude)`` the ``n`` oldest not in ``exclude``."""
+class HostOrder:
+    """One host pool's eviction as the engine decides it: the engine's own policy object
+    (``tiers.eviction``), with chunk ids for slots and for content keys; ``victims(n, exclude)``
+    evicts (and forgets) ``n`` chunks not in ``exclude``, as ``HostSlabPool.allocate`` does."""
 
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: "OrderedDict[int, None]" = OrderedDict()
+    def __init__(self, name: str, capacity: int) -> None:
+        self.policy = make_eviction_policy(name, max(1, capacity))
 
     def __contains__(self, key: int) -> bool:
-        return key in self._order
+        return key in self.policy
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self.policy)
 
     def insert(self, key: int) -> None:
-        self._order[key] = None
+        self.policy.insert(key, key=key)
 
     def touch(self, key: int) -> None:
-        self._order.move_to_end(key)
-
-    def remove(self, key: int) -> None:
-        del self._order[key]
+        self.policy.touch(key)
 
     def victims(self, n: int, exclude: Iterable[int] = ()) -> List[int]:
         exclude = set(exclude)
-        out: List[int] = []
-        for key in self._order:
-            if len(out) == n:
-                break
-            if key not in exclude:
-                out.append(key)
-        return out
+        return self.policy.evictable_victims(n, lambda key: key not in exclude) or []
 
 
-POLICIES: Dict[str, Callable[[], LruOrder]] = {"lru": LruOrder}
+POLICIES = eviction_policy_names()
 
 
-def policy_class(name: str) -> Callable[[], LruOrder]:
-    """The host eviction policy ``name``; an unknown name lists the valid ones."""
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"--policy {name!r} is unknown; valid: {', '.join(sorted(POLICIES))}") from None
+def policy_class(name: str) -> Callable[[int], HostOrder]:
+    """The host eviction policy ``name`` (a pool's capacity -> its order); an unknown name lists
+    the valid ones."""
+    if name not in POLICIES:
+        raise ValueError(f"--policy {name!r} is unknown; valid: {', '.join(POLICIES)}")
+    return lambda capacity: HostOrder(name, capacity)
 
 
 class _ByteLru:
@@ -160,7 +152,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     layout = plans.layout
     num_groups = len(layout.groups)
     order_class = policy_class(policy)
-    host = [order_class() for _ in range(num_groups)]
+    host = [order_class(slots) for slots in host_slots]
     disk = _ByteLru(disk_capacity)
     disk_sizes = disk.sizes
     disk_group: Dict[int, int] = {}
@@ -178,7 +170,6 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
 
     def evict_host(g: int, count: int, exclude) -> None:
         for key in host[g].victims(count, exclude):
-            host[g].remove(key)
             hcount.evicted_chunks += 1
             hcount.evicted_bytes += chunk_bytes[g]
 
