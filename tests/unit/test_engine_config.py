@@ -57,7 +57,7 @@ def test_path_and_int_values_are_normalised():
         ({"host_capacity_bytes": 0}, r"host_capacity_bytes must be positive, got 0"),
         ({"host_capacity_bytes": True}, r"host_capacity_bytes must be an int, got True"),
         ({"host_capacity_bytes": "256MiB"}, r"host_capacity_bytes must be an int, got '256MiB'"),
-        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'lru', 'arc', got 'fifo'"),
+        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'arc', 'lfuda', 'lru', got 'fifo'"),
         ({"cache_dir": "/x", "disk_capacity_bytes": -1}, r"disk_capacity_bytes must be positive, got -1"),
         ({"disk_capacity_bytes": 1 << 30}, r"disk_capacity_bytes=1073741824 needs cache_dir"),
         ({"lmdb_map_size_bytes": 0}, r"lmdb_map_size_bytes must be >= 1048576, got 0"),

@@ -157,9 +157,9 @@ def test_budgets_parse_as_bytes_shares_or_unbounded():
 
 
 def test_an_unknown_policy_lists_the_valid_ones():
-    assert policy_class("lru")().name == "lru"
-    with pytest.raises(ValueError, match=r"--policy 'arc' is unknown; valid: lru"):
-        policy_class("arc")
+    assert policy_class("lfuda")(4).policy.name == "lfuda"
+    with pytest.raises(ValueError, match=r"--policy 'fifo' is unknown; valid: arc, lfuda, lru"):
+        policy_class("fifo")
 
 
 def test_an_unknown_preset_lists_the_valid_ones():
