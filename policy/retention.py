@@ -6,17 +6,19 @@ sliding-window tail at every alignment boundary (kvtier's dense ``reachable_stor
 Pure, synchronous, any thread.
 
 Primitives: ``retention_boundaries`` (the boundaries served), ``retention_store_block_mask`` (the
-blocks a producer stores for them), ``retention_store_chunk_indices`` (the chunks).
+blocks a producer stores for them), ``retention_store_chunk_indices`` (the chunks),
+``retention_speculative_chunks`` (those of them only a partial-prefix hit can read).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 from .coverage import reachable_store_block_mask, store_block_mask_for_boundaries
 from .geometry import ModelLayout
 
-__all__ = ["retention_boundaries", "retention_store_block_mask", "retention_store_chunk_indices", "check_retention_interval"]
+__all__ = ["retention_boundaries", "retention_store_block_mask", "retention_store_chunk_indices",
+           "retention_speculative_chunks", "check_retention_interval"]
 
 
 def check_retention_interval(layout: ModelLayout, retention_interval: Optional[int]) -> None:
@@ -77,3 +79,14 @@ def retention_store_chunk_indices(layout: ModelLayout, group_index: int, num_tok
     mask = retention_store_block_mask(layout, group_index, num_tokens, retention_interval)
     per_chunk = group.blocks_per_chunk
     return [c for c in range(num_tokens // group.tokens_per_chunk) if any(mask[c * per_chunk : (c + 1) * per_chunk])]
+
+
+def retention_speculative_chunks(layout: ModelLayout, group_index: int, num_tokens: int,
+                                 retention_interval: Optional[int]) -> FrozenSet[int]:
+    """The chunks the store plan keeps that the final boundary's does not (interval ``0``): a
+    sliding group's interior tails, read only by a hit that ends inside the prompt. Empty for a
+    full-attention group and for interval ``0``. Eviction may let these go first."""
+    if layout.groups[group_index].sliding_window is None or retention_interval == 0:
+        return frozenset()
+    final = retention_store_chunk_indices(layout, group_index, num_tokens, 0)
+    return frozenset(retention_store_chunk_indices(layout, group_index, num_tokens, retention_interval)).difference(final)

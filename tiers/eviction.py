@@ -55,8 +55,11 @@ class EvictionPolicy(abc.ABC):
         self.capacity = capacity
 
     @abc.abstractmethod
-    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
-        """Track ``slot`` as new content, most recently used. Already tracked: ValueError."""
+    def insert(self, slot: int, key: Optional[Hashable] = None, speculative: bool = False) -> None:
+        """Track ``slot`` as new content, most recently used. Already tracked: ValueError.
+        ``speculative``: the content was stored for a hit that may never come (a sliding window's
+        interior tail, kept only for partial-prefix hits); a policy may let it go first (LRU and
+        ARC ignore it)."""
 
     @abc.abstractmethod
     def touch(self, slot: int) -> None:
@@ -95,7 +98,7 @@ class LRUPolicy(EvictionPolicy):
         # Oldest first; the value is unused (OrderedDict is the O(1) move-to-end list).
         self._order: "OrderedDict[int, None]" = OrderedDict()
 
-    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+    def insert(self, slot: int, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         if slot in self._order:
             raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
         self._order[slot] = None
@@ -166,7 +169,7 @@ class ARCPolicy(EvictionPolicy):
         """ARC's adaptive ``p``: how many slots recency (T1) should get."""
         return self._p
 
-    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+    def insert(self, slot: int, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         if slot in self._keys:
             raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
         if key is not None and key in self._b1:
@@ -273,7 +276,10 @@ class LFUDAPolicy(EvictionPolicy):
     conversation's last turn, a one-off document), and LRU lets each of them push out a head that
     many requests share; a head's count grows with every request that hits it, so it outlives a
     burst of new chunks, while the aging lets a session that ended fall out. Content inserted
-    without a key counts from one and keeps no history.
+    without a key counts from one and keeps no history. A speculative insertion is no access: it
+    keeps the key's count (0 for new content), so a sliding window's interior tail goes before
+    anything used at the same age (measured on gpt-oss-120b-like pools, where those tails are most
+    of the sliding pool: without it the policy gained nothing there).
 
     Victims walk a heap with lazy deletion: O(log n) per access, plus the slots skipped as not
     evictable.
@@ -304,8 +310,10 @@ class LFUDAPolicy(EvictionPolicy):
         """The remembered access count of ``key`` (0: none)."""
         return self._counts.get(key, 0)
 
-    def _access(self, slot: int, key: Optional[Hashable], previous: int) -> None:
-        if key is None:
+    def _access(self, slot: int, key: Optional[Hashable], previous: int, speculative: bool = False) -> None:
+        if speculative:
+            count = previous if key is None else self._counts.get(key, 0)
+        elif key is None:
             count = previous + 1
         else:
             count = self._counts.get(key, 0) + 1
@@ -325,11 +333,11 @@ class LFUDAPolicy(EvictionPolicy):
         self._samples = 0
         self._counts = {key: count >> 1 for key, count in self._counts.items() if count > 1}
 
-    def insert(self, slot: int, key: Optional[Hashable] = None) -> None:
+    def insert(self, slot: int, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         if slot in self._entry:
             raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
         self._keys[slot] = key
-        self._access(slot, key, 0)
+        self._access(slot, key, 0, speculative)
 
     def touch(self, slot: int) -> None:
         key = self._keys[slot]  # KeyError when untracked, as documented

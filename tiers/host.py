@@ -248,14 +248,15 @@ class HostSlabPool:
 
     # -- per-slot state ------------------------------------------------------------------------
 
-    def set_owner(self, slot: int, tag: object, *, key: Optional[Hashable] = None) -> None:
+    def set_owner(self, slot: int, tag: object, *, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         """Record who holds ``slot`` (the engine's chunk entry); reported back if it is evicted.
 
         A new owner means new content: the policy sees a fresh insertion (most recently used).
         ``key`` names the content for the policy's history (ARC's ghost lists recognise a chunk
         that comes back soon after eviction): pass the chunk key. Without it the tag serves when
         hashable; an object hashed by identity never matches a later one, so ARC then adapts only
-        through touches.
+        through touches. ``speculative``: passed to the policy's ``insert`` (content stored for a
+        hit that may never come).
         """
         self._check_allocated(slot, "set the owner of")
         if key is None:
@@ -269,7 +270,7 @@ class HostSlabPool:
         self._owners[slot] = tag
         self._keys[slot] = key
         self._policy.remove(slot)
-        self._policy.insert(slot, key=key)
+        self._policy.insert(slot, key=key, speculative=speculative)
 
     def owner(self, slot: int) -> object:
         self._check_allocated(slot, "read the owner of")

@@ -1,16 +1,19 @@
-"""A byte-capacity LRU index with all-or-nothing victim choice, shared by the disk tiers.
+"""Byte-capacity eviction indexes with all-or-nothing victim choice, shared by the disk tiers.
 
-Primitive: ``ByteLru`` -- key -> stored bytes, least recently used first, and their total. Not
-thread-safe: each tier touches its index from one thread only (the LMDB tier's writer thread, the
-file tier's event-loop thread).
+Primitives: ``ByteLru`` -- key -> stored bytes, least recently used first, and their total;
+``ByteLfuda`` -- the same interface in LFU-with-dynamic-aging order (as the host pool's ``lfuda``);
+``make_byte_index(name, entries)`` and ``BYTE_INDEX_NAMES`` (by name; an unknown one lists the
+valid ones). Not thread-safe: each tier touches its index from one thread only (the LMDB tier's
+writer thread, the file tier's event-loop thread).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from typing import Container, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Container, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
-__all__ = ["ByteLru"]
+__all__ = ["ByteLru", "ByteLfuda", "make_byte_index", "BYTE_INDEX_NAMES"]
 
 
 class ByteLru:
@@ -102,3 +105,112 @@ class ByteLru:
         if capacity is not None and self._total > capacity:
             problems.append(f"over capacity: {self._total} > {capacity}")
         return problems
+
+
+class ByteLfuda(ByteLru):
+    """``ByteLru``'s interface in LFU-DA order: each ``put`` or ``touch`` of a key adds one to its
+    count, its priority is ``L + count`` (``L``: the priority of the last record dropped), the
+    lowest goes first, equal ones least recently used first. Counts outlive the records (a chunk
+    written again keeps its history), halved every ``history`` accesses (zeros dropped) so at most
+    about that many keys are remembered. A size change by ``put`` is an access like any other."""
+
+    __slots__ = ("_rank", "_heap", "_counts", "_age", "_sequence", "_samples", "_history")
+
+    def __init__(self, entries: Iterable[Tuple[bytes, int]] = (), history: int = 1 << 20) -> None:
+        self._rank: Dict[Hashable, Tuple[float, int]] = {}
+        self._heap: List[Tuple[float, int, Hashable]] = []
+        self._counts: Dict[Hashable, int] = {}
+        self._age = 0.0
+        self._sequence = 0
+        self._samples = 0
+        self._history = max(1, int(history))
+        super().__init__(entries)
+
+    @property
+    def age(self) -> float:
+        return self._age
+
+    def count(self, key: Hashable) -> int:
+        return self._counts.get(key, 0)
+
+    def _access(self, key: Hashable) -> None:
+        count = self._counts.get(key, 0) + 1
+        self._counts[key] = count
+        self._samples += 1
+        if self._samples >= self._history:
+            self._samples = 0
+            self._counts = {k: c >> 1 for k, c in self._counts.items() if c > 1}
+        self._sequence += 1
+        rank = (self._age + count, self._sequence)
+        self._rank[key] = rank
+        heapq.heappush(self._heap, (rank[0], rank[1], key))
+        if len(self._heap) > 2 * len(self._rank) + 64:
+            self._heap = [(p, q, k) for k, (p, q) in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Keys, first victim first."""
+        return iter(sorted(self._rank, key=self._rank.__getitem__))
+
+    def put(self, key: bytes, size: int) -> None:
+        old = self._sizes.pop(key, None)
+        if old is not None:
+            self._total -= old
+        self._sizes[key] = size
+        self._total += size
+        self._access(key)
+
+    def pop(self, key: bytes) -> Optional[int]:
+        """Drop ``key`` (evicted or removed): ``L`` becomes its priority if that is higher."""
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._total -= size
+            self._age = max(self._age, self._rank.pop(key)[0])
+        return size
+
+    def touch(self, key: bytes) -> bool:
+        if key not in self._sizes:
+            return False
+        self._access(key)
+        return True
+
+    def choose_victims(self, excess: int, keep: Container[bytes] = ()) -> Optional[List[Tuple[bytes, int]]]:
+        victims: List[Tuple[bytes, int]] = []
+        if excess <= 0:
+            return victims
+        heap, rank, sizes = self._heap, self._rank, self._sizes
+        popped: List[Tuple[float, int, Hashable]] = []
+        freed = 0
+        try:
+            while heap:
+                item = heapq.heappop(heap)
+                live = rank.get(item[2])
+                if live is None or live[1] != item[1]:
+                    continue  # stale: accessed or dropped since
+                popped.append(item)
+                key = item[2]
+                if key in keep:
+                    continue
+                victims.append((key, sizes[key]))
+                freed += sizes[key]
+                if freed >= excess:
+                    return victims
+            return None
+        finally:
+            for item in popped:
+                heapq.heappush(heap, item)
+
+
+_BYTE_INDEXES = {"lru": ByteLru, "lfuda": ByteLfuda}
+BYTE_INDEX_NAMES: Tuple[str, ...] = tuple(sorted(_BYTE_INDEXES))
+
+
+def make_byte_index(name: str, entries: Iterable[Tuple[bytes, int]] = ()) -> Union[ByteLru, ByteLfuda]:
+    """A new index of eviction policy ``name`` over ``entries`` (coldest first). Unknown name:
+    ValueError listing the valid names."""
+    try:
+        cls = _BYTE_INDEXES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown disk eviction policy {name!r}; valid names: "
+                         f"{', '.join(repr(n) for n in BYTE_INDEX_NAMES)}") from None
+    return cls(entries)

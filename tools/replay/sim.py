@@ -32,6 +32,7 @@ import numpy as np
 
 from kvtier.policy import ChunkState, longest_hit
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
+from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
 
 from .workload import Plans, Workload
 
@@ -88,8 +89,8 @@ class HostOrder:
     def __len__(self) -> int:
         return len(self.policy)
 
-    def insert(self, key: int) -> None:
-        self.policy.insert(key, key=key)
+    def insert(self, key: int, speculative: bool = False) -> None:
+        self.policy.insert(key, key=key, speculative=speculative)
 
     def touch(self, key: int) -> None:
         self.policy.touch(key)
@@ -110,24 +111,6 @@ def policy_class(name: str) -> Callable[[int], HostOrder]:
     return lambda capacity: HostOrder(name, capacity)
 
 
-class _ByteLru:
-    """Key -> bytes, least recently used first (the LMDB tier's ``ByteLru`` rule, for ints)."""
-
-    def __init__(self, capacity: Optional[int]) -> None:
-        self.capacity = capacity
-        self.sizes: "OrderedDict[int, int]" = OrderedDict()
-        self.total = 0
-
-    def put(self, key: int, size: int) -> None:
-        self.sizes[key] = size
-        self.total += size
-
-    def pop(self, key: int) -> int:
-        size = self.sizes.pop(key)
-        self.total -= size
-        return size
-
-
 def _step(hit: int, tiers: Dict[str, TierCounts]) -> tuple:
     """One request's trail for ``steps``: its hit and every tier's running counts."""
     return (int(hit),) + tuple(tuple(vars(tiers[name]).values()) for name in sorted(tiers))
@@ -140,7 +123,7 @@ def _new_counts(names: Sequence[str]) -> Dict[str, TierCounts]:
 def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], chunk_bytes: Sequence[int],
                     disk_capacity: Optional[int], disk_record_bytes: Sequence[int], has_disk: bool = True,
                     spill_chunk_bytes: Optional[Sequence[int]] = None,
-                    policy: str = "lru", store_queue_max_chunks: int = 4096, spill_batch_max_chunks: int = 256,
+                    policy: str = "lru", disk_policy: Optional[str] = None, store_queue_max_chunks: int = 4096, spill_batch_max_chunks: int = 256,
                     spill_batch_max_bytes: int = 64 << 20, progress: Optional[Callable[[int], None]] = None,
                     steps: Optional[list] = None) -> Outcome:
     """Replay ``work`` through a model of the engine (see the module docstring). ``host_slots[g]``
@@ -153,8 +136,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     num_groups = len(layout.groups)
     order_class = policy_class(policy)
     host = [order_class(slots) for slots in host_slots]
-    disk = _ByteLru(disk_capacity)
-    disk_sizes = disk.sizes
+    disk = make_byte_index(disk_policy if disk_policy is not None else
+                           (policy if policy in BYTE_INDEX_NAMES else "lru"))
+    disk_capacity_bytes = disk_capacity
     disk_group: Dict[int, int] = {}
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
     hcount, dcount = tiers["host"], tiers.get("disk")
@@ -175,26 +159,17 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
 
     def write(batch: List[tuple]) -> None:
         batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
-        cap = disk.capacity
+        cap = disk_capacity_bytes
         if cap is not None and batch_bytes > cap:
             dropped["tier_full"] += len(batch)  # TierFullError: the chunks stay on the host only
             return
         if cap is not None:
-            excess = disk.total + batch_bytes - cap
-            if excess > 0:
-                keep = {key for _, key in batch}
-                victims = []
-                freed = 0
-                for key, size in disk_sizes.items():
-                    if freed >= excess:
-                        break
-                    if key not in keep:
-                        victims.append(key)
-                        freed += size
-                for key in victims:
-                    disk.pop(key)
-                    dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
-                    dcount.evicted_chunks += 1
+            excess = disk.total_bytes + batch_bytes - cap
+            # The batch fits the capacity, so every other record together frees enough.
+            for key, _ in disk.choose_victims(excess, {key for _, key in batch}):
+                disk.pop(key)
+                dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
+                dcount.evicted_chunks += 1
         for g, key in batch:
             disk.put(key, disk_record_bytes[g])
             disk_group[key] = g
@@ -210,7 +185,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             if c >= len(group_ids):
                 return _MISSING
             key = group_ids[c]
-            return _READY if key in host[g] or key in disk_sizes else _MISSING
+            return _READY if key in host[g] or key in disk else _MISSING
 
         hit = longest_hit(layout, max(0, n - 1), state) or 0
         hits[r] = hit
@@ -232,7 +207,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 promote = [[] for _ in range(num_groups)]
                 for g, key in window:
                     (pinned[g].add(key) if key in host[g] else promote[g].append(key))
-                if any(key not in disk_sizes for g in range(num_groups) for key in promote[g]):
+                if any(key not in disk for g in range(num_groups) for key in promote[g]):
                     # A host-only chunk an earlier window of this load evicted: the load fails
                     # ("missing") before this window changes anything, and the prompt is prefilled.
                     hits[r] = 0
@@ -245,7 +220,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                             evict_host(g, shortfall, pinned[g])
                         for key in promote[g]:
                             host[g].insert(key)
-                            disk_sizes.move_to_end(key)
+                            disk.touch(key)
                             read_disk[r] += chunk_bytes[g]
                             dcount.read_chunks += 1
                             dcount.read_bytes += chunk_bytes[g]
@@ -257,7 +232,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 for g, key in window:
                     host[g].touch(key)
         new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
-               if key not in host[g] and key not in disk_sizes]
+               if key not in host[g] and key not in disk]
         if new:
             need = [0] * num_groups
             for g, _ in new:
@@ -273,8 +248,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 shortfall = len(host[g]) + need[g] - host_slots[g]
                 if need[g] and shortfall > 0:
                     evict_host(g, shortfall, ())
+            speculative = {key for g in range(num_groups) for key in ids[g].take(plans.speculative(g, n))}
             for g, key in new:
-                host[g].insert(key)
+                host[g].insert(key, key in speculative)
                 hcount.stored_chunks += 1
                 hcount.stored_bytes += chunk_bytes[g]
                 stored[r] += chunk_bytes[g]

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.policy import KeyChain, ModelLayout
 from kvtier.policy.plan import load_block_plan
-from kvtier.policy.retention import check_retention_interval, retention_store_block_mask
+from kvtier.policy.retention import check_retention_interval, retention_speculative_chunks, retention_store_block_mask
 
 from .layouts import ReplayLayout
 from .trace import Trace
@@ -76,6 +76,7 @@ class Plans:
         self.retention = retention_interval
         self._store: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self._load: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+        self._speculative: Dict[Tuple[int, int], Tuple[int, ...]] = {}
 
     def store(self, group_index: int, num_tokens: int) -> Tuple[int, ...]:
         key = (group_index, num_tokens)
@@ -98,6 +99,16 @@ class Plans:
             return ()
         blocks = np.asarray(mask[: complete * per_chunk], dtype=bool).reshape(complete, per_chunk)
         return tuple(np.flatnonzero(blocks.any(axis=1)).tolist())
+
+    def speculative(self, group_index: int, num_tokens: int) -> Tuple[int, ...]:
+        """Of ``store(g, n)``, the chunks only a partial-prefix hit reads (the engine stores them
+        marked speculative: ``retention_speculative_chunks``)."""
+        key = (group_index, num_tokens)
+        found = self._speculative.get(key)
+        if found is None:
+            found = self._speculative[key] = tuple(sorted(retention_speculative_chunks(
+                self.layout, group_index, num_tokens, self.retention)))
+        return found
 
     def load(self, group_index: int, hit_tokens: int) -> Tuple[int, ...]:
         key = (group_index, hit_tokens)
