@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from kvtier.errors import EngineInvariantError, EngineUsageError, ForkedProcessError
 from kvtier.policy import (
@@ -296,6 +296,7 @@ class OffloadEngine:
             verify_structure=config.lmdb_verify_on_open,
             segment_threshold_bytes=config.lmdb_segment_threshold_bytes,
             segment_compaction_live_fraction=config.lmdb_segment_compaction_live_fraction,
+            eviction_policy=config.eviction_policy,
         )
         tier, aside = await open_replacing_damaged(config.cache_dir, lambda: LmdbTier.open(config.cache_dir, **kwargs),
                                                    quarantine=config.quarantine_corrupt_cache_dir)
@@ -321,7 +322,7 @@ class OffloadEngine:
     def _make_pools(self) -> List[HostSlabPool]:
         chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
         return pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=self.config.device_kind,
-                                eviction=self.config.host_eviction_policy)
+                                eviction=self.config.host_policy())
 
     # ------------------------------------------------------------------ the disk index
 
@@ -578,15 +579,17 @@ class OffloadEngine:
             granted[gi] = list(allocation.slots)
         return granted
 
-    def _new_entries(self, wanted, state: HostState, slots: Dict[int, List[int]]) -> List[ChunkEntry]:
+    def _new_entries(self, wanted, state: HostState, slots: Dict[int, List[int]],
+                     speculative: Container[Tuple[int, int]] = ()) -> List[ChunkEntry]:
         """Index an entry per (group, chunk, key) in ``wanted`` in the given slots, pinned once for
-        the copy that is about to fill them."""
+        the copy that is about to fill them; a (group, chunk) in ``speculative`` is told to the
+        host pool's policy as such (stored only for partial-prefix hits)."""
         iters = {g: iter(s) for g, s in slots.items()}
         entries = []
         for gi, chunk, key in wanted:
             slot = next(iters[gi])
             entry = ChunkEntry(key, gi, chunk, state, slot, ready=self._loop.create_future())
-            self._pools[gi].set_owner(slot, entry, key=key)
+            self._pools[gi].set_owner(slot, entry, key=key, speculative=(gi, chunk) in speculative)
             self._pin(entry)
             self._entries[key] = entry
             entries.append(entry)

@@ -48,6 +48,8 @@ class EvictionPolicy(abc.ABC):
     """
 
     name: str = "policy"
+    # Whether ``insert``'s ``speculative`` changes anything (the owner may skip working it out).
+    uses_speculative: bool = False
 
     def __init__(self, capacity: int) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
@@ -286,6 +288,7 @@ class LFUDAPolicy(EvictionPolicy):
     """
 
     name = "lfuda"
+    uses_speculative = True
     # Accesses between halvings, per slot, and their cap (a bound on the remembered keys' memory).
     history_factor = 40
     history_max = 1 << 20

@@ -248,6 +248,11 @@ class HostSlabPool:
 
     # -- per-slot state ------------------------------------------------------------------------
 
+    @property
+    def uses_speculative(self) -> bool:
+        """Whether the policy treats a speculative ``set_owner`` differently."""
+        return self._policy.uses_speculative
+
     def set_owner(self, slot: int, tag: object, *, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         """Record who holds ``slot`` (the engine's chunk entry); reported back if it is evicted.
 

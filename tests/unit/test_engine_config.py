@@ -17,7 +17,7 @@ def test_defaults_are_valid_and_documented_values():
     config = EngineConfig()
     assert config.cache_dir is None
     assert config.host_capacity_bytes == 256 * MiB
-    assert config.host_eviction_policy == "lru"
+    assert config.eviction_policy == "lfuda" and config.host_eviction_policy is None and config.host_policy() == "lfuda"
     assert config.disk_capacity_bytes is None
     assert config.lmdb_map_size_bytes == 1 * GiB
     assert config.store_queue_max_chunks == 4096

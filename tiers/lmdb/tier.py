@@ -76,7 +76,7 @@ from ..base import (
     check_key,
 )
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel, wait_threads
-from ..lru import ByteLru
+from ..lru import make_byte_index
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
 from ..record_format import CodecConfig, decode_record, encode_record
 from ..safedir import ensure_private_dir
@@ -166,6 +166,7 @@ class LmdbTier(ChunkTier, Maintenance):
         segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES,
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
         segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION,
+        eviction_policy: str = "lru",
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -216,8 +217,9 @@ class LmdbTier(ChunkTier, Maintenance):
         self._counters_lock = threading.Lock()
         self._counters: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._degraded = False
-        # Owned by the writer thread once it starts: key -> stored bytes, least recently used first.
-        self._lru = ByteLru()
+        # Owned by the writer thread once it starts: key -> stored bytes, first victim first.
+        self._eviction_policy = eviction_policy
+        self._lru = make_byte_index(eviction_policy)  # an unknown name: ValueError listing the valid ones
         self._sequence = 0
         self._accesses: Deque[Tuple[bytes, int]] = deque()
         self._removals = RemovalFeed()
@@ -360,7 +362,7 @@ class LmdbTier(ChunkTier, Maintenance):
         entries, self._sequence = self._read_at_open(
             lambda txn: (index_entries(txn, self._tables), read_sequence(txn, self._tables)))
         entries.sort()
-        self._lru = ByteLru((key, size) for _, key, size in entries)
+        self._lru = make_byte_index(self._eviction_policy, ((key, size) for _, key, size in entries))
 
     def _reclaim_segment_orphans(self) -> None:
         """Truncate or delete what a crash between a segment append and its commit left behind. The

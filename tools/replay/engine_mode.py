@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine.config import EVICTION_POLICIES
 from kvtier.errors import EngineInvariantError
 from kvtier.policy import cdiv, layout_fingerprint
 from kvtier.policy.plan import load_block_plan
@@ -63,7 +64,7 @@ class _SizedPoolsEngine(OffloadEngine):
     def _make_pools(self) -> List[HostSlabPool]:
         config = self.config
         return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=config.device_kind,
-                             eviction=config.host_eviction_policy) for g, slots in enumerate(self._replay_slots)]
+                             eviction=config.host_policy()) for g, slots in enumerate(self._replay_slots)]
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:
@@ -104,6 +105,7 @@ async def replay_engine(
                                      shapes=[(b,) for b in layout.block_bytes], weights_version="replay-1")
     host_bytes = sum(n * size for n, size in zip(host_slots, chunk_bytes))
     options: Dict[str, object] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
+                                      eviction_policy=policy if policy in EVICTION_POLICIES else "lru",
                                       host_eviction_policy=policy, events_max=1 << 20)
     if cache_dir is not None:
         options.update(cache_dir=cache_dir, disk_capacity_bytes=disk_bytes,
