@@ -17,6 +17,7 @@ from kvtier.errors import KvtierError
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, check_live_fraction
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
+from kvtier.tiers.lru import BYTE_INDEX_NAMES
 
 __all__ = ["VllmTierConfig", "VllmTierConfigError"]
 
@@ -51,7 +52,8 @@ class VllmTierConfig:
     ``lmdb_verify_on_open`` and ``quarantine_corrupt_cache_dir``: as ``EngineConfig``'s, on by
     default: the LMDB file's structure is checked before LMDB maps it, and a damaged cache
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
-    ``CorruptCacheError``, and leaves the directory alone).
+    ``CorruptCacheError``, and leaves the directory alone). ``eviction_policy``: the LMDB tier's
+    capacity eviction, as ``EngineConfig``'s (``lfuda`` or ``lru``).
     """
 
     cache_dir: str
@@ -70,6 +72,7 @@ class VllmTierConfig:
     lmdb_segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION
     lmdb_verify_on_open: bool = True
     quarantine_corrupt_cache_dir: bool = True
+    eviction_policy: str = "lfuda"
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> VllmTierConfigError:
@@ -108,6 +111,8 @@ class VllmTierConfig:
         for name in ("enable_kv_events", "lmdb_verify_on_open", "quarantine_corrupt_cache_dir"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
+        if self.eviction_policy not in BYTE_INDEX_NAMES:
+            raise bad("eviction_policy", f"one of {', '.join(BYTE_INDEX_NAMES)}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
             raise bad("locality", "LOCAL, REMOTE or null")
 

@@ -223,6 +223,7 @@ class KvtierTier(SecondaryTierManager):
                 capacity_bytes=self.config.disk_capacity_bytes,
                 segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
                 segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
+                eviction_policy=self.config.eviction_policy,
                 codec=codec,
                 read_workers=self.config.read_workers,
                 max_raw_bytes=max(self._row_bytes, 1 << 20),
