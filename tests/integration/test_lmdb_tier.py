@@ -179,6 +179,35 @@ async def test_map_grows_past_a_tiny_initial_map(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_lfuda_capacity_eviction_keeps_the_record_read_most(tmp_path: Path) -> None:
+    """Records read again outlive newer ones read once (LRU would evict the old favourite first),
+    every eviction is reported, the bound holds; an unknown policy name lists the valid ones."""
+    cap = 1 << 20
+    items = [_item(i, shape=(100 * 1024,), random=True) for i in range(12)]
+    removed: List[bytes] = []
+    async with await LmdbTier.open(tmp_path / "c", capacity_bytes=cap, eviction_policy="lfuda") as tier:
+        tier.subscribe_removals(lambda removals: removed.extend(r.key for r in removals))
+        await tier.put_many([items[0]])
+        for it in items[1:4]:  # record 0 read three times (reads apply at the next write)
+            await _get(tier, [items[0]])
+            await tier.put_many([it])
+        await _get(tier, items[1:4])  # 1, 2, 3 read once, after 0's last read
+        for it in items[4:10]:  # 10 records fit
+            await tier.put_many([it])
+        await tier.put_many([items[10]])
+        await tier.put_many([items[11]])
+        present = await tier.contains_many([it[0] for it in items])
+        # LRU would evict 0 and 1 (the least recently read); LFU-DA the unread 4 and 5.
+        assert present == [True] * 4 + [False, False] + [True] * 6
+        assert removed == [items[4][0], items[5][0]]
+        assert tier.statistics().as_dict()["bytes"] <= cap
+        assert await tier.check() == []
+    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'lfuda', 'lru'"):
+        LmdbTier(tmp_path / "d", eviction_policy="arc")
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.asyncio
 async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     cap = 1 << 20
     items = [_item(i, shape=(100 * 1024,), random=True) for i in range(14)]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.tiers.eviction import LFUDAPolicy, eviction_policy_names, make_eviction_policy
 from kvtier.tiers.host import HostSlabPool
+from kvtier.tiers.lru import ByteLfuda, ByteLru, make_byte_index
 
 CAPACITY = 6
 # (op, slot, key or n, pinned-mask)
@@ -187,3 +189,61 @@ def test_the_host_pool_never_exceeds_capacity_evicts_no_pin_and_reports_every_ev
                 del owner_of[slot]
         assert len(owner_of) <= slots and pool.num_free == slots - len(owner_of)
         pool.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "touch", "pop", "evict"]), st.integers(0, 7), st.integers(1, 30),
+                          st.integers(0, 255)), max_size=100))
+def test_byte_lfuda_chooses_and_ages_as_its_definition(ops):
+    index = ByteLfuda(history=25)
+    counts: Dict[int, int] = {}
+    rank: Dict[int, tuple] = {}
+    sizes: Dict[int, int] = {}
+    state = {"age": 0.0, "clock": 0, "samples": 0}
+
+    def access(key: int) -> None:
+        nonlocal counts
+        counts[key] = counts.get(key, 0) + 1
+        state["samples"] += 1
+        if state["samples"] == 25:
+            state["samples"] = 0
+            counts = {k: c // 2 for k, c in counts.items() if c // 2}
+        state["clock"] += 1
+
+    for op, key, size, mask in ops:
+        if op == "put":
+            index.put(key, size)
+            sizes[key] = size
+            c = counts.get(key, 0) + 1
+            access(key)
+            rank[key] = (state["age"] + c, state["clock"])
+        elif op == "touch":
+            assert index.touch(key) == (key in sizes)
+            if key in sizes:
+                c = counts.get(key, 0) + 1
+                access(key)
+                rank[key] = (state["age"] + c, state["clock"])
+        elif op == "pop":
+            assert index.pop(key) == sizes.pop(key, None)
+            if key in rank:
+                state["age"] = max(state["age"], rank.pop(key)[0])
+        else:
+            keep = {k for k in range(8) if mask >> k & 1}
+            order = [k for k in sorted(rank, key=rank.__getitem__) if k not in keep]
+            want, freed = [], 0
+            for k in order:
+                if freed >= size:
+                    break
+                want.append((k, sizes[k]))
+                freed += sizes[k]
+            got = index.choose_victims(size, keep)
+            assert got == (want if freed >= size else None)  # and it changed nothing:
+        assert list(index) == sorted(rank, key=rank.__getitem__)
+        assert index.total_bytes == sum(sizes.values()) and len(index) == len(sizes)
+        assert index.reconcile(dict(sizes), None) == []
+
+
+def test_byte_index_names_and_errors():
+    assert type(make_byte_index("lru")) is ByteLru and type(make_byte_index("lfuda", [(b"a", 3)])) is ByteLfuda
+    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'lfuda', 'lru'"):
+        make_byte_index("arc")

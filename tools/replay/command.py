@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-references", action="store_true", help="skip the reference LRU and the Belady bound")
     parser.add_argument("--sweep", action="store_true", help="R in {0,1,3} x retention {dense, 0} x budgets "
                         "{2,5,10,20,50}%% in the fast mode, with paired bootstrap intervals")
+    parser.add_argument("--compare-policies", metavar="NAMES",
+                        help="comma-separated eviction policies beside lru and the Belady bound, on --sweep-layouts at "
+                        "R in {0,3} and budgets {2,5,10}%% in the fast mode, with paired bootstrap intervals")
     parser.add_argument("--sweep-layouts", default="gpt-oss-120b,gemma-3-27b,deepseek-v4",
                         help="comma-separated presets for --sweep")
     parser.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples for --sweep (default 1000)")
@@ -243,6 +246,8 @@ def run(args) -> int:
     if args.plot and not args.sweep:
         raise ValueError("--plot goes with --sweep (a plot of hit rate against budget)")
     trace = read_trace(args.trace, format=args.format).limited(args.limit, args.max_input_tokens)
+    if args.compare_policies:
+        return _run_comparison(args, trace)
     if args.sweep:
         return _run_sweep(args, trace)
     layout = resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
@@ -267,13 +272,35 @@ def _plain(value):
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def _run_sweep(args, trace: Trace) -> int:
-    from .sweep import SWEEP_BUDGETS, SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
-
+def _layout_names(args) -> list:
     names = [n.strip() for n in args.sweep_layouts.split(",") if n.strip()]
     for name in names:
         if name not in PRESETS:
             raise ValueError(f"--sweep-layouts {name!r} is not a preset; valid: {', '.join(sorted(PRESETS))}")
+    return names
+
+
+def _run_comparison(args, trace: Trace) -> int:
+    from .compare import COMPARE_BUDGETS, format_comparison, run_comparison
+    from .sim import policy_class
+
+    policies = [p.strip() for p in args.compare_policies.split(",") if p.strip()]
+    for name in policies:
+        policy_class(name)
+    names = _layout_names(args)
+    with _progress(len(names) * 2 * len(COMPARE_BUDGETS), args.no_progress or args.json, "kvtier replay --compare-policies") as bar:
+        rows = run_comparison(trace, policies=policies, layouts=names, bootstrap=args.bootstrap, progress=bar.update)
+    if args.json:
+        print(json.dumps({"trace": trace.path, "requests": len(trace), "rows": rows}, sort_keys=True, default=_plain))
+    else:
+        print(format_comparison(rows, ["lru"] + policies))
+    return 0
+
+
+def _run_sweep(args, trace: Trace) -> int:
+    from .sweep import SWEEP_BUDGETS, SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
+
+    names = _layout_names(args)
     total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(SWEEP_BUDGETS)
     started = time.perf_counter()
     with _progress(total, args.no_progress or args.json, "kvtier replay --sweep") as bar:
