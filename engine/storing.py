@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from kvtier.errors import ClosedError
-from kvtier.policy.retention import retention_speculative_chunks, retention_store_chunk_indices
+from kvtier.policy.retention import retention_speculative_limit, retention_store_chunk_indices
 
 from .drop_log import drop_detail
 from .lifecycle import DURABLE_LATER, HostState
@@ -125,8 +125,9 @@ class StorePath:
             handle._mark_released()
             return handle
         interval = engine.config.store_retention_interval_tokens
-        speculative = {(g, c) for g in {g for g, _, _, _ in jobs} if engine._pools[g].uses_speculative
-                       for c in retention_speculative_chunks(engine.layout, g, num_tokens, interval)}
+        limits = {g: retention_speculative_limit(engine.layout, g, num_tokens, interval) if engine._pools[g].uses_speculative
+                  else 0 for g in {g for g, _, _, _ in jobs}}
+        speculative = {(g, c) for g, c, _, _ in jobs if c < limits[g]}
         entries = engine._new_entries([(g, c, k) for g, c, k, _ in jobs], HostState.PENDING, allocations, speculative)
         work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
         self.inflight += len(work)

@@ -7,18 +7,18 @@ Pure, synchronous, any thread.
 
 Primitives: ``retention_boundaries`` (the boundaries served), ``retention_store_block_mask`` (the
 blocks a producer stores for them), ``retention_store_chunk_indices`` (the chunks),
-``retention_speculative_chunks`` (those of them only a partial-prefix hit can read).
+``retention_speculative_limit`` (below it, those only a partial-prefix hit can read).
 """
 
 from __future__ import annotations
 
-from typing import FrozenSet, List, Optional
+from typing import List, Optional
 
 from .coverage import reachable_store_block_mask, store_block_mask_for_boundaries
 from .geometry import ModelLayout
 
 __all__ = ["retention_boundaries", "retention_store_block_mask", "retention_store_chunk_indices",
-           "retention_speculative_chunks", "check_retention_interval"]
+           "retention_speculative_limit", "check_retention_interval"]
 
 
 def check_retention_interval(layout: ModelLayout, retention_interval: Optional[int]) -> None:
@@ -81,12 +81,19 @@ def retention_store_chunk_indices(layout: ModelLayout, group_index: int, num_tok
     return [c for c in range(num_tokens // group.tokens_per_chunk) if any(mask[c * per_chunk : (c + 1) * per_chunk])]
 
 
-def retention_speculative_chunks(layout: ModelLayout, group_index: int, num_tokens: int,
-                                 retention_interval: Optional[int]) -> FrozenSet[int]:
-    """The chunks the store plan keeps that the final boundary's does not (interval ``0``): a
-    sliding group's interior tails, read only by a hit that ends inside the prompt. Empty for a
-    full-attention group and for interval ``0``. Eviction may let these go first."""
-    if layout.groups[group_index].sliding_window is None or retention_interval == 0:
-        return frozenset()
-    final = retention_store_chunk_indices(layout, group_index, num_tokens, 0)
-    return frozenset(retention_store_chunk_indices(layout, group_index, num_tokens, retention_interval)).difference(final)
+
+def retention_speculative_limit(layout: ModelLayout, group_index: int, num_tokens: int,
+                                retention_interval: Optional[int]) -> int:
+    """Stored chunks of the group below this index are interior tails: a sliding group's chunks
+    that end more than the window (``W + R`` tokens, and a chunk of margin) before the earliest
+    boundary the final one serves (interval ``0``), so only a hit ending inside the prompt reads
+    them. ``0`` (none) for a full-attention group and for interval ``0``. Eviction may let these
+    go first. Arithmetic only: no per-block mask on the store path."""
+    group = layout.groups[group_index]
+    if group.sliding_window is None or retention_interval == 0:
+        return 0
+    final = retention_boundaries(layout, group_index, num_tokens, 0)
+    if not final:
+        return 0
+    reach = group.sliding_window + group.extra_retained_tokens + group.tokens_per_chunk
+    return max(0, (final[0] - reach) // group.tokens_per_chunk)

@@ -94,6 +94,7 @@ async def measure_bookkeeping(
     hybrid: bool = False,
     with_copies: bool = False,
     seed: int = 0,
+    eviction_policy: Optional[str] = None,
 ) -> BookkeepingResult:
     """Measure the engine's per-chunk cost of store + lookup + load (see the module docstring)."""
     if chunks_per_request < 1 or requests < 1 or rounds < 1:
@@ -114,6 +115,7 @@ async def measure_bookkeeping(
         # Room for every round's chunks: stores always find free slots, nothing is evicted.
         host_capacity_bytes=(rounds + 1) * requests * chunk_slots * slot_bytes,
         store_queue_max_chunks=max(4096, requests * chunk_slots),
+        **({} if eviction_policy is None else {"eviction_policy": eviction_policy}),
     )
     rng = random.Random(seed)
     samples: Dict[str, List[float]] = {"store": [], "lookup": [], "load": [], "keys": []}
@@ -188,6 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hybrid", action="store_true", help="add a sliding-window group (W 128, R 3)")
     parser.add_argument("--with-copies", action="store_true", help="real device view over tiny chunks")
+    parser.add_argument("--eviction-policy", help="EngineConfig.eviction_policy (default: EngineConfig's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = asyncio.run(
@@ -197,6 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rounds=args.rounds,
             hybrid=args.hybrid,
             with_copies=args.with_copies,
+            eviction_policy=args.eviction_policy,
         )
     )
     if args.json:

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.policy import KeyChain, ModelLayout
 from kvtier.policy.plan import load_block_plan
-from kvtier.policy.retention import check_retention_interval, retention_speculative_chunks, retention_store_block_mask
+from kvtier.policy.retention import check_retention_interval, retention_speculative_limit, retention_store_block_mask
 
 from .layouts import ReplayLayout
 from .trace import Trace
@@ -102,12 +102,12 @@ class Plans:
 
     def speculative(self, group_index: int, num_tokens: int) -> Tuple[int, ...]:
         """Of ``store(g, n)``, the chunks only a partial-prefix hit reads (the engine stores them
-        marked speculative: ``retention_speculative_chunks``)."""
+        marked speculative: ``retention_speculative_limit``)."""
         key = (group_index, num_tokens)
         found = self._speculative.get(key)
         if found is None:
-            found = self._speculative[key] = tuple(sorted(retention_speculative_chunks(
-                self.layout, group_index, num_tokens, self.retention)))
+            limit = retention_speculative_limit(self.layout, group_index, num_tokens, self.retention)
+            found = self._speculative[key] = tuple(c for c in self.store(group_index, num_tokens) if c < limit)
         return found
 
     def load(self, group_index: int, hit_tokens: int) -> Tuple[int, ...]:
