@@ -86,15 +86,20 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("kvtier: error: ")
 
 
-@pytest.mark.parametrize("layout, extra, retention", [
-    ("full-attention", "0", "none"),
-    ("gpt-oss-120b", "3", "none"),
-    ("gpt-oss-120b", "1", "0"),
-    ("deepseek-v4", "3", "none"),
+@pytest.mark.parametrize("layout, extra, retention, policy", [
+    ("full-attention", "0", "none", "lru"),
+    ("gpt-oss-120b", "3", "none", "lru"),
+    ("gpt-oss-120b", "1", "0", "lru"),
+    ("deepseek-v4", "3", "none", "lru"),
+    ("full-attention", "0", "none", "lfuda"),
+    ("gpt-oss-120b", "3", "none", "lfuda"),
+    ("deepseek-v4", "3", "none", "lfuda"),
+    ("gpt-oss-120b", "1", "0", "arc"),
 ])
-def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention):
+def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention,
+                                                                      policy):
     # Budgets small enough that both tiers evict and hits come from the host and from disk.
-    args = ["--trace", conversations, "--layout", layout, "-R", extra, "--retention", retention,
+    args = ["--trace", conversations, "--layout", layout, "-R", extra, "--retention", retention, "--policy", policy,
             "--bytes-scale", "0.002", "--host-bytes", "30%", "--disk-bytes", "20%"]
     engine = replay_json(capsys, *args)
     fast = replay_json(capsys, *args, "--simulate")
