@@ -19,7 +19,7 @@ from kvtier.tiers.lru import ByteLfuda, ByteLru, make_byte_index
 
 CAPACITY = 6
 # (op, slot, key or n, pinned-mask)
-OPS = st.lists(st.tuples(st.sampled_from(["insert", "touch", "remove", "evict"]), st.integers(0, CAPACITY - 1),
+OPS = st.lists(st.tuples(st.sampled_from(["insert", "speculative", "touch", "remove", "evict"]), st.integers(0, CAPACITY - 1),
                          st.integers(0, 9), st.one_of(st.just(0), st.integers(0, (1 << CAPACITY) - 1))),
                   max_size=120)
 
@@ -29,8 +29,8 @@ class LruOracle:
         self.last: Dict[int, int] = {}
         self.clock = 0
 
-    def access(self, slot: int, key: Optional[int]) -> None:
-        self.clock += 1
+    def access(self, slot: int, key: Optional[int], speculative: bool = False) -> None:
+        self.clock += 1  # LRU ignores speculative
         self.last[slot] = self.clock
 
     def touch(self, slot: int) -> None:
@@ -56,9 +56,11 @@ class LfudaOracle:
         self.own: Dict[int, int] = {}
         self.clock = 0
 
-    def access(self, slot: int, key: Optional[int]) -> None:
+    def access(self, slot: int, key: Optional[int], speculative: bool = False) -> None:
         self.keys[slot] = key
-        if key is None:
+        if speculative:  # no access: the count stays (0 for new content)
+            count = self.own.get(slot, 0) if key is None else self.counts.get(key, 0)
+        elif key is None:
             count = self.own.get(slot, 0) + 1
         else:
             count = self.counts.get(key, 0) + 1
@@ -92,10 +94,10 @@ def _run(name: str, ops, keyless: bool) -> None:
     tracked: Set[int] = set()
     for op, slot, arg, mask in ops:
         pinned = {s for s in range(CAPACITY) if mask >> s & 1}
-        if op == "insert" and slot not in tracked:
+        if op in ("insert", "speculative") and slot not in tracked:
             key = None if keyless else arg
-            policy.insert(slot, key)
-            oracle.access(slot, key)
+            policy.insert(slot, key, speculative=op == "speculative")
+            oracle.access(slot, key, speculative=op == "speculative")
             tracked.add(slot)
         elif op == "touch" and slot in tracked:
             policy.touch(slot)
