@@ -15,7 +15,7 @@ its work flushed after every request (the way engine mode replays):
   ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
   disk-only ones into new slots and touches them all, in windows of half a pool;
 - disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
-  byte LRU counts record bytes, keeps the batch being written, and sees each disk read as a touch
+  byte index (``tiers.lru``: LRU, or LFU-DA under ``lfuda``) counts record bytes, keeps the batch being written, and sees each disk read as a touch
   (only reads from disk touch it: a chunk hot on the host ages on disk). The tier applies reads
   at its next write or on a timer; engine mode flushes them after each load, so both orders agree;
 - a chunk evicted from disk stays on the host until evicted there; lookups see both.
