@@ -191,6 +191,19 @@ def test_from_toml(tmp_path):
     assert config.pressure_low_watermark_fraction == 0.7
 
 
+def test_eviction_policies_by_name_from_every_loader(tmp_path):
+    """eviction_policy names both tiers' policy; host_eviction_policy (unset: the same) only the host's."""
+    path = tmp_path / "kvtier.toml"
+    path.write_text('eviction_policy = "lru"\n')
+    config = EngineConfig.from_toml(path)
+    assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", None, "lru")
+    config = EngineConfig.from_env({"KVTIER_EVICTION_POLICY": "lru", "KVTIER_HOST_EVICTION_POLICY": "arc"})
+    assert (config.eviction_policy, config.host_policy()) == ("lru", "arc")
+    assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lfuda"
+    with pytest.raises(ValueError, match=r"eviction_policy must be one of 'lfuda', 'lru', got 'arc'"):
+        EngineConfig(eviction_policy="arc")  # ARC has no disk-tier variant
+
+
 def test_from_toml_errors_name_the_file(tmp_path):
     bad_syntax = tmp_path / "broken.toml"
     bad_syntax.write_text("host_capacity_bytes = \n")
