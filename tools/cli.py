@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: demo, warmup, inspect, verify, gc, bench.
+"""The ``kvtier`` command: demo, warmup, inspect, verify, gc, bench, replay.
 
 Primitives: ``main(argv)`` (the console entry point), ``build_parser``.
 
@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a smaller run, under a minute")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--cache-dir", help="directory on the filesystem to measure (default: a temporary one)")
+
+    from .replay.command import add_arguments as add_replay_arguments
+
+    replay = sub.add_parser(
+        "replay", help="replay a request trace (Mooncake, Azure, your prompts) through the engine or its fast model: "
+        "hit rate per tier against host and disk budgets, with a reference LRU and the offline bound beside it")
+    add_replay_arguments(replay)
     return parser
 
 
@@ -397,6 +404,14 @@ def _cmd_bench(args) -> int:
     return run_bench_command(quick=args.quick, as_json=args.json, cache_dir=args.cache_dir)
 
 
+def _cmd_replay(args) -> int:
+    from .replay.command import run
+
+    if args.cache_dir is not None:
+        _require_writable_dir("--cache-dir", args.cache_dir)
+    return run(args)
+
+
 def _require_writable_dir(option: str, path: str) -> None:
     """A directory the command will write into: it exists as a directory (or its parent does, and it
     is made) and a file can be created in it. Checked before any work, so the error names the option."""
@@ -425,6 +440,7 @@ _COMMANDS = {
     "verify": _cmd_verify,
     "gc": _cmd_gc,
     "bench": _cmd_bench,
+    "replay": _cmd_replay,
 }
 
 
