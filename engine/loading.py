@@ -117,6 +117,7 @@ class LoadPath:
         engine = self._engine
         entries: List[Optional[ChunkEntry]] = []
         to_promote = []
+        resident_on_disk: List[bytes] = []
         for gi, chunk, key in wanted:
             entry = engine._entries.get(key)
             if entry is None:
@@ -128,6 +129,8 @@ class LoadPath:
             engine._pin(entry)
             pinned.append(entry)
             entries.append(entry)
+            if key in engine._index:
+                resident_on_disk.append(key)
         promoted: List[ChunkEntry] = []
         if to_promote:
             promoted = self.start_promotion(to_promote)
@@ -152,6 +155,14 @@ class LoadPath:
             failed = [r for r in reasons if r is not None]
             if failed:
                 return [], 0, failed[0]
+        if resident_on_disk and engine._disk is not None:
+            # Served from the host, but a use all the same: the disk's LRU hears of it (after the
+            # promotions' reads, in the load's order), or a chunk kept hot on the host ages out of
+            # the disk and is gone for good once the host evicts it (no store writes it again).
+            try:
+                engine._disk.touch_many(resident_on_disk)
+            except Exception as exc:  # noqa: BLE001 - a recency hint: never a reason to fail the load
+                logger.debug("disk tier touch failed: %r", exc)
         return entries, len(promoted), None
 
     def start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:

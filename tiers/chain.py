@@ -383,6 +383,15 @@ class ChainedTier(ChunkTier):
             self._extra["promotions_failed"] += len(items)
             logger.debug("promotion of %d chunks failed: %s", len(items), exc)
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Every tier of the chain hears of the use (``ChunkTier.touch_many``; each ignores the keys
+        it does not hold, and a tier that does not evict by recency ignores all). Nothing once
+        closed."""
+        if self._closed:
+            return
+        for tier in self.tiers:
+            tier.touch_many(keys)
+
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """True where any tier holds the key (a failing tier counts as not holding it)."""
         self._check_open()

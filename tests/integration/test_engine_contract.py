@@ -716,3 +716,40 @@ async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_
     reopened = await FileTier.open(tmp_path / "files")
     assert await reopened.contains_many([key]) == [True]
     await reopened.close()
+
+
+# ----------------------------------------------------------------- host hits and the disk's LRU
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
+    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
+    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
+    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
+    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
+    # it again).
+    from kvtier.tiers.base import ChunkMeta
+    from kvtier.tiers.record_format import CodecConfig, encode_record
+
+    raw = CodecConfig(compress=False)
+    nbytes = make_cpu_device(FULL, num_blocks=128).chunk_nbytes(0)
+    probe = await rig(tmp_path / "probe")
+    dtype, shape = probe.engine._metas[0]
+    await probe.close()
+    record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
+    inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes)
+    removed = []
+    inner.subscribe_removals(lambda removals: removed.extend(x.key for x in removals))
+    hot, a, b, c = (r.scenario.tokens(17 * 4) for _ in range(4))
+    for prompt in (hot, a):
+        await r.scenario.produce(prompt)
+    await r.scenario.consume(hot + [1], expect_hit=64)  # from the host
+    await r.scenario.produce(b)  # the host drops A's copies; the disk is full: A, H, B
+    await r.scenario.produce(c)  # the host drops H's copies; the disk evicts A, its oldest use
+    await r.engine.flush()
+    keys = {name: set(r.engine.request_keys(p).keys[0][:4]) for name, p in (("hot", hot), ("a", a))}
+    assert set(removed) == keys["a"]
+    assert not any(k in r.engine._entries for k in keys["hot"])
+    assert (await r.scenario.consume(hot + [1], expect_hit=64)).ok  # from the disk, bitwise
+    await r.close()

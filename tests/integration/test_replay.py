@@ -95,7 +95,7 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
 def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention):
     # Budgets small enough that both tiers evict and hits come from the host and from disk.
     args = ["--trace", conversations, "--layout", layout, "-R", extra, "--retention", retention,
-            "--bytes-scale", "0.002", "--host-bytes", "30%", "--disk-bytes", "20%"]
+            "--bytes-scale", "0.002", "--host-bytes", "20%", "--disk-bytes", "30%"]
     engine = replay_json(capsys, *args)
     fast = replay_json(capsys, *args, "--simulate")
     main_run, model = engine["main"], engine["simulate"]
