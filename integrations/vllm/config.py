@@ -26,7 +26,7 @@ class VllmTierConfigError(KvtierError, ValueError):
 
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class VllmTierConfig:
             raise bad("remote_namespace", "1..64 characters of [A-Za-z0-9._-]")
         if not isinstance(self.weights_version, str):
             raise bad("weights_version", "a string")
-        if self.hash_algorithm is not None and self.hash_algorithm not in _HASH_ALGORITHMS:
-            raise bad("hash_algorithm", f"one of {', '.join(_HASH_ALGORITHMS)} or null")
+        if self.hash_algorithm is not None and self.hash_algorithm not in HASH_ALGORITHMS:
+            raise bad("hash_algorithm", f"one of {', '.join(HASH_ALGORITHMS)} or null")
         for name in ("max_inflight_jobs", "read_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -6,7 +6,8 @@ GPU <-> CPU copy worker is replaced: vLLM's handler asserts CUDA tensors, record
 calls a CUDA kernel absent from the CPU wheel. ``CpuCopyWorker`` computes the same byte addresses
 with vLLM's own ``compute_sub_block_ptrs`` and copies them with ``ctypes.memmove``, synchronously.
 
-``VllmCpuRig`` builds a hybrid model's KV cache (a hand-written ``config.json``, no weights; the
+``VllmCpuRig`` builds them in ``EngineCore``'s order (the Scheduler and its tiers, then
+``init_none_hash``), builds a hybrid model's KV cache (a hand-written ``config.json``, no weights; the
 groups are given as vLLM ``KVCacheSpec``s), runs requests step by step like vLLM's model runner
 (bind metadata, start loads, forward, wait for saves, report), and stands in for the model: its
 forward writes, for every computed token, bytes that depend on the whole prefix, the group and the
@@ -261,16 +262,18 @@ class VllmCpuRig:
             prefix_cache_retention_interval=retention,
             hash_block_size=self.hash_block_size,
         )
+        # EngineCore's order: the Scheduler (and with it every secondary tier) is built before
+        # init_none_hash seeds the block hashes, and outside set_current_vllm_config.
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
+            log_stats=False,
+        )
         self.hash_fn = get_hash_fn_by_name(hash_algorithm)
         init_none_hash(self.hash_fn)
         self._block_hasher = get_request_block_hasher(self.hash_block_size, self.hash_fn)
         with set_current_vllm_config(self.vllm_config):
-            self.scheduler = Scheduler(
-                vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                structured_output_manager=StructuredOutputManager(self.vllm_config),
-                block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
-                log_stats=False,
-            )
             self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             # layer tensors: (blocks, block_size, slot bytes) so a token's slot is one row
             self.kv: Dict[str, torch.Tensor] = {

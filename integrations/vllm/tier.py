@@ -55,40 +55,56 @@ from kvtier.tiers.chain import tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
 
-from .config import VllmTierConfig
+from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
 from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
 from .records import codec_for, record_meta
 
-__all__ = ["KvtierTier", "layout_from_spec"]
+__all__ = ["KvtierTier", "layout_from_spec", "vllm_key_scheme"]
 
 logger = logging.getLogger("kvtier.integrations.vllm")
 
 
-def _none_hash() -> bytes:
+def vllm_key_scheme(explicit: Optional[str]) -> Optional[Tuple[str, bytes]]:
+    """(hash algorithm, NONE_HASH) of the block hashes vLLM computes now, or None before vLLM
+    seeded NONE_HASH. vLLM builds its secondary tiers before ``init_none_hash`` and the offloading
+    config does not name the algorithm, so both are read from vLLM's own state when it is set: the
+    algorithm is the one whose hash of vLLM's seed is NONE_HASH (``explicit`` must be it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    return bytes(getattr(kv_cache_utils, "NONE_HASH", b"") or b"")
-
-
-def _hash_algorithm(explicit: Optional[str], none_hash: bytes) -> str:
-    """The algorithm vLLM hashes blocks with: the config key, else the running vLLM config, else
-    inferred from NONE_HASH's length (32 bytes: sha256 family; shorter: xxhash family)."""
-    if explicit is not None:
-        return explicit
-    from vllm.config import vllm as vllm_config_module
-
-    current = getattr(vllm_config_module, "_current_vllm_config", None)
-    if current is not None and current.cache_config is not None:
-        return str(current.cache_config.prefix_caching_hash_algo)
-    return "sha256" if len(none_hash) in (0, 32) else "xxhash"
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if none_hash is None:
+        return None
+    none_hash = bytes(none_hash)
+    seed = kv_cache_utils.get_none_hash_seed()
+    for name in HASH_ALGORITHMS:
+        if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
+            if explicit is not None and explicit != name:
+                raise VllmTierConfigError(
+                    f"KvtierTier hash_algorithm is {explicit!r} but vLLM hashes prefix blocks with {name!r}")
+            return name, none_hash
+    if explicit is None:
+        raise VllmTierConfigError(
+            "KvtierTier cannot tell vLLM's prefix-caching hash algorithm from its NONE_HASH; "
+            f"set hash_algorithm (one of {', '.join(HASH_ALGORITHMS)})")
+    return explicit, none_hash
 
 
 def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) -> VllmLayout:
-    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``)."""
+    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``), its
+    key scheme not bound yet. Where vLLM says the persisted block bytes are the same under any
+    topology (``is_parallelism_agnostic``), the parallel sizes stay out of it and the bytes per
+    block are counted across all workers, so servers of different TP sizes share records."""
     c = spec.config
     p = c.parallel
-    none_hash = _none_hash()
+    if p.is_parallelism_agnostic:
+        parallel: Dict[str, Any] = dict(parallelism_agnostic=True)
+        kv_bytes_per_block = int(c.worker_kv_bytes_per_block) * int(p.world_size)
+    else:
+        parallel = dict(world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
+                        dcp_size=p.dcp_size, parallelism_agnostic=False)
+        kv_bytes_per_block = int(c.worker_kv_bytes_per_block)
     return VllmLayout(
         model=str(c.model.name),
         dtype=str(c.model.dtype),
@@ -103,19 +119,26 @@ def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) 
         ),
         tokens_per_hash=int(c.cache.tokens_per_hash),
         blocks_per_chunk=int(c.cache.blocks_per_chunk),
-        worker_kv_bytes_per_block=int(c.worker_kv_bytes_per_block),
+        worker_kv_bytes_per_block=kv_bytes_per_block,
         primary_row_bytes=int(primary_row_bytes),
-        parallel=dict(
-            world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
-            dcp_size=p.dcp_size, parallelism_agnostic=bool(p.is_parallelism_agnostic),
-        ),
+        parallel=parallel,
         kv_cache_layout=c.kv_cache_layout,
         canonical_layout=bool(c.canonical_layout),
         replicated_layout=bool(c.replicated_layout),
-        hash_algorithm=_hash_algorithm(config.hash_algorithm, none_hash),
-        none_hash_hex=none_hash.hex(),
         weights_version=config.weights_version,
     )
+
+
+def parallel_sharing_note(layout: VllmLayout) -> Optional[str]:
+    """The line a tier logs at start when its records cannot be shared across parallel layouts."""
+    parallel = dict(layout.parallel)
+    if parallel.get("parallelism_agnostic"):
+        return None
+    sizes = ", ".join(f"{k}={parallel[k]}" for k in ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size"))
+    return (f"kvtier: records are bound to this parallel layout ({sizes}): vLLM reports the host KV bytes of "
+            "this model as not parallelism-agnostic (it needs one full-attention, non-MLA group with KV heads "
+            "split by TP and no context parallelism, or canonical_layout), so servers with another "
+            "parallel layout will not hit them")
 
 
 @dataclass
@@ -162,10 +185,12 @@ class KvtierTier(SecondaryTierManager):
         self.locality = Locality(self.config.locality) if self.config.locality else None
         self._rows = primary_kv_view
         self._row_bytes = primary_kv_view.strides[0]
+        # The layout's key scheme is bound at the first lookup or submit (``_bound_layout``).
         self.layout = layout_from_spec(offloading_spec, self._row_bytes, self.config)
-        self._namespace = self.layout.namespace
-        self._group_positions = {g.group_id: i for i, g in enumerate(self.layout.groups)}
-        self._warn_if_keys_are_ephemeral()
+        self._key_scheme_unknown_logged = False
+        note = parallel_sharing_note(self.layout)
+        if note is not None:
+            logger.warning(note)
 
         self._index: set = set()
         self._storing: Counter = Counter()
@@ -188,7 +213,6 @@ class KvtierTier(SecondaryTierManager):
             self._loop.stop(self.config.op_timeout_s)
             raise
         self._index.update(listed)
-        self._write_layout_file()
 
     # ------------------------------------------------------------------------------ construction
 
@@ -250,7 +274,7 @@ class KvtierTier(SecondaryTierManager):
 
         remote = await RemoteTier.open(
             self.config.remote_url, namespace=self.config.remote_namespace,
-            fingerprint=self._namespace, codec=codec, require_connection=False,
+            fingerprint=self.layout.fingerprint, codec=codec, require_connection=False,
         )
         return ChainedTier([disk, remote])
 
@@ -276,13 +300,46 @@ class KvtierTier(SecondaryTierManager):
             present = [False] * len(keys)
         self._completions.put(("removed", [k for k, here in zip(keys, present) if not here]))
 
-    def _write_layout_file(self) -> None:
-        """Leave the layout beside the records, so `kvtier warmup --key-scheme vllm` keys alike."""
-        path = Path(self.config.cache_dir) / self.layout.file_name
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(self.layout.to_json())
+    def _bound_layout(self, log_unknown: bool = True) -> Optional[VllmLayout]:
+        """The layout with vLLM's key scheme, bound once, at the first call that needs a key (or
+        the first ``get_finished_jobs``, or ``shutdown``): vLLM seeds NONE_HASH after it builds its
+        tiers, and before it hashes any request. None (logged once) while NONE_HASH is unset:
+        lookups miss and submits fail, never a key of another seed."""
+        if self.layout.key_scheme_bound:
+            return self.layout
+        try:
+            scheme = vllm_key_scheme(self.config.hash_algorithm)
+        except VllmTierConfigError as exc:
+            scheme, why = None, str(exc)
+        else:
+            why = "vLLM has not seeded NONE_HASH yet"
+        if scheme is None:
+            if log_unknown and not self._key_scheme_unknown_logged:
+                self._key_scheme_unknown_logged = True
+                logger.error("kvtier: no vLLM key scheme, every lookup misses: %s", why)
+            return None
+        self.layout = self.layout.with_key_scheme(*scheme)
+        self._warn_if_keys_are_ephemeral()
+        self._write_layout_file(self.layout)
+        return self.layout
+
+    def _write_layout_file(self, layout: VllmLayout) -> None:
+        """Leave the layout beside the records, so `kvtier warmup --key-scheme vllm` keys alike
+        (once per layout: a rebuilt engine binds the same layout and finds its file). A few
+        hundred bytes, once per tier, on the first lookup's thread."""
+        path = Path(self.config.cache_dir) / layout.file_name
+        if path.exists():
+            return
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(layout.to_json())
             os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("kvtier: cannot leave the vLLM layout file %s: %s", path, exc)
+
+    def _chunk_keys(self, keys: Sequence[OffloadKey]) -> Optional[List[bytes]]:
+        layout = self._bound_layout()
+        return None if layout is None else layout.chunk_keys(keys)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -354,7 +411,10 @@ class KvtierTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain_into_pending()
-        (chunk_key,) = self.layout.chunk_keys([key])
+        chunk_keys = self._chunk_keys([key])
+        if chunk_keys is None:
+            return LookupResult.MISS
+        (chunk_key,) = chunk_keys
         if chunk_key in self._storing:
             return LookupResult.RETRY
         if chunk_key in self._index and self._usable():
@@ -369,9 +429,11 @@ class KvtierTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        chunk_keys = self.layout.chunk_keys(keys)
-        job = _Job("store", keys, chunk_keys)
+        chunk_keys = self._chunk_keys(keys)
+        job = _Job("store", keys, chunk_keys or [])
         self._jobs[job_id] = job
+        if chunk_keys is None:
+            return self._fail_now(job_id, "stores_refused_unseeded")
         if not self._usable():
             return self._fail_now(job_id, "stores_refused_closed")
         if self._outstanding >= self.config.max_inflight_jobs:
@@ -405,8 +467,10 @@ class KvtierTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        chunk_keys = self.layout.chunk_keys(keys)
-        self._jobs[job_id] = _Job("load", keys, chunk_keys)
+        chunk_keys = self._chunk_keys(keys)
+        self._jobs[job_id] = _Job("load", keys, chunk_keys or [])
+        if chunk_keys is None:
+            return self._fail_now(job_id, "loads_refused_unseeded")
         if not self._usable():
             return self._fail_now(job_id, "loads_refused_closed")
         items = [(ck, self._row(cid)) for ck, cid in zip(chunk_keys, job_metadata.chunk_ids)]
@@ -437,6 +501,7 @@ class KvtierTier(SecondaryTierManager):
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._bound_layout(log_unknown=False)  # every step: the layout file appears before a request
         finished, self._pending_results = self._pending_results + self._drain(), []
         results = []
         for done in finished:
@@ -484,6 +549,7 @@ class KvtierTier(SecondaryTierManager):
         """Wait for running jobs, close the tiers (queued writes land), stop the loop. Safe twice."""
         if self._closed:
             return
+        self._bound_layout(log_unknown=False)
         try:
             self.drain_jobs()
         finally:
@@ -502,7 +568,8 @@ class KvtierTier(SecondaryTierManager):
 
     def index_contains(self, key: OffloadKey) -> bool:
         """Whether ``lookup`` would find ``key`` in the index (tests and tools)."""
-        return self.layout.chunk_keys([key])[0] in self._index
+        chunk_keys = self._chunk_keys([key])
+        return chunk_keys is not None and chunk_keys[0] in self._index
 
     def run_on_loop(self, coro: Any) -> Any:
         """Run a coroutine on kvtier's loop and wait (tools and tests, never from a scheduler step)."""

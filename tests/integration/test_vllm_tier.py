@@ -288,9 +288,9 @@ def test_offline_warmup_then_a_fresh_scheduler_hits_bitwise(tmp_path, capsys):
     server = make_rig(tmp_path, 0, None)
     try:
         tier = server.secondary_tiers[0]
-        assert tier.layout == layout  # the server's layout is the one the warmup keyed with
         keys = vllm_chunk_keys(PROMPT, layout)
         indexed = {(k.group_id, k.chunk_index) for k in keys if tier.index_contains(k.offload_key)}
+        assert tier.layout == layout  # the server's layout (bound at its first key) is the warmup's
         assert indexed == {(0, 0), (0, 1), (1, 2), (1, 3), (1, 6), (1, 7)}
         salted = vllm_chunk_keys(PROMPT, layout, cache_salt="tenant-b")
         assert not any(tier.index_contains(k.offload_key) for k in salted)
@@ -314,6 +314,8 @@ def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process
     rigs = [VllmCpuRig(group_specs(0), [tier_config(tmp_path / f"kv{i}")], model_dir=tmp_path / "model",
                        hash_algorithm="xxhash") for i in range(2)]
     try:
+        for rig in rigs:  # the key scheme (and the warning) binds at the tier's first lookup
+            rig.run(PROMPT)
         warnings = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED is not set" in r.getMessage()]
         assert len(warnings) == 1 and "hashes prefix blocks with xxhash" in warnings[0]
         assert "can never be hit after a restart" in warnings[0]
