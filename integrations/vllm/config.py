@@ -48,6 +48,8 @@ class VllmTierConfig:
     refused at once (reported failed: vLLM keeps its CPU copy) instead of queueing without bound.
     ``op_timeout_s``: the longest the tier waits for its own loop thread at start and shutdown.
     ``enable_kv_events``: emit vLLM KV events for stored chunks (when vLLM enables events).
+    ``read_only``: serve hits from ``cache_dir`` and never write it (a read-only mount of a warmed
+    cache; also chosen, with one warning, when ``cache_dir`` exists and cannot be written).
     ``lmdb_verify_on_open`` and ``quarantine_corrupt_cache_dir``: as ``EngineConfig``'s, on by
     default: the LMDB file's structure is checked before LMDB maps it, and a damaged cache
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
@@ -70,6 +72,7 @@ class VllmTierConfig:
     lmdb_segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION
     lmdb_verify_on_open: bool = True
     quarantine_corrupt_cache_dir: bool = True
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> VllmTierConfigError:
@@ -105,7 +108,7 @@ class VllmTierConfig:
         t = self.op_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise bad("op_timeout_s", "a finite number of seconds > 0")
-        for name in ("enable_kv_events", "lmdb_verify_on_open", "quarantine_corrupt_cache_dir"):
+        for name in ("enable_kv_events", "lmdb_verify_on_open", "quarantine_corrupt_cache_dir", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):

@@ -27,6 +27,7 @@ key is ever reported loaded.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -50,6 +51,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
@@ -60,7 +62,15 @@ from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
 from .records import codec_for, record_meta
 
-__all__ = ["KvtierTier", "layout_from_spec", "vllm_key_scheme"]
+__all__ = ["KvtierTier", "CacheDirInUseError", "layout_from_spec", "vllm_key_scheme"]
+
+WRITER_LOCK_FILE = "vllm-writer.lock"
+
+
+class CacheDirInUseError(KvtierError):
+    """Another process (or tier) already writes this ``cache_dir``: refused at start, because its
+    evictions would never reach this tier's index (a hit admitted for a key it removed)."""
+
 
 logger = logging.getLogger("kvtier.integrations.vllm")
 
@@ -205,11 +215,17 @@ class KvtierTier(SecondaryTierManager):
         self.counters: Counter = Counter()
         # Where a damaged cache_dir's files were moved at start (None: it was sound, or new).
         self.quarantined_cache_dir: Optional[str] = None
+        self.read_only = self.config.read_only or self._cache_dir_unwritable()
+        self._writer_lock: Optional[int] = None
 
         self._loop = LoopThread()
         try:
             self.chunk_tier, self.disk_tier, listed = self._loop.run(self._open(), self.config.op_timeout_s)
+            if not self.read_only:
+                self._take_writer_lock()
         except BaseException:
+            if getattr(self, "chunk_tier", None) is not None:
+                self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
             self._loop.stop(self.config.op_timeout_s)
             raise
         self._index.update(listed)
@@ -238,12 +254,46 @@ class KvtierTier(SecondaryTierManager):
             self.layout.hash_algorithm,
         )
 
+    def _cache_dir_unwritable(self) -> bool:
+        """An existing ``cache_dir`` this process may not write (a read-only mount, permissions):
+        served read-only, said once."""
+        path = self.config.cache_dir
+        if not os.path.isdir(path) or os.access(path, os.W_OK):
+            return False
+        logger.warning("kvtier: cache_dir %s cannot be written (a read-only mount or its permissions): "
+                       "serving its records read-only; nothing will be stored", path)
+        return True
+
+    def _take_writer_lock(self) -> None:
+        """One writer per ``cache_dir``: an exclusive ``flock`` held until ``shutdown``."""
+        path = Path(self.config.cache_dir) / WRITER_LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CacheDirInUseError(
+                f"kvtier: cache_dir {self.config.cache_dir} is already written by another KvtierTier (pid {holder}); "
+                "two schedulers writing one directory are not supported (its evictions would not reach this "
+                "index): give each server its own cache_dir and share through remote_url, or set read_only"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._writer_lock = fd
+
+    def _release_writer_lock(self) -> None:
+        fd, self._writer_lock = self._writer_lock, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
     async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
         codec = codec_for(self.config.compression)
         disk, aside = await open_replacing_damaged(
             self.config.cache_dir,
             lambda: LmdbTier.open(
                 self.config.cache_dir,
+                readonly=self.read_only,
                 capacity_bytes=self.config.disk_capacity_bytes,
                 segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
                 segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
@@ -252,7 +302,7 @@ class KvtierTier(SecondaryTierManager):
                 max_raw_bytes=max(self._row_bytes, 1 << 20),
                 verify_structure=self.config.lmdb_verify_on_open,
             ),
-            quarantine=self.config.quarantine_corrupt_cache_dir,
+            quarantine=self.config.quarantine_corrupt_cache_dir and not self.read_only,
         )
         if aside is not None:
             self.quarantined_cache_dir = str(aside)
@@ -328,7 +378,7 @@ class KvtierTier(SecondaryTierManager):
         (once per layout: a rebuilt engine binds the same layout and finds its file). A few
         hundred bytes, once per tier, on the first lookup's thread."""
         path = Path(self.config.cache_dir) / layout.file_name
-        if path.exists():
+        if self.read_only or path.exists():
             return
         try:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -434,6 +484,8 @@ class KvtierTier(SecondaryTierManager):
         self._jobs[job_id] = job
         if chunk_keys is None:
             return self._fail_now(job_id, "stores_refused_unseeded")
+        if self.read_only:
+            return self._fail_now(job_id, "stores_refused_read_only")
         if not self._usable():
             return self._fail_now(job_id, "stores_refused_closed")
         if self._outstanding >= self.config.max_inflight_jobs:
@@ -557,6 +609,7 @@ class KvtierTier(SecondaryTierManager):
             try:
                 self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
             finally:
+                self._release_writer_lock()
                 self._loop.stop(self.config.op_timeout_s)
 
     def statistics(self) -> Dict[str, float]:

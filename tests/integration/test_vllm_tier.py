@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import struct
+from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -412,3 +413,61 @@ def test_a_damaged_cache_dir_is_checked_moved_aside_and_replaced_under_vllm(tmp_
         assert tier.statistics()["indexed_chunks"] == 4  # and it serves: the consumer's stores landed
     finally:
         fresh.shutdown()
+
+
+def test_a_server_over_a_read_only_mount_of_a_warmed_cache_serves_hits(tmp_path, caplog):
+    """A warmed cache bind-mounted read-only (writes through the mount fail with EROFS): the server
+    starts, says once that it serves read-only, hits 32 tokens bitwise, refuses its own stores (vLLM
+    keeps its CPU copy) and leaves the directory as it was."""
+    from mounts import bind_mount
+
+    warmer = make_rig(tmp_path)
+    try:
+        warmer.run(PROMPT)
+    finally:
+        warmer.shutdown()
+    before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "kv").iterdir())
+    caplog.set_level("WARNING", logger="kvtier.integrations.vllm")
+    with bind_mount(tmp_path / "kv", tmp_path / "ro", read_only=True) as ro:
+        server = VllmCpuRig(group_specs(0), [tier_config(ro)], model_dir=tmp_path / "model")
+        try:
+            tier = server.secondary_tiers[0]
+            assert tier.read_only
+            consumed = server.run(CONSUMER)
+            assert consumed.external_hit_tokens == 32
+            assert dict(consumed.loaded) == {0: {0, 1}, 1: {6, 7}}
+            for group, blocks in consumed.loaded.items():
+                for logical in blocks:
+                    assert server.block_bytes(group, consumed.block_ids[group][logical]) == server.expected_block(PROMPT, group, logical)
+            server.run([11] * 33)  # a new prefix: its stores are refused, never written
+            assert tier.counters["stores_refused_read_only"] >= 1 and tier.counters["promotions_failed"] == 0
+        finally:
+            server.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(lines) == 1 and "serving its records read-only" in lines[0]
+    assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "kv").iterdir()) == before
+
+
+def test_a_second_scheduler_writing_the_same_cache_dir_is_refused_at_start_in_one_line(tmp_path):
+    """Two writers of one directory would admit hits for keys the other evicted: a second server
+    process on this server's cache_dir is refused at start, in one line naming the directory and
+    the holder; once this one shuts down, that server starts and hits what this one stored."""
+    import subprocess
+    import sys
+
+    child = [sys.executable, str(Path(__file__).with_name("vllm_server_child.py")), "serve", str(tmp_path / "kv"), "sha256"]
+    first = make_rig(tmp_path)
+    try:
+        first.run(PROMPT)
+        refused = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    finally:
+        first.shutdown()
+    assert refused.returncode != 0
+    (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("kvtier.integrations.vllm.tier.CacheDirInUseError")]
+    assert line == (f"kvtier.integrations.vllm.tier.CacheDirInUseError: kvtier: cache_dir {tmp_path / 'kv'} is already "
+                    f"written by another KvtierTier (pid {os.getpid()}); two schedulers writing one directory are not "
+                    "supported (its evictions would not reach this index): give each server its own cache_dir and "
+                    "share through remote_url, or set read_only")
+    served = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert json.loads(served.stdout.splitlines()[-1])["hit_tokens"] == 32
