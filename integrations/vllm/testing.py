@@ -35,12 +35,14 @@ import xxhash
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_events import EventBatch, EventPublisher, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -56,7 +58,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-__all__ = ["CpuCopyWorker", "CpuTieringOffloadingSpec", "VllmCpuRig", "RunRecord", "write_model_config"]
+__all__ = ["CpuCopyWorker", "CpuTieringOffloadingSpec", "RecordingEventPublisher", "VllmCpuRig", "RunRecord",
+           "write_model_config"]
 
 EOS_TOKEN_ID = 0
 
@@ -153,6 +156,21 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
         return CpuCopyWorker(kv_caches, self.blocks_per_chunk, region)
 
 
+class RecordingEventPublisher(EventPublisher):
+    """A vLLM KV event publisher that keeps every event the scheduler publishes (in order), where
+    vLLM's ZMQ publisher would send them to a KV-aware router."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: List[KVCacheEvent] = []
+
+    def publish(self, events: EventBatch) -> None:
+        self.events.extend(events.events)
+
+    def shutdown(self) -> None:
+        return None
+
+
 # ---------------------------------------------------------------------------------- the rig
 
 
@@ -191,7 +209,8 @@ class VllmCpuRig:
 
     ``group_specs``: one vLLM ``KVCacheSpec`` per group (equal ``page_size_bytes``), each group one
     layer. ``secondary_tiers``: the tier dicts of ``kv_connector_extra_config``. ``retention``:
-    vLLM's ``prefix_cache_retention_interval``.
+    vLLM's ``prefix_cache_retention_interval``. ``kv_events``: vLLM's KV cache events on, kept by
+    ``self.kv_events`` (a ``RecordingEventPublisher``).
     """
 
     _engine_counter = 0
@@ -208,6 +227,7 @@ class VllmCpuRig:
         max_model_len: int = 1024,
         hash_algorithm: str = "sha256",
         model_dir: Optional[Path] = None,
+        kv_events: bool = False,
     ) -> None:
         self.group_specs = list(group_specs)
         pages = {s.page_size_bytes for s in self.group_specs}
@@ -246,6 +266,7 @@ class VllmCpuRig:
                 kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra,
                 engine_id=f"kvtier-rig-{os.getpid()}-{VllmCpuRig._engine_counter}",
             ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_config = KVCacheConfig(
@@ -270,6 +291,9 @@ class VllmCpuRig:
             block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
             log_stats=False,
         )
+        self.kv_events = RecordingEventPublisher()
+        if kv_events:
+            self.scheduler.kv_event_publisher = self.kv_events
         self.hash_fn = get_hash_fn_by_name(hash_algorithm)
         init_none_hash(self.hash_fn)
         self._block_hasher = get_request_block_hasher(self.hash_block_size, self.hash_fn)

@@ -211,6 +211,8 @@ class KvtierTier(SecondaryTierManager):
         self._outstanding = 0
         self._outstanding_cv = threading.Condition()
         self._events: Optional[List[OffloadingEvent]] = [] if self._events_enabled(offloading_spec) else None
+        # with events on: the vLLM key of every chunk a stored event announced (for its removal)
+        self._announced: Dict[bytes, OffloadKey] = {}
         self._closed = False
         self.counters: Counter = Counter()
         # Where a damaged cache_dir's files were moved at start (None: it was sound, or new).
@@ -433,7 +435,25 @@ class KvtierTier(SecondaryTierManager):
                 done.append(item)
             else:
                 # a store in flight for one of these keys lands later and re-adds it
-                self._index.difference_update(item[1])
+                self._forget(item[1])
+
+    def _forget(self, chunk_keys: Iterable[bytes]) -> None:
+        """Chunks that left this tier: out of the index, and a removed event for the announced."""
+        chunk_keys = list(chunk_keys)
+        self._index.difference_update(chunk_keys)
+        if self._events is None:
+            return
+        gone = [self._announced.pop(k) for k in chunk_keys if k in self._announced]
+        if gone:
+            self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+
+    def _announce(self, job: "_Job") -> None:
+        """A stored event for a store job's keys, in the order completions and removals arrive."""
+        if self._events is None or not job.keys:
+            return
+        self._announced.update(zip(job.chunk_keys, job.keys))
+        self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium, removed=False,
+                                            locality=self.locality))
 
     def _apply(self, done: _Done) -> None:
         job = self._jobs.get(done.job_id)
@@ -446,11 +466,11 @@ class KvtierTier(SecondaryTierManager):
                     del self._storing[key]
                     if done.success:
                         self._index.add(key)
+            if done.success:
+                self._announce(job)
         else:
             ok = done.ok_chunk_keys or frozenset()
-            for key in job.chunk_keys:
-                if key not in ok:
-                    self._index.discard(key)
+            self._forget(key for key in job.chunk_keys if key not in ok)
 
     # ------------------------------------------------------------------------------ vLLM's calls
 
@@ -566,9 +586,6 @@ class KvtierTier(SecondaryTierManager):
                 loaded = tuple(k for k, ck in zip(job.keys, job.chunk_keys) if ck in ok)
                 successful_keys = loaded or None
                 self.counters["promotions_failed"] += 1
-            elif job.kind == "store" and done.success and self._events is not None and job.keys:
-                self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
-                                                    removed=False, locality=self.locality))
             self.counters[f"{job.kind}s_{'ok' if done.success else 'failed'}"] += 1
             results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
                                      transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))

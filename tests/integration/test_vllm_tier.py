@@ -471,3 +471,37 @@ def test_a_second_scheduler_writing_the_same_cache_dir_is_refused_at_start_in_on
     served = subprocess.run(child, capture_output=True, text=True, timeout=300)
     assert served.returncode == 0, served.stderr[-3000:]
     assert json.loads(served.stdout.splitlines()[-1])["hit_tokens"] == 32
+
+
+def test_kv_events_announce_what_kvtier_stores_and_what_it_loses_with_its_medium(tmp_path):
+    """With vLLM's KV events on and ``enable_kv_events``: every chunk kvtier stores is announced
+    as a BlockStored with medium STORAGE (a KV-aware router can route that prefix here), and a
+    chunk kvtier evicts is announced as a BlockRemoved, after its store; a key announced removed
+    is not in the tier any more."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    # room for one prompt's 4 raw records: the second prompt's stores evict the first's
+    rig = VllmCpuRig(group_specs(0), [tier_config(tmp_path / "kv", enable_kv_events=True, compression=0,
+                                                  disk_capacity_bytes=20000)],
+                     model_dir=tmp_path / "model", kv_events=True)
+    try:
+        tier = rig.secondary_tiers[0]
+        rig.run(PROMPT)
+        second = [11] * 33
+        rig.run(second)
+        for _ in range(5):  # the removals reach the index (and the events) at the next steps
+            rig.step()
+        ours = [e for e in rig.kv_events.events if e.medium == "STORAGE"]
+        stored = [h for e in ours if isinstance(e, BlockStored) for h in e.block_hashes]
+        removed = [h for e in ours if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        # 2 prompts x (2 FA + 2 SWA chunks); FA chunk 1 and SWA chunk 7 end on one block hash
+        assert len(stored) == 8 and set(stored[:4]).isdisjoint(stored[4:])
+        evictions = int(tier.statistics()["evictions"])
+        assert evictions >= 1 and len(removed) == evictions
+        assert set(removed) <= set(stored[:4])  # only the first prompt's chunks went
+        order = [(type(e).__name__, h) for e in ours for h in e.block_hashes]
+        for h in removed:
+            assert order.index(("BlockStored", h)) < order.index(("BlockRemoved", h))
+        assert int(tier.statistics()["indexed_chunks"]) == 8 - evictions
+    finally:
+        rig.shutdown()
