@@ -346,9 +346,17 @@ class ChainedTier(ChunkTier):
 
         Cancelling it: the tier being asked finishes with the buffers before the call ends (each
         tier's own buffer rule); tiers below it are not asked."""
+        return (await self.get_many_into_sources(items))[0]
+
+    async def get_many_into_sources(
+        self, items: Sequence[GetItem]
+    ) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
+        """``get_many_into``, plus per item the index in ``tiers`` of the tier that served it
+        (``None``: a miss), for per-tier hit metrics. Cancelling it: as ``get_many_into``."""
         self._check_open()
         items = list(items)
         results: List[Optional[ChunkMeta]] = [None] * len(items)
+        sources: List[Optional[int]] = [None] * len(items)
         self._stats["gets"] += len(items)
         wanted = list(range(len(items)))
         for index, tier in enumerate(self.tiers):
@@ -365,6 +373,7 @@ class ChainedTier(ChunkTier):
             found = [(i, m) for i, m in zip(wanted, metas) if m is not None]
             for i, meta in found:
                 results[i] = meta
+                sources[i] = index
             self._hits_per_tier[index] += len(found)
             if index > 0 and found and self.promote:
                 copies = [(items[i][0], meta, memoryview(bytes(items[i][1]))) for i, meta in found]
@@ -373,7 +382,7 @@ class ChainedTier(ChunkTier):
         hits = len(items) - len(wanted)
         self._stats["hits"] += hits
         self._stats["misses"] += len(wanted)
-        return results
+        return results, sources
 
     async def _promote(self, items: List[PutItem]) -> None:
         try:

@@ -210,7 +210,9 @@ class VllmCpuRig:
     ``group_specs``: one vLLM ``KVCacheSpec`` per group (equal ``page_size_bytes``), each group one
     layer. ``secondary_tiers``: the tier dicts of ``kv_connector_extra_config``. ``retention``:
     vLLM's ``prefix_cache_retention_interval``. ``kv_events``: vLLM's KV cache events on, kept by
-    ``self.kv_events`` (a ``RecordingEventPublisher``).
+    ``self.kv_events`` (a ``RecordingEventPublisher``). ``log_stats``: vLLM's scheduler stats on;
+    each step's KV connector stats payload (what vLLM's Prometheus logger reads) is kept in
+    ``self.connector_stats``.
     """
 
     _engine_counter = 0
@@ -228,6 +230,7 @@ class VllmCpuRig:
         hash_algorithm: str = "sha256",
         model_dir: Optional[Path] = None,
         kv_events: bool = False,
+        log_stats: bool = False,
     ) -> None:
         self.group_specs = list(group_specs)
         pages = {s.page_size_bytes for s in self.group_specs}
@@ -289,7 +292,7 @@ class VllmCpuRig:
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
-            log_stats=False,
+            log_stats=log_stats,
         )
         self.kv_events = RecordingEventPublisher()
         if kv_events:
@@ -305,6 +308,7 @@ class VllmCpuRig:
                 for name, spec in zip(layer_names, self.group_specs)
             }
             self.worker.register_kv_caches(self.kv)
+        self.connector_stats: List[Dict[str, Any]] = []
         self._requests = 0
         self._started: Set[str] = set()
         self.records: Dict[str, RunRecord] = {}
@@ -412,8 +416,12 @@ class VllmCpuRig:
             sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=kv_out,
         )
         t1 = time.perf_counter()
-        self.scheduler.update_from_output(out, runner_out)
+        outputs = self.scheduler.update_from_output(out, runner_out)
         scheduler_s += time.perf_counter() - t1
+        for client_outputs in outputs.values():
+            stats = client_outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
         return scheduler_s
 
     def run(self, prompt: Sequence[int], *, max_tokens: int = 1, max_steps: int = 200,

@@ -49,11 +49,13 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogramMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta, ChunkTier
-from kvtier.tiers.chain import tier_statistics_dict
+from kvtier.tiers.chain import ChainedTier, tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
 
@@ -168,6 +170,19 @@ class _Done:
     ok_chunk_keys: Optional[frozenset]  # loads: the keys whose record decoded and matched
     transfer_bytes: int
     transfer_s: float
+    # loads: (kvtier tier, chunks, tokens, bytes) per tier that served keys; the deepest one
+    by_tier: Tuple[Tuple[str, int, int, int], ...] = ()
+    deepest_tier: Optional[str] = None
+
+
+# The kvtier tiers a load can be served from, as metric labels: the LMDB disk, the fleet remote.
+TIER_NAMES = ("disk", "remote")
+TIER_LABEL_NAME = "kvtier_tier"
+METRIC_HITS = "vllm:kvtier_tier_hits"
+METRIC_HIT_TOKENS = "vllm:kvtier_tier_hit_tokens"
+METRIC_HIT_BYTES = "vllm:kvtier_tier_hit_bytes"
+METRIC_LOAD_SECONDS = "vllm:kvtier_tier_load_seconds"
+_LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 _warned_ephemeral_keys = False
@@ -215,6 +230,9 @@ class KvtierTier(SecondaryTierManager):
         self._announced: Dict[bytes, OffloadKey] = {}
         self._closed = False
         self.counters: Counter = Counter()
+        # per kvtier tier ("disk", "remote"): hits (chunks), hit_tokens, hit_bytes, load_s (sum)
+        self.tier_hits: Counter = Counter()
+        self._stats = OffloadingConnectorStats()  # what get_stats hands vLLM next
         # Where a damaged cache_dir's files were moved at start (None: it was sound, or new).
         self.quarantined_cache_dir: Optional[str] = None
         self.read_only = self.config.read_only or self._cache_dir_unwritable()
@@ -471,6 +489,21 @@ class KvtierTier(SecondaryTierManager):
         else:
             ok = done.ok_chunk_keys or frozenset()
             self._forget(key for key in job.chunk_keys if key not in ok)
+            self._count_hits(done)
+
+    def _count_hits(self, done: _Done) -> None:
+        """Per kvtier tier: chunks, tokens and bytes a load restored; the job's time goes to the
+        deepest tier it needed (a job that reached the remote waited for it)."""
+        for name, chunks, tokens, nbytes in done.by_tier:
+            label = (name,)
+            for metric, value in ((METRIC_HITS, chunks), (METRIC_HIT_TOKENS, tokens), (METRIC_HIT_BYTES, nbytes)):
+                self._stats.increase_counter(metric, value, label)
+            self.tier_hits[f"{name}_hits"] += chunks
+            self.tier_hits[f"{name}_hit_tokens"] += tokens
+            self.tier_hits[f"{name}_hit_bytes"] += nbytes
+        if done.deepest_tier is not None:
+            self._stats.observe_histogram(METRIC_LOAD_SECONDS, done.transfer_s, (done.deepest_tier,))
+            self.tier_hits[f"{done.deepest_tier}_load_s"] += done.transfer_s
 
     # ------------------------------------------------------------------------------ vLLM's calls
 
@@ -550,12 +583,24 @@ class KvtierTier(SecondaryTierManager):
         self._begin()
         self._loop.post(lambda: self._load(job_id, items, expected))
 
+    def _tokens_per_chunk(self, group_id: int) -> int:
+        group = self.layout.groups[self.layout.group_index(group_id)]
+        return group.tokens_per_block * self.layout.blocks_per_chunk
+
+    async def _get_with_sources(self, items: List[Any]) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
+        tier = self.chunk_tier
+        if isinstance(tier, ChainedTier):
+            return await tier.get_many_into_sources(items)
+        metas = await tier.get_many_into(items)
+        return metas, [None if m is None else 0 for m in metas]
+
     async def _load(self, job_id: int, items: List[Any], expected: List[ChunkMeta]) -> None:
         start = time.monotonic()
         ok: set = set()
+        served: Counter = Counter()  # (tier name, "chunks" | "tokens") -> count
         try:
-            metas = await self.chunk_tier.get_many_into(items)
-            for (chunk_key, _), meta, want in zip(items, metas, expected):
+            metas, sources = await self._get_with_sources(items)
+            for (chunk_key, _), meta, want, source in zip(items, metas, expected, sources):
                 if meta is None:
                     self.counters["load_misses"] += 1
                 elif (meta.fingerprint, meta.group_index, tuple(meta.shape)) != (
@@ -564,12 +609,19 @@ class KvtierTier(SecondaryTierManager):
                     self.counters["load_mismatches"] += 1
                 else:
                     ok.add(chunk_key)
+                    name = TIER_NAMES[min(source or 0, 1)]
+                    served[(name, "chunks")] += 1
+                    served[(name, "tokens")] += self._tokens_per_chunk(want.group_index)
         except Exception as exc:  # a broken tier is a miss for every key of the job, never bytes
             self.counters["load_failures"] += 1
             logger.warning("kvtier load of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
         finally:
+            by_tier = tuple((name, served[(name, "chunks")], served[(name, "tokens")],
+                             served[(name, "chunks")] * self._row_bytes)
+                            for name in TIER_NAMES if served[(name, "chunks")])
             self._finish(_Done(job_id, len(ok) == len(items), frozenset(ok),
-                               len(ok) * self._row_bytes, time.monotonic() - start))
+                               len(ok) * self._row_bytes, time.monotonic() - start,
+                               by_tier, by_tier[-1][0] if by_tier else None))
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -590,6 +642,29 @@ class KvtierTier(SecondaryTierManager):
             results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
                                      transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))
         return results
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, OffloadingMetricMetadata]:
+        """vLLM's Prometheus metrics this tier reports through ``get_stats``, per kvtier tier."""
+        labels = (TIER_LABEL_NAME,)
+        return {
+            METRIC_HITS: OffloadingCounterMetadata("Chunks kvtier restored, by the kvtier tier that held them.", labels),
+            METRIC_HIT_TOKENS: OffloadingCounterMetadata("Tokens those chunks cover, by kvtier tier.", labels),
+            METRIC_HIT_BYTES: OffloadingCounterMetadata("Primary-row bytes kvtier restored, by kvtier tier.", labels),
+            METRIC_LOAD_SECONDS: OffloadingHistogramMetadata(
+                "Duration of one kvtier load job, by the deepest kvtier tier it needed, in seconds.",
+                labels, buckets=_LOAD_SECONDS_BUCKETS),
+        }
+
+    @override
+    def get_stats(self) -> Optional[OffloadingConnectorStats]:
+        """The hit counters and load times since the last call (vLLM's stats hook; scheduler thread)."""
+        self._drain_into_pending()
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        return stats
 
     @override
     def has_pending_work(self) -> bool:
@@ -632,6 +707,7 @@ class KvtierTier(SecondaryTierManager):
     def statistics(self) -> Dict[str, float]:
         """This tier's counters plus the chunk tier's (records, bytes, corrupt, evictions, ...)."""
         stats = {f"vllm_{k}": float(v) for k, v in self.counters.items()}
+        stats.update({f"vllm_{k}": float(v) for k, v in self.tier_hits.items()})
         stats.update(tier_statistics_dict(self.chunk_tier))
         stats["indexed_chunks"] = float(len(self._index))
         return stats

@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import struct
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -114,6 +115,8 @@ def test_bytes_through_vllm(tmp_path, r, retention):
             assert consumed.loaded[g] == {b for _, blocks in plan for b in blocks if b is not None}
         assert assert_restored_bitwise(rig, consumed, before) == 2 + len(loaded_swa)
         assert tier.counters["loads_ok"] >= 1 and tier.counters["promotions_failed"] == 0
+        assert tier.tier_hits["disk_hits"] == 2 + len(loaded_swa) and tier.tier_hits["remote_hits"] == 0
+        assert tier.tier_hits["disk_hit_tokens"] == 2 * 16 + 4 * len(loaded_swa)
     finally:
         rig.shutdown()
 
@@ -328,7 +331,10 @@ def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process
 
 def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_path, valkey_node):
     """Two vLLM servers, each with its own LMDB, sharing one real Valkey (remote_url): host B's
-    first request restores host A's prefix bitwise from the remote, and promotes it into its LMDB."""
+    first request restores host A's prefix bitwise from the remote, and promotes it into its LMDB.
+    The hit is counted per kvtier tier in the tier's statistics and in the KV connector stats
+    vLLM's scheduler hands its Prometheus logger."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     namespace = f"fleet-{os.getpid()}"
     host_a = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "a", remote_url=valkey_node.url, remote_namespace=namespace)],
                         retention=None, model_dir=tmp_path / "model")
@@ -338,7 +344,7 @@ def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_pat
     finally:
         host_a.shutdown()  # closes the chain: write-behind to the remote has landed
     host_b = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "b", remote_url=valkey_node.url, remote_namespace=namespace)],
-                        retention=None, model_dir=tmp_path / "model")
+                        retention=None, model_dir=tmp_path / "model", log_stats=True)
     try:
         tier = host_b.secondary_tiers[0]
         assert tier.disk_tier.statistics().records == 0  # nothing local: every hit comes from the remote
@@ -346,6 +352,27 @@ def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_pat
         assert consumed.external_hit_tokens == 32
         assert dict(consumed.loaded) == {0: {0, 1}, 1: {5, 6, 7}}
         assert assert_restored_bitwise(host_b, consumed, before) == 5
+        # per kvtier tier, in the tier's statistics and in vLLM's stats hook (its Prometheus metrics):
+        # 5 chunks from the remote (2 FA chunks of 16 tokens, 3 SWA chunks of 4), none from disk
+        row = tier.layout.primary_row_bytes
+        assert {k: v for k, v in tier.statistics().items() if k.startswith(("vllm_disk_", "vllm_remote_"))
+                and not k.endswith("_load_s")} == {
+            "vllm_remote_hits": 5.0, "vllm_remote_hit_tokens": 44.0, "vllm_remote_hit_bytes": 5.0 * row}
+        total = OffloadingConnectorStats()
+        for payload in host_b.connector_stats:
+            total.aggregate(OffloadingConnectorStats(data=payload))
+        types, values = total.metric_sections()
+        assert values["vllm:kvtier_tier_hits"] == {("remote",): 5}
+        assert values["vllm:kvtier_tier_hit_tokens"] == {("remote",): 44}
+        assert values["vllm:kvtier_tier_hit_bytes"] == {("remote",): 5 * row}
+        assert list(values["vllm:kvtier_tier_load_seconds"]) == [("remote",)]
+        assert types["vllm:kvtier_tier_load_seconds"] == "histogram"
+        assert set(type(tier).build_metric_definitions({})) <= set(values)
+        # vLLM's spec declares them to its Prometheus logger (it loads each secondary tier's definitions)
+        extra = host_b.vllm_config.kv_transfer_config.kv_connector_extra_config
+        from kvtier.integrations.vllm.testing import CpuTieringOffloadingSpec
+
+        assert set(type(tier).build_metric_definitions({})) <= set(CpuTieringOffloadingSpec.build_metric_definitions(extra))
     finally:
         host_b.shutdown()
 
@@ -489,14 +516,17 @@ def test_kv_events_announce_what_kvtier_stores_and_what_it_loses_with_its_medium
         rig.run(PROMPT)
         second = [11] * 33
         rig.run(second)
-        for _ in range(5):  # the removals reach the index (and the events) at the next steps
+        evictions = int(tier.statistics()["evictions"])
+        deadline = time.monotonic() + 10
+        while int(tier.statistics()["indexed_chunks"]) > 8 - evictions and time.monotonic() < deadline:
+            time.sleep(0.02)  # the removals reach the index (and the events) at the next steps
             rig.step()
+        rig.step()  # publishes what the last drain queued
         ours = [e for e in rig.kv_events.events if e.medium == "STORAGE"]
         stored = [h for e in ours if isinstance(e, BlockStored) for h in e.block_hashes]
         removed = [h for e in ours if isinstance(e, BlockRemoved) for h in e.block_hashes]
         # 2 prompts x (2 FA + 2 SWA chunks); FA chunk 1 and SWA chunk 7 end on one block hash
         assert len(stored) == 8 and set(stored[:4]).isdisjoint(stored[4:])
-        evictions = int(tier.statistics()["evictions"])
         assert evictions >= 1 and len(removed) == evictions
         assert set(removed) <= set(stored[:4])  # only the first prompt's chunks went
         order = [(type(e).__name__, h) for e in ours for h in e.block_hashes]
