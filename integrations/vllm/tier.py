@@ -55,7 +55,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta, ChunkTier
-from kvtier.tiers.chain import ChainedTier, tier_statistics_dict
+from kvtier.tiers.chain import read_with_sources, tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
 
@@ -587,19 +587,12 @@ class KvtierTier(SecondaryTierManager):
         group = self.layout.groups[self.layout.group_index(group_id)]
         return group.tokens_per_block * self.layout.blocks_per_chunk
 
-    async def _get_with_sources(self, items: List[Any]) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
-        tier = self.chunk_tier
-        if isinstance(tier, ChainedTier):
-            return await tier.get_many_into_sources(items)
-        metas = await tier.get_many_into(items)
-        return metas, [None if m is None else 0 for m in metas]
-
     async def _load(self, job_id: int, items: List[Any], expected: List[ChunkMeta]) -> None:
         start = time.monotonic()
         ok: set = set()
         served: Counter = Counter()  # (tier name, "chunks" | "tokens") -> count
         try:
-            metas, sources = await self._get_with_sources(items)
+            metas, sources = await read_with_sources(self.chunk_tier, items)
             for (chunk_key, _), meta, want, source in zip(items, metas, expected, sources):
                 if meta is None:
                     self.counters["load_misses"] += 1
