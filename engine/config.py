@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -20,6 +22,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
+
+logger = logging.getLogger("kvtier.engine")
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.record_format import CodecConfig
@@ -36,6 +40,9 @@ REMOTE_WRITE_POLICIES: Tuple[str, ...] = ("write_through", "write_back_on_evict"
 
 # LMDB tier's smallest map (tiers/lmdb: smaller maps grow on the first batch anyway).
 _LMDB_MIN_MAP_SIZE_BYTES = _MiB
+# ...and the most its map grows to (LmdbTier's max_map_size_bytes, which the engine leaves at its
+# default): an initial map above it could never open.
+_LMDB_MAX_MAP_SIZE_BYTES = 1 << 40
 # No machine has 2**62 bytes of memory or disk; sizes above it are typos (2**80 = "1 YiB").
 _MAX_SIZE_BYTES = 1 << 62
 
@@ -198,6 +205,11 @@ class EngineConfig:
                     "(no cache_dir means no disk tier)"
                 )
         _require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, _LMDB_MIN_MAP_SIZE_BYTES)
+        if self.lmdb_map_size_bytes > _LMDB_MAX_MAP_SIZE_BYTES:
+            raise ValueError(
+                f"lmdb_map_size_bytes must be at most 1 TiB ({_LMDB_MAX_MAP_SIZE_BYTES}, the most the map grows to), "
+                f"got {self.lmdb_map_size_bytes}"
+            )
         _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
         _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
         _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
@@ -300,9 +312,10 @@ class EngineConfig:
     ) -> "EngineConfig":
         """Build from ``{prefix}{FIELD_NAME_UPPER}`` variables (``KVTIER_HOST_CAPACITY_BYTES=1GiB``).
 
-        ``environ`` defaults to ``os.environ``. Other variables with the prefix are ignored: the
-        prefix is shared with tools (``KVTIER_LOG``...) and a stray one must not stop a server.
-        An empty ``KVTIER_CACHE_DIR`` / ``KVTIER_DISK_CAPACITY_BYTES`` means ``None``.
+        ``environ`` defaults to ``os.environ``. Other variables with the prefix do not stop a
+        server (the prefix is shared with tools), but each is logged once as a warning naming the
+        nearest setting's variable (``KVTIER_CACHEDIR``: did you mean ``KVTIER_CACHE_DIR``?).
+        An empty value or ``none`` means ``None`` for an optional setting (``KVTIER_CACHE_DIR``...).
         """
         settings = _env_settings(environ, prefix)
         with _naming_variables(settings, prefix):
@@ -446,11 +459,11 @@ def _coerce(name: str, value: Any, source: Optional[str]) -> Any:
         label = f"{name} (from {source})"
     if value is None:
         return None
-    if name in _OPTIONAL_FIELDS and isinstance(value, str) and value.strip() == "":
+    if name in _OPTIONAL_FIELDS and isinstance(value, str) and value.strip().lower() in ("", "none"):
+        # One meaning in every loader and for every optional setting: unset. (A directory really
+        # named "none" is spelled "./none".)
         return None
     if name in _SIZE_FIELDS:
-        if isinstance(value, str) and name in _OPTIONAL_FIELDS and value.strip().lower() == "none":
-            return None
         return parse_size(value, label)
     if name in _INT_FIELDS:
         if isinstance(value, str):
@@ -543,6 +556,11 @@ def _naming_variables(settings: Mapping[str, Any], prefix: str):
         raise
 
 
+# Variables with the prefix that are not settings but are read elsewhere (the fault tests' seed).
+_OTHER_VARIABLES = frozenset({"FAULT_SEED"})
+_warned_variables: set = set()
+
+
 def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
     env = os.environ if environ is None else environ
     found: Dict[str, str] = {}
@@ -550,7 +568,23 @@ def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str
         key = prefix + name.upper()
         if key in env:
             found[name] = env[key]
+    _warn_unknown_variables(env, prefix)
     return found
+
+
+def _warn_unknown_variables(env: Mapping[str, str], prefix: str) -> None:
+    """A typo such as ``KVTIER_CACHEDIR`` would otherwise leave the setting at its default without
+    a word: log it once per process, naming the nearest setting's variable."""
+    known = [prefix + name.upper() for name in EngineConfig.field_names()]
+    for key in env:
+        if not key.startswith(prefix) or key in known or key[len(prefix):] in _OTHER_VARIABLES:
+            continue
+        if key in _warned_variables:
+            continue
+        _warned_variables.add(key)
+        nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"did you mean {nearest[0]}?" if nearest else f"the settings are {prefix}<FIELD_NAME>, e.g. {known[0]}"
+        logger.warning("environment variable %s is not a kvtier setting and is ignored; %s", key, hint)
 
 
 def _read_toml(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:

@@ -70,7 +70,8 @@ from .selfcheck import host_problems
 from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import check_count, check_engine_settings, check_load_arguments, check_store_arguments, check_token_ids
+from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
+                         check_load_targets, check_request_keys, check_store_arguments, check_timeout, check_token_ids)
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -237,8 +238,8 @@ class OffloadEngine:
             if config.device_kind == "cuda":
                 sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
             else:
-                # No GPU to watch: NVML is still asked once so the log says "unknown" for it.
-                sources["device_memory"] = nvml_device_memory_source(0)
+                # No GPU to watch: NVML is still asked, and its absence said once, at INFO.
+                sources["device_memory"] = nvml_device_memory_source(0, optional=True)
         sources = dict(sources)
         sources.setdefault("disk_write_latency", self._write_latency.fraction)
         self._pressure = PressureMonitor(
@@ -432,6 +433,8 @@ class OffloadEngine:
         until it returns (the buffer rule), so the slab cannot be released before."""
         if self._closed:
             return
+        if self._started:
+            self._check_caller(failed_ok=True)
         self._closing = True
         if self._refresh_runner is not None:
             self._refresh_runner.cancel()
@@ -462,7 +465,7 @@ class OffloadEngine:
             raise ClosedError("the offload engine is not started: use `async with OffloadEngine(...)`")
         self._check_caller()
 
-    def _check_caller(self) -> None:
+    def _check_caller(self, failed_ok: bool = False) -> None:
         if _forks != self._forks:
             raise ForkedProcessError(
                 f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
@@ -477,7 +480,7 @@ class OffloadEngine:
                 "this OffloadEngine belongs to the event loop that started it; it was called from "
                 + ("another event loop" if running is not None else "a thread without a running event loop")
             )
-        if self._failure is not None:
+        if self._failure is not None and not failed_ok:
             raise EngineUsageError(f"the offload engine failed: {self._failure!r}; close it and start a new one")
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -502,6 +505,7 @@ class OffloadEngine:
         if isinstance(request, RequestKeys):
             if salt is not None:
                 raise ValueError("salt is bound when the RequestKeys are made; do not pass it again")
+            check_request_keys(request, self.layout)
             return request
         return self.request_keys(request, salt=salt)
 
@@ -549,7 +553,6 @@ class OffloadEngine:
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        self._check_block_table(block_table)
         return self._stores.schedule(keys, num_tokens, block_table)
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
@@ -619,6 +622,7 @@ class OffloadEngine:
         """Wait until every operation started so far has finished: device copies of stores, their
         spills (with a disk tier), loads and prefetch reads. Cancelling the wait stops nothing."""
         self._check_started()
+        self._check_caller(failed_ok=True)
         while True:
             # Done tasks leave _tasks in a done-callback, a loop iteration later: wait only for the
             # running ones, or this loop would spin without ever yielding.
@@ -655,6 +659,8 @@ class OffloadEngine:
         max_tokens = None if max_tokens is None else check_count("max_tokens", max_tokens, None)
         if max_tokens is None:
             max_tokens = max(0, keys.num_tokens - 1)
+        else:
+            max_tokens = min(max_tokens, keys.num_tokens)  # no hit is longer than the request
         hit = longest_hit(self.layout, max_tokens, self._state(keys))
         self.metrics.lookup()
         if hit is None:
@@ -689,13 +695,11 @@ class OffloadEngine:
         self._check_open()
         keys = self._keys(request, salt)
         hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
-        if not isinstance(hit_tokens, int) or not 0 <= hit_tokens <= keys.num_tokens:
-            raise ValueError(f"hit_tokens must be in [0, {keys.num_tokens}], got {hit_tokens!r}")
-        self._check_block_table(block_table)
         jobs = []  # (group, chunk, key, device block per block of the chunk or None)
         missing = False
         for gi in range(len(self.layout.groups)):
             table = block_table[gi]
+            seen: Dict[int, int] = {}
             for chunk, blocks in load_block_plan(self.layout, gi, hit_tokens):
                 key = keys.key(gi, chunk)
                 if key is None:
@@ -710,6 +714,7 @@ class OffloadEngine:
                         raise ValueError(f"block_table[{gi}] has no device block for logical block {block}")
                     targets.append(int(table[block]))
                 self._check_device_blocks(gi, [t for t in targets if t is not None])
+                check_load_targets(gi, targets, seen, blocks)
                 jobs.append((gi, chunk, key, targets))
         if missing:
             self.metrics.miss("missing")
@@ -740,9 +745,10 @@ class OffloadEngine:
         wait does not stop the reads; they still land in the host tier.
         """
         self._check_open()
-        if policy not in PREFETCH_POLICIES:
+        if not isinstance(policy, str) or policy not in PREFETCH_POLICIES:
             raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
-        if policy == "timeout" and (timeout_s is None or timeout_s <= 0):
+        timeout_s = check_timeout("timeout_s", timeout_s)
+        if policy == "timeout" and timeout_s is None:
             raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {timeout_s!r}")
         keys = self._keys(request, salt)
         hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
@@ -775,10 +781,12 @@ class OffloadEngine:
     async def fence(self, block_ids: Iterable[int], group_index: Optional[int] = None) -> None:
         """Wait until no copy reads or writes the given device blocks (of one group, or of every
         group when ``group_index`` is None), including loads whose caller was cancelled.
-        Cancelling the wait stops no copy."""
-        blocks = list(block_ids)
-        groups = range(len(self.layout.groups)) if group_index is None else [group_index]
-        wanted = {(gi, int(block)) for gi in groups for block in blocks}
+        Cancelling the wait stops no copy. Block ids follow a block table's rules (ints within the
+        KV cache); a call from another event loop or thread is an ``EngineUsageError``."""
+        self._check_started()
+        self._check_caller(failed_ok=True)
+        groups, blocks = check_fence_arguments(block_ids, group_index, self._num_blocks)
+        wanted = {(gi, block) for gi in groups for block in blocks}
         waits = [done for done, busy in self._busy_batches.items() if not busy.isdisjoint(wanted)]
         if waits:
             await asyncio.wait([asyncio.shield(w) for w in waits])
@@ -828,12 +836,6 @@ class OffloadEngine:
                 raise DeviceError(
                     f"group {group_index}: device block {block} is out of range (the KV cache has {limit} blocks)"
                 )
-
-    def _check_block_table(self, block_table: BlockTable) -> None:
-        if len(block_table) != len(self.layout.groups):
-            raise ValueError(
-                f"block_table must have one list per group ({len(self.layout.groups)}), got {len(block_table)}"
-            )
 
     # ------------------------------------------------------------------ observability
 

@@ -63,11 +63,17 @@ UNKNOWN = "unknown"
 # -- sources --------------------------------------------------------------------------------------
 
 
+# Reasons an optional source (NVML on a CPU engine) was unknown, said once per process: every engine
+# a CPU process starts would otherwise repeat it.
+_OPTIONAL_UNKNOWN_LOGGED: set = set()
+
+
 class _NvmlDeviceMemorySource:
     """Device memory used / total of one GPU through NVML. See ``nvml_device_memory_source``."""
 
-    def __init__(self, device_index: int, nvml: Any = None) -> None:
+    def __init__(self, device_index: int, nvml: Any = None, optional: bool = False) -> None:
         self.device_index = device_index
+        self.optional = optional
         self.unknown_reason: Optional[str] = None
         self._nvml = nvml
         self._handle: Any = None
@@ -129,17 +135,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None) -> PressureSource:
+def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None, optional: bool = False) -> PressureSource:
     """A source reading device ``device_index``'s memory used / total through NVML.
 
     NVML is initialised once, lazily, on the first call (so on the polling thread). Without
     ``nvidia-ml-py``, without a driver or GPU, or on any NVML error the source returns ``None`` and
     its ``unknown_reason`` says "NVML unavailable (...)". A failed init is not retried; a failed
-    query is. ``nvml`` replaces the ``pynvml`` module (tests pass a fake).
+    query is. ``nvml`` replaces the ``pynvml`` module (tests pass a fake). ``optional``: no GPU is
+    expected (a CPU engine), so an unavailable NVML is said once per process at INFO, not as a
+    warning on every start.
     """
     if not isinstance(device_index, int) or isinstance(device_index, bool) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
-    return _NvmlDeviceMemorySource(device_index, nvml)
+    return _NvmlDeviceMemorySource(device_index, nvml, optional)
 
 
 class _HostMemorySource:
@@ -403,7 +411,11 @@ class PressureMonitor:
         for name, (value, reason) in readings.items():
             if value is None and name not in self._unknown_logged:
                 self._unknown_logged.add(name)
-                logger.warning("pressure unknown: %s", reason)
+                if not getattr(self._sources.get(name), "optional", False):
+                    logger.warning("pressure unknown: %s", reason)
+                elif reason not in _OPTIONAL_UNKNOWN_LOGGED:
+                    _OPTIONAL_UNKNOWN_LOGGED.add(reason)
+                    logger.info("pressure unknown: %s (expected without a GPU)", reason)
 
         known = {name: value for name, (value, _) in readings.items() if value is not None}
         old = self._state

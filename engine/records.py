@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Tuple
 from kvtier.policy.keys import KeyChain, TokenIds
 
 from .lifecycle import HostState
+from .validation import check_token_ids
 
 __all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult", "ChunkEvent", "RequestKeys"]
 
@@ -152,7 +153,7 @@ class RequestKeys:
         ``self`` stays valid and unchanged. Costs O(new tokens), not O(request)."""
         if self.chain is None:
             raise ValueError("these RequestKeys hold keys made elsewhere, not token ids; they cannot be extended")
-        return RequestKeys.from_chain(self.chain.extended(more_token_ids))
+        return RequestKeys.from_chain(self.chain.extended(check_token_ids(more_token_ids, "more_token_ids")))
 
     def key(self, group_index: int, chunk_index: int) -> Optional[bytes]:
         group_keys = self.keys[group_index]

@@ -1,7 +1,7 @@
 """Argument checks for the engine's public methods, and for settings once the layout is known.
 
-Primitives: ``check_token_ids``, ``check_count``, ``check_store_arguments``,
-``check_load_arguments``, ``check_engine_settings``. Pure and synchronous; they run on the caller's
+Primitives: ``check_token_ids``, ``check_count``, ``check_request_keys``, ``check_store_arguments``,
+``check_load_arguments``, ``check_fence_arguments``, ``check_timeout``, ``check_engine_settings``. Pure and synchronous; they run on the caller's
 thread before anything is scheduled, so a bad argument is the caller's typed error (``TypeError``
 for a wrong kind of value, ``ValueError`` for a wrong value, each naming the argument and the value),
 never a wrong result or a failure on a worker thread later.
@@ -14,20 +14,27 @@ integer: a Python int, or a numpy / torch integer scalar; never a bool, a float 
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Mapping, Set
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from kvtier.errors import DeviceError
 from kvtier.policy import ModelLayout
 from kvtier.policy.plan import store_chunk_indices
 
 __all__ = [
     "check_token_ids",
     "check_count",
+    "check_request_keys",
     "check_store_arguments",
     "check_load_arguments",
+    "check_load_targets",
+    "check_fence_arguments",
+    "check_timeout",
     "check_engine_settings",
 ]
 
@@ -91,18 +98,44 @@ def _int_list(value: Any, what: str, *, allow_none: bool) -> List[Any]:
     return out
 
 
-def check_token_ids(token_ids: Any) -> Any:
-    """Refuse token ids that are not token ids at all, in O(1): raw bytes or text (``bytes`` would
-    otherwise be read as machine integers), and numpy / torch arrays of a non-integer dtype (a bool
-    mask, float logits) or of more than one dimension. Item by item checks (floats, negatives,
-    values past 2**32) are the key builder's, in C, on its conversion; a Python ``bool`` inside a
-    list is an int there (``True == 1``), as everywhere in Python: scanning a list's item types
-    costs more than hashing it (~4x at 131072 tokens), on the lookup path."""
-    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"token_ids must be a sequence of ints, got {_describe(token_ids)}")
+def check_token_ids(token_ids: Any, what: str = "token_ids") -> Any:
+    """Refuse token ids that are not token ids at all, in O(1): ``None``, raw bytes or text
+    (``bytes`` would otherwise be read as machine integers), a mapping or a set (no order, or keys
+    that are not the prompt), a list whose first item is a bool (a mask, not tokens), and numpy /
+    torch arrays of a non-integer dtype (a bool mask, float logits) or of more than one dimension.
+    Item by item checks (floats, negatives, values past 2**32) are the key builder's, in C, on its
+    conversion; a bool further inside a list is an int there (``True == 1``), as everywhere in
+    Python: scanning a list's item types costs more than hashing it (~4x at 131072 tokens), on the
+    lookup path."""
+    if token_ids is None or isinstance(token_ids, (str, bytes, bytearray, memoryview, Mapping, Set)):
+        raise TypeError(f"{what} must be a sequence of ints, got {_describe(token_ids)}")
     if isinstance(token_ids, (np.ndarray, torch.Tensor)):
-        _integer_array(token_ids, "token_ids")
+        _integer_array(token_ids, what)
+    elif not hasattr(token_ids, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of ints, got {_describe(token_ids)}")
+    elif isinstance(token_ids, Sequence) and len(token_ids) and isinstance(token_ids[0], (bool, np.bool_)):
+        raise TypeError(f"{what}[0] must be an int, got {_describe(token_ids[0])} (a mask is not token ids)")
     return token_ids
+
+
+def check_request_keys(keys: Any, layout: ModelLayout) -> None:
+    """``RequestKeys`` made by an engine of another layout name other chunks: refuse them
+    (``ValueError``) instead of reading past a group's keys or answering a silent miss."""
+    chain = keys.chain
+    other = chain.layout if chain is not None else None
+    if len(keys.keys) != len(layout.groups) or (other is not None and other != layout):
+        raise ValueError(
+            "these RequestKeys belong to another layout "
+            f"({len(keys.keys)} group(s){'' if other is None else ': ' + _groups_text(other)}; this engine's: "
+            f"{_groups_text(layout)}); make them with this engine's request_keys"
+        )
+
+
+def _groups_text(layout: ModelLayout) -> str:
+    return ", ".join(
+        f"{g.block_size}x{g.blocks_per_chunk}" + ("" if g.sliding_window is None else f" window {g.sliding_window}")
+        for g in layout.groups
+    )
 
 
 def check_count(name: str, value: Any, upper: Optional[int]) -> int:
@@ -167,7 +200,61 @@ def check_load_arguments(
     """``load``'s ``hit_tokens`` and ``block_table``, checked and normalised (``None`` stands for
     a block the hit does not restore)."""
     count = check_count("hit_tokens", hit_tokens, request_tokens)
+    granularity = layout.hit_granularity_tokens
+    if count % granularity:
+        # lookup answers only multiples of it; any other length names no boundary the chunks end at.
+        raise ValueError(f"hit_tokens must be a multiple of the layout's hit_granularity_tokens ({granularity}), got {count}")
     return count, _block_table(block_table, layout)
+
+
+def check_load_targets(group_index: int, targets: Sequence[Optional[int]], seen: dict, logical: Sequence[Optional[int]]) -> None:
+    """One device block per restored logical block of a group: ``seen`` (device block -> logical
+    block, per group, kept by the caller across the load's chunks) refuses a device block given
+    twice (``ValueError``), which would leave one of the two logical blocks holding the other's KV."""
+    for block, device_block in zip(logical, targets):
+        if device_block is None:
+            continue
+        if device_block in seen:
+            raise ValueError(
+                f"block_table[{group_index}] gives device block {device_block} to logical blocks {seen[device_block]} "
+                f"and {block}; each restored block needs its own device block"
+            )
+        seen[device_block] = block
+
+
+def check_fence_arguments(block_ids: Any, group_index: Any, num_blocks: Sequence[int]) -> Tuple[range, List[int]]:
+    """``fence``'s arguments by the rules of a block table's: device block ids are ints (``TypeError``
+    naming the index) within the KV cache (``DeviceError``), ``group_index`` None or a group's index.
+    Returns the groups and the block ids."""
+    groups = len(num_blocks)
+    if group_index is not None:
+        index = _as_int(group_index, "group_index")
+        if not 0 <= index < groups:
+            raise ValueError(f"group_index must be None or in [0, {groups}), got {index}")
+        chosen = range(index, index + 1)
+    else:
+        chosen = range(groups)
+    if hasattr(block_ids, "__next__") or isinstance(block_ids, (set, frozenset)):
+        block_ids = list(block_ids)  # order does not matter to a fence: an iterator or a set is fine
+    blocks = _int_list(block_ids, "block_ids", allow_none=False)
+    limit = max(num_blocks[g] for g in chosen)
+    for position, block in enumerate(blocks):
+        if not 0 <= block < limit:
+            where = f"group {chosen[0]}'s KV cache has" if len(chosen) == 1 else "the largest group's KV cache has"
+            raise DeviceError(f"block_ids[{position}]: device block {block} is out of range ({where} {limit} blocks)")
+    return chosen, blocks
+
+
+def check_timeout(name: str, value: Any) -> Optional[float]:
+    """A wait in seconds: ``None``, or a positive finite int or float (not a bool, not a string)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of seconds, got {_describe(value)}")
+    seconds = float(value)
+    if not 0.0 < seconds < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return seconds
 
 
 def check_engine_settings(config: Any, layout: ModelLayout, device: Any) -> None:

@@ -93,8 +93,9 @@ class ModelLayout:
 
     ``alignment_tokens`` (``A``) is where producers' hits land: the full-attention chunk size when all
     full-attention groups share one, else the largest chunk size. ``hit_granularity_tokens`` is the
-    step of candidate hit lengths: the smallest block size. Either may be given explicitly; after
-    construction both attributes hold the effective value, so a layout always reads the same.
+    step of candidate hit lengths: the smallest block size. Either may be given explicitly (then the
+    alignment must be a multiple of the hit granularity); after construction both attributes hold the effective value, so a layout
+    always reads the same.
     """
 
     groups: Tuple[AttentionGroup, ...]
@@ -113,6 +114,8 @@ class ModelLayout:
                 raise ValueError(f"groups[{index}] must be an AttentionGroup, got {group!r}")
         object.__setattr__(self, "groups", groups)
 
+        explicit_alignment = self.alignment_tokens is not None
+        explicit_granularity = self.hit_granularity_tokens is not None
         if self.alignment_tokens is None:
             full_chunk_sizes = {g.tokens_per_chunk for g in groups if not g.is_sliding}
             if len(full_chunk_sizes) == 1:
@@ -126,6 +129,14 @@ class ModelLayout:
             object.__setattr__(self, "hit_granularity_tokens", min(g.block_size for g in groups))
         else:
             _require_int("hit_granularity_tokens", self.hit_granularity_tokens, 1)
+        if (explicit_alignment or explicit_granularity) and self.alignment_tokens % self.hit_granularity_tokens:
+            # Producers store for boundaries at multiples of alignment_tokens, consumers ask for hits
+            # at multiples of hit_granularity_tokens: a boundary that is no hit length is stored for
+            # nothing, and the hits between are never stored for.
+            raise ValueError(
+                f"alignment_tokens ({self.alignment_tokens}) must be a multiple of hit_granularity_tokens "
+                f"({self.hit_granularity_tokens})"
+            )
 
     def __len__(self) -> int:
         return len(self.groups)

@@ -293,7 +293,7 @@ class DeviceKVView:
         groups: List[_GroupTensors] = []
         device: Optional[torch.device] = None
         for gi, (spec, layers) in enumerate(zip(layout.groups, kv_caches)):
-            group = self._validate_group(gi, spec.blocks_per_chunk, layers)
+            group = self._validate_group(gi, spec.blocks_per_chunk, layers, spec.block_size)
             group_device = group.layers[0].device
             if device is None:
                 device = group_device
@@ -317,7 +317,7 @@ class DeviceKVView:
 
     @staticmethod
     def _validate_group(
-        gi: int, blocks_per_chunk: int, layers: Sequence[torch.Tensor]
+        gi: int, blocks_per_chunk: int, layers: Sequence[torch.Tensor], block_size: int = 0
     ) -> _GroupTensors:
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             raise DeviceError(
@@ -363,6 +363,14 @@ class DeviceKVView:
             raise DeviceError(
                 f"group {gi}, layer 0: {first.shape[0]} blocks in the first (block index) dimension, "
                 f"fewer than one chunk ({blocks_per_chunk} blocks); is the block index the first dimension?"
+            )
+        shape = tuple(first.shape)
+        if len(shape) >= 3 and shape[0] == 2 and shape[1] > 2 and shape[2] == block_size:
+            # vLLM's FlashAttention layout, [2 (K, V), num_blocks, block_size, ...]: read as 2 blocks of
+            # [num_blocks, block_size, ...] every copy would move whole caches' halves.
+            raise DeviceError(
+                f"group {gi}, layer 0: shape {shape} has K and V first ([2, num_blocks, block_size, ...]); "
+                "the block index must be the first dimension: pass layer[0] and layer[1] as two layers"
             )
         block_shape = tuple(int(d) for d in first.shape[1:])
         block_nbytes = prod(block_shape) * first.element_size()

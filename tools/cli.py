@@ -1,11 +1,11 @@
-"""The ``kvtier`` command: demo, warmup, inspect, verify, gc, bench.
+"""The ``kvtier`` command: demo, warmup, inspect, verify, gc, bench, replay.
 
 Primitives: ``main(argv)`` (the console entry point), ``build_parser``.
 
 Exit codes: 0 done; 1 the command ran and found a problem (a bad record, a failed check); 2 a user
 mistake or an environment problem (a bad option, a missing or unwritable path, a full disk, a file
 that is not what it should be), said in one line ``kvtier: error: ...`` that names the file or
-option; 130 interrupted (Ctrl-C); 141 the reader of stdout went away (``| head``), silently, as a
+option; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM; the demo cleans up as for Ctrl-C); 141 the reader of stdout went away (``| head``), silently, as a
 shell tool killed by SIGPIPE would. Only a real kvtier bug shows a traceback.
 """
 
@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from typing import List, Optional, Sequence
 
 from kvtier.errors import CorruptCacheError
@@ -30,7 +32,14 @@ __all__ = ["main", "build_parser", "user_error_message"]
 # Exit codes (see the module docstring).
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 EXIT_BROKEN_PIPE = 141
+# The demo keeps every producer's prompt and expected bytes in memory (~0.3 MB each): 4096 is
+# ~1.3 GB and ~15 minutes here; more is a typo, not a demo.
+MAX_DEMO_PRODUCERS = 4096
+# MTP and EAGLE re-prefill as many tokens as they speculate, a handful; more than this is a typo that
+# would keep a second window's worth of every sliding-window chunk.
+MAX_EXTRA_RETAINED_TOKENS = 1024
 # Options whose value may start with "-" (a negative size is a mistake to name, not a missing value).
 _SIGNED_VALUE_OPTIONS = ("--max-bytes",)
 
@@ -70,18 +79,40 @@ def _join_signed_values(argv: Sequence[str]) -> List[str]:
     return out
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+def _unknown_leading_option(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[str]:
+    """The first option before the COMMAND that ``kvtier`` itself does not know: argparse would
+    only say that a COMMAND is required (``kvtier --frob``)."""
+    known = set(parser._option_string_actions)
+    for arg in argv:
+        if not arg.startswith("-"):
+            return None
+        if arg.split("=", 1)[0] not in known:
+            return arg
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvtier",
         description="Keep an LLM server's KV cache beyond GPU memory: host slabs, LMDB on NVMe, exact SWA/MTP coverage.",
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="store and restore KV through the engine on a built-in hybrid layout, checking every byte")
     demo.add_argument("--cache-dir", help="cache directory (default: a fresh temporary directory, removed afterwards)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary cache directory")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
-    demo.add_argument("--producers", type=int, default=12, help="producer requests (default 12)")
+    demo.add_argument("--producers", type=int, default=12, help=f"producer requests (default 12, at most {MAX_DEMO_PRODUCERS})")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--remote", metavar="URL|embedded",
@@ -98,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     warmup.add_argument("--block-size", type=int, default=16)
     warmup.add_argument("--blocks-per-chunk", type=int, default=1)
-    warmup.add_argument("--extra-retained-tokens", type=int, default=0, help="MTP extra retained tokens R")
+    warmup.add_argument("--extra-retained-tokens", type=_extra_retained, default=0,
+                        help=f"MTP extra retained tokens R (0 to {MAX_EXTRA_RETAINED_TOKENS})")
     warmup.add_argument("--json", action="store_true")
     warmup.add_argument("--no-progress", action="store_true")
     warmup.add_argument(
@@ -133,16 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--no-quarantine", action="store_true", help="only report bad records, move nothing")
     verify.add_argument("--json", action="store_true")
 
-    gc = sub.add_parser("gc", help="evict least-recently-used records down to a byte bound, then "
-                                    "compact mostly-dead segment files")
+    gc = sub.add_parser("gc", help="evict least-recently-used records down to a bound on their stored bytes, "
+                                    "then compact mostly-dead segment files; reports the bytes on disk before and after")
     gc.add_argument("--cache-dir", required=True)
-    gc.add_argument("--max-bytes", required=True, type=_size, help="bound, e.g. 1073741824 or 1GiB")
+    gc.add_argument(
+        "--max-bytes", required=True, type=_size,
+        help="bound on the records' stored bytes (`kvtier inspect`'s 'stored'), e.g. 1073741824 or 1GiB; not a bound "
+        "on the directory's size: data.mdb keeps its size (LMDB reuses its free pages) and a segment file is "
+        "compacted only once less than half of it is live",
+    )
     gc.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="benchmark tiers and engine against raw baselines measured in the same run")
     bench.add_argument("--quick", action="store_true", help="a smaller run, under a minute")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--cache-dir", help="directory on the filesystem to measure (default: a temporary one)")
+
+    from .replay.command import add_arguments as add_replay_arguments
+
+    replay = sub.add_parser(
+        "replay", help="replay a request trace (Mooncake, Azure, your prompts) through the engine or its fast model: "
+        "hit rate per tier against host and disk budgets, with a reference LRU and the offline bound beside it")
+    add_replay_arguments(replay)
     return parser
 
 
@@ -152,12 +196,13 @@ def _cmd_demo(args) -> int:
     from .demo import format_summary, run_demo
     from .valkey import remote_server
 
-    if args.producers < 1:
-        raise ValueError(f"--producers must be >= 1, got {args.producers}")
+    if not 1 <= args.producers <= MAX_DEMO_PRODUCERS:
+        raise ValueError(f"--producers must be in [1, {MAX_DEMO_PRODUCERS}], got {args.producers}")
     if args.cache_dir is not None and not args.cache_dir.strip():
         # An empty value is a mistake (an unset shell variable), not a request for a temporary dir.
         raise ValueError("--cache-dir must not be empty (leave the option out for a temporary directory)")
     temporary = args.cache_dir is None
+    previous_sigterm = _terminate_as_interrupt()  # unwinds like Ctrl-C: the engine closes, the temporary directory goes
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvtier-demo-")
     removed = False
     try:
@@ -172,6 +217,8 @@ def _cmd_demo(args) -> int:
         if temporary and not args.keep:
             shutil.rmtree(cache_dir, ignore_errors=True)
             removed = True
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     if removed:
         summary.cache_dir = None  # never point at a directory that no longer exists
     if args.json:
@@ -181,6 +228,25 @@ def _cmd_demo(args) -> int:
         if temporary and args.keep:
             print(f"  cache kept at        {cache_dir}")
     return 0 if summary.verified else 1
+
+
+_terminated = False  # SIGTERM arrived (reported as "terminated", exit 143, instead of 130)
+
+
+def _terminate_as_interrupt():
+    """SIGTERM (``kill``, a CI timeout) unwinds as Ctrl-C does: asyncio.run cancels the main task,
+    every ``finally`` runs. Python's default for SIGTERM kills the process on the spot, leaving a
+    temporary cache directory behind. Returns the handler it replaced (``None`` off the main
+    thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, frame) -> None:
+        global _terminated
+        _terminated = True
+        signal.raise_signal(signal.SIGINT)
+
+    return signal.signal(signal.SIGTERM, on_term)
 
 
 def _retention_interval(text: str) -> Optional[int]:
@@ -196,8 +262,26 @@ def _retention_interval(text: str) -> Optional[int]:
     return value
 
 
+def _extra_retained(text: str) -> int:
+    """argparse type of --extra-retained-tokens: an int in [0, MAX_EXTRA_RETAINED_TOKENS]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_EXTRA_RETAINED_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, {MAX_EXTRA_RETAINED_TOKENS}], got {text!r}")
+    return value
+
+
 def _cmd_warmup(args) -> int:
     from .warmup import run_warmup, vllm_key_coverage, vllm_warm_from_model
+
+    if args.key_scheme != "vllm":
+        ignored = [name for name, value in (("--cache-salt", args.cache_salt), ("--vllm-layout", args.vllm_layout),
+                                            ("--vllm-kv-cache-layout", args.vllm_kv_cache_layout)) if value is not None]
+        if ignored:
+            # kvtier's own keys would silently leave them out: every key would differ from the server's.
+            raise ValueError(f"{ignored[0]} needs --key-scheme vllm (kvtier's own keys take --salt)")
 
     if args.key_scheme == "vllm":
         if args.model:
@@ -303,10 +387,12 @@ def _cmd_gc(args) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        print(f"kvtier gc: evicted {result['evicted_records']} records, "
-              f"{result['bytes_before']} -> {result['bytes_after']} bytes; compacted {result['compacted_records']} "
-              f"records, freed {result['compacted_segments']} segment files "
-              f"({result['segment_bytes_before']} -> {result['segment_bytes_after']} bytes of segment files)")
+        print(f"kvtier gc: evicted {result['evicted_records']} records: stored bytes {result['bytes_before']} -> "
+              f"{result['bytes_after']} (--max-bytes {args.max_bytes}); compacted {result['compacted_records']} records; "
+              f"segment files {result['segment_files_before']} -> {result['segment_files_after']} "
+              f"({result['segment_bytes_before']} -> {result['segment_bytes_after']} bytes); on disk "
+              f"{result['disk_bytes_before']} -> {result['disk_bytes_after']} bytes (data.mdb keeps its size: "
+              "LMDB reuses its freed pages)")
     return 0
 
 
@@ -318,13 +404,27 @@ def _cmd_bench(args) -> int:
     return run_bench_command(quick=args.quick, as_json=args.json, cache_dir=args.cache_dir)
 
 
+def _cmd_replay(args) -> int:
+    from .replay.command import run
+
+    if args.cache_dir is not None:
+        _require_writable_dir("--cache-dir", args.cache_dir)
+    return run(args)
+
+
 def _require_writable_dir(option: str, path: str) -> None:
-    """A directory the command will write into: it exists as a directory (or can be made) and a
-    file can be created in it. Checked before any work, so the error names the option."""
+    """A directory the command will write into: it exists as a directory (or its parent does, and it
+    is made) and a file can be created in it. Checked before any work, so the error names the option."""
     if not path.strip():
         raise ValueError(f"{option} must not be empty")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{option} {path} is not a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(path) and not os.path.isdir(parent):
+        # As for every cache directory: only the last component is made (a missing parent is most
+        # often a disk that is not mounted).
+        raise ValueError(f"{option} {path}: its parent {parent} does not exist (kvtier creates only the last "
+                         "component; mount or create the parent first)")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -340,6 +440,7 @@ _COMMANDS = {
     "verify": _cmd_verify,
     "gc": _cmd_gc,
     "bench": _cmd_bench,
+    "replay": _cmd_replay,
 }
 
 
@@ -391,14 +492,23 @@ def user_error_message(exc: BaseException) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_join_signed_values(sys.argv[1:] if argv is None else argv))
-    _configure_logging()
     try:
+        # Parsing imports (the --max-bytes converter's parse_size pulls in the engine): a Ctrl-C
+        # there is an interrupt like any other, not a traceback.
+        parser = build_parser()
+        argv = _join_signed_values(sys.argv[1:] if argv is None else argv)
+        unknown = _unknown_leading_option(parser, argv)
+        if unknown is not None:
+            parser.error(f"unrecognized option {unknown}")
+        args = parser.parse_args(argv)
+        _configure_logging()
         code = _COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return code
     except KeyboardInterrupt:
+        if _terminated:
+            print("kvtier: terminated", file=sys.stderr)
+            return EXIT_TERMINATED
         print("kvtier: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -21,6 +21,7 @@ second host) is served from the remote alone.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import random
@@ -33,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.errors import TierIOError
 from kvtier.policy import AttentionGroup, ModelLayout, layout_fingerprint
 
 from .testing.scenario import OffloadScenario, make_cpu_device
@@ -97,6 +99,7 @@ class DemoSummary:
     failures: List[str]
     remote_url: Optional[str] = None
     loaded_bytes_from_remote: int = 0
+    corrupt_blocks_restored: int = 0  # blocks of chunks found corrupt on load, never served, stored again
 
     def to_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -144,6 +147,7 @@ async def run_demo(
     # skips what no boundary needs. The same figure on a cold or a warm directory.
     swa_every = sum(len(p) // layout.groups[swa_group].tokens_per_chunk for p in prompts) * swa_chunk_bytes
     swa_keys = set()
+    restored: List[int] = []  # blocks stored again per consumer whose load found a corrupt chunk
     stored_keys = set()
     warm_keys = set()
     hit_tokens = 0
@@ -151,6 +155,9 @@ async def run_demo(
     loaded_host = loaded_disk = 0
 
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
+        if remote_url is not None and getattr(engine.disk_tier, "degraded", False):
+            # Every second-host load would miss: an environment problem, not a verification.
+            raise TierIOError(f"--remote {remote_url} is unreachable; start it, fix the URL, or leave --remote out")
         scenario = _KeyedScenario(engine, seed=seed)
         for prompt in prompts:
             keys = engine.request_keys(prompt)
@@ -163,9 +170,10 @@ async def run_demo(
                 per_chunk = layout.groups[g].blocks_per_chunk
                 warm_keys.update(keys.keys[g][b // per_chunk] for b in blocks)
             if not record.durable:
+                _raise_if_disk_full(cache_dir)
                 failures.append(f"producer of {len(prompt)} tokens: chunks not durable")
             tick(1)
-        hits, host_loaded = await _consume_all(scenario, prompts, rng, failures, tick)
+        hits, host_loaded = await _consume_all(scenario, prompts, rng, failures, tick, restored)
         hit_tokens += hits
         prompt_tokens += sum(len(p) + 1 for p in prompts)
         stats = engine.statistics()
@@ -180,7 +188,7 @@ async def run_demo(
         async with OffloadEngine(layout, device, phase_config, fingerprint=fingerprint) as engine:
             scenario = _KeyedScenario(engine, seed=phase_seed)
             scenario.producer_bytes = producer_bytes
-            hits, _ = await _consume_all(scenario, prompts, rng, failures, tick)
+            hits, _ = await _consume_all(scenario, prompts, rng, failures, tick, restored)
             stats = engine.statistics()
             tier_stats = engine.disk_tier.statistics().as_dict() if engine.disk_tier is not None else {}
             engine.check()
@@ -236,16 +244,38 @@ async def run_demo(
         failures=failures,
         remote_url=remote_url,
         loaded_bytes_from_remote=loaded_remote,
+        corrupt_blocks_restored=sum(restored),
     )
 
 
-async def _consume_all(scenario: OffloadScenario, prompts, rng, failures: List[str], tick):
+# Less free space than this on the cache directory's filesystem when a store failed: the disk is
+# full (one demo run writes ~40 MiB), and every later line would only be a consequence of it.
+_FULL_DISK_FREE_BYTES = 16 << 20
+
+
+def _raise_if_disk_full(cache_dir: str) -> None:
+    free = shutil.disk_usage(cache_dir).free
+    if free < _FULL_DISK_FREE_BYTES:
+        raise OSError(errno.ENOSPC, f"No space left on device ({free} bytes free; the demo's stores could not be written)",
+                      cache_dir)
+
+
+async def _consume_all(scenario: OffloadScenario, prompts, rng, failures: List[str], tick, restored: List[int]):
+    """Every prompt's follow-up as a consumer: its hit tokens and blocks loaded. A load that finds a
+    chunk corrupt (detected, moved to quarantine, never served) is what a server recomputes: the
+    prompt is stored again (``restored`` counts its chunks) and served once more."""
     hits = 0
     loaded = 0
     for prompt in prompts:
         follow_up = prompt + [rng.randrange(32000)]
         try:
-            record = await scenario.consume(follow_up)
+            record = await scenario.consume(follow_up, allow_failed_load=True)
+            if record.hit and not record.ok:
+                if record.reason != "corrupt":
+                    raise AssertionError(f"load of hit {record.hit} failed: {record.reason}")
+                again = await scenario.produce(prompt)
+                restored.append(sum(len(blocks) for blocks in again.stored.values()))
+                record = await scenario.consume(follow_up)
         except AssertionError as exc:
             failures.append(str(exc))
             tick(1)
@@ -269,6 +299,13 @@ def format_summary(summary: DemoSummary) -> str:
         f"({summary.hit_tokens / max(1, summary.prompt_tokens):.1%})",
         f"  producer chunks     {summary.stored_chunks} stored now, {summary.warm_chunks} already in the cache "
         "directory" + (" (warm: an earlier run stored them)" if summary.warm_chunks else ""),
+    ]
+    if summary.corrupt_blocks_restored:
+        lines.append(
+            f"  corrupt chunks      found on load, moved to quarantine, never served; their prompts stored again "
+            f"({summary.corrupt_blocks_restored} blocks)"
+        )
+    lines += [
         f"  host tier           {summary.host_stored_bytes / mib:.1f} MiB stored, "
         f"{summary.loaded_bytes_from_host / mib:.1f} MiB loaded to device",
         f"  disk tier (LMDB)    {summary.disk_stored_bytes / mib:.1f} MiB stored "

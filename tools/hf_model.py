@@ -67,6 +67,7 @@ __all__ = [
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"  # Llama-4: kept as a sliding window of attention_chunk_size
 
 LayerKV = Tuple[torch.Tensor, torch.Tensor]
 BlockTables = Sequence[Sequence[Optional[int]]]
@@ -170,26 +171,42 @@ def layer_types_from_config(config: Any) -> Tuple[List[str], Optional[int]]:
 
     Gemma-3 / Qwen2 style configs list ``layer_types``; a Mistral-style config sets
     ``sliding_window`` for every layer; a plain Llama config has neither (all full attention).
-    Anything kvtier cannot cache exactly (chunked or linear attention, bidirectional windows, layers
-    sharing another layer's KV, KV-free layers) raises ``ValueError`` naming the problem.
+    Llama-4's chunked layers are sliding layers of window ``attention_chunk_size`` (all a chunked
+    layer reads lies in it). Anything kvtier cannot cache exactly (linear attention, bidirectional
+    attention, layers sharing another layer's KV, KV-free layers) raises ``ValueError`` naming the
+    problem.
     """
     config = text_config(config)
     model_type = getattr(config, "model_type", type(config).__name__)
     num_layers = _positive_int(config, "num_hidden_layers")
-    if getattr(config, "use_bidirectional_attention", False):
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    # Gemma-4's "vision" makes only an image's own tokens see each other: text stays causal, and its
+    # logits are those of None bit for bit. True (Gemma-3 embedders) and "all" make every token see
+    # the ones after it: no prefix KV stays valid.
+    if bidirectional not in (None, False, "vision"):
         raise ValueError(
-            f"unsupported model config ({model_type}): use_bidirectional_attention=True is not a "
-            "causal KV cache"
+            f"unsupported model config ({model_type}): use_bidirectional_attention={bidirectional!r} is not a "
+            "causal KV cache (every token attends to later ones)"
         )
     _refuse_shared_kv(config, model_type)
     _refuse_lossy_cache(config, model_type)
-    if getattr(config, "attention_chunk_size", None) is not None:
-        raise ValueError(
-            f"unsupported model config ({model_type}): chunked attention "
-            f"(attention_chunk_size={config.attention_chunk_size!r}) has no sliding-window equivalent"
-        )
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None:
+        # Chunked attention (Llama-4) at position p reads [p - p % C, p]: always inside the last C
+        # positions, so a sliding window of C keeps all it reads (transformers caches these layers
+        # as exactly that window). A config with its own, different sliding window is refused.
+        chunk = _positive_int(config, "attention_chunk_size")
+        if window is not None and window != chunk:
+            raise ValueError(
+                f"unsupported model config ({model_type}): attention_chunk_size={chunk} and sliding_window={window} "
+                "(kvtier keeps one window per model)"
+            )
+        if layer_types is None:
+            layer_types = [CHUNKED_ATTENTION] * num_layers
+        layer_types = [SLIDING_ATTENTION if t == CHUNKED_ATTENTION else t for t in layer_types]
+        window = chunk
     if layer_types is None:
         layer_types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * num_layers
     else:
@@ -203,10 +220,10 @@ def layer_types_from_config(config: Any) -> Tuple[List[str], Optional[int]]:
         if unknown:
             raise ValueError(
                 f"unsupported model config ({model_type}): layer types {unknown} (kvtier supports "
-                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}; compressed attention goes through cache_plan)"
+                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}, and DeepSeek-V4's compressed attention)"
             )
     if SLIDING_ATTENTION in layer_types:
-        window = _positive_int(config, "sliding_window")
+        window = chunk if chunk is not None else _positive_int(config, "sliding_window")
     else:
         window = None
     return layer_types, window
@@ -366,6 +383,17 @@ def parse_dtype(dtype: Union[str, torch.dtype]) -> Tuple[str, torch.dtype]:
     return str(value).replace("torch.", ""), value
 
 
+def require_model_dir(model_dir: Any) -> str:
+    """``model_dir`` as a path string when it is a directory; else a ``ValueError`` saying what it is
+    (missing, or a file: kvtier never downloads models)."""
+    path = os.fspath(model_dir)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"model directory {path!r} is not a directory (pass the directory holding config.json)")
+    raise ValueError(f"model directory {path!r} does not exist (kvtier never downloads models)")
+
+
 def load_model(
     model_dir: Union[str, os.PathLike],
     *,
@@ -376,9 +404,7 @@ def load_model(
     """``AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)`` in eval mode on
     ``device``. Never downloads: a missing or incomplete directory raises ``ValueError``."""
     transformers = _require_transformers()
-    path = os.fspath(model_dir)
-    if not os.path.isdir(path):
-        raise ValueError(f"model directory {path!r} does not exist (kvtier never downloads models)")
+    path = require_model_dir(model_dir)
     _, torch_dtype = parse_dtype(dtype)
     kwargs = {"local_files_only": True, "dtype": torch_dtype}
     if attn_implementation is not None:

@@ -2,7 +2,7 @@
 
 Primitives: ``inspect_cache`` (records per group, bytes raw and stored, compression, age),
 ``verify_cache`` (read and check every record), ``gc_cache`` (evict least-recently-used records down
-to a byte bound, then compact mostly-dead payload segments). All blocking: they open the tier synchronously, on the calling thread.
+to a bound on their stored bytes, then compact mostly-dead payload segments; bytes on disk reported). All blocking: they open the tier synchronously, on the calling thread.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from kvtier.policy import KvtierError
+from kvtier.tiers.base import RemovalCallback
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, segment_disk_bytes
 
@@ -122,15 +123,26 @@ def verify_cache(cache_dir: str, *, quarantine: bool = True):
         return tier.verify(quarantine=quarantine)
 
 
-def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
-    """Evict least-recently-used records until stored bytes are at most ``max_bytes``, then compact
-    the payload segments left mostly dead (``LmdbTier.compact_segments_sync``). Reports record
-    bytes before/after, and the segment files' bytes on disk before/after (what the disk got back)."""
+def gc_cache(cache_dir: str, max_bytes: int, *, on_removed: Optional[RemovalCallback] = None) -> Dict[str, int]:
+    """Evict least-recently-used records until their stored bytes are at most ``max_bytes``, then
+    compact the payload segments left mostly dead (``LmdbTier.compact_segments_sync``).
+
+    ``max_bytes`` bounds the records' stored bytes, not the directory: ``data.mdb`` keeps its size
+    (LMDB reuses freed pages for later writes, it never returns them to the filesystem) and a
+    segment file is compacted only once less than half of it is live. So the report gives both:
+    stored bytes before/after, and the bytes the directory's files take on disk before/after, with
+    the segment files counted before/after (eviction deletes a file with its last record, compaction
+    the rest it frees). ``on_removed``: called (on the tier's writer thread) with each batch of
+    records evicted, before this returns (``LmdbTier.subscribe_removals``)."""
     if max_bytes < 0:
         raise ValueError(f"--max-bytes must be >= 0, got {max_bytes}")
     _require_cache(cache_dir)
+    directory = Path(cache_dir)
+    disk_before, files_before = _disk_bytes(directory), len(list(directory.glob("seg-*.kvs")))
     # automatic passes off: the one explicit pass after the eviction does the work and reports it whole
     with LmdbTier(cache_dir, map_size_bytes=1 << 20, verify_structure=True, segment_compaction_live_fraction=0) as tier:
+        if on_removed is not None:
+            tier.subscribe_removals(on_removed)
         before = tier.statistics().bytes
         segments_before = segment_disk_bytes(tier.path)
         evicted = tier.gc(max_bytes)
@@ -139,4 +151,20 @@ def gc_cache(cache_dir: str, max_bytes: int) -> Dict[str, int]:
         segments_after = segment_disk_bytes(tier.path)
     return {"evicted_records": evicted, "bytes_before": before, "bytes_after": after,
             "compacted_records": compacted.records, "compacted_segments": compacted.files_freed,
-            "segment_bytes_before": segments_before, "segment_bytes_after": segments_after}
+            "segment_bytes_before": segments_before, "segment_bytes_after": segments_after,
+            "segment_files_before": files_before, "segment_files_after": len(list(directory.glob("seg-*.kvs"))),
+            "disk_bytes_before": disk_before, "disk_bytes_after": _disk_bytes(directory)}
+
+
+def _disk_bytes(directory: Path) -> int:
+    """Bytes the files directly in ``directory`` take on disk (allocated blocks: a sparse file counts
+    what it holds, not its length)."""
+    total = 0
+    for path in directory.iterdir():
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue  # deleted by a writer since the listing
+        if path.is_file():
+            total += info.st_blocks * 512
+    return total

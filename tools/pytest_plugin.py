@@ -18,7 +18,9 @@ Fixtures for serving-process authors who test their integration asynchronously (
 - ``faulty_tier``: ``faulty_tier(inner, fail_at=N | fail_from=N | delay_s=... | corrupt_puts=True)``
   wraps a tier (see ``kvtier.tools.testing.faults.FaultyTier``).
 
-Async fixtures run on the test's event loop, so use them from ``@pytest.mark.asyncio`` tests.
+Async fixtures run on the test's event loop, so use them from ``@pytest.mark.asyncio`` tests. A
+project that leaves pytest-asyncio's ``asyncio_default_fixture_loop_scope`` unset gets
+``"function"`` from this plugin (what these fixtures need), without pytest-asyncio's warning.
 """
 
 from __future__ import annotations
@@ -29,6 +31,28 @@ try:
     import pytest_asyncio
 except ImportError:  # pragma: no cover - the plugin must not break pytest runs without it
     pytest_asyncio = None
+
+
+_LOOP_SCOPE_OPTION = "asyncio_default_fixture_loop_scope"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """kvtier's async fixtures are function-scoped and run on each test's own loop, which is what
+    pytest-asyncio's ``asyncio_default_fixture_loop_scope = "function"`` says. A project that has
+    not set it would see pytest-asyncio's deprecation warning on every run once kvtier (and with it
+    pytest-asyncio) is installed: the plugin sets that value for it, before pytest-asyncio reads it.
+    A project's own setting always wins."""
+    if pytest_asyncio is None:
+        return
+    try:
+        if config.getini(_LOOP_SCOPE_OPTION):
+            return
+    except ValueError:  # an older pytest-asyncio without the option: nothing to set
+        return
+    cache = getattr(config, "_inicache", None)  # where getini keeps resolved values (pytest 7-9)
+    if isinstance(cache, dict):
+        cache[_LOOP_SCOPE_OPTION] = "function"
 
 
 def _async_fixture(fn):

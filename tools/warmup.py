@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import aiofiles
 import torch
@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
-from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
+from kvtier.policy import ChunkState, KvtierError, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
@@ -47,6 +47,7 @@ from .hf_model import (
     layer_types_from_config,
     load_model,
     parse_dtype,
+    require_model_dir,
     text_config,
 )
 
@@ -211,7 +212,12 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):
             raise ValueError(f"{where}: 'token_ids' must be a list of non-negative ints, got {json.dumps(ids)[:60]}")
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty (no tokens to warm)")
         prompts.append(ids)
+    if not prompts:
+        # Exit 0 with "0 prompts" would tell a CI step the cache is warm.
+        raise ValueError(f"prompts file {os.fspath(path)!r} holds no prompts (every line is blank)")
     return prompts
 
 
@@ -333,6 +339,18 @@ def _remove_unused_cache_dir(cache_dir: PathLike) -> None:
         logger.warning("could not remove the unused cache directory %s: %s", os.fspath(cache_dir), exc)
 
 
+def _require_a_chunk(layout: ModelLayout, prompts: Sequence[Sequence[int]]) -> None:
+    """A chunk longer than every prompt stores nothing: refused, or warmup would exit 0 having
+    warmed nothing."""
+    chunk = min(g.tokens_per_chunk for g in layout.groups)
+    longest = max(len(ids) for ids in prompts)
+    if chunk > longest:
+        raise ValueError(
+            f"a chunk is {chunk} tokens (--block-size x --blocks-per-chunk), longer than the longest prompt "
+            f"({longest} tokens): nothing would be stored"
+        )
+
+
 async def run_warmup(
     model_dir: PathLike,
     prompts_path: PathLike,
@@ -361,8 +379,7 @@ async def run_warmup(
     """
     started = time.perf_counter()
     dtype_name, torch_dtype = parse_dtype(dtype)
-    if not os.path.isdir(os.fspath(model_dir)):
-        raise ValueError(f"model directory {os.fspath(model_dir)!r} does not exist (kvtier never downloads models)")
+    require_model_dir(model_dir)
     DeviceBackend(device)  # a missing GPU is a one-line DeviceError now, not torch's assertion later
     prompts = await read_prompts(prompts_path, tokenizer_dir=model_dir)
     # Refusals that the config alone decides (shared or lossy KV, unsupported attention) come
@@ -373,6 +390,7 @@ async def run_warmup(
         blocks_per_chunk=blocks_per_chunk,
         extra_retained_tokens=extra_retained_tokens,
     )
+    _require_a_chunk(plan.layout, prompts)
     try:
         model = await asyncio.to_thread(
             _load_quietly if not progress else load_model,
@@ -401,7 +419,15 @@ async def run_warmup(
     fingerprint = model_fingerprint(config, layout, dtype_name, weights_version=weights_version)
     probe = next((ids[:8] for ids in prompts if ids), None)
     if probe is not None:  # the model caches what the config says (shapes), checked before the engine opens
-        await asyncio.to_thread(plan.capture, model, probe)
+        try:
+            await asyncio.to_thread(plan.capture, model, probe)
+        except (KvtierError, ValueError):
+            raise
+        except Exception as exc:  # the model's own forward: a model problem, not a kvtier bug
+            raise ValueError(
+                f"the model in {os.fspath(model_dir)!r} fails its own forward pass on an 8-token probe "
+                f"({type(exc).__name__}: {exc}); its config does not describe a model that runs"
+            ) from exc
 
     max_tokens = max((len(ids) for ids in prompts), default=1) or 1
     num_blocks = [cdiv(max_tokens, g.block_size) for g in layout.groups]

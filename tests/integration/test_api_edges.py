@@ -5,7 +5,10 @@ and drops that follow from tight settings are logged (rate-limited) and counted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.drop_log import DropLog
+from kvtier.errors import EngineUsageError
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
@@ -173,3 +177,199 @@ def test_device_views_and_groups_refuse_what_is_not_a_kv_cache():
         AttentionGroup(10**30)
     with pytest.raises(ValueError, match=r"sliding_window must be at most 2\*\*31 - 1"):
         AttentionGroup(16, sliding_window=2**40)
+
+
+# -- the promises of round two: each call refuses what it cannot honour, naming the argument ------
+
+
+@pytest.mark.asyncio
+async def test_lookup_max_tokens_past_the_request_costs_what_the_request_costs():
+    engine = await started()
+    try:
+        scenario = OffloadScenario(engine)
+        tokens = scenario.tokens(64)
+        await scenario.produce(tokens)
+        expected = engine.lookup(tokens, max_tokens=64)
+        assert expected == 64
+        began = time.perf_counter()
+        # Unclamped, the search walked every granularity step up to max_tokens: 10**8 took ~15 s.
+        assert engine.lookup(tokens, max_tokens=10**8) == expected
+        assert engine.lookup(tokens, max_tokens=10**30) == expected
+        assert time.perf_counter() - began < 2.0
+    finally:
+        await engine.close()
+
+
+def _in_another_loop(call) -> BaseException:
+    """Run ``call()``'s coroutine on a fresh loop in another thread; the exception it raised."""
+    caught: list = []
+
+    def body() -> None:
+        try:
+            asyncio.run(call())
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            caught.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(10.0)
+    assert not thread.is_alive(), "the call hung in another thread"
+    assert caught, "the call from another loop was accepted"
+    return caught[0]
+
+
+@pytest.mark.asyncio
+async def test_every_call_from_another_loop_or_thread_is_a_usage_error():
+    engine = await started()
+    try:
+        tokens = list(range(33))
+        table = [[1, 2, 3], list(range(1, 10))]
+        calls = {
+            "close": lambda: engine.close(),
+            "flush": lambda: engine.flush(),
+            "load": lambda: engine.load(tokens, 32, table),
+            "prefetch": lambda: engine.prefetch(tokens),
+            "fence": lambda: engine.fence([1]),
+        }
+        for name, call in calls.items():
+            exc = _in_another_loop(call)
+            assert type(exc) is EngineUsageError, (name, exc)
+            assert str(exc) == ("this OffloadEngine belongs to the event loop that started it; it was called from "
+                                "another event loop"), name
+        assert not engine.closing  # the refused close changed nothing
+    finally:
+        await engine.close()
+    assert engine.closed
+
+
+@pytest.mark.asyncio
+async def test_fence_checks_its_block_ids_as_a_block_table_does():
+    engine = await started()
+    try:
+        cases = [
+            (("0123",), TypeError, r"^block_ids must be a sequence of ints, got str '0123'$"),
+            (([1.5],), TypeError, r"^block_ids\[0\] must be an int .*got float 1\.5$"),
+            ((None,), TypeError, r"^block_ids must be a sequence of ints, got NoneType None$"),
+            (([True],), TypeError, r"^block_ids\[0\] must be an int .*got bool True$"),
+            (([10**9],), DeviceError, r"^block_ids\[0\]: device block 1000000000 is out of range \(the largest group's KV cache has \d+ blocks\)$"),
+            (([-1], 0), DeviceError, r"^block_ids\[0\]: device block -1 is out of range \(group 0's KV cache has \d+ blocks\)$"),
+            (([0], 99), ValueError, r"^group_index must be None or in \[0, 2\), got 99$"),
+            (([0], -1), ValueError, r"^group_index must be None or in \[0, 2\), got -1$"),
+            (([0], 1.0), TypeError, r"^group_index must be an int .*got float 1\.0$"),
+        ]
+        for args, kind, message in cases:
+            with pytest.raises(kind, match=message):
+                await engine.fence(*args)
+        # What a block table accepts, a fence accepts: numpy ints, a set, an iterator.
+        await engine.fence(np.array([0, 1]), 1)
+        await engine.fence({2, 3})
+        await engine.fence(iter([4]), np.int64(0))
+    finally:
+        await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_tokens_that_are_not_tokens_and_keys_of_another_layout_are_refused_by_name():
+    engine = await started()
+    other_layout = ModelLayout((AttentionGroup(16), AttentionGroup(8, sliding_window=8)))
+    other = OffloadEngine(other_layout, make_cpu_device(other_layout),
+                          EngineConfig(host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0), fingerprint=FINGERPRINT)
+    await other.start()
+    try:
+        tokens = list(range(33))
+        table = [[1, 2, 3], list(range(1, 10))]
+        keys = engine.request_keys(tokens)
+        cases = [
+            (lambda: engine.store(None, table), r"^token_ids must be a sequence of ints, got NoneType None$"),
+            (lambda: engine.lookup(None), r"^token_ids must be a sequence of ints, got NoneType None$"),
+            (lambda: engine.lookup({1: 2, 3: 4}), r"^token_ids must be a sequence of ints, got dict \{1: 2, 3: 4\}$"),
+            (lambda: engine.lookup(set(tokens)), r"^token_ids must be a sequence of ints, got set "),
+            (lambda: engine.lookup([True] * 33), r"^token_ids\[0\] must be an int, got bool True \(a mask is not token ids\)$"),
+            (lambda: engine.lookup(7), r"^token_ids must be a sequence of ints, got int 7$"),
+            (lambda: keys.extended(None), r"^more_token_ids must be a sequence of ints, got NoneType None$"),
+        ]
+        for call, message in cases:
+            with pytest.raises(TypeError, match=message):
+                call()
+        with pytest.raises(TypeError, match=r"^timeout_s must be a number of seconds, got str '1'$"):
+            await engine.prefetch(tokens, policy="timeout", timeout_s="1")
+        for bad in (float("nan"), float("inf"), 0, -1.0):
+            with pytest.raises(ValueError, match=r"^timeout_s must be a positive, finite number of seconds, got "):
+                await engine.prefetch(tokens, policy="timeout", timeout_s=bad)
+        assert await engine.prefetch(tokens, policy="timeout", timeout_s=1) == 0  # an int is a number
+
+        foreign = other.request_keys(tokens)
+        message = (r"^these RequestKeys belong to another layout \(2 group\(s\): 16x1, 8x1 window 8; this engine's: "
+                   r"16x1, 4x1 window 8\); make them with this engine's request_keys$")
+        with pytest.raises(ValueError, match=message):
+            engine.store(foreign, table)
+        with pytest.raises(ValueError, match=message):
+            engine.lookup(foreign)
+        with pytest.raises(ValueError, match=message):
+            await engine.load(foreign, 16, table)
+        assert nothing_scheduled(engine)
+    finally:
+        await other.close()
+        await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_load_refuses_a_hit_off_the_granularity_and_a_device_block_given_twice():
+    engine = await started()
+    try:
+        scenario = OffloadScenario(engine)
+        tokens = scenario.tokens(33)
+        await scenario.produce(tokens)
+        fresh = scenario.allocate(33)
+        with pytest.raises(ValueError, match=r"^hit_tokens must be a multiple of the layout's hit_granularity_tokens \(4\), got 17$"):
+            await engine.load(tokens, 17, fresh)
+        twice = [list(fresh[0]), list(fresh[1])]
+        twice[0][1] = twice[0][0]
+        with pytest.raises(ValueError, match=rf"^block_table\[0\] gives device block {twice[0][0]} to logical blocks 0 and 1; "
+                                             "each restored block needs its own device block$"):
+            await engine.load(tokens, 32, twice)
+        assert engine.statistics()["chunks_by_state"]["loading"] == 0
+        result = await engine.load(tokens, 32, fresh)
+        assert result.ok, result.reason
+    finally:
+        await engine.close()
+
+
+def test_layouts_and_device_views_refuse_what_can_never_hit():
+    group = AttentionGroup(16, blocks_per_chunk=2)
+    with pytest.raises(ValueError, match=r"^alignment_tokens \(7\) must be a multiple of hit_granularity_tokens \(16\)$"):
+        ModelLayout((group,), alignment_tokens=7)
+    with pytest.raises(ValueError, match=r"^alignment_tokens \(32\) must be a multiple of hit_granularity_tokens \(5\)$"):
+        ModelLayout((group,), hit_granularity_tokens=5)
+    assert ModelLayout((group,), alignment_tokens=64, hit_granularity_tokens=32).alignment_tokens == 64
+    # vLLM's FlashAttention layout puts K and V first: [2, num_blocks, block_size, heads, head_dim].
+    flash = ModelLayout((AttentionGroup(16),))
+    with pytest.raises(DeviceError, match=r"^group 0, layer 0: shape \(2, 10, 16, 4, 8\) has K and V first "
+                                          r"\(\[2, num_blocks, block_size, \.\.\.\]\); the block index must be the first "
+                                          r"dimension: pass layer\[0\] and layer\[1\] as two layers$"):
+        DeviceKVView(flash, [[torch.zeros(2, 10, 16, 4, 8)]])
+    kv = torch.zeros(2, 10, 16, 4, 8)
+    assert DeviceKVView(flash, [[kv[0], kv[1]]]).num_blocks(0) == 10
+
+
+def test_config_names_the_setting_at_fault_and_none_means_unset_everywhere(caplog):
+    with pytest.raises(ValueError, match=r"^lmdb_map_size_bytes must be at most 1 TiB \(1099511627776, the most the map grows to\), "
+                                         r"got 1125899906842624$"):
+        EngineConfig(lmdb_map_size_bytes=2**50)
+    for word in ("none", "None", " NONE "):
+        env = {"KVTIER_CACHE_DIR": word, "KVTIER_LMDB_SEGMENT_THRESHOLD_BYTES": word,
+               "KVTIER_DISK_INDEX_REFRESH_INTERVAL_S": word, "KVTIER_STORE_RETENTION_INTERVAL_TOKENS": word}
+        config = EngineConfig.from_env(env)
+        assert (config.cache_dir, config.lmdb_segment_threshold_bytes, config.disk_index_refresh_interval_s,
+                config.store_retention_interval_tokens) == (None, None, None, None)
+        assert EngineConfig.from_dict({"cache_dir": word}).cache_dir is None
+    assert EngineConfig.from_dict({"cache_dir": "./none"}).cache_dir == "./none"
+
+    caplog.set_level(logging.WARNING, logger="kvtier.engine")
+    typo = {"KVTIER_CACHEDIR": "/x", "KVTIER_HOST_CAPACITY": "1GiB", "KVTIER_FAULT_SEED": "3"}
+    EngineConfig.from_env(typo)
+    EngineConfig.from_env(typo)  # once per process, not per read
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "environment variable KVTIER_CACHEDIR is not a kvtier setting and is ignored; did you mean KVTIER_CACHE_DIR?",
+        "environment variable KVTIER_HOST_CAPACITY is not a kvtier setting and is ignored; did you mean KVTIER_HOST_CAPACITY_BYTES?",
+    ]

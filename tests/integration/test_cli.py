@@ -169,7 +169,7 @@ def test_verify_reports_missing_and_short_segments_and_inspect_counts_them(tmp_p
     [
         (["inspect", "--cache-dir", "/nonexistent/kvtier"], "no kvtier cache at /nonexistent/kvtier"),
         (["gc", "--cache-dir", "/nonexistent/kvtier", "--max-bytes", "1GiB"], "no kvtier cache"),
-        (["demo", "--producers", "0"], "--producers must be >= 1"),
+        (["demo", "--producers", "0"], "--producers must be in [1, 4096], got 0"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(args, message):
@@ -185,3 +185,34 @@ def test_every_subcommand_has_help():
         result = run_cli(command, "--help")
         assert result.returncode == 0
         assert f"usage: kvtier {command}" in result.stdout
+
+
+def _on_disk(directory) -> int:
+    return sum(p.stat().st_blocks * 512 for p in directory.iterdir() if p.is_file())
+
+
+def test_gc_reports_what_it_deleted_and_the_bytes_on_disk_truthfully(tmp_path, demo_cache, capsys):
+    import re
+    import shutil
+
+    cache = tmp_path / "copy"
+    shutil.copytree(demo_cache[0], cache)
+    # Each process writes its own segment file: a second demo (other prompts) makes a second one.
+    assert run_cli("demo", "--cache-dir", str(cache), "--producers", "3", "--seed", "1").returncode == 0
+    files_before, disk_before = len(list(cache.glob("seg-*.kvs"))), _on_disk(cache)
+    assert files_before >= 2, "not vacuous: the demo cache has several segment files"
+    assert main(["gc", "--cache-dir", str(cache), "--max-bytes", "2MiB"]) == 0
+    line = capsys.readouterr().out.strip()
+    files_after, disk_after = len(list(cache.glob("seg-*.kvs"))), _on_disk(cache)
+    assert files_after < files_before  # eviction deleted segment files with their last record
+    match = re.fullmatch(
+        r"kvtier gc: evicted (\d+) records: stored bytes (\d+) -> (\d+) \(--max-bytes 2097152\); compacted (\d+) records; "
+        r"segment files (\d+) -> (\d+) \((\d+) -> (\d+) bytes\); on disk (\d+) -> (\d+) bytes "
+        r"\(data\.mdb keeps its size: LMDB reuses its freed pages\)", line)
+    assert match, line
+    evicted, stored_before, stored_after, _, seg_before, seg_after, _, _, on_before, on_after = map(int, match.groups())
+    assert evicted > 0 and stored_after <= 2 << 20 < stored_before
+    assert (seg_before, seg_after) == (files_before, files_after)
+    assert (on_before, on_after) == (disk_before, disk_after)
+    help_text = run_cli("gc", "--help").stdout
+    assert "bound on the records' stored bytes" in " ".join(help_text.split())

@@ -49,6 +49,9 @@ def inputs(tmp_path_factory):
     (root / "prompts.jsonl").write_text(json.dumps({"token_ids": list(range(1, 40))}) + "\n")
     (root / "junk.jsonl").write_bytes(b"\xa8\xff\x00\x17" * 64)
     (root / "null.jsonl").write_text('{"token_ids": null}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "blank.jsonl").write_text("\n  \n\t\n")
+    (root / "no-tokens.jsonl").write_text('{"token_ids": []}\n')
     (root / "a-file").write_text("not a directory\n")
     (root / "damaged").mkdir(mode=0o700)
     (root / "damaged" / "data.mdb").write_bytes(b"not an LMDB file " * 512)
@@ -75,6 +78,22 @@ def _cases(root: Path, readonly: Path):
          f"cache_dir '{root / 'unmounted' / 'kvtier'}': its parent {root / 'unmounted'} does not exist"),
         (["verify", "--cache-dir", str(root / "damaged")],
          f"no record was checked, quarantined or deleted: move {root / 'damaged'}'s data.mdb and seg-*.kvs files aside"),
+        # round two
+        (["--frob"], "unrecognized option --frob"),
+        (["demo", "--producers", "1000000000"], "--producers must be in [1, 4096], got 1000000000"),
+        (["bench", "--quick", "--cache-dir", str(root / "no" / "such" / "dir")],
+         f"--cache-dir {root / 'no' / 'such' / 'dir'}: its parent {root / 'no' / 'such'} does not exist"),
+        (warmup + ["--prompts", str(root / "prompts.jsonl"), "--cache-salt", "tenant"],
+         "--cache-salt needs --key-scheme vllm (kvtier's own keys take --salt)"),
+        (warmup + ["--prompts", str(root / "empty.jsonl")], f"prompts file '{root / 'empty.jsonl'}' holds no prompts"),
+        (warmup + ["--prompts", str(root / "blank.jsonl")], f"prompts file '{root / 'blank.jsonl'}' holds no prompts"),
+        (warmup + ["--prompts", str(root / "no-tokens.jsonl")], f"{root / 'no-tokens.jsonl'}:1: the prompt is empty"),
+        (warmup + ["--prompts", str(root / "prompts.jsonl"), "--block-size", "1000000"],
+         "a chunk is 1000000 tokens (--block-size x --blocks-per-chunk), longer than the longest prompt (39 tokens)"),
+        (warmup + ["--prompts", str(root / "prompts.jsonl"), "--extra-retained-tokens", "1000000000"],
+         "argument --extra-retained-tokens: must be an int in [0, 1024], got '1000000000'"),
+        (["warmup", "--model", str(root / "a-file"), "--prompts", str(root / "prompts.jsonl"), "--cache-dir", cache],
+         f"model directory '{root / 'a-file'}' is not a directory"),
     ]
 
 
@@ -92,6 +111,102 @@ def test_every_user_mistake_is_one_line_naming_the_file_or_option(inputs, tmp_pa
             assert message in lines[0], (argv, message, lines[0])
     assert not (inputs / "cache").exists()  # no case created the cache directory
     assert not (inputs / "unmounted").exists()
+    assert not (inputs / "no").exists()
+
+
+def test_version_names_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"kvtier {version('kvtier')}\n"
+
+
+def test_ctrl_c_while_the_options_are_parsed_is_an_interrupt(tmp_path):
+    # A real SIGINT at the moment parsing imports the --max-bytes converter's module (the first
+    # ~1.5 s of `kvtier gc`): it must end as every interrupt does, not as a traceback.
+    script = (
+        "import os, signal, sys\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and args[0] == 'kvtier.engine.config':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.addaudithook(hook)\n"
+        "from kvtier.tools.cli import main\n"
+        f"sys.exit(main(['gc', '--cache-dir', {str(tmp_path)!r}, '--max-bytes', '40MiB']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (130, "kvtier: interrupted\n")
+
+
+def _demo_dirs(root: Path):
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_a_terminated_demo_removes_its_temporary_directory(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.cli", "demo", "--producers", "400"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob("kvtier-demo-*/data.mdb")):
+        time.sleep(0.05)
+    assert list(tmp_path.glob("kvtier-demo-*/data.mdb")), "the demo never started writing"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "kvtier: terminated" and "Traceback" not in err
+    assert _demo_dirs(tmp_path) == []
+
+
+def _error_lines(stderr: str):
+    return [line for line in stderr.splitlines() if "WARNING" not in line]
+
+
+def test_demo_environment_problems_exit_2_in_one_line(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    # Nothing listens on port 1: connection refused at once.
+    result = run_cli("demo", "--producers", "2", "--remote", "redis://127.0.0.1:1", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert _error_lines(result.stderr) == [
+        "kvtier: error: --remote redis://127.0.0.1:1 is unreachable; start it, fix the URL, or leave --remote out"
+    ]
+    assert result.stdout == "" and _demo_dirs(tmp_path) == []
+    with tmpfs(tmp_path / "small", "size=3m,mode=0700") as small:
+        cache = small / "cache"
+        result = run_cli("demo", "--producers", "6", "--cache-dir", str(cache))
+        lines = _error_lines(result.stderr)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"kvtier: error: {cache}: No space left on device ("), lines
+        assert "VERIFICATION FAILED" not in result.stdout
+
+
+def test_a_demo_over_corrupt_records_stores_them_again_and_verifies(tmp_path):
+    from kvtier.tiers.lmdb.segments import SegmentPointer, is_pointer
+
+    cache = tmp_path / "cache"
+    first = run_cli("demo", "--json", "--cache-dir", str(cache), "--producers", "4")
+    assert first.returncode == 0, first.stderr
+    # Flip the last payload byte of three records in their segment files (the full-attention
+    # chunks every consumer loads).
+    env = lmdb.open(str(cache), max_dbs=8, map_size=1 << 30)
+    with env.begin(db=env.open_db(b"chunks")) as txn:
+        pointers = [SegmentPointer.unpack(bytes(v)) for _, v in txn.cursor() if is_pointer(bytes(v))][:3]
+    env.close()
+    assert len(pointers) == 3, "not vacuous: the demo cache has segment records"
+    for pointer in pointers:
+        with open(cache / pointer.name, "r+b") as f:
+            f.seek(pointer.offset + pointer.length - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x5A]))
+    second = run_cli("demo", "--json", "--cache-dir", str(cache), "--producers", "4")
+    assert second.returncode == 0, second.stdout + second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["verified"] is True and summary["failures"] == []
+    assert summary["corrupt_blocks_restored"] > 0
+    # Stored again, the chunks serve the restart: as many hit tokens as the clean first run.
+    assert summary["hit_tokens"] == json.loads(first.stdout)["hit_tokens"]
 
 
 def test_a_closed_stdout_exits_quietly_and_an_interrupt_exits_130(tmp_path):

@@ -62,3 +62,26 @@ async def test_factory_restart_on_the_same_directory_serves_from_disk(kvtier_eng
     record = await consumer.consume(prompt + [1], expect_hit=32, expect_loaded={0: [0, 1], 1: [5, 6, 7]})
     assert record.ok
     assert second.statistics()["loaded_chunks"]["disk"] == 5
+
+
+def test_a_project_without_a_loop_scope_setting_sees_no_warning_from_the_plugin(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # A user's project: no pytest configuration at all, one async test using kvtier's engine fixture.
+    (tmp_path / "test_user.py").write_text(
+        "import pytest\n\n\n@pytest.mark.asyncio\nasync def test_engine(kvtier_engine):\n"
+        "    assert kvtier_engine.lookup(list(range(40))) == 0\n"
+    )
+    # pytest-asyncio warns from its pytest_configure, where only Python's own filters apply: show
+    # every warning as a user running with warnings on would see it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONWARNINGS"] = "default"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_user.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
+    assert '"asyncio_default_fixture_loop_scope" is unset' not in result.stdout + result.stderr

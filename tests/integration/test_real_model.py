@@ -306,7 +306,7 @@ async def test_warmup_reports_bad_prompts(model_dir, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         await run_warmup(tmp_path / "no-model", text_only, tmp_path / "c3", progress=False)
     out_of_vocab = tmp_path / "oov.jsonl"
-    out_of_vocab.write_text('{"token_ids": [1, 500]}\n')
+    out_of_vocab.write_text(json.dumps({"token_ids": [1] * 20 + [500]}) + "\n")  # past one chunk: checked after it
     with pytest.raises(ValueError, match="outside the vocabulary"):
         await run_warmup(model_dir, out_of_vocab, tmp_path / "c4", progress=False)
 

@@ -193,3 +193,47 @@ def test_deepseek_v4_in_bfloat16_restores_through_float32_blocks(model_dir):
     # Bitwise equal on this machine; bounded by bf16 rounding (2^-8 relative) wherever kernels differ.
     reference = full_logits(model, ids)
     assert (logits - reference).abs().max().item() <= 2.0**-8 * reference.abs().max().item()
+
+
+@pytest.mark.asyncio
+async def test_past_index_topk_restored_logits_match_the_models_own_cache(tmp_path):
+    # index_topk 4 and a 64-token hit: 16 CSA entries, so the indexer picks a top-k (the real
+    # model's 512 is passed past ~2,048 tokens). Rounding differences between a prefill and a
+    # recompute can flip that choice, so a full recompute is no reference past it; the model's own
+    # cache, prefilled once and never offloaded, is: the restored state must decode as it does.
+    model_dir = tmp_path / "model"
+    torch.manual_seed(4)
+    transformers.AutoModelForCausalLM.from_config(tiny_deepseek_v4_config(index_topk=4), dtype=torch.float32).save_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(8)
+    prefix = torch.randint(0, 128, (PREFIX_TOKENS,), generator=generator).tolist()
+    consumer_ids = prefix + torch.randint(0, 128, (9,), generator=generator).tolist()
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text(json.dumps({"token_ids": prefix}) + "\n")
+    cache_dir = tmp_path / "cache"
+    await run_warmup(model_dir, corpus, cache_dir, progress=False, block_size=BLOCK, extra_retained_tokens=R)
+    model = load_model(model_dir)
+    plan = cache_plan(model.config, block_size=BLOCK, extra_retained_tokens=R)
+    layout = plan.layout
+    fingerprint = model_fingerprint(transformers.AutoConfig.from_pretrained(model_dir), layout, "float32")
+    kv_caches = plan.allocate(24, torch.float32)
+    for tensors in kv_caches:
+        for tensor in tensors:
+            tensor.fill_(float("nan"))
+    async with OffloadEngine(
+        layout, DeviceKVView(layout, kv_caches), EngineConfig(cache_dir=str(cache_dir)), fingerprint=fingerprint
+    ) as engine:
+        hit = engine.lookup(consumer_ids)
+        tables = _consumer_tables(layout, hit)
+        result = await engine.load(consumer_ids, hit, tables)
+    assert hit == 64 and result.ok and hit // CSA_RATE > 4
+    restored = next_token_logits(model, plan.build_cache(model, kv_caches, tables, hit), consumer_ids, hit)
+    from kvtier.tools.hf_model import _cache_kwarg  # transformers' name for the cache argument
+
+    own = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([consumer_ids[:hit]]), use_cache=True, **{_cache_kwarg(model): own})
+    reference = next_token_logits(model, own, consumer_ids, hit)
+    diff = (restored - reference).abs().max().item()
+    recompute = (full_logits(model, consumer_ids) - reference).abs().max().item()
+    print(f"\nDeepSeek-V4 past index_topk: restored vs own cache {diff:.2e}; own cache vs full recompute {recompute:.2e}")
+    assert diff <= TOLERANCE and reference.std().item() > 0.1

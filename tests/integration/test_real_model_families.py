@@ -57,8 +57,20 @@ def deepseek_v3_config():
                                          n_group=1, topk_group=1)
 
 
+def llama4_config():
+    # Three chunked layers and one full-attention layer. Chunks of 32: the hit (48) ends inside the
+    # chunk [32, 64), so the decoded tokens read restored positions 32..47 of the chunked layers.
+    return transformers.Llama4TextConfig(**SMALL, intermediate_size=128, intermediate_size_mlp=128, num_key_value_heads=2,
+                                         head_dim=16, attention_chunk_size=2 * WINDOW, num_local_experts=2,
+                                         interleave_moe_layer_step=1, no_rope_layers=[1, 1, 1, 0])
+
+
 FAMILIES = {
     "gemma4": (gemma4_config, [(2, 32, 32) if i % 2 else (1, 16, 16) for i in range(4)]),
+    # "unified" checkpoints: bidirectional among an image's own tokens only; text stays causal.
+    "gemma4-vision": (lambda: gemma4_config(use_bidirectional_attention="vision"),
+                      [(2, 32, 32) if i % 2 else (1, 16, 16) for i in range(4)]),
+    "llama4": (llama4_config, [(2, 16, 16)] * 4),
     "mimo_v2_flash": (mimo_config, [(2, 24, 16)] + [(4, 24, 16)] * 3),
     "deepseek_v3": (deepseek_v3_config, [(1, 16, 4)] * 4),
 }
@@ -205,3 +217,35 @@ async def test_a_warmup_cancelled_before_storing_leaves_no_cache_dir(tmp_path):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not cache_dir.exists()
+
+
+def test_refusals_name_the_model_not_kvtier_internals():
+    from kvtier.tools.hf_model import layer_types_from_config
+
+    for value in ("all",):  # (True, Gemma-3's embedders: test_real_model.py)
+        with pytest.raises(ValueError, match=rf"^unsupported model config \(gemma4_text\): use_bidirectional_attention={value!r} "
+                                             r"is not a causal KV cache \(every token attends to later ones\)$"):
+            layer_types_from_config(gemma4_config(use_bidirectional_attention=value))
+    config = gemma4_config(layer_types=["sliding_attention", "linear_attention"] * 2)
+    with pytest.raises(ValueError) as caught:
+        layer_types_from_config(config)
+    assert str(caught.value) == (
+        "unsupported model config (gemma4_text): layer types ['linear_attention'] (kvtier supports 'full_attention' "
+        "and 'sliding_attention', and DeepSeek-V4's compressed attention)"
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_model_whose_own_forward_fails_the_probe_is_one_line(tmp_path):
+    # MLA with num_key_value_heads != num_attention_heads: transformers' own forward fails.
+    config = deepseek_v3_config()
+    config.num_key_value_heads = 2
+    model_dir = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text(json.dumps({"token_ids": list(range(3, 40))}) + "\n")
+    with pytest.raises(ValueError, match=rf"^the model in '{model_dir}' fails its own forward pass on an 8-token probe "
+                                         r"\(RuntimeError: .*\); its config does not describe a model that runs$") as caught:
+        await run_warmup(model_dir, corpus, tmp_path / "cache", progress=False, block_size=BLOCK)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "cache").exists()

@@ -18,6 +18,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--compact-iterations", type=int, default=20, help="kill -9 iterations of the compacting child (default 20)"
     )
     group.addoption(
+        "--cache-dir-trials", type=int, default=5, help="seeded multi-process trials on one cache directory (default 5)"
+    )
+    group.addoption("--cache-dir-rounds", type=int, default=40, help="rounds per multi-process trial (default 40)")
+    group.addoption(
         "--compaction-seconds", type=float, default=20.0, help="seconds of concurrent churn and compaction (default 20)"
     )
 
@@ -48,6 +52,16 @@ def compact_iterations(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def compaction_seconds(request: pytest.FixtureRequest) -> float:
     return float(request.config.getoption("--compaction-seconds"))
+
+
+@pytest.fixture
+def cache_dir_trials(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--cache-dir-trials"))
+
+
+@pytest.fixture
+def cache_dir_rounds(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--cache-dir-rounds"))
 
 
 @pytest.fixture

@@ -202,6 +202,20 @@ def test_nvml_init_failure_is_unknown_for_good_and_logged_once(caplog):
     assert logged == ["pressure unknown: NVML unavailable (FakeNvmlError: Driver Not Loaded)"]
 
 
+def test_an_optional_nvml_source_says_so_once_per_process_at_info(caplog):
+    # A CPU engine watches no GPU: NVML's absence is expected, said once, not warned per start.
+    module, _ = fake_nvml_module(init_error=FakeNvmlError("optional-test: no driver"))
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        for _ in range(3):  # three engines started in one process
+            monitor = PressureMonitor({"device": nvml_device_memory_source(0, nvml=module, optional=True),
+                                       "host": ScriptedSource([0.5])})
+            for _ in range(5):
+                assert monitor.poll_once() == "normal"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "pressure unknown: NVML unavailable (FakeNvmlError: optional-test: no driver) (expected without a GPU)")
+    ]
+
+
 def test_nvml_query_failure_is_transient():
     module, calls = fake_nvml_module(used=95, total=100, query_errors=1)
     source = nvml_device_memory_source(0, nvml=module)

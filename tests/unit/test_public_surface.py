@@ -135,3 +135,16 @@ def test_error_family_has_one_home():
     assert kvtier.tools.testing.faults.InjectedFault is kvtier.errors.InjectedFault
     assert kvtier.engine.EngineInvariantError is kvtier.errors.EngineInvariantError
     assert issubclass(kvtier.errors.TierTimeoutError, kvtier.errors.TierIOError)
+
+
+def test_the_readme_embedding_example_runs_as_written(tmp_path):
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Embedding kvtier in a serving process", 1)[1]
+    program = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.py").write_text(program)
+    result = subprocess.run([sys.executable, str(tmp_path / "example.py")], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "restored 96 tokens: ok=True\n"

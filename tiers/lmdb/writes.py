@@ -172,13 +172,16 @@ class WriterSide:
                 key, t = self._accesses.popleft()
             except IndexError:
                 break
+            taken.pop(key, None)  # its last read sets its place in the LRU, not its first
             taken[key] = t
         return [(key, t) for key, t in taken.items() if self._lru.touch(key)]
 
     def _put_access_times(self, txn: lmdb.Transaction, accesses: List[Tuple[bytes, int]], skip: object) -> None:
         for key, t in accesses:
             size = self._lru.get(key)
-            if size is not None and key not in skip:  # type: ignore[operator]
+            # Another process may have removed the record since it was read (our LRU does not see
+            # that): an access time without its record would list a key no record backs.
+            if size is not None and key not in skip and txn.get(key, db=self._tables.chunks) is not None:  # type: ignore[operator]
                 txn.put(key, ATIME.pack(t, size), db=self._tables.atime)
 
     def _flush_accesses(self) -> None:

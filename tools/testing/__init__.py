@@ -17,6 +17,10 @@
   ``valkey_cluster``, ``valkey_factory``; ``shared_node()``) and remote-tier test helpers.
 - ``fault_child``: the child process of the kill -9 and multi-process tests
   (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
+- ``cache_dir_child`` / ``cache_dir_trial``: journaled children sharing one cache directory (a
+  writer, a gc, a read-only reader, a reopen loop) and ``run_trial``, which runs them beside
+  ``kvtier verify``/``gc``/``inspect`` and an engine with kill -9 and injected I/O errors and
+  checks the directory against their journals.
 
 The pytest plugin (``kvtier.tools.pytest_plugin``) builds its fixtures from these. The scenario
 names load on first use: they import torch, which a fault child does not need.

@@ -1,0 +1,288 @@
+"""``kvtier replay``: its options and what it runs (registered by ``tools/cli.py``).
+
+Primitives: ``add_arguments`` (the subcommand's options), ``run`` (parsed options -> exit code),
+``run_replay`` (the single run as a result dict), ``parse_budget``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, Optional, Tuple
+
+from .layouts import PRESETS, ReplayLayout, resolve_layout
+from .report import format_report, plot_sweep, summarize
+from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
+from .trace import Trace, read_trace
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+
+__all__ = ["add_arguments", "run", "run_replay", "parse_budget"]
+
+DEFAULT_HOST = "2%"
+DEFAULT_DISK = "10%"
+# (in help texts a % is written %%: argparse formats them)
+
+
+def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]]:
+    """``(bytes, None)`` for a size (``4GiB``), ``(None, fraction)`` for a share (``5%``),
+    ``(None, None)`` for ``unbounded``."""
+    from kvtier.engine.config import parse_size
+
+    value = text.strip()
+    if value.lower() == "unbounded":
+        return None, None
+    if value.endswith("%"):
+        try:
+            share = float(value[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise ValueError(f"{option} {text!r}: a share must be in (0%, 100%]")
+        return None, share
+    if value.startswith("-"):
+        raise ValueError(f"{option} {text!r}: must be a size >= 0, a share such as 5%, or unbounded")
+    return parse_size(value, option), None
+
+
+def _retention(text: str) -> Optional[int]:
+    if text.lower() in ("none", "dense"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'none' (dense) or an int >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def _scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Mooncake JSONL (hash_ids), prompt JSONL (token_ids) or Azure 2023 CSV")
+    parser.add_argument("--format", choices=("mooncake", "prompts", "azure"), help="trace format (default: from the file)")
+    parser.add_argument("--layout", help=f"model layout preset: {', '.join(PRESETS)} (default full-attention)")
+    parser.add_argument("--model-config", help="a transformers config.json (or its directory) instead of a preset")
+    parser.add_argument("--vllm-layout", help="the vllm-layout-*.json a vLLM server's KvtierTier wrote, instead of a preset")
+    parser.add_argument("--extra-retained-tokens", "-R", type=int, default=0, metavar="R",
+                        help="MTP extra retained tokens R on the sliding groups (default 0)")
+    parser.add_argument("--retention", type=_retention, default=None, metavar="none|0|K",
+                        help="store retention interval: none = every alignment boundary (default), 0 = final boundary only, "
+                        "K = every K tokens")
+    parser.add_argument("--bytes-scale", type=_scale, default=1.0, metavar="F",
+                        help="shrink every chunk's bytes by F (0 < F <= 1) so the budgets fit this machine; budgets and "
+                        "reported bytes stay the model's true ones and hit rates do not depend on F")
+    parser.add_argument("--host-bytes", default=DEFAULT_HOST, metavar="SIZE|P%",
+                        help=f"host tier budget: bytes (4GiB) or a share of the trace's unique bytes (default {DEFAULT_HOST}%)")
+    parser.add_argument("--disk-bytes", default=DEFAULT_DISK, metavar="SIZE|P%|unbounded|0",
+                        help=f"disk tier budget, as --host-bytes; 0: no disk tier (default {DEFAULT_DISK}%)")
+    parser.add_argument("--policy", default="lru", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default lru)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="fast mode: the engine's decisions over byte costs, no bytes moved (the whole trace in seconds)")
+    parser.add_argument("--cache-dir", help="engine mode: LMDB directory (default: a temporary one, removed afterwards); "
+                        "one an earlier replay filled starts warm, which the fast mode does not model")
+    parser.add_argument("--remote", metavar="URL|embedded", help="engine mode: chain a remote tier (Valkey) behind LMDB")
+    parser.add_argument("--limit", type=_positive, help="replay only the first N requests")
+    parser.add_argument("--max-input-tokens", type=_positive, help="cut every prompt to at most N tokens")
+    parser.add_argument("--warmup-fraction", type=float, default=0.1, help="share of the first requests left out of the "
+                        "after-warm-up figures (default 0.1)")
+    parser.add_argument("--no-references", action="store_true", help="skip the reference LRU and the Belady bound")
+    parser.add_argument("--sweep", action="store_true", help="R in {0,1,3} x retention {dense, 0} x budgets "
+                        "{2,5,10,20,50}%% in the fast mode, with paired bootstrap intervals")
+    parser.add_argument("--sweep-layouts", default="gpt-oss-120b,gemma-3-27b,deepseek-v4",
+                        help="comma-separated presets for --sweep")
+    parser.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples for --sweep (default 1000)")
+    parser.add_argument("--plot", metavar="PNG", help="with --sweep: write a plot of hit rate against budget (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
+
+
+def _progress(total: int, disabled: bool, desc: str):
+    from tqdm import tqdm
+
+    # disable=None: only on a terminal.
+    return tqdm(total=total, desc=desc, unit="req", disable=True if disabled else None, file=sys.stderr)
+
+
+class Budgets:
+    """A run's budgets, in the model's true bytes and as the scaled run holds them.
+
+    ``host_slots``: chunks per host pool, from the true chunk sizes (``pools_for_budget``), the
+    same at every ``--bytes-scale``; ``disk_capacity``: the LMDB tier's record bytes at the run's
+    scale (records shrink by the scale exactly, ``ReplayLayout.scaled``); ``reference_capacity``:
+    the plain caches' payload bytes, at true sizes."""
+
+    def __init__(self, args, work: Workload, layout: ReplayLayout) -> None:
+        groups = range(len(layout.layout.groups))
+        true_chunks = [layout.full_chunk_bytes(g) for g in groups]
+        true_records = [size - layout.chunk_bytes(g) + layout.full_chunk_bytes(g)
+                        for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
+        self.chunk_bytes = true_chunks
+        self.unique_bytes = work.unique_bytes(true_chunks)
+        host_size, host_share = parse_budget(args.host_bytes, "--host-bytes")
+        if host_size is None and host_share is None:
+            raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
+        self.host_bytes = host_size if host_share is None else max(1, int(host_share * self.unique_bytes))
+        self.host_slots = host_slots(self.host_bytes, true_chunks)
+        disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
+        self.has_disk = not (disk_size == 0 and disk_share is None)
+        self.disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(true_records)))
+        if not self.has_disk:
+            self.disk_bytes = None
+        self.disk_capacity = None if self.disk_bytes is None else max(1, int(self.disk_bytes * layout.scale))
+        self.disk_record_bytes = record_bytes(layout, REPLAY_FINGERPRINT)
+        # The plain caches get the larger tier's budget: the host is inclusive (every chunk it
+        # takes is written behind to the disk), so the hierarchy holds the larger of the two.
+        if self.has_disk and self.disk_bytes is None:
+            self.reference_capacity: Optional[int] = None
+        else:
+            shares = [s for s in (host_share, disk_share if self.has_disk else None) if s is not None]
+            sizes = [b for b in (host_size, disk_size if self.has_disk else None) if b is not None]
+            self.reference_capacity = max([int(s * self.unique_bytes) for s in shares] + sizes + [1])
+
+
+def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
+    """One replay (engine mode, or the fast mode with ``args.simulate``) and its references."""
+    started = time.perf_counter()
+    work = Workload.prepare(trace, layout)
+    budgets = Budgets(args, work, layout)
+    plans = Plans(layout, args.retention)
+    warm = args.warmup_fraction
+    progress_off = args.no_progress or args.json
+
+    def fast(progress=None):
+        return simulate_engine(work, plans, host_slots=budgets.host_slots, chunk_bytes=budgets.chunk_bytes,
+                               disk_capacity=budgets.disk_capacity, disk_record_bytes=budgets.disk_record_bytes,
+                               has_disk=budgets.has_disk, spill_chunk_bytes=layout.all_chunk_bytes,
+                               policy=args.policy, progress=progress)
+
+    result: Dict[str, object] = {
+        "trace": trace.path, "trace_format": trace.format, "prefix_sharing": trace.prefix_sharing,
+        "requests": len(trace), "input_tokens": trace.input_tokens, "layout": layout.describe(),
+        "layout_name": layout.name, "bytes_scale": layout.scale, "host_bytes": budgets.host_bytes,
+        "host_slots": budgets.host_slots, "disk": budgets.has_disk, "disk_bytes": budgets.disk_bytes,
+        "unique_bytes": budgets.unique_bytes, "retention": "dense" if args.retention is None else args.retention,
+        "R": args.extra_retained_tokens, "policy": args.policy, "mode": "simulate" if args.simulate else "engine",
+        "remote": bool(args.remote),
+    }
+    if args.remote and args.simulate:
+        raise ValueError("--remote goes with engine mode: the fast mode does not model the remote tier")
+    if args.simulate:
+        with _progress(len(trace), progress_off, "kvtier replay --simulate") as bar:
+            begun = time.perf_counter()
+            main = fast(bar.update)
+        result["main"] = summarize(main, warmup_fraction=warm, wall_s=time.perf_counter() - begun)
+    else:
+        from .engine_mode import replay_engine
+
+        temporary = args.cache_dir is None and budgets.has_disk
+        cache_dir = tempfile.mkdtemp(prefix="kvtier-replay-") if temporary else (args.cache_dir if budgets.has_disk else None)
+        try:
+            from kvtier.tools.valkey import remote_server
+
+            with remote_server(args.remote) as remote_url, _progress(len(trace), progress_off, "kvtier replay") as bar:
+                begun = time.perf_counter()
+                main = asyncio.run(replay_engine(
+                    trace, layout, host_slots=budgets.host_slots, disk_bytes=budgets.disk_capacity,
+                    cache_dir=cache_dir, retention_interval=args.retention, policy=args.policy,
+                    remote_url=remote_url, progress=bar.update))
+                wall = time.perf_counter() - begun
+        finally:
+            if temporary:
+                shutil.rmtree(cache_dir, ignore_errors=True)
+        result["main"] = summarize(main, warmup_fraction=warm, wall_s=wall)
+        model = fast()
+        result["simulate"] = summarize(model, warmup_fraction=warm)
+        result["agreement_points"] = 100 * (main.hit_rate - model.hit_rate)
+    if not args.no_references:
+        capacity = budgets.reference_capacity
+        result["references"] = {
+            "lru": summarize(simulate_lru(work, plans, chunk_bytes=budgets.chunk_bytes, capacity=capacity),
+                             warmup_fraction=warm),
+            "belady": summarize(simulate_belady(work, plans, chunk_bytes=budgets.chunk_bytes, capacity=capacity),
+                                warmup_fraction=warm),
+        }
+        result["reference_capacity_bytes"] = capacity
+    result["hit_rate"] = result["main"]["hit_rate"]
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def run(args) -> int:
+    """``kvtier replay``: 0 done; 1 a loaded byte was wrong; user mistakes raise (exit 2)."""
+    if not 0 <= args.warmup_fraction < 1:
+        raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
+    if args.extra_retained_tokens < 0:
+        raise ValueError(f"--extra-retained-tokens must be >= 0, got {args.extra_retained_tokens}")
+    from .sim import policy_class
+
+    policy_class(args.policy)
+    if args.plot and not args.sweep:
+        raise ValueError("--plot goes with --sweep (a plot of hit rate against budget)")
+    trace = read_trace(args.trace, format=args.format).limited(args.limit, args.max_input_tokens)
+    if args.sweep:
+        return _run_sweep(args, trace)
+    layout = resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
+                            extra_retained_tokens=args.extra_retained_tokens, bytes_scale=args.bytes_scale)
+    from .engine_mode import EngineReplayError
+
+    try:
+        result = run_replay(args, trace, layout)
+    except EngineReplayError as exc:
+        print(f"kvtier: error: wrong bytes loaded: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=_plain))
+    else:
+        print(format_report(result))
+    return 0
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _run_sweep(args, trace: Trace) -> int:
+    from .sweep import SWEEP_BUDGETS, SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
+
+    names = [n.strip() for n in args.sweep_layouts.split(",") if n.strip()]
+    for name in names:
+        if name not in PRESETS:
+            raise ValueError(f"--sweep-layouts {name!r} is not a preset; valid: {', '.join(sorted(PRESETS))}")
+    total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(SWEEP_BUDGETS)
+    started = time.perf_counter()
+    with _progress(total, args.no_progress or args.json, "kvtier replay --sweep") as bar:
+        rows = run_sweep(trace, layouts=names, bootstrap=args.bootstrap, progress=bar.update)
+    if args.plot:
+        plot_sweep(rows, args.plot)
+    if args.json:
+        print(json.dumps({"trace": trace.path, "requests": len(trace), "rows": rows,
+                          "wall_s": time.perf_counter() - started}, sort_keys=True, default=_plain))
+    else:
+        print(format_sweep(rows))
+    return 0

@@ -1,0 +1,434 @@
+"""The fast mode of ``kvtier replay``: the engine's cache decisions over byte costs, no bytes moved.
+
+Primitives: ``Outcome`` (per request: hit tokens and bytes read per tier; per tier: chunks and
+bytes stored, evicted, read), ``simulate_engine`` (kvtier's host slab pools and LMDB disk LRU,
+decision for decision), ``simulate_lru`` (a plain reference LRU: one cache, the same chunks and
+byte costs), ``simulate_belady`` (the offline bound: evict the chunk whose next use is farthest),
+``POLICIES`` / ``policy_class`` (eviction policies by name). Pure; any thread.
+
+Every run uses the engine's own policy code: ``longest_hit`` over chunk states, the load plan and
+the retention store plan (``Plans``). What ``simulate_engine`` models, as the engine does it with
+its work flushed after every request (the way engine mode replays):
+
+- host: one pool per group (``host_slots``); a store takes slots for the chunks that are neither on
+  the host nor on disk, all or nothing (more than a pool holds, or more than
+  ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
+  disk-only ones into new slots and touches them all, in windows of half a pool;
+- disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
+  byte LRU counts record bytes, keeps the batch being written, and sees each disk read as a touch
+  (only reads from disk touch it: a chunk hot on the host ages on disk). The tier applies reads
+  at its next write or on a timer; engine mode flushes them after each load, so both orders agree;
+- a chunk evicted from disk stays on the host until evicted there; lookups see both.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from kvtier.policy import ChunkState, longest_hit
+
+from .workload import Plans, Workload
+
+__all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate_belady", "POLICIES",
+           "policy_class", "LruOrder"]
+
+_READY = ChunkState.READY
+_MISSING = ChunkState.MISSING
+
+
+@dataclass
+class TierCounts:
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    evicted_chunks: int = 0
+    evicted_bytes: int = 0
+    read_chunks: int = 0
+    read_bytes: int = 0
+
+    def as_dict(self) -> Dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
+class Outcome:
+    """What one replay did: per request (arrays in trace order) and per tier."""
+
+    mode: str
+    hit_tokens: np.ndarray
+    input_tokens: np.ndarray
+    read_bytes: Dict[str, np.ndarray]  # tier -> bytes read per request
+    stored_bytes: np.ndarray  # bytes newly stored per request (first tier)
+    tiers: Dict[str, TierCounts] = field(default_factory=dict)
+    dropped_stores: Dict[str, int] = field(default_factory=dict)
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = int(self.input_tokens.sum())
+        return float(self.hit_tokens.sum()) / total if total else 0.0
+
+
+class LruOrder:
+    """Least recently used first; ``victims(n, exclude)`` the ``n`` oldest not in ``exclude``."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: "OrderedDict[int, None]" = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def insert(self, key: int) -> None:
+        self._order[key] = None
+
+    def touch(self, key: int) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: int) -> None:
+        del self._order[key]
+
+    def victims(self, n: int, exclude: Iterable[int] = ()) -> List[int]:
+        exclude = set(exclude)
+        out: List[int] = []
+        for key in self._order:
+            if len(out) == n:
+                break
+            if key not in exclude:
+                out.append(key)
+        return out
+
+
+POLICIES: Dict[str, Callable[[], LruOrder]] = {"lru": LruOrder}
+
+
+def policy_class(name: str) -> Callable[[], LruOrder]:
+    """The host eviction policy ``name``; an unknown name lists the valid ones."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"--policy {name!r} is unknown; valid: {', '.join(sorted(POLICIES))}") from None
+
+
+class _ByteLru:
+    """Key -> bytes, least recently used first (the LMDB tier's ``ByteLru`` rule, for ints)."""
+
+    def __init__(self, capacity: Optional[int]) -> None:
+        self.capacity = capacity
+        self.sizes: "OrderedDict[int, int]" = OrderedDict()
+        self.total = 0
+
+    def put(self, key: int, size: int) -> None:
+        self.sizes[key] = size
+        self.total += size
+
+    def pop(self, key: int) -> int:
+        size = self.sizes.pop(key)
+        self.total -= size
+        return size
+
+
+def _step(hit: int, tiers: Dict[str, TierCounts]) -> tuple:
+    """One request's trail for ``steps``: its hit and every tier's running counts."""
+    return (int(hit),) + tuple(tuple(vars(tiers[name]).values()) for name in sorted(tiers))
+
+
+def _new_counts(names: Sequence[str]) -> Dict[str, TierCounts]:
+    return {name: TierCounts() for name in names}
+
+
+def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], chunk_bytes: Sequence[int],
+                    disk_capacity: Optional[int], disk_record_bytes: Sequence[int], has_disk: bool = True,
+                    spill_chunk_bytes: Optional[Sequence[int]] = None,
+                    policy: str = "lru", store_queue_max_chunks: int = 4096, spill_batch_max_chunks: int = 256,
+                    spill_batch_max_bytes: int = 64 << 20, progress: Optional[Callable[[int], None]] = None,
+                    steps: Optional[list] = None) -> Outcome:
+    """Replay ``work`` through a model of the engine (see the module docstring). ``host_slots[g]``
+    slots of ``chunk_bytes[g]`` per group; a disk tier (``has_disk``) of ``disk_capacity`` record
+    bytes (``None``: unbounded) counting ``disk_record_bytes[g]`` per chunk. Bytes are reported
+    at ``chunk_bytes[g]`` per chunk; spill batches are cut at ``spill_chunk_bytes`` (the engine's
+    payloads, default ``chunk_bytes``). ``steps`` (a list)
+    receives each request's hit and running tier counts, to find where two runs part."""
+    layout = plans.layout
+    num_groups = len(layout.groups)
+    order_class = policy_class(policy)
+    host = [order_class() for _ in range(num_groups)]
+    disk = _ByteLru(disk_capacity)
+    disk_sizes = disk.sizes
+    disk_group: Dict[int, int] = {}
+    tiers = _new_counts(("host", "disk") if has_disk else ("host",))
+    hcount, dcount = tiers["host"], tiers.get("disk")
+    dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
+    failed_loads = 0
+    caps = [max(1, s // 2) for s in host_slots]
+    spill_sizes = list(chunk_bytes if spill_chunk_bytes is None else spill_chunk_bytes)
+    n_req = len(work)
+    hits = np.zeros(n_req, dtype=np.int64)
+    read_host = np.zeros(n_req, dtype=np.int64)
+    read_disk = np.zeros(n_req, dtype=np.int64)
+    stored = np.zeros(n_req, dtype=np.int64)
+
+    def evict_host(g: int, count: int, exclude) -> None:
+        for key in host[g].victims(count, exclude):
+            host[g].remove(key)
+            hcount.evicted_chunks += 1
+            hcount.evicted_bytes += chunk_bytes[g]
+
+    def write(batch: List[tuple]) -> None:
+        batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
+        cap = disk.capacity
+        if cap is not None and batch_bytes > cap:
+            dropped["tier_full"] += len(batch)  # TierFullError: the chunks stay on the host only
+            return
+        if cap is not None:
+            excess = disk.total + batch_bytes - cap
+            if excess > 0:
+                keep = {key for _, key in batch}
+                victims = []
+                freed = 0
+                for key, size in disk_sizes.items():
+                    if freed >= excess:
+                        break
+                    if key not in keep:
+                        victims.append(key)
+                        freed += size
+                for key in victims:
+                    disk.pop(key)
+                    dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
+                    dcount.evicted_chunks += 1
+        for g, key in batch:
+            disk.put(key, disk_record_bytes[g])
+            disk_group[key] = g
+            dcount.stored_chunks += 1
+            dcount.stored_bytes += chunk_bytes[g]
+
+    for r in range(n_req):
+        ids = work.ids[r]
+        n = work.tokens[r]
+
+        def state(g: int, c: int, ids=ids) -> ChunkState:
+            group_ids = ids[g]
+            if c >= len(group_ids):
+                return _MISSING
+            key = group_ids[c]
+            return _READY if key in host[g] or key in disk_sizes else _MISSING
+
+        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hits[r] = hit
+        if hit:
+            jobs = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.load(g, hit))]
+            # The engine's windows: a new one as soon as a group has half its slots in this one.
+            windows: List[List[tuple]] = []
+            current: List[tuple] = []
+            counts = [0] * num_groups
+            for job in jobs:
+                if counts[job[0]] >= caps[job[0]]:
+                    windows.append(current)
+                    current, counts = [], [0] * num_groups
+                current.append(job)
+                counts[job[0]] += 1
+            windows.append(current)
+            for window in windows:
+                pinned = [set() for _ in range(num_groups)]
+                promote = [[] for _ in range(num_groups)]
+                for g, key in window:
+                    (pinned[g].add(key) if key in host[g] else promote[g].append(key))
+                if any(key not in disk_sizes for g in range(num_groups) for key in promote[g]):
+                    # A host-only chunk an earlier window of this load evicted: the load fails
+                    # ("missing") before this window changes anything, and the prompt is prefilled.
+                    hits[r] = 0
+                    failed_loads += 1
+                    break
+                for g in range(num_groups):
+                    if promote[g]:
+                        shortfall = len(host[g]) + len(promote[g]) - host_slots[g]
+                        if shortfall > 0:
+                            evict_host(g, shortfall, pinned[g])
+                        for key in promote[g]:
+                            host[g].insert(key)
+                            disk_sizes.move_to_end(key)
+                            read_disk[r] += chunk_bytes[g]
+                            dcount.read_chunks += 1
+                            dcount.read_bytes += chunk_bytes[g]
+                            hcount.stored_chunks += 1  # a promotion fills a host slot too
+                            hcount.stored_bytes += chunk_bytes[g]
+                    read_host[r] += len(pinned[g]) * chunk_bytes[g]
+                    hcount.read_chunks += len(pinned[g])
+                    hcount.read_bytes += len(pinned[g]) * chunk_bytes[g]
+                for g, key in window:
+                    host[g].touch(key)
+        new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
+               if key not in host[g] and key not in disk_sizes]
+        if new:
+            need = [0] * num_groups
+            for g, _ in new:
+                need[g] += 1
+            if len(new) > store_queue_max_chunks:
+                dropped["queue_full"] += len(new)
+                new = []
+            elif any(need[g] > host_slots[g] for g in range(num_groups)):
+                dropped["host_full"] += len(new)
+                new = []
+        if new:
+            for g in range(num_groups):
+                shortfall = len(host[g]) + need[g] - host_slots[g]
+                if need[g] and shortfall > 0:
+                    evict_host(g, shortfall, ())
+            for g, key in new:
+                host[g].insert(key)
+                hcount.stored_chunks += 1
+                hcount.stored_bytes += chunk_bytes[g]
+                stored[r] += chunk_bytes[g]
+            if has_disk:
+                batch: List[tuple] = []
+                batch_bytes = 0
+                for g, key in new:
+                    size = spill_sizes[g]
+                    if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
+                        write(batch)
+                        batch, batch_bytes = [], 0
+                    batch.append((g, key))
+                    batch_bytes += size
+                write(batch)
+        if progress is not None:
+            progress(1)
+        if steps is not None:
+            steps.append(_step(hits[r], tiers))
+    read = {"host": read_host}
+    if has_disk:
+        read["disk"] = read_disk
+    return Outcome("simulate", hits, np.asarray(work.tokens, dtype=np.int64), read, stored, tiers,
+                   {k: v for k, v in dropped.items() if v}, {"failed_loads": failed_loads})
+
+
+def _single_tier(work: Workload, plans: Plans):
+    """(layout, groups, requests, hits, bytes read, bytes stored, counts) of a one-cache run."""
+    layout = plans.layout
+    n_req = len(work)
+    return (layout, len(layout.groups), n_req, np.zeros(n_req, dtype=np.int64), np.zeros(n_req, dtype=np.int64),
+            np.zeros(n_req, dtype=np.int64), TierCounts())
+
+
+def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
+    """The reference: one LRU cache of ``capacity`` payload bytes over the chunks the store plan
+    stores; a hit touches the chunks it reads, then the new chunks go in and the oldest go out."""
+    layout, num_groups, n_req, hits, read, stored, counts = _single_tier(work, plans)
+    cache: "OrderedDict[int, int]" = OrderedDict()
+    total = 0
+    for r in range(n_req):
+        ids = work.ids[r]
+        n = work.tokens[r]
+
+        def state(g: int, c: int, ids=ids) -> ChunkState:
+            group_ids = ids[g]
+            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
+
+        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hits[r] = hit
+        if hit:
+            for g in range(num_groups):
+                for key in ids[g].take(plans.load(g, hit)):
+                    cache.move_to_end(key)
+                    read[r] += chunk_bytes[g]
+        for g in range(num_groups):
+            for key in ids[g].take(plans.store(g, n)):
+                if key not in cache:
+                    cache[key] = chunk_bytes[g]
+                    total += chunk_bytes[g]
+                    stored[r] += chunk_bytes[g]
+        while capacity is not None and total > capacity:
+            _, size = cache.popitem(last=False)
+            total -= size
+            counts.evicted_chunks += 1
+            counts.evicted_bytes += size
+    counts.read_bytes = int(read.sum())
+    counts.stored_bytes = int(stored.sum())
+    return Outcome("reference-lru", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
+                   {"cache": counts})
+
+
+def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
+    """Per request, the chunk ids it may read -> the index of the next request that may read
+    them (``len(work) + 1``: never again). A request may read every complete chunk of a full-attention
+    group and, of a sliding group, the chunks its dense store plan holds (every alignment
+    boundary's window): a hit at another boundary is not foreseen, so the bound errs low there."""
+    dense = Plans(work.layout, None)
+    never = len(work) + 1
+    following: Dict[int, int] = {}
+    out: List[Dict[int, int]] = [dict() for _ in range(len(work))]
+    groups = plans.layout.groups
+    for r in range(len(work) - 1, -1, -1):
+        n = work.tokens[r]
+        mine = out[r]
+        keys: List[int] = []
+        for g, group in enumerate(groups):
+            ids = work.ids[r][g]
+            if group.sliding_window is None:
+                keys.extend(ids.take(range(len(ids))))
+            else:
+                keys.extend(ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n)))))
+        for key in keys:
+            mine[key] = following.get(key, never)
+        for key in keys:
+            following[key] = r
+    return out
+
+
+def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
+    """The offline bound over the same chunks and costs: after each request, while over
+    ``capacity``, evict the chunk whose next use is farthest (a new chunk not used again goes first:
+    the bound may decline to keep it)."""
+    layout, num_groups, n_req, hits, read, stored, counts = _single_tier(work, plans)
+    nexts = _next_uses(work, plans)
+    cache: Dict[int, int] = {}  # key -> next use
+    size_of: Dict[int, int] = {}
+    heap: List[tuple] = []
+    total = 0
+    for r in range(n_req):
+        ids = work.ids[r]
+        n = work.tokens[r]
+        upcoming = nexts[r]
+
+        def state(g: int, c: int, ids=ids) -> ChunkState:
+            group_ids = ids[g]
+            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
+
+        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hits[r] = hit
+        if hit:
+            for g in range(num_groups):
+                read[r] += len(plans.load(g, hit)) * chunk_bytes[g]
+        for key in cache.keys() & upcoming.keys() if len(cache) < len(upcoming) else upcoming.keys() & cache.keys():
+            when = upcoming[key]
+            cache[key] = when
+            heapq.heappush(heap, (-when, key))
+        for g in range(num_groups):
+            for key in ids[g].take(plans.store(g, n)):
+                if key not in cache:
+                    when = upcoming[key]
+                    cache[key] = when
+                    size_of[key] = chunk_bytes[g]
+                    total += chunk_bytes[g]
+                    stored[r] += chunk_bytes[g]
+                    heapq.heappush(heap, (-when, key))
+        while capacity is not None and total > capacity:
+            negative, key = heapq.heappop(heap)
+            if cache.get(key) != -negative:
+                continue  # a stale entry: the key was used again (or evicted) since
+            del cache[key]
+            size = size_of.pop(key)
+            total -= size
+            counts.evicted_chunks += 1
+            counts.evicted_bytes += size
+    counts.read_bytes = int(read.sum())
+    counts.stored_bytes = int(stored.sum())
+    return Outcome("belady", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
+                   {"cache": counts})

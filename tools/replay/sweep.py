@@ -1,0 +1,114 @@
+"""``kvtier replay --sweep``: what MTP's extra retained tokens and the retention interval cost.
+
+Primitives: ``SWEEP_R``, ``SWEEP_RETENTIONS``, ``SWEEP_BUDGETS``, ``run_sweep`` (rows of the fast
+mode over ``R`` x retention x budget for some layouts), ``format_sweep`` (a Markdown table). Pure;
+any thread.
+
+Each budget is a share of the trace's unique bytes (every complete chunk of every group, counted
+once), the same for every ``R`` and retention so rows compare at equal bytes; the host pool and
+the disk tier both get it (the host is inclusive: the disk holds what the host holds, so the
+hierarchy holds the budget). The difference against ``R = 0`` at the same retention and budget
+comes with a paired bootstrap interval over requests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .layouts import preset
+from .report import paired_bootstrap
+from .sim import simulate_engine, simulate_lru
+from .trace import Trace
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+
+__all__ = ["SWEEP_R", "SWEEP_RETENTIONS", "SWEEP_BUDGETS", "SWEEP_LAYOUTS", "run_sweep", "format_sweep"]
+
+SWEEP_R = (0, 1, 3)
+SWEEP_RETENTIONS = (None, 0)
+SWEEP_BUDGETS = (0.02, 0.05, 0.10, 0.20, 0.50)
+SWEEP_LAYOUTS = ("gpt-oss-120b", "gemma-3-27b", "deepseek-v4")
+
+
+def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: Sequence[float] = SWEEP_BUDGETS,
+              r_values: Sequence[int] = SWEEP_R, retentions: Sequence[Optional[int]] = SWEEP_RETENTIONS,
+              bootstrap: int = 1000,
+              progress: Optional[Callable[[int], None]] = None) -> List[Dict[str, object]]:
+    """One row per (layout, retention, budget, R): hit rate (the engine model, and ``lru_``: one
+    plain LRU cache of the budget over the same chunks), bytes stored per request, and the deltas
+    against ``R = r_values[0]`` with their 95% intervals."""
+    rows: List[Dict[str, object]] = []
+    for name in layouts:
+        base = preset(name, 0)  # nothing moves: the model's true bytes
+        work = Workload.prepare(trace, base)
+        chunk_bytes = base.all_chunk_bytes
+        records = record_bytes(base, REPLAY_FINGERPRINT)
+        unique = work.unique_bytes(chunk_bytes)
+        for retention in retentions:
+            for budget in budgets:
+                outcomes, lrus = {}, {}
+                for r in r_values:
+                    layout = preset(name, r)
+                    started = time.perf_counter()
+                    capacity = int(budget * unique)
+                    outcome = simulate_engine(work, Plans(layout, retention), host_slots=host_slots(capacity, chunk_bytes),
+                                              chunk_bytes=chunk_bytes, disk_capacity=int(budget * work.unique_bytes(records)),
+                                              disk_record_bytes=records)
+                    outcomes[r] = outcome
+                    # The same chunks and bytes in one plain LRU cache of the budget: what R costs
+                    # apart from how the engine splits its host pools.
+                    lru = simulate_lru(work, Plans(layout, retention), chunk_bytes=chunk_bytes, capacity=capacity)
+                    lrus[r] = lru
+                    row: Dict[str, object] = {
+                        "layout": name, "R": r, "retention": "dense" if retention is None else retention,
+                        "budget": budget, "hit_rate": outcome.hit_rate, "lru_hit_rate": lru.hit_rate,
+                        "bytes_stored_per_request": float(outcome.stored_bytes.mean()),
+                        "dropped_chunks": sum(outcome.dropped_stores.values()),
+                        "seconds": time.perf_counter() - started,
+                    }
+                    if r != r_values[0]:
+                        reference = outcomes[r_values[0]]
+                        delta, low, high = paired_bootstrap(outcome.hit_tokens, reference.hit_tokens, outcome.input_tokens,
+                                                            samples=bootstrap)
+                        row.update(delta_points=100 * delta, delta_low=100 * low, delta_high=100 * high,
+                                   stored_ratio=(row["bytes_stored_per_request"] /
+                                                 max(1e-9, float(reference.stored_bytes.mean()))))
+                        delta, low, high = paired_bootstrap(lru.hit_tokens, lrus[r_values[0]].hit_tokens, lru.input_tokens,
+                                                            samples=bootstrap)
+                        row.update(lru_delta_points=100 * delta, lru_delta_low=100 * low, lru_delta_high=100 * high)
+                    rows.append(row)
+                    if progress is not None:
+                        progress(1)
+    return rows
+
+
+def format_sweep(rows: Sequence[Dict[str, object]]) -> str:
+    """The sweep as a Markdown table: one line per (layout, retention, budget), the first ``R``'s
+    hit rate (kvtier's engine model and a plain LRU of the budget) and bytes stored per request,
+    each other ``R``'s differences (95% interval) and bytes against it, and the chunks whose stores
+    were dropped (host pools too small for one request)."""
+    groups: Dict[tuple, List[Dict[str, object]]] = {}
+    for row in rows:
+        groups.setdefault((row["layout"], row["retention"], row["budget"]), []).append(row)
+    others = sorted({int(r["R"]) for r in rows})[1:]
+    first = min(int(r["R"]) for r in rows)
+    with_lru = all("lru_hit_rate" in r for r in rows)  # rows written before the LRU columns lack them
+    header = ["layout", "retention", "budget", f"kvtier R={first}"] + ([f"LRU R={first}"] if with_lru else []) + ["stored/request"]
+    for r in others:
+        header += [f"R={r}: kvtier delta, points (95% CI)"] + ([f"R={r}: LRU delta"] if with_lru else []) + [f"R={r}: stored"]
+    header.append("dropped chunks (per R)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (layout, retention, budget), items in groups.items():
+        items = sorted(items, key=lambda r: int(r["R"]))
+        base = items[0]
+        cells = [str(layout), str(retention), f"{100 * float(budget):g}%", f"{100 * float(base['hit_rate']):.2f}%"]
+        cells += [f"{100 * float(base['lru_hit_rate']):.2f}%"] if with_lru else []
+        cells.append(f"{float(base['bytes_stored_per_request']) / (1 << 20):,.0f} MiB")
+        for row in items[1:]:
+            cells.append(f"{row['delta_points']:+.3f} ({row['delta_low']:+.3f}, {row['delta_high']:+.3f})")
+            if with_lru:
+                cells.append(f"{row['lru_delta_points']:+.3f} ({row['lru_delta_low']:+.3f}, {row['lru_delta_high']:+.3f})")
+            cells.append(f"{row['stored_ratio']:.3f}x")
+        cells.append(" / ".join(f"{int(r['dropped_chunks']):,}" for r in items))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
