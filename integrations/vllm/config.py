@@ -43,8 +43,9 @@ class VllmTierConfig:
     Valkey/Redis server shared by a fleet, chained write-through behind the disk (``None``: disk
     only); ``remote_namespace`` separates caches on one server. ``weights_version``: a tag bound
     into every key (bump it when the weights change under the same model name).
-    ``hash_algorithm``: vLLM's ``--prefix-caching-hash-algo`` when it cannot be read from the
-    running vLLM config. ``max_inflight_jobs``: stores beyond this many unfinished jobs are
+    ``hash_algorithm``: vLLM's ``--prefix-caching-hash-algo``; the tier reads it back from vLLM's
+    seeded NONE_HASH at its first lookup, and refuses (every lookup misses, said once) a value
+    that contradicts it. ``max_inflight_jobs``: stores beyond this many unfinished jobs are
     refused at once (reported failed: vLLM keeps its CPU copy) instead of queueing without bound.
     ``op_timeout_s``: the longest the tier waits for its own loop thread at start and shutdown.
     ``enable_kv_events``: emit vLLM KV events for stored chunks (when vLLM enables events).

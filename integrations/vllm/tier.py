@@ -17,6 +17,10 @@ Threads:
 - blocking (never from a scheduler step): the constructor (opens the tiers, lists their keys),
   ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit).
 
+Keys: vLLM builds this tier before it seeds NONE_HASH, so the key scheme (hash algorithm and
+NONE_HASH, read from vLLM) is bound at the first lookup or submit (``_bound_layout``), which also
+leaves the layout file; before that, lookups miss.
+
 Index: the kvtier keys readable now = keys listed at start + stores that completed - records
 the disk tier removed (eviction, quarantine) - loads that missed. ``lookup`` answers RETRY while a
 store of the key is in flight, HIT only for an indexed key, MISS otherwise or when the tier is
