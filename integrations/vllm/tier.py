@@ -242,14 +242,18 @@ class KvtierTier(SecondaryTierManager):
         self.read_only = self.config.read_only or self._cache_dir_unwritable()
         self._writer_lock: Optional[int] = None
 
+        if not self.read_only:  # before the open: a second writer never touches the directory
+            self._take_writer_lock()
         self._loop = LoopThread()
         try:
             self.chunk_tier, self.disk_tier, listed = self._loop.run(self._open(), self.config.op_timeout_s)
-            if not self.read_only:
+            if self._writer_lock is not None and self.quarantined_cache_dir is not None:
+                self._release_writer_lock()  # the lock file moved aside with the damaged directory
                 self._take_writer_lock()
         except BaseException:
             if getattr(self, "chunk_tier", None) is not None:
                 self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
+            self._release_writer_lock()
             self._loop.stop(self.config.op_timeout_s)
             raise
         self._index.update(listed)
@@ -290,6 +294,7 @@ class KvtierTier(SecondaryTierManager):
 
     def _take_writer_lock(self) -> None:
         """One writer per ``cache_dir``: an exclusive ``flock`` held until ``shutdown``."""
+        os.makedirs(self.config.cache_dir, mode=0o700, exist_ok=True)
         path = Path(self.config.cache_dir) / WRITER_LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
