@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from kvtier.errors import ClosedError
 
+from kvtier.tiers.chain import read_with_sources
+
 from .lifecycle import HostState
 from .records import ChunkEntry, LoadResult
 from .tasks import settle, wait_all
@@ -118,6 +120,7 @@ class LoadPath:
         entries: List[Optional[ChunkEntry]] = []
         to_promote = []
         resident_on_disk: List[bytes] = []
+        host_bytes = 0
         for gi, chunk, key in wanted:
             entry = engine._entries.get(key)
             if entry is None:
@@ -131,6 +134,7 @@ class LoadPath:
             entries.append(entry)
             if key in engine._index:
                 resident_on_disk.append(key)
+            host_bytes += engine._chunk_nbytes[gi]
         promoted: List[ChunkEntry] = []
         if to_promote:
             promoted = self.start_promotion(to_promote)
@@ -163,6 +167,8 @@ class LoadPath:
                 engine._disk.touch_many(resident_on_disk)
             except Exception as exc:  # noqa: BLE001 - a recency hint: never a reason to fail the load
                 logger.debug("disk tier touch failed: %r", exc)
+        if len(entries) > len(promoted):  # the chunks this load found on the host tier
+            engine.metrics.loaded("host", len(entries) - len(promoted), host_bytes)
         return entries, len(promoted), None
 
     def start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:
@@ -184,7 +190,7 @@ class LoadPath:
         # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record is
         # gone (another process's gc, an eviction the index has not heard of): "missing".
         bad_before = _bad_reads(engine._disk)
-        read = asyncio.ensure_future(engine._disk.get_many_into(items))
+        read = asyncio.ensure_future(read_with_sources(engine._disk, items))
         done, _ = await asyncio.wait([read], timeout=engine.config.tier_timeout_s)
         if not done:
             # A stalled read: its waiters fail now and lookup answers from the disk index again;
@@ -197,14 +203,14 @@ class LoadPath:
                     self._abandon(entry, "timeout")
             await wait_all([read])
         try:
-            metas = read.result()
+            metas, sources = read.result()
             failure = "corrupt" if _bad_reads(engine._disk) != bad_before else "missing"
         except Exception as exc:  # any exception: a foreign one must not leave entries LOADING
             logger.warning("disk read of %d chunks failed: %r", len(items), exc)
             engine.metrics.worker_error("promote")
-            metas, failure = [None] * len(items), "tier_error"
-        nbytes = 0
-        for (entry, generation), meta in zip(work, metas):
+            metas, sources, failure = [None] * len(items), [None] * len(items), "tier_error"
+        served: Dict[str, List[int]] = {}  # tier name -> [chunks, bytes] this read restored
+        for (entry, generation), meta, source in zip(work, metas, sources):
             engine._unpin(entry)
             if entry.generation != generation or entry.dead:
                 continue  # abandoned (timeout): the late result is discarded
@@ -224,12 +230,22 @@ class LoadPath:
                 engine._resolve_ready(entry, failure)
                 continue
             engine._settle_ready(entry)
-            nbytes += engine._chunk_nbytes[entry.group_index]
+            counts = served.setdefault(_TIER_NAMES[min(source or 0, 1)], [0, 0])
+            counts[0] += 1
+            counts[1] += engine._chunk_nbytes[entry.group_index]
             engine._events.append("stored", entry.key, entry.group_index, "host")
             engine._resolve_ready(entry, None)
-        if nbytes:
-            engine.metrics.loaded("disk", len(work), nbytes)
-            engine.metrics.latency("disk", "get", time.perf_counter() - started)
+        # "disk" counts every chunk the disk tier (a chain: all of its tiers) gave back, as it
+        # always has; "remote" the part of them a chain's remote tier served, and the reads that
+        # needed it (their latency includes the disk miss before it)
+        chunks = sum(c for c, _ in served.values())
+        if chunks:
+            elapsed = time.perf_counter() - started
+            engine.metrics.loaded("disk", chunks, sum(b for _, b in served.values()))
+            engine.metrics.latency("disk", "get", elapsed)
+            if "remote" in served:
+                engine.metrics.loaded("remote", *served["remote"])
+                engine.metrics.latency("remote", "get", elapsed)
 
     def _abandon(self, entry: ChunkEntry, reason: str) -> None:
         """Give up on an in-flight read: waiters fail now; the slot stays reserved (pinned by the
@@ -244,3 +260,7 @@ def _bad_reads(tier) -> int:
     """Records the tier counted bad on reads so far (checksum or parse failures, wrong sizes)."""
     stats = tier.statistics()
     return int(getattr(stats, "corrupt", 0)) + int(getattr(stats, "mismatched", 0))
+
+
+# The disk tier's own records, and a chain's lower (remote) tiers, as metric labels.
+_TIER_NAMES = ("disk", "remote")
