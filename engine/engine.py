@@ -24,11 +24,15 @@ abandoned copy (timeout) bumps the entry's generation so its late completion is 
 then frees the slot. Any exception at a worker boundary (not only ``KvtierError``) fails that work,
 is logged and counted (``kvtier_worker_errors_total``), and leaves the tables consistent.
 
-Streams (CUDA). ``store`` and ``load`` capture the calling thread's current CUDA stream when they
-are called and order their copies after the work queued on it so far: a store's gather waits for
-the kernels that wrote the blocks, a load's scatter for the kernels still reading their old
-contents. Call them on the thread (and stream) that computes, after queueing that work. ``load``
-returns once its copies completed, so any stream may read the blocks afterwards.
+Streams (CUDA). ``store`` and ``load`` take their order when they are called: an event recorded
+then on ``compute_stream=`` (default: the calling thread's current CUDA stream), or the caller's own
+``ready_event=``; their copies, on kvtier's own copy streams, wait for that event only (not for
+compute queued later): a store's gather waits for the kernels that wrote the blocks, a load's
+scatter for the kernels still reading their old contents. A server computing on another thread or
+stream passes its stream or an event recorded after that work. ``load`` returns once its copies
+completed, so any stream may read the blocks afterwards. The server must not free its KV tensors
+while a copy is queued (wait for ``fence``): torch's caching allocator is told of the copy streams
+(``record_stream``), memory managed outside it (vLLM's sleep mode) is not.
 """
 
 from __future__ import annotations
@@ -489,9 +493,10 @@ class OffloadEngine:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _compute_stream(self):
-        """The calling thread's current CUDA stream (``None`` on CPU): copies are ordered after it."""
-        return self.device.backend.current_stream()
+    def _ready_event(self, compute_stream, ready_event):
+        """The order of a store's or load's copies, taken at call time (see the module docstring);
+        ``None`` on CPU."""
+        return self.device.backend.ready_event(compute_stream, ready_event)
 
     # ------------------------------------------------------------------ keys
 
@@ -536,6 +541,8 @@ class OffloadEngine:
         num_tokens: Optional[int] = None,
         *,
         salt: Union[bytes, str, None] = None,
+        compute_stream: Any = None,
+        ready_event: Any = None,
     ) -> StoreHandle:
         """Schedule the store of a request's chunks and return at once.
 
@@ -547,13 +554,13 @@ class OffloadEngine:
         handle is durable only once those are on disk too. Under memory pressure, a full store
         queue or a full host pool, the new chunks are dropped and counted, never waited for. The
         caller must not overwrite the device blocks before ``handle.wait_released()`` (or
-        ``fence``). The copy is ordered after the work queued on the calling thread's current CUDA
-        stream (see the module docstring).
+        ``fence``). The copy is ordered after ``ready_event``, else after the work queued so far on
+        ``compute_stream`` (default: the calling thread's current CUDA stream; module docstring).
         """
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        return self._stores.schedule(keys, num_tokens, block_table)
+        return self._stores.schedule(keys, num_tokens, block_table, self._ready_event(compute_stream, ready_event))
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
         """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
@@ -680,6 +687,8 @@ class OffloadEngine:
         block_table: BlockTable,
         *,
         salt: Union[bytes, str, None] = None,
+        compute_stream: Any = None,
+        ready_event: Any = None,
     ) -> LoadResult:
         """Restore the retained chunks of a hit of ``hit_tokens`` into the device blocks of
         ``block_table`` (same shape as for ``store``; blocks a sliding-window group never restores
@@ -690,9 +699,11 @@ class OffloadEngine:
 
         Cancelling the caller cancels its wait only: the load runs on into its blocks, and
         ``fence`` on them waits for it. A load interrupted by ``close`` before its copies raises
-        ``ClosedError``.
+        ``ClosedError``. The copies are ordered after ``ready_event`` or ``compute_stream`` as
+        for ``store``.
         """
         self._check_open()
+        ready = self._ready_event(compute_stream, ready_event)
         keys = self._keys(request, salt)
         hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
         jobs = []  # (group, chunk, key, device block per block of the chunk or None)
@@ -722,7 +733,7 @@ class OffloadEngine:
         # The whole load fences its blocks from now until its last copy ended.
         finished = self._loop.create_future()
         self._mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
-        task = self._spawn(self._loads.run(hit_tokens, jobs, finished, self._compute_stream()))
+        task = self._spawn(self._loads.run(hit_tokens, jobs, finished, ready))
         return await asyncio.shield(task)
 
     # ------------------------------------------------------------------ prefetch

@@ -14,6 +14,7 @@ import torch
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
 from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView
 from kvtier.tiers.host import HostSlabPool
+from kvtier.tools.testing.device import RecordingBackend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
@@ -44,21 +45,32 @@ def layout_of(*blocks_per_chunk: int) -> ModelLayout:
     return ModelLayout(groups)
 
 
+@pytest.fixture(params=["numpy", "staged"])
+def make_view(request):
+    """Views on the CPU fast path (numpy, inline) and on the CUDA code path run on CPU (staging
+    per layer over the batch, one copy per chunk, streams and events as logged tokens)."""
+
+    def make(layout, caches):
+        return DeviceKVView(layout, caches, backend=RecordingBackend() if request.param == "staged" else None)
+
+    return make
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
 @pytest.mark.parametrize(
     "block_shape", [(3, 5, 7), (1, 9), (13,)], ids=lambda s: "x".join(map(str, s))
 )
 def test_gather_scatter_round_trip_is_bitwise(
-    dtype: torch.dtype, blocks_per_chunk: int, block_shape: Tuple[int, ...]
+    make_view, dtype: torch.dtype, blocks_per_chunk: int, block_shape: Tuple[int, ...]
 ) -> None:
     num_layers, num_blocks = 3, 11
     layout = layout_of(blocks_per_chunk)
     src_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=1)
     dst_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=2)
     dst_before = [as_bytes(t).clone() for t in dst_layers]
-    src = DeviceKVView(layout, [src_layers])
-    dst = DeviceKVView(layout, [dst_layers])
+    src = make_view(layout, [src_layers])
+    dst = make_view(layout, [dst_layers])
 
     nbytes = src.chunk_nbytes(0)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -90,11 +102,11 @@ def test_gather_scatter_round_trip_is_bitwise(
         assert torch.equal(as_bytes(d[untouched]), dst_before[layer_index][untouched])
 
 
-def test_none_block_ids_are_skipped() -> None:
+def test_none_block_ids_are_skipped(make_view) -> None:
     layout = layout_of(4)
     src_layers = random_layers(2, 8, (4, 6), torch.bfloat16, seed=3)
     dst_layers = [torch.zeros_like(t) for t in src_layers]
-    src, dst = DeviceKVView(layout, [src_layers]), DeviceKVView(layout, [dst_layers])
+    src, dst = make_view(layout, [src_layers]), make_view(layout, [dst_layers])
     slot = torch.empty(src.chunk_nbytes(0), dtype=torch.uint8)
     src.gather(0, [0, 1, 2, 3], slot)
     # A sliding-window consumer restores only the last two blocks of the chunk.
@@ -108,12 +120,12 @@ def test_none_block_ids_are_skipped() -> None:
     assert all(torch.equal(as_bytes(d), b) for d, b in zip(dst_layers, before))
 
 
-def test_batches_and_groups() -> None:
+def test_batches_and_groups(make_view) -> None:
     # Two groups with different chunk geometry and dtype; batch variants move several chunks.
     layout = layout_of(2, 1)
     g0 = random_layers(4, 10, (2, 3), torch.float16, seed=4)
     g1 = random_layers(2, 6, (5,), torch.float32, seed=5)
-    view = DeviceKVView(layout, [g0, g1])
+    view = make_view(layout, [g0, g1])
     assert view.num_groups == 2 and view.num_layers(0) == 4 and view.num_layers(1) == 2
     assert view.chunk_nbytes(0) == 4 * 2 * 6 * 2 and view.chunk_nbytes(1) == 2 * 1 * 5 * 4
     slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
@@ -133,12 +145,12 @@ def test_batches_and_groups() -> None:
     assert torch.equal(slot1, torch.cat([as_bytes(layer[5]).reshape(-1) for layer in g1]))
 
 
-def test_batches_across_groups() -> None:
+def test_batches_across_groups(make_view) -> None:
     # The engine's copy threads move chunks of every group in one call that blocks until done.
     layout = layout_of(2, 1)
     g0 = random_layers(2, 6, (3, 2), torch.bfloat16, seed=10)
     g1 = random_layers(3, 5, (4,), torch.float8_e4m3fn, seed=11)
-    view = DeviceKVView(layout, [g0, g1])
+    view = make_view(layout, [g0, g1])
     assert view.device_index() is None  # CPU
     a = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
     b = torch.empty(view.chunk_nbytes(1), dtype=torch.uint8)
@@ -160,14 +172,14 @@ def test_batches_across_groups() -> None:
         view.gather_many_groups([(0, [0, 1], a), (1, [0], a)])
 
 
-def test_strided_layers_copy_exactly() -> None:
+def test_strided_layers_copy_exactly(make_view) -> None:
     # vLLM's flash-attention cache is [2, num_blocks, ...]; a permuted view puts blocks first but
     # is not contiguous. The copy must still be exact.
     layout = layout_of(2)
     base = random_layers(2, 2, (7, 4, 3), torch.bfloat16, seed=6)  # [2(K/V), 7 blocks, 4, 3]
     layers = [t.permute(1, 0, 2, 3) for t in base]
     assert not layers[0].is_contiguous()
-    view = DeviceKVView(layout, [layers])
+    view = make_view(layout, [layers])
     slot = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
     view.gather(0, [6, 1], slot)
     expected = torch.cat([as_bytes(layer[[6, 1]]).reshape(-1) for layer in layers])
@@ -275,7 +287,7 @@ def test_cpu_backend_is_the_same_code_path_with_no_ops() -> None:
     assert backend.kind == "cpu" and not backend.non_blocking
     stream = backend.new_stream()
     assert stream is None and backend.current_stream() is None
-    backend.wait_stream(stream, backend.current_stream())
+    backend.wait_event(stream, backend.ready_event())
     with backend.stream_scope(stream):
         event = backend.record_event(stream)
     handle = CopyHandle(backend, event)
