@@ -203,7 +203,7 @@ class OffloadEngine:
         config = self.config
         self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
         self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
-        self._pools = self._make_pools()
+        self._pools = await asyncio.to_thread(self._make_pools)  # off the loop: seconds for a large slab
         # Per group, bytes of one chunk: asked per chunk on every store, spill and load path.
         self._chunk_nbytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
         self._num_blocks = [self.device.num_blocks(g) for g in range(len(self.layout.groups))]
@@ -239,7 +239,7 @@ class OffloadEngine:
         sources = self._pressure_sources
         if sources is None:
             sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes)}
-            if config.device_kind == "cuda":
+            if self.device.backend.is_cuda:
                 sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
             else:
                 # No GPU to watch: NVML is still asked, and its absence said once, at INFO.
@@ -323,9 +323,23 @@ class OffloadEngine:
         return self._closing
 
     def _make_pools(self) -> List[HostSlabPool]:
+        """The host pools, of the view's device kind; on CUDA they must be page-locked. Runs on a
+        worker thread: pre-faulting (and registering) a large slab takes seconds."""
+        kind = self.device.backend.kind
+        if self.config.device_kind not in (None, kind):
+            raise DeviceError(
+                f"config.device_kind is {self.config.device_kind!r} but the KV tensors are on {self.device.device}; "
+                "leave device_kind unset to follow the view"
+            )
         chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
-        return pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=self.config.device_kind,
-                                eviction=self.config.host_eviction_policy)
+        pools = pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=kind,
+                                 eviction=self.config.host_eviction_policy)
+        if self.device.backend.is_cuda and not all(pool.pinned for pool in pools):
+            for pool in pools:
+                pool.close()
+            raise DeviceError("the host pool is not page-locked but the KV tensors are on CUDA: every copy would "
+                              "be synchronous; refusing to start")
+        return pools
 
     # ------------------------------------------------------------------ the disk index
 

@@ -176,6 +176,11 @@ class HostSlabPool:
     def closed(self) -> bool:
         return self._slab is None
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the slab is page-locked (``cudaHostRegister``): always false on CPU."""
+        return self._slab is not None and self._backend.is_pinned(self._slab)
+
     # -- internal helpers ----------------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> None:

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
-from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView
+from kvtier.errors import InjectedFault
+from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView, register_host_range
 from kvtier.tiers.host import HostSlabPool
-from kvtier.tools.testing.device import RecordingBackend
+from kvtier.tools.testing.device import RecordingBackend, TokenEvent
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
@@ -300,3 +301,91 @@ def test_cpu_backend_is_the_same_code_path_with_no_ops() -> None:
     backend.release_host_buffer(buffer)  # no-op on CPU
     with pytest.raises(ValueError, match="nbytes must be a positive int"):
         backend.host_buffer(0)
+
+
+# -- the CUDA code path, run on CPU through RecordingBackend ------------------------------------
+
+
+def test_one_copy_per_chunk_and_the_order_is_taken_when_called() -> None:
+    # 4 layers, chunks of 3 blocks in scattered runs: the per-run path made 4 x 2-3 copies per
+    # chunk; staging gathers each layer over the whole batch on the device and moves one per chunk.
+    backend = RecordingBackend()
+    layers = random_layers(4, 16, (2, 5), torch.bfloat16, seed=21)
+    view = DeviceKVView(layout_of(3), [layers], backend=backend)
+    slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
+    chunks = [[9, 2, 3], [15, 0, 7], [4, 5, 6]]
+    view.gather_many_groups([(0, ids, slot) for ids, slot in zip(chunks, slots)])
+    assert backend.copies == 3
+    for ids, slot in zip(chunks, slots):
+        assert torch.equal(slot, torch.cat([as_bytes(layer[ids]).reshape(-1) for layer in layers]))
+    # d2h is copy1, h2d copy2; the order was recorded on the caller's stream before anything was
+    # queued, and the copy stream waits on exactly that event, then records its own.
+    assert backend.ops() == [
+        ("record", "default", 1), ("wait", "copy1", 1),
+        ("copy", "copy1", None), ("copy", "copy1", None), ("copy", "copy1", None),
+        ("record", "copy1", 2), ("sync", "copy1", 2),
+    ]
+    backend.log.clear()
+    targets = [[1, None, 8], [10, 11, 12]]
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    dst = DeviceKVView(layout_of(3), [fresh], backend=backend)
+    handle = dst.scatter_many_groups([(0, slots[0], targets[0]), (0, slots[1], targets[1])],
+                                     compute_stream="side", wait=False)
+    assert backend.copies == 5 and backend.ops("record", "wait")[:2] == [("record", "side", 3), ("wait", "copy4", 3)]
+    handle.wait_on_stream("consumer")  # the serving process's stream waits for the loads' event
+    assert backend.ops("wait")[-1] == ("wait", "consumer", 4)
+    for ids, target in zip(chunks[:2], targets):
+        for src_block, dst_block in zip(ids, target):
+            if dst_block is not None:
+                assert all(torch.equal(as_bytes(d[dst_block]), as_bytes(s[src_block])) for s, d in zip(layers, fresh))
+    assert all(int(as_bytes(d[2]).count_nonzero()) == 0 for d in fresh)  # no target: untouched
+    backend.log.clear()
+    mine = TokenEvent(99, "server")  # an event the caller recorded itself: no new record now
+    view.gather_many_groups([(0, [1, 2, 3], slots[2])], ready_event=mine)
+    assert backend.ops("record", "wait")[:1] == [("wait", "copy1", 99)]
+
+
+def test_a_batch_failing_partway_waits_for_the_copies_it_queued() -> None:
+    seen = []
+    backend = RecordingBackend(fail_on_copy=2, on_sync=lambda: seen.append(list(backend.ops())))
+    view = DeviceKVView(layout_of(2), [random_layers(2, 8, (3,), torch.float16, seed=22)], backend=backend)
+    slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
+    with pytest.raises(InjectedFault, match="injected failure of copy 2"):
+        view.gather_many_groups([(0, [0, 1], slots[0]), (0, [2, 3], slots[1]), (0, [4, 5], slots[2])], wait=False)
+    # Copy 1 was queued when copy 2 failed: the batch records an event and waits for it before the
+    # exception reaches the caller (who then frees slots and blocks).
+    assert backend.ops() == [
+        ("record", "default", 1), ("wait", "copy1", 1), ("copy", "copy1", None),
+        ("copy_failed", "copy1", None), ("record", "copy1", 2), ("sync", "copy1", 2),
+    ]
+    assert len(seen) == 1
+
+
+class _FakeCudart:
+    def __init__(self, code: int) -> None:
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, base, nbytes, flags):  # noqa: N802 - the CUDA name
+        self.calls.append(("register", base, nbytes, flags))
+        return self.code
+
+
+class _FakeRuntime:
+    def __init__(self, pending: int) -> None:
+        self.pending, self.cleared = pending, 0
+
+    def get_last_error(self) -> int:
+        self.cleared += 1
+        code, self.pending = self.pending, 0
+        return code
+
+
+def test_a_failed_host_registration_clears_the_cuda_error_and_refuses() -> None:
+    cudart, runtime = _FakeCudart(2), _FakeRuntime(2)
+    with pytest.raises(DeviceError, match=r"cudaHostRegister of 4096 bytes failed with cudaError 2 \(error cleared\)"):
+        register_host_range(cudart, runtime, 0x1000, 4096)
+    assert runtime.cleared == 1 and runtime.pending == 0  # the next kernel launch sees no stale error
+    assert cudart.calls == [("register", 0x1000, 4096, 1)]  # portable: pinned for every context
+    with pytest.raises(DeviceError, match=r"error could not be cleared"):
+        register_host_range(_FakeCudart(2), None, 0x1000, 4096)
+    register_host_range(_FakeCudart(0), _FakeRuntime(0), 0x1000, 4096)  # success: nothing raised
