@@ -24,15 +24,11 @@ abandoned copy (timeout) bumps the entry's generation so its late completion is 
 then frees the slot. Any exception at a worker boundary (not only ``KvtierError``) fails that work,
 is logged and counted (``kvtier_worker_errors_total``), and leaves the tables consistent.
 
-Streams (CUDA). ``store`` and ``load`` take their order when they are called: an event recorded
-then on ``compute_stream=`` (default: the calling thread's current CUDA stream), or the caller's own
-``ready_event=``; their copies, on kvtier's own copy streams, wait for that event only (not for
-compute queued later): a store's gather waits for the kernels that wrote the blocks, a load's
-scatter for the kernels still reading their old contents. A server computing on another thread or
-stream passes its stream or an event recorded after that work. ``load`` returns once its copies
-completed, so any stream may read the blocks afterwards. The server must not free its KV tensors
-while a copy is queued (wait for ``fence``): torch's caching allocator is told of the copy streams
-(``record_stream``), memory managed outside it (vLLM's sleep mode) is not.
+Streams (CUDA). ``store`` and ``load`` take their order when called: an event recorded then on
+``compute_stream=`` (default: the caller's current stream) or the caller's ``ready_event=``; their
+copies, on kvtier's own streams, wait for it only, not for later compute. ``load`` returns once its
+copies completed. Do not free the KV tensors while a copy is queued (``fence`` first): torch's
+caching allocator is told of the copy streams, memory outside it (vLLM's sleep mode) is not.
 """
 
 from __future__ import annotations
@@ -68,14 +64,15 @@ from .events import EventLog
 from .lifecycle import DURABLE_LATER, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .loading import LoadPath
 from .metrics import EngineMetrics
-from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
+from .pressure import LatencyEwma, PressureMonitor, device_memory_source_for, host_memory_source
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
 from .selfcheck import host_problems
 from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
-                         check_load_targets, check_request_keys, check_store_arguments, check_timeout, check_token_ids)
+from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
+                         check_load_arguments, check_load_targets, check_pools_pinned, check_request_keys,
+                         check_store_arguments, check_timeout, check_token_ids)
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -238,12 +235,8 @@ class OffloadEngine:
             self._refresh_runner = self._supervise("disk-index", self._refresh_loop)
         sources = self._pressure_sources
         if sources is None:
-            sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes)}
-            if self.device.backend.is_cuda:
-                sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
-            else:
-                # No GPU to watch: NVML is still asked, and its absence said once, at INFO.
-                sources["device_memory"] = nvml_device_memory_source(0, optional=True)
+            sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes),
+                       "device_memory": device_memory_source_for(self.device)}
         sources = dict(sources)
         sources.setdefault("disk_write_latency", self._write_latency.fraction)
         self._pressure = PressureMonitor(
@@ -325,20 +318,11 @@ class OffloadEngine:
     def _make_pools(self) -> List[HostSlabPool]:
         """The host pools, of the view's device kind; on CUDA they must be page-locked. Runs on a
         worker thread: pre-faulting (and registering) a large slab takes seconds."""
-        kind = self.device.backend.kind
-        if self.config.device_kind not in (None, kind):
-            raise DeviceError(
-                f"config.device_kind is {self.config.device_kind!r} but the KV tensors are on {self.device.device}; "
-                "leave device_kind unset to follow the view"
-            )
+        kind = check_device_kind(self.config.device_kind, self.device)
         chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
         pools = pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=kind,
                                  eviction=self.config.host_eviction_policy)
-        if self.device.backend.is_cuda and not all(pool.pinned for pool in pools):
-            for pool in pools:
-                pool.close()
-            raise DeviceError("the host pool is not page-locked but the KV tensors are on CUDA: every copy would "
-                              "be synchronous; refusing to start")
+        check_pools_pinned(self.device, pools)
         return pools
 
     # ------------------------------------------------------------------ the disk index
@@ -508,8 +492,7 @@ class OffloadEngine:
         return task
 
     def _ready_event(self, compute_stream, ready_event):
-        """The order of a store's or load's copies, taken at call time (see the module docstring);
-        ``None`` on CPU."""
+        """The order of a store's or load's copies, taken at call time (module docstring)."""
         return self.device.backend.ready_event(compute_stream, ready_event)
 
     # ------------------------------------------------------------------ keys

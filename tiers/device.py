@@ -96,6 +96,21 @@ class DeviceBackend:
         self._own_streams: List[int] = []
         self._lock = threading.Lock()  # release may run from a GC finalizer on another thread
 
+    def device_uuid(self) -> Optional[str]:
+        """The GPU's UUID as NVML names it (``"GPU-..."``); ``None`` on CPU. NVML numbers GPUs
+        without ``CUDA_VISIBLE_DEVICES``, so torch's index may name another GPU there."""
+        if not self.is_cuda:
+            return None
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+    def reusable_device_bytes(self) -> int:
+        """Bytes torch's caching allocator holds on this device but has not handed out (staging
+        can reuse them); 0 on CPU."""
+        if not self.is_cuda:
+            return 0
+        return int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
+
     @property
     def kind(self) -> str:
         """``"cpu"`` or ``"cuda"``."""
@@ -541,6 +556,14 @@ class DeviceKVView:
     def device_index(self) -> Optional[int]:
         """The CUDA device index the KV tensors live on (for NVML); ``None`` on CPU."""
         return self.device.index if self.backend.is_cuda else None
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Device bytes one direction's batch borrows for staging, at most (a window of the group
+        with the largest chunks, per-layer and per-chunk buffers); 0 on the CPU fast path."""
+        if self._np_layers is not None:
+            return 0
+        return max(2 * max(1, STAGING_MAX_BYTES // (2 * g.chunk_nbytes)) * g.chunk_nbytes for g in self._groups)
 
     # -- validation ----------------------------------------------------------------------------
 

@@ -9,8 +9,10 @@ import threading
 import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine.pressure import nvml_device_headroom_source
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
 from kvtier.tools.testing.device import RecordingBackend, TokenEvent
+from kvtier.tools.testing.pressure import FakeNvmlLibrary
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
@@ -86,3 +88,21 @@ async def test_the_host_pool_follows_the_views_device():
     with pytest.raises(DeviceError, match=r"config.device_kind is 'cuda' but the KV tensors are on cpu; leave device_kind unset"):
         await engine.start()
     await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_stores_go_on_at_a_reserved_92_percent_and_back_off_when_staging_has_no_room():
+    total = 80 << 30
+    nvml = FakeNvmlLibrary(total, [int(0.92 * total)])
+    source = nvml_device_headroom_source(128 << 20, uuid="GPU-fake-0", nvml=nvml)
+    async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(), fingerprint=b"room",
+                             pressure_sources={"device_memory": source}) as engine:
+        scenario = OffloadScenario(engine)
+        for _ in range(3):
+            engine.pressure.poll_once()
+            record = await scenario.produce(scenario.tokens(33), wait_durable=False)
+            assert record.stored == STORED and not engine.pressure.paused
+        nvml.set_used(total - (100 << 20))  # a growing allocation leaves 100 MiB
+        engine.pressure.poll_once()
+        record = await scenario.produce(scenario.tokens(33), wait_durable=False)
+        assert record.dropped == STORED and engine.statistics()["dropped"]["pressure"] == 6
