@@ -7,7 +7,7 @@ Threads. Every state change happens on the event-loop thread that started the en
 another loop or thread raises ``EngineUsageError``, from a forked child ``ForkedProcessError``,
 before anything is scheduled).
 Blocking work runs elsewhere and only reports back: device -> host copies on one copy thread, host
--> device copies on another (the CPU stand-ins for the two CUDA copy streams), disk I/O on the disk
+-> device copies on another (two each on CUDA, queueing on kvtier's two copy streams), disk I/O on the disk
 tier's own threads. One executor hop per batch of chunks, never per chunk.
 
 Layout. A chunk's life is one transition table (``lifecycle.py``); which keys the disk holds is the
@@ -198,8 +198,10 @@ class OffloadEngine:
         self._pid = os.getpid()
         self._forks = _forks
         config = self.config
-        self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
-        self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
+        # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its event.
+        workers = 2 if self.device.backend.is_cuda else 1
+        self._d2h = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-d2h")
+        self._h2d = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-h2d")
         self._pools = await asyncio.to_thread(self._make_pools)  # off the loop: seconds for a large slab
         # Per group, bytes of one chunk: asked per chunk on every store, spill and load path.
         self._chunk_nbytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
@@ -491,10 +493,6 @@ class OffloadEngine:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _ready_event(self, compute_stream, ready_event):
-        """The order of a store's or load's copies, taken at call time (module docstring)."""
-        return self.device.backend.ready_event(compute_stream, ready_event)
-
     # ------------------------------------------------------------------ keys
 
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
@@ -557,7 +555,8 @@ class OffloadEngine:
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        return self._stores.schedule(keys, num_tokens, block_table, self._ready_event(compute_stream, ready_event))
+        return self._stores.schedule(keys, num_tokens, block_table,
+                                     self.device.backend.ready_event(compute_stream, ready_event))
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
         """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
@@ -700,7 +699,7 @@ class OffloadEngine:
         for ``store``.
         """
         self._check_open()
-        ready = self._ready_event(compute_stream, ready_event)
+        ready = self.device.backend.ready_event(compute_stream, ready_event)  # the order, taken now
         keys = self._keys(request, salt)
         hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
         jobs = []  # (group, chunk, key, device block per block of the chunk or None)

@@ -9,13 +9,18 @@ Primitives:
   ``gather``/``gather_many`` copy a chunk's blocks (all layers, layer-major) into host ``uint8``
   slots; ``scatter``/``scatter_many`` copy host slots into device blocks (``None`` skips a block).
   They return a ``CopyHandle`` as soon as the copies are queued. ``gather_many_groups`` /
-  ``scatter_many_groups`` take items of several groups and by default block until done.
+  ``scatter_many_groups`` take items of several groups and by default block until done. On CUDA a
+  batch waits for a ready event (the caller's, or one recorded on the compute stream when called),
+  then per layer one ``index_select`` / ``index_copy_`` over the batch into device staging and one
+  host copy per chunk, on the view's own copy stream; a batch failing partway waits for what it
+  queued before raising. ``tools/testing/device.RecordingBackend`` runs that path on CPU.
 - ``CopyHandle``: completion of one enqueued batch: ``done()`` polls, ``wait()`` blocks,
   ``wait_on_stream()`` orders a CUDA stream after the copy without blocking the host.
 
 Threads: the view holds no mutable Python state, and torch's current-stream context is per thread,
 so calls may come from any thread. The intended use is the engine's: one copy thread per direction
-(device->host, host->device), each call validating its whole batch and then queueing it. Two threads
+(device->host, host->device; two on CUDA, so one batch queues while another's thread waits on its
+event), each call validating its whole batch and then queueing it. Two threads
 queueing in the same direction share that direction's stream: still correct, but each batch's event
 then also waits for the other's copies. On CUDA the queueing returns at once; ``CopyHandle.wait()``
 (and the blocking ``*_many_groups``) block their thread in ``event.synchronize()``, so they belong

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -474,7 +475,6 @@ def check_vllm(cache_dir: Path) -> str:
     from vllm import LLM, SamplingParams
 
     from kvtier.integrations.vllm.testing import write_model_config
-    from kvtier.tiers.lmdb import LmdbTier
 
     model_dir = write_model_config(cache_dir / "model", num_layers=4, sliding_window=64)
     kv_dir = cache_dir / "vllm-kv"
@@ -496,14 +496,14 @@ def check_vllm(cache_dir: Path) -> str:
     second = llm.generate([prompt], params)[0]
     cached = int(second.num_cached_tokens or 0)
 
-    async def records() -> int:
-        tier = await LmdbTier.open(kv_dir)
-        try:
-            return len((await tier.snapshot_keys()).keys)
-        finally:
-            await tier.close()
-
-    count = asyncio.run(records())
+    # Counted in a child process: LMDB forbids opening one environment twice in a process, and the
+    # tier may live in this one (vLLM without multiprocessing).
+    script = ("import asyncio, sys\nfrom kvtier.tiers.lmdb import LmdbTier\nasync def main():\n"
+              "    tier = await LmdbTier.open(sys.argv[1])\n    print(len((await tier.snapshot_keys()).keys))\n"
+              "    await tier.close()\nasyncio.run(main())\n")
+    child = subprocess.run([sys.executable, "-c", script, str(kv_dir)], capture_output=True, text=True, timeout=120)
+    _require(child.returncode == 0, f"counting records failed: {child.stderr.strip()[-500:]}")
+    count = int(child.stdout.split()[-1])
     _require(cached >= 256 and count > 0, f"second request: {cached} cached tokens; {count} records in {kv_dir}")
     same = list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids)
     return f"second request served {cached}/300 prompt tokens from cache; {count} records on disk; tokens same: {same}"
