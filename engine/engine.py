@@ -320,9 +320,10 @@ class OffloadEngine:
     def _make_pools(self) -> List[HostSlabPool]:
         """The host pools, of the view's device kind; on CUDA they must be page-locked. Runs on a
         worker thread: pre-faulting (and registering) a large slab takes seconds."""
-        kind = check_device_kind(self.config.device_kind, self.device)
+        check_device_kind(self.config.device_kind, self.device)
         chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
-        pools = pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=kind,
+        # The view's own device ("cuda:1"): the slab is registered with that device current.
+        pools = pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=str(self.device.device),
                                  eviction=self.config.host_eviction_policy)
         check_pools_pinned(self.device, pools)
         return pools

@@ -151,7 +151,8 @@ class DeviceBackend:
             from .cuda_runtime import cuda_runtime
 
             base = buffer.data_ptr()
-            register_host_range(torch.cuda.cudart(), cuda_runtime(), base, nbytes)
+            with torch.cuda.device(self.device):  # no context made on another GPU from a worker thread
+                register_host_range(torch.cuda.cudart(), cuda_runtime(), base, nbytes)
             with self._lock:
                 self._registered[base] = base
         return buffer
