@@ -41,7 +41,9 @@ async def test_store_and_load_take_their_order_when_called_on_the_callers_stream
         assert backend.log == [("record", "forward", 1, threading.current_thread().name)]
         await handle.wait_released()
         assert backend.log[1][:3] == ("wait", "copy1", 1) and backend.log[1][3].startswith("kvtier-d2h")
-        assert [op for op, *_ in backend.log[2:]] == ["copy"] * 6 + ["record", "sync"]  # 6 chunks
+        # Per group its 2 KV tensors kept for the copy stream, then one copy per chunk (6 chunks).
+        assert [op for op, *_ in backend.log[2:]] == ["keep"] * 2 + ["copy"] * 2 + ["keep"] * 2 + ["copy"] * 4 + [
+            "record", "sync"]
         backend.log.clear()
         result = await engine.load(prompt + [5], 32, scenario.allocate(33))
         assert result.ok

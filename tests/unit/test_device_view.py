@@ -320,8 +320,10 @@ def test_one_copy_per_chunk_and_the_order_is_taken_when_called() -> None:
         assert torch.equal(slot, torch.cat([as_bytes(layer[ids]).reshape(-1) for layer in layers]))
     # d2h is copy1, h2d copy2; the order was recorded on the caller's stream before anything was
     # queued, and the copy stream waits on exactly that event, then records its own.
+    # Each KV tensor is made known to the caching allocator as used by the copy stream (freed KV
+    # memory is not reused under a queued copy).
     assert backend.ops() == [
-        ("record", "default", 1), ("wait", "copy1", 1),
+        ("record", "default", 1), ("wait", "copy1", 1), *[("keep", "copy1", None)] * 4,
         ("copy", "copy1", None), ("copy", "copy1", None), ("copy", "copy1", None),
         ("record", "copy1", 2), ("sync", "copy1", 2),
     ]
@@ -355,8 +357,8 @@ def test_a_batch_failing_partway_waits_for_the_copies_it_queued() -> None:
     # Copy 1 was queued when copy 2 failed: the batch records an event and waits for it before the
     # exception reaches the caller (who then frees slots and blocks).
     assert backend.ops() == [
-        ("record", "default", 1), ("wait", "copy1", 1), ("copy", "copy1", None),
-        ("copy_failed", "copy1", None), ("record", "copy1", 2), ("sync", "copy1", 2),
+        ("record", "default", 1), ("wait", "copy1", 1), ("keep", "copy1", None), ("keep", "copy1", None),
+        ("copy", "copy1", None), ("copy_failed", "copy1", None), ("record", "copy1", 2), ("sync", "copy1", 2),
     ]
     assert len(seen) == 1
 

@@ -2,7 +2,8 @@
 
 ``RecordingBackend`` is a ``DeviceBackend("cpu")`` whose views take the path a CUDA view takes
 (``host_fast_path`` is false: staging buffers, one copy per chunk, copy streams, events), with
-streams and events as named tokens. Every ``record``, ``wait``, ``sync`` and ``copy`` is appended to
+streams and events as named tokens. Every ``record``, ``wait``, ``sync``, ``keep`` (a KV tensor
+``record_stream``-ed for a copy stream) and ``copy`` is appended to
 ``log`` as ``(op, stream, event number, thread name)`` in call order, so a test sees when and on
 which stream an order was taken. ``fail_on_copy=k`` makes the k-th copy raise ``InjectedFault``
 (a copy failing after others were queued); ``on_sync`` is called at every ``sync`` (a test looks at
@@ -94,6 +95,10 @@ class RecordingBackend(DeviceBackend):
             self._note("sync", getattr(event, "stream", "?"), getattr(event, "number", None))
         if self.on_sync is not None:
             self.on_sync()
+
+    def keep_alive_on(self, tensor: torch.Tensor, stream: Any) -> None:
+        with self._log_lock:
+            self._note("keep", str(stream), None)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._log_lock:
