@@ -283,19 +283,27 @@ def check_other_thread() -> str:
             loop = asyncio.get_running_loop()
             stored = loop.create_future()
 
-            def server_thread() -> None:
-                stream = torch.cuda.Stream()
-                _busy(stream)
-                with torch.cuda.stream(stream):
-                    for layer in layers:
-                        layer[:4].fill_(3.0)
-                event = torch.cuda.Event()
-                event.record(stream)
-                loop.call_soon_threadsafe(lambda: stored.set_result(
-                    engine.store(tokens, [[0, 1, 2, 3]], ready_event=event)))
+            def store_on_loop(event) -> None:
+                try:
+                    stored.set_result(engine.store(tokens, [[0, 1, 2, 3]], ready_event=event))
+                except Exception as exc:  # reported by the check, not lost in a callback
+                    stored.set_exception(exc)
 
-            threading.Thread(target=server_thread).start()
-            handle = await stored
+            def server_thread() -> None:
+                try:
+                    stream = torch.cuda.Stream()
+                    _busy(stream)
+                    with torch.cuda.stream(stream):
+                        for layer in layers:
+                            layer[:4].fill_(3.0)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    loop.call_soon_threadsafe(store_on_loop, event)
+                except Exception as exc:
+                    loop.call_soon_threadsafe(stored.set_exception, exc)
+
+            threading.Thread(target=server_thread, name="gpu-check-server").start()
+            handle = await asyncio.wait_for(stored, 60)
             await handle.wait_released()
             for layer in layers:
                 layer[:8].zero_()
