@@ -131,8 +131,10 @@ class EngineConfig:
     # with a cold cache instead of failing. Off: start() raises CorruptCacheError and leaves the
     # directory alone.
     quarantine_corrupt_cache_dir: bool = True
-    # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
-    device_kind: str = "cpu"
+    # None (the default): the device of the DeviceKVView's tensors, so a CUDA view always gets a
+    # page-locked host pool (a pageable one turns every async copy synchronous, 5-20x slower).
+    # "cpu"/"cuda" only assert it: start() raises DeviceError when the view is elsewhere.
+    device_kind: Optional[str] = None
     # -- remote tier (Valkey/Redis shared by a fleet), chained behind the LMDB tier ---------------
     # None = no remote tier. "redis://host:port" (one node) or "redis+cluster://h1:p1,h2:p2" (seeds).
     remote_url: Optional[str] = None
@@ -243,7 +245,8 @@ class EngineConfig:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         if self.store_retention_interval_tokens is not None:
             _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
-        _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        if self.device_kind is not None:
+            _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
         _require_int("events_max", self.events_max, 1)
         _require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)

@@ -61,13 +61,13 @@ class LoadPath:
             windows.append(current)
         return windows
 
-    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, stream) -> LoadResult:
+    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, ready) -> LoadResult:
         engine = self._engine
         loaded: List[Tuple[int, int]] = []
         from_disk = 0
         try:
             for window in self._load_windows(jobs):
-                reason, read = await self._load_window(window, loaded, stream)
+                reason, read = await self._load_window(window, loaded, ready)
                 from_disk += read
                 if reason is not None:
                     engine.metrics.miss(reason)
@@ -79,7 +79,7 @@ class LoadPath:
             if not finished.done():
                 finished.set_result(None)
 
-    async def _load_window(self, window, loaded: List[Tuple[int, int]], stream) -> Tuple[Optional[str], int]:
+    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready) -> Tuple[Optional[str], int]:
         """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
         engine = self._engine
         pinned: List[ChunkEntry] = []
@@ -97,7 +97,7 @@ class LoadPath:
                 engine._pools[gi].touch(entry.slot)
             started = time.perf_counter()
             try:
-                scatter = functools.partial(engine.device.scatter_many_groups, batch, compute_stream=stream)
+                scatter = functools.partial(engine.device.scatter_many_groups, batch, ready_event=ready)
                 await settle(engine._loop.run_in_executor(engine._h2d, scatter))
             except asyncio.CancelledError:
                 raise

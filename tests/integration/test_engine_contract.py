@@ -583,25 +583,29 @@ async def test_an_engine_used_in_a_forked_child_says_so(tmp_path):
 
 @pytest.mark.asyncio
 async def test_store_and_load_order_copies_after_the_callers_compute_stream(tmp_path):
+    # The order is an event recorded on the caller's stream, on the caller's thread, when store()
+    # and load() are called; the copy threads are handed that event (see also
+    # test_engine_device_order.py, which runs the CUDA code path on CPU).
     r = await rig(tmp_path)
     backend = r.engine.device.backend
     seen = []
     caller = threading.get_ident()
     backend.current_stream = lambda: ("stream-of", threading.get_ident())
+    backend.record_event = lambda stream: ("event-on", stream, threading.get_ident())
     for method in ("gather_many_groups", "scatter_many_groups"):
         real = getattr(r.engine.device, method)
 
-        def recording(items, *, compute_stream=None, wait=True, _real=real, _name=method):
-            seen.append((_name, compute_stream))
-            return _real(items, compute_stream=compute_stream, wait=wait)
+        def recording(items, *, ready_event=None, wait=True, _real=real, _name=method):
+            seen.append((_name, ready_event))
+            return _real(items, ready_event=ready_event, wait=wait)
 
         setattr(r.engine.device, method, recording)
     prompt = r.scenario.tokens(33)
     await r.scenario.produce(prompt)
     await r.scenario.consume(prompt + [1], expect_hit=32)
     assert seen == [
-        ("gather_many_groups", ("stream-of", caller)),
-        ("scatter_many_groups", ("stream-of", caller)),
+        ("gather_many_groups", ("event-on", ("stream-of", caller), caller)),
+        ("scatter_many_groups", ("event-on", ("stream-of", caller), caller)),
     ]
     await r.close()
 

@@ -32,7 +32,7 @@ def test_defaults_are_valid_and_documented_values():
     assert config.pressure_low_watermark_fraction == 0.80
     assert config.pressure_poll_interval_s == 1.0
     assert config.reader_check_interval_s == 30.0
-    assert config.device_kind == "cpu"
+    assert config.device_kind is None  # follows the view
 
 
 def test_frozen_and_round_trips_through_dict():
