@@ -176,6 +176,7 @@ def test_model_config_and_vllm_layout_files(capsys, tmp_path, conversations):
     vllm = VllmLayout(model="m", dtype="bfloat16", groups=(GroupLayout(0, 16, ("model.layers.0.attn",)),
                       GroupLayout(1, 16, ("model.layers.1.attn",), sliding_window_size_in_chunks=2)),
                       tokens_per_hash=16, blocks_per_chunk=4, worker_kv_bytes_per_block=4096, primary_row_bytes=16384)
+    vllm = vllm.with_key_scheme("sha256", bytes(32))  # the tier writes its file once the scheme is bound
     file = tmp_path / vllm.file_name
     file.write_text(vllm.to_json())
     result = replay_json(capsys, "--trace", conversations, "--vllm-layout", str(file), "--simulate")

@@ -15,6 +15,7 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
+from ..argtypes import int_option
 from .layouts import PRESETS, ReplayLayout, resolve_layout
 from .report import format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
@@ -49,26 +50,8 @@ def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]
     return parse_size(value, option), None
 
 
-def _retention(text: str) -> Optional[int]:
-    if text.lower() in ("none", "dense"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'none' (dense) or an int >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
+_retention = int_option(0, none=("none", "dense"), none_text="'none' (dense)")
+_positive = int_option(1)
 
 
 def _scale(text: str) -> float:

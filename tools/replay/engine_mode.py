@@ -61,9 +61,9 @@ class _SizedPoolsEngine(OffloadEngine):
         self._replay_slots = list(host_slots)
 
     def _make_pools(self) -> List[HostSlabPool]:
-        config = self.config
-        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=config.device_kind,
-                             eviction=config.host_eviction_policy) for g, slots in enumerate(self._replay_slots)]
+        # the view's own device, as the engine's pools (the config's device_kind may be None: follow it)
+        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=str(self.device.device),
+                             eviction=self.config.host_eviction_policy) for g, slots in enumerate(self._replay_slots)]
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:
