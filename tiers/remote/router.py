@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import TierIOError, TierTimeoutError
 
 from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from .getreader import GetConnection, Reply
 from .url import RemoteAddress
 
 __all__ = ["NodeRouter", "RemoteNode", "NodeUnavailableError"]
@@ -59,6 +60,8 @@ class RemoteNode:
         self.port = port
         self.name = f"{host}:{port}"
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: List[GetConnection] = []  # GET connections between pipelines
         self.client = aioredis.Redis(
             host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=_no_retry(), retry_on_error=[], max_connections=concurrency, decode_responses=False,
@@ -133,7 +136,59 @@ class RemoteNode:
         self.breaker.success()
         return list(results)
 
+    async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
+                       live: Set[GetConnection]) -> List[Reply]:
+        """``GET`` each key as one pipeline on a ``GetConnection``: a raw record of its target's size
+        lands straight in the target (``DirectValue``), any other value comes back whole
+        (``bytearray``), an error reply as redis-py's exception object, an absent key as ``None``.
+        Errors, timeouts and the breaker as ``call``. While it reads, its connection is in
+        ``live``: aborting it there (``GetConnection.abort``) stops every write into the targets at
+        once, and this call then raises ``TierIOError`` without counting against the breaker.
+        Cancelling it: the connection is aborted before the cancellation propagates, so nothing
+        writes into the targets after it ends."""
+        await self._ready()
+        async with self.slots:
+            conn: Optional[GetConnection] = None
+            try:
+                if self.hook is not None:
+                    self.hook(self, [("GET", rk) for rk in rkeys])
+                conn = await self._get_connection()
+                live.add(conn)
+                replies = await asyncio.wait_for(conn.get(rkeys, targets), 2 * self.timeout_s)
+            except (RedisTimeoutError, asyncio.TimeoutError) as exc:
+                self.timeouts += 1
+                self.breaker.trip()
+                raise TierTimeoutError(
+                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
+                ) from exc
+            except (RedisError, OSError) as exc:
+                if conn is not None and conn not in live:  # aborted by the caller: not the node's fault
+                    raise TierIOError(f"remote tier: read from {self.name} abandoned") from exc
+                self.breaker.failure()
+                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+            finally:
+                if conn is not None:
+                    live.discard(conn)
+                    if conn.broken is None:
+                        self._idle.append(conn)
+        self.breaker.success()
+        return replies
+
+    async def _get_connection(self) -> GetConnection:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.broken is None:
+                return conn
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(GetConnection, self.host, self.port), self.connect_timeout_s
+        )
+        return conn
+
     async def close(self) -> None:
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
         try:
             await self.client.aclose()
         except Exception:  # a broken connection cannot stop a close

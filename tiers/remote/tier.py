@@ -11,7 +11,8 @@ Primitives, and the thread each runs on:
   touched only on the event-loop thread.
 - The tier's own ``ThreadPoolExecutor`` (``kvtier-remote-*``) runs the record codec (one hop per
   slice of a batch, ``tiers.codec_pool``; zstd and the checksum release the GIL). Network I/O is redis-py's asyncio
-  client on the loop (``router.py``).
+  client on the loop (``router.py``), except ``GET`` pipelines: kvtier's own reader
+  (``getreader.py``) lands each raw record's payload straight in the caller's buffer.
 
 Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
 kvtier's checksummed record (``tiers/record_format.py``) - never a metadata key beside a data key, which an
@@ -40,7 +41,7 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import xxhash
 from redis.exceptions import OutOfMemoryError
@@ -61,9 +62,12 @@ from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
+    check_payload_in_place,
     decode_record,
+    decode_split,
     encode_record,
 )
+from .getreader import DirectValue, GetConnection
 from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
@@ -89,6 +93,22 @@ class _Mismatch:
     def __init__(self, reason: str, foreign: bool) -> None:
         self.reason = reason
         self.foreign = foreign  # another fingerprint: never ours, delete it
+
+
+def _decode_into(rkey: bytes, data: Any, buf: memoryview) -> ChunkMeta:
+    """Check and decode one fetched value into ``buf``: a whole record (``decode_record``), or a
+    ``DirectValue`` whose payload the reader already placed in ``buf`` (checked in place when raw;
+    another codec whose stored size happens to match is decoded from a copy)."""
+    if not isinstance(data, DirectValue):
+        return decode_record(rkey, data, buf)[0]
+    try:
+        return check_payload_in_place(rkey, data.head, buf)
+    except ValueError:
+        return decode_split(rkey, data.head, bytes(buf), buf)[0]
+
+
+def _record_size(data: Any, buf: memoryview) -> int:
+    return len(data.head) + buf.nbytes if isinstance(data, DirectValue) else len(data)
 
 
 def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
@@ -121,8 +141,9 @@ class RemoteTier(ChunkTier):
                  codec: CodecConfig, timeout_s: float, connect_timeout_s: float, concurrency: int,
                  pipeline_max_bytes: int, breaker_failures: int, breaker_reset_s: float,
                  listing_interval_s: Optional[float], configure_notifications: bool,
-                 io_threads: int) -> None:
+                 io_threads: int, direct_get: bool = True) -> None:
         self.address = address
+        self._direct_get = direct_get
         self.namespace = namespace
         self._fingerprint = fingerprint
         tag = xxhash.xxh3_64_hexdigest(fingerprint) if fingerprint is not None else "any"
@@ -188,6 +209,7 @@ class RemoteTier(ChunkTier):
         configure_notifications: bool = True,
         io_threads: int = 2,
         require_connection: bool = True,
+        direct_get: bool = True,
     ) -> "RemoteTier":
         """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
 
@@ -201,6 +223,9 @@ class RemoteTier(ChunkTier):
         add ``Ee`` to ``notify-keyspace-events`` on each primary (a managed server that forbids
         CONFIG leaves only the listing). ``require_connection``: raise ``TierIOError`` when no node
         answers (the default); ``False`` starts degraded and heals when the server comes back.
+        ``direct_get``: read ``GET`` replies with kvtier's own reader, which lands each raw
+        record's payload straight in the caller's buffer (``getreader.py``; the default);
+        ``False`` reads them through redis-py's client like every other command.
 
         Cancelling it: nothing is left running; no tier is returned.
         """
@@ -226,6 +251,7 @@ class RemoteTier(ChunkTier):
             pipeline_max_bytes=pipeline_max_bytes, breaker_failures=breaker_failures,
             breaker_reset_s=float(breaker_reset_s), listing_interval_s=listing_interval_s,
             configure_notifications=configure_notifications, io_threads=io_threads,
+            direct_get=direct_get,
         )
         try:
             try:
@@ -329,8 +355,11 @@ class RemoteTier(ChunkTier):
         return await asyncio.wrap_future(coding)
 
     async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
-                          make: Callable[[int], Tuple[Any, ...]]) -> Tuple[List[Any], List[BaseException]]:
-        """Run one command per key, grouped per node into size-capped pipelines, all concurrently.
+                          make: Callable[[int], Tuple[Any, ...]],
+                          send: Optional[Callable[[RemoteNode, List[int]], Awaitable[List[Any]]]] = None,
+                          ) -> Tuple[List[Any], List[BaseException]]:
+        """Run one command per key, grouped per node into size-capped pipelines, all concurrently
+        (``send(node, indexes)`` runs one pipeline; by default ``node.call`` of ``make(i)`` each).
 
         Returns the per-key replies (an exception object where that key's command or its node
         failed) and the node-level failures. Every pipeline is waited for before returning."""
@@ -347,9 +376,9 @@ class RemoteTier(ChunkTier):
             node = self._router.nodes[name]
             for part in _pipelines(indexes, sizes, self._pipeline_max_bytes):
                 jobs.append((node, part))
-        outcomes = await asyncio.gather(
-            *(node.call([make(i) for i in part]) for node, part in jobs), return_exceptions=True
-        )
+        if send is None:
+            send = lambda node, part: node.call([make(i) for i in part])  # noqa: E731
+        outcomes = await asyncio.gather(*(send(node, part) for node, part in jobs), return_exceptions=True)
         moved = False
         for (node, part), outcome in zip(jobs, outcomes):
             if isinstance(outcome, BaseException):
@@ -566,8 +595,8 @@ class RemoteTier(ChunkTier):
         written for another fingerprint (deleted, ``mismatched``, reported ``quarantined``), or of
         another raw size than the buffer (``mismatched``, left in place).
 
-        Cancelling it: while the values are still on the network, the call ends at once and they
-        are dropped unread; once decoding into the buffers has begun, the call returns (re-raising
+        Cancelling it: while the values are still on the network, the connections reading them
+        (straight into the buffers) are aborted and the call ends at once; once decoding into the buffers has begun, the call returns (re-raising
         ``CancelledError``) only after it has finished, so the buffers are free when it ends.
         """
         self._check_open()
@@ -581,42 +610,49 @@ class RemoteTier(ChunkTier):
         self._stats["gets"] += len(checked)
         if not checked:
             return []
-        state = {"phase": "fetching"}
+        state: Dict[str, Any] = {"phase": "fetching", "live": set()}
         decoded: "asyncio.Future[None]" = self._loop.create_future()
         task = self._tasks.spawn(self._get_batch(checked, state, decoded))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if state["phase"] == "fetching":
-                state["phase"] = "abandoned"  # the task sees it before it touches any buffer
+                state["phase"] = "abandoned"  # the task sees it before it decodes into any buffer
+                live: Set[GetConnection] = state["live"]
+                while live:  # values still arriving straight into the buffers: stop them now
+                    live.pop().abort()
                 raise
             await wait_through_cancel(decoded)
             raise
 
-    async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, str],
+    async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, Any],
                          decoded: "asyncio.Future[None]") -> List[Optional[ChunkMeta]]:
         started = time.perf_counter()
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
         try:
             rkeys = [self._prefix + key.hex().encode() for key, _ in checked]
+            send = None
+            if self._direct_get:
+                send = lambda node, part: node.get_into(  # noqa: E731
+                    [rkeys[i] for i in part], [checked[i][1] for i in part], state["live"])
             replies, failures = await self._node_calls(
-                rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i])
+                rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i]), send
             )
-            if failures:
-                self._stats["errors"] += len(failures)
             if state["phase"] == "abandoned":
                 self._stats["misses"] += len(checked)
                 return results
+            if failures:
+                self._stats["errors"] += len(failures)
             state["phase"] = "decoding"
-            found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray))]
+            found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray, DirectValue))]
             jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
             fingerprint = self._fingerprint
 
-            def decode(part: Sequence[Tuple[bytes, bytes, memoryview]]) -> List[Any]:
+            def decode(part: Sequence[Tuple[bytes, Any, memoryview]]) -> List[Any]:
                 out: List[Any] = []
                 for rkey, data, buf in part:
                     try:
-                        meta, _ = decode_record(rkey, data, buf)
+                        meta = _decode_into(rkey, data, buf)
                     except RecordSizeMismatchError as exc:
                         out.append(_Mismatch(str(exc), False))
                         continue
@@ -651,10 +687,11 @@ class RemoteTier(ChunkTier):
                     bad.append(rkeys[i])
                     bad_keys.append(key)
             else:
+                size = _record_size(data, checked[i][1])
                 results[i] = outcome
-                got += len(data)
+                got += size
                 if key not in self._known:
-                    self._remember(key, self._sequence, len(data))
+                    self._remember(key, self._sequence, size)
         if bad:
             await self._quarantine(list(dict.fromkeys(bad)), list(dict.fromkeys(bad_keys)))
         hits = sum(1 for r in results if r is not None)
