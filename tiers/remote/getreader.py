@@ -16,7 +16,7 @@ error reply (``MOVED``, ``ASK``, ...) becomes the same exception object redis-py
 from __future__ import annotations
 
 import asyncio
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Set, Union
 
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,7 +25,7 @@ from kvtier.errors import CorruptRecordError
 
 from ..record_format import header_end_of
 
-__all__ = ["GetConnection", "DirectValue", "Reply"]
+__all__ = ["GetConnection", "DirectValue", "Reply", "LiveReads"]
 
 _PREFIX_BYTES = 10  # the record's magic | version | header length (see record_format)
 _LINE_BYTES = 64 << 10
@@ -42,6 +42,23 @@ class DirectValue:
 
 
 Reply = Union[None, bytearray, DirectValue, BaseException]
+
+
+class LiveReads:
+    """The connections reading one batch's values into its buffers, and whether the batch was
+    abandoned (its caller cancelled): ``abandon`` aborts those reading and bars any later one."""
+
+    __slots__ = ("connections", "abandoned")
+
+    def __init__(self) -> None:
+        self.connections: Set["GetConnection"] = set()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Synchronous: once it returns, nothing of this batch writes into its buffers."""
+        self.abandoned = True
+        while self.connections:
+            self.connections.pop().abort()
 
 
 class GetConnection(asyncio.BufferedProtocol):

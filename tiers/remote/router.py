@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import TierIOError, TierTimeoutError
 
 from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from .getreader import GetConnection, Reply
+from .getreader import GetConnection, LiveReads, Reply
 from .url import RemoteAddress
 
 __all__ = ["NodeRouter", "RemoteNode", "NodeUnavailableError"]
@@ -45,6 +45,10 @@ _REFRESH_MIN_INTERVAL_S = 1.0
 
 class NodeUnavailableError(TierIOError):
     """The node's circuit breaker is open: the call was refused without touching the network."""
+
+
+class _Abandoned(Exception):
+    """The batch was abandoned before this pipeline was sent."""
 
 
 def _no_retry() -> Retry:
@@ -137,13 +141,14 @@ class RemoteNode:
         return list(results)
 
     async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
-                       live: Set[GetConnection]) -> List[Reply]:
+                       live: LiveReads) -> List[Reply]:
         """``GET`` each key as one pipeline on a ``GetConnection``: a raw record of its target's size
         lands straight in the target (``DirectValue``), any other value comes back whole
         (``bytearray``), an error reply as redis-py's exception object, an absent key as ``None``.
         Errors, timeouts and the breaker as ``call``. While it reads, its connection is in
-        ``live``: aborting it there (``GetConnection.abort``) stops every write into the targets at
-        once, and this call then raises ``TierIOError`` without counting against the breaker.
+        ``live``: ``live.abandon()`` stops every write into the targets at once (and keeps a call
+        that has not sent yet from sending), and this call then raises ``TierIOError`` without
+        counting against the breaker.
         Cancelling it: the connection is aborted before the cancellation propagates, so nothing
         writes into the targets after it ends."""
         await self._ready()
@@ -153,7 +158,9 @@ class RemoteNode:
                 if self.hook is not None:
                     self.hook(self, [("GET", rk) for rk in rkeys])
                 conn = await self._get_connection()
-                live.add(conn)
+                if live.abandoned:
+                    raise _Abandoned()
+                live.connections.add(conn)
                 replies = await asyncio.wait_for(conn.get(rkeys, targets), 2 * self.timeout_s)
             except (RedisTimeoutError, asyncio.TimeoutError) as exc:
                 self.timeouts += 1
@@ -161,14 +168,14 @@ class RemoteNode:
                 raise TierTimeoutError(
                     f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
                 ) from exc
-            except (RedisError, OSError) as exc:
-                if conn is not None and conn not in live:  # aborted by the caller: not the node's fault
+            except (RedisError, OSError, _Abandoned) as exc:
+                if live.abandoned:  # aborted for the caller: not the node's fault
                     raise TierIOError(f"remote tier: read from {self.name} abandoned") from exc
                 self.breaker.failure()
                 raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
             finally:
                 if conn is not None:
-                    live.discard(conn)
+                    live.connections.discard(conn)
                     if conn.broken is None:
                         self._idle.append(conn)
         self.breaker.success()

@@ -67,7 +67,7 @@ from ..record_format import (
     decode_split,
     encode_record,
 )
-from .getreader import DirectValue, GetConnection
+from .getreader import DirectValue, LiveReads
 from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
@@ -610,7 +610,7 @@ class RemoteTier(ChunkTier):
         self._stats["gets"] += len(checked)
         if not checked:
             return []
-        state: Dict[str, Any] = {"phase": "fetching", "live": set()}
+        state: Dict[str, Any] = {"phase": "fetching", "live": LiveReads()}
         decoded: "asyncio.Future[None]" = self._loop.create_future()
         task = self._tasks.spawn(self._get_batch(checked, state, decoded))
         try:
@@ -618,9 +618,7 @@ class RemoteTier(ChunkTier):
         except asyncio.CancelledError:
             if state["phase"] == "fetching":
                 state["phase"] = "abandoned"  # the task sees it before it decodes into any buffer
-                live: Set[GetConnection] = state["live"]
-                while live:  # values still arriving straight into the buffers: stop them now
-                    live.pop().abort()
+                state["live"].abandon()  # values arriving straight into the buffers: stop them now
                 raise
             await wait_through_cancel(decoded)
             raise
