@@ -186,7 +186,7 @@ class RemoteTier(ChunkTier):
             put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
             get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
             evictions_notified=0, removals_listed=0, listings=0,
-            rollbacks=0, moved=0,
+            rollbacks=0, moved=0, get_direct=0,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -434,7 +434,8 @@ class RemoteTier(ChunkTier):
         put/get bytes moved, latency totals and maxima (seconds per batch), timeouts, full (stores
         refused for memory), breaker_rejected (items skipped while a breaker was open),
         breaker_open (primaries whose breaker is not closed), breaker_opens, evictions_notified,
-        removals_listed, listings, listener_restarts, rollbacks, moved, nodes."""
+        removals_listed, listings, listener_restarts, rollbacks, moved, nodes, get_direct (values
+        whose payload the reader placed straight in the caller's buffer)."""
         extra = dict(self._extra)
         primaries = self._router.primaries()
         extra["nodes"] = float(len(primaries))
@@ -643,6 +644,7 @@ class RemoteTier(ChunkTier):
                 self._stats["errors"] += len(failures)
             state["phase"] = "decoding"
             found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray, DirectValue))]
+            self._extra["get_direct"] += sum(1 for _, r in found if isinstance(r, DirectValue))
             jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
             fingerprint = self._fingerprint
 
