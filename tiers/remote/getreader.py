@@ -29,6 +29,7 @@ __all__ = ["GetConnection", "DirectValue", "Reply", "LiveReads"]
 
 _PREFIX_BYTES = 10  # the record's magic | version | header length (see record_format)
 _LINE_BYTES = 64 << 10
+_DIRECT_MIN_BYTES = 16 << 10
 
 
 class DirectValue:
@@ -79,6 +80,7 @@ class GetConnection(asyncio.BufferedProtocol):
         self._replies: List[Reply] = []
         self._done: Optional["asyncio.Future[List[Reply]]"] = None
         self._expect = 0
+        self._direct = False
         self._pending: Reply = None
         self.broken: Optional[BaseException] = None
 
@@ -95,13 +97,17 @@ class GetConnection(asyncio.BufferedProtocol):
         return False
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._cur is not None and self._lpos == 0:
-            return self._cur[self._pos:]
+        # Big parts (payloads) are read straight into place; small ones (a record's head, the CRLF
+        # after a value, the next reply's line) through the line buffer, many per recv.
+        cur = self._cur
+        self._direct = cur is not None and self._lpos == 0 and cur.nbytes - self._pos >= _DIRECT_MIN_BYTES
+        if self._direct:
+            return cur[self._pos:]  # type: ignore[index]
         return memoryview(self._line)[self._lpos:]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._cur is not None and self._lpos == 0:
+            if self._direct:
                 self._pos += nbytes
                 if self._pos == self._cur.nbytes:
                     self._next_stage()
