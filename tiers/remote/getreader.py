@@ -1,7 +1,9 @@
 """Pipelined ``GET`` reads that land each value's payload straight in the caller's buffer.
 
 Primitives: ``GetConnection`` (one socket to one node, an ``asyncio.BufferedProtocol``; runs on the
-event-loop thread) and ``DirectValue`` (a value whose payload is already in its buffer).
+event-loop thread), ``LiveReads`` (one batch's connections, to stop them at once), ``DirectValue``
+(a value whose payload is already in its buffer), and ``decode_into`` / ``fetched_size`` (plain
+functions, any thread: the record checks of a fetched value, as ``decode_record`` does them).
 
 Why: redis-py's asyncio client reads through a ``StreamReader`` (``bytearray.extend``, then
 ``readexactly`` slices, then the record decode copies again), which kept the remote get far below
@@ -23,9 +25,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.errors import CorruptRecordError
 
-from ..record_format import header_end_of
+from ..base import ChunkMeta
+from ..record_format import check_payload_in_place, decode_record, decode_split, header_end_of
 
-__all__ = ["GetConnection", "DirectValue", "Reply", "LiveReads"]
+__all__ = ["GetConnection", "DirectValue", "Reply", "LiveReads", "decode_into", "fetched_size"]
 
 _PREFIX_BYTES = 10  # the record's magic | version | header length (see record_format)
 _LINE_BYTES = 64 << 10
@@ -60,6 +63,23 @@ class LiveReads:
         self.abandoned = True
         while self.connections:
             self.connections.pop().abort()
+
+
+def decode_into(rkey: bytes, data: Union[bytearray, DirectValue], buf: memoryview) -> ChunkMeta:
+    """Check and decode one fetched value into ``buf``: a whole record (``decode_record``), or a
+    ``DirectValue`` whose payload the reader already placed in ``buf`` (checked in place when raw;
+    another codec whose stored size happens to match is decoded from a copy)."""
+    if not isinstance(data, DirectValue):
+        return decode_record(rkey, data, buf)[0]
+    try:
+        return check_payload_in_place(rkey, data.head, buf)
+    except ValueError:
+        return decode_split(rkey, data.head, bytes(buf), buf)[0]
+
+
+def fetched_size(data: Union[bytearray, DirectValue], buf: memoryview) -> int:
+    """The record's length of a fetched value."""
+    return len(data.head) + buf.nbytes if isinstance(data, DirectValue) else len(data)
 
 
 class GetConnection(asyncio.BufferedProtocol):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis.asyncio as aioredis
@@ -66,6 +67,7 @@ class RemoteNode:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._idle: List[GetConnection] = []  # GET connections between pipelines
+        self._closed = False
         self.client = aioredis.Redis(
             host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=_no_retry(), retry_on_error=[], max_connections=concurrency, decode_responses=False,
@@ -176,7 +178,11 @@ class RemoteNode:
             finally:
                 if conn is not None:
                     live.connections.discard(conn)
-                    if conn.broken is None:
+                    if conn.broken is not None:
+                        pass
+                    elif self._closed:  # the node was closed (or left the slot map) meanwhile
+                        conn.abort()
+                    else:
                         self._idle.append(conn)
         self.breaker.success()
         return replies
@@ -187,12 +193,16 @@ class RemoteNode:
             if conn.broken is None:
                 return conn
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
+        transport, conn = await asyncio.wait_for(
             loop.create_connection(GetConnection, self.host, self.port), self.connect_timeout_s
         )
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # as the redis-py client's connections: a dead peer is noticed
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         return conn
 
     async def close(self) -> None:
+        self._closed = True
         for conn in self._idle:
             conn.abort()
         self._idle.clear()

@@ -62,12 +62,9 @@ from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
-    check_payload_in_place,
-    decode_record,
-    decode_split,
     encode_record,
 )
-from .getreader import DirectValue, LiveReads
+from .getreader import DirectValue, LiveReads, decode_into, fetched_size
 from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
@@ -93,22 +90,6 @@ class _Mismatch:
     def __init__(self, reason: str, foreign: bool) -> None:
         self.reason = reason
         self.foreign = foreign  # another fingerprint: never ours, delete it
-
-
-def _decode_into(rkey: bytes, data: Any, buf: memoryview) -> ChunkMeta:
-    """Check and decode one fetched value into ``buf``: a whole record (``decode_record``), or a
-    ``DirectValue`` whose payload the reader already placed in ``buf`` (checked in place when raw;
-    another codec whose stored size happens to match is decoded from a copy)."""
-    if not isinstance(data, DirectValue):
-        return decode_record(rkey, data, buf)[0]
-    try:
-        return check_payload_in_place(rkey, data.head, buf)
-    except ValueError:
-        return decode_split(rkey, data.head, bytes(buf), buf)[0]
-
-
-def _record_size(data: Any, buf: memoryview) -> int:
-    return len(data.head) + buf.nbytes if isinstance(data, DirectValue) else len(data)
 
 
 def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
@@ -652,7 +633,7 @@ class RemoteTier(ChunkTier):
                 out: List[Any] = []
                 for rkey, data, buf in part:
                     try:
-                        meta = _decode_into(rkey, data, buf)
+                        meta = decode_into(rkey, data, buf)
                     except RecordSizeMismatchError as exc:
                         out.append(_Mismatch(str(exc), False))
                         continue
@@ -687,7 +668,7 @@ class RemoteTier(ChunkTier):
                     bad.append(rkeys[i])
                     bad_keys.append(key)
             else:
-                size = _record_size(data, checked[i][1])
+                size = fetched_size(data, checked[i][1])
                 results[i] = outcome
                 got += size
                 if key not in self._known:
