@@ -119,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--through-vllm", action="store_true",
                         help="the first --limit requests (default 40, prompts cut to --max-input-tokens, default 2000) "
                         "through vLLM's real Scheduler + OffloadingConnector on CPU: its CPU tier alone, then its CPU "
-                        "tier + KvtierTier at equal total chunks, and kvtier's engine mode configured the same")
+                        "tier + KvtierTier at equal total chunks, and kvtier's engine mode configured the same (its own "
+                        "full-attention model of 512-token chunks; budgets from --vllm-chunks, not --host/--disk-bytes)")
     parser.add_argument("--vllm-chunks", type=_positive, default=64, metavar="N",
                         help="with --through-vllm: total budget in 512-token chunks (default 64)")
     parser.add_argument("--vllm-cpu-chunks", type=_positive, default=16, metavar="N",
@@ -288,6 +289,9 @@ def _run_through_vllm(args) -> int:
 
     if args.sweep or args.simulate or args.remote:
         raise ValueError("--through-vllm runs alone: not with --sweep, --simulate or --remote")
+    if args.layout or args.model_config or args.vllm_layout or args.extra_retained_tokens:
+        raise ValueError("--through-vllm replays its own model (one full-attention group of 512-token chunks, the "
+                         "trace's blocks): not with --layout, --model-config, --vllm-layout or -R")
     trace = read_trace(args.trace, format=args.format).limited(args.limit or VLLM_LIMIT,
                                                                args.max_input_tokens or VLLM_MAX_INPUT_TOKENS)
     try:
