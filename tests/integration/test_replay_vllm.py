@@ -64,3 +64,13 @@ def test_through_vllm_alone_and_with_kvtier_and_engine_mode_agree(tmp_path):
     assert result["agreement_points"] == 100 * (with_kvtier["hit_rate"] - engine["hit_rate"])
     assert result["kvtier_gain_points"] == 100 * (with_kvtier["hit_rate"] - alone["hit_rate"])
     assert result["hit_rate"] == with_kvtier["hit_rate"]
+
+
+def test_through_vllm_refuses_options_it_does_not_use(tmp_path):
+    trace, _ = write_trace(tmp_path / "prompts.jsonl", requests=2)
+    for extra, message in ((["--layout", "gpt-oss-120b"], "replays its own model"),
+                           (["--simulate"], "runs alone: not with --sweep, --simulate or --remote"),
+                           (["--vllm-chunks", "8", "--vllm-cpu-chunks", "8"], "--vllm-cpu-chunks must be >= 4 and below")):
+        done = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "replay", "--trace", str(trace),
+                               "--through-vllm", *extra], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1], done.stderr
