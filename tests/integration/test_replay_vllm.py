@@ -74,3 +74,28 @@ def test_through_vllm_refuses_options_it_does_not_use(tmp_path):
         done = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "replay", "--trace", str(trace),
                                "--through-vllm", *extra], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_a_wrong_byte_vllm_loaded_fails_the_run(capsys, monkeypatch, tmp_path):
+    # vLLM's CPU -> GPU copy flips one bit of the first block it loads: the run must stop, exit 1.
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvtier.integrations.vllm.testing import CpuCopyWorker
+    from kvtier.tools.cli import main
+
+    trace, _ = write_trace(tmp_path / "prompts.jsonl", requests=8)
+    original = CpuCopyWorker._copy
+
+    def flipping_copy(self, job_id, gpu_to_cpu, src_spec, dst_spec):
+        done = original(self, job_id, gpu_to_cpu, src_spec, dst_spec)
+        if not gpu_to_cpu:
+            self._gpu[0][int(dst_spec.block_ids[0])][0] ^= 1
+        return done
+
+    monkeypatch.setattr(CpuCopyWorker, "_copy", flipping_copy)
+    assert main(["replay", "--trace", str(trace), "--through-vllm", "--vllm-chunks", "60", "--vllm-cpu-chunks", "4",
+                 "--no-progress"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("kvtier: error: wrong bytes loaded: through vLLM: request ") and "differ" in error
