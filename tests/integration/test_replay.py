@@ -59,7 +59,7 @@ def test_replay_help_names_the_modes():
     result = run_cli("replay", "--help")
     assert result.returncode == 0
     for option in ("--trace", "--simulate", "--layout", "--bytes-scale", "--host-bytes", "--disk-bytes", "--sweep",
-                   "--policy", "--json"):
+                   "--policy", "--json", "--through-vllm"):
         assert option in result.stdout
 
 
