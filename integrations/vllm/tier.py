@@ -533,6 +533,18 @@ class KvtierTier(SecondaryTierManager):
             return LookupResult.HIT
         return LookupResult.MISS
 
+    @override
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM marks these chunks used (a hit its CPU tier serves is one): kvtier's disk tier hears
+        of the use for the ones it holds (``ChunkTier.touch_many`` on the tier's loop), so a chunk
+        kept hot in vLLM's CPU tier does not age out of the disk. Scheduler thread; O(keys)."""
+        chunk_keys = self._chunk_keys(list(keys))
+        if not chunk_keys or not self._usable():
+            return
+        held = [key for key in chunk_keys if key in self._index]
+        if held:
+            self._loop.call(self.chunk_tier.touch_many, held)
+
     def _drain_into_pending(self) -> None:
         """Keep completions drained by a lookup for the next ``get_finished_jobs``."""
         self._pending_results.extend(self._drain())
