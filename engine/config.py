@@ -71,7 +71,7 @@ class EngineConfig:
     # The host pools' and the LMDB tier's eviction. LFU with dynamic aging: `kvtier replay` on the
     # Mooncake conversation trace, where most chunks are used once, measured 1.4-1.5x LRU's hit
     # rate at 2% of the unique bytes and never lower at any budget (README, "Eviction policies").
-    eviction_policy: str = "lfuda"
+    eviction_policy: str = "lru"
     # The host pools alone, overriding eviction_policy (None: the same); ARC exists only here.
     host_eviction_policy: Optional[str] = None
     # None = bounded only by the LMDB map (which grows); set it to share the disk with others.
@@ -137,8 +137,10 @@ class EngineConfig:
     # with a cold cache instead of failing. Off: start() raises CorruptCacheError and leaves the
     # directory alone.
     quarantine_corrupt_cache_dir: bool = True
-    # CPU by default: runs anywhere; "cuda" is chosen explicitly by a serving process with a GPU.
-    device_kind: str = "cpu"
+    # None (the default): the device of the DeviceKVView's tensors, so a CUDA view always gets a
+    # page-locked host pool (a pageable one turns every async copy synchronous, 5-20x slower).
+    # "cpu"/"cuda" only assert it: start() raises DeviceError when the view is elsewhere.
+    device_kind: Optional[str] = None
     # -- remote tier (Valkey/Redis shared by a fleet), chained behind the LMDB tier ---------------
     # None = no remote tier. "redis://host:port" (one node) or "redis+cluster://h1:p1,h2:p2" (seeds).
     remote_url: Optional[str] = None
@@ -251,7 +253,8 @@ class EngineConfig:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
         if self.store_retention_interval_tokens is not None:
             _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
-        _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        if self.device_kind is not None:
+            _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
         _require_int("events_max", self.events_max, 1)
         _require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)

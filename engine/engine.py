@@ -7,7 +7,7 @@ Threads. Every state change happens on the event-loop thread that started the en
 another loop or thread raises ``EngineUsageError``, from a forked child ``ForkedProcessError``,
 before anything is scheduled).
 Blocking work runs elsewhere and only reports back: device -> host copies on one copy thread, host
--> device copies on another (the CPU stand-ins for the two CUDA copy streams), disk I/O on the disk
+-> device copies on another (two each on CUDA, queueing on kvtier's two copy streams), disk I/O on the disk
 tier's own threads. One executor hop per batch of chunks, never per chunk.
 
 Layout. A chunk's life is one transition table (``lifecycle.py``); which keys the disk holds is the
@@ -24,11 +24,11 @@ abandoned copy (timeout) bumps the entry's generation so its late completion is 
 then frees the slot. Any exception at a worker boundary (not only ``KvtierError``) fails that work,
 is logged and counted (``kvtier_worker_errors_total``), and leaves the tables consistent.
 
-Streams (CUDA). ``store`` and ``load`` capture the calling thread's current CUDA stream when they
-are called and order their copies after the work queued on it so far: a store's gather waits for
-the kernels that wrote the blocks, a load's scatter for the kernels still reading their old
-contents. Call them on the thread (and stream) that computes, after queueing that work. ``load``
-returns once its copies completed, so any stream may read the blocks afterwards.
+Streams (CUDA). ``store`` and ``load`` take their order when called: an event recorded then on
+``compute_stream=`` (default: the caller's current stream) or the caller's ``ready_event=``; their
+copies, on kvtier's own streams, wait for it only, not for later compute. ``load`` returns once its
+copies completed. Do not free the KV tensors while a copy is queued (``fence`` first): torch's
+caching allocator is told of the copy streams, memory outside it (vLLM's sleep mode) is not.
 """
 
 from __future__ import annotations
@@ -64,14 +64,15 @@ from .events import EventLog
 from .lifecycle import DURABLE_LATER, LEGACY_NAME, LOOKUP_STATE, HostState, move
 from .loading import LoadPath
 from .metrics import EngineMetrics
-from .pressure import LatencyEwma, PressureMonitor, host_memory_source, nvml_device_memory_source
+from .pressure import LatencyEwma, PressureMonitor, device_memory_source_for, host_memory_source
 from .records import ChunkEntry, ChunkEvent, LoadResult, RequestKeys, StoreHandle
 from .selfcheck import host_problems
 from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
-                         check_load_targets, check_request_keys, check_store_arguments, check_timeout, check_token_ids)
+from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
+                         check_load_arguments, check_load_targets, check_pools_pinned, check_request_keys,
+                         check_store_arguments, check_timeout, check_token_ids)
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -197,9 +198,11 @@ class OffloadEngine:
         self._pid = os.getpid()
         self._forks = _forks
         config = self.config
-        self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-d2h")
-        self._h2d = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-h2d")
-        self._pools = self._make_pools()
+        # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its event.
+        workers = 2 if self.device.backend.is_cuda else 1
+        self._d2h = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-d2h")
+        self._h2d = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-h2d")
+        self._pools = await asyncio.to_thread(self._make_pools)  # off the loop: seconds for a large slab
         # Per group, bytes of one chunk: asked per chunk on every store, spill and load path.
         self._chunk_nbytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
         self._num_blocks = [self.device.num_blocks(g) for g in range(len(self.layout.groups))]
@@ -234,12 +237,8 @@ class OffloadEngine:
             self._refresh_runner = self._supervise("disk-index", self._refresh_loop)
         sources = self._pressure_sources
         if sources is None:
-            sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes)}
-            if config.device_kind == "cuda":
-                sources["device_memory"] = nvml_device_memory_source(self.device.device_index())
-            else:
-                # No GPU to watch: NVML is still asked, and its absence said once, at INFO.
-                sources["device_memory"] = nvml_device_memory_source(0, optional=True)
+            sources = {"host_memory": host_memory_source(own_bytes=self._host_slab_bytes),
+                       "device_memory": device_memory_source_for(self.device)}
         sources = dict(sources)
         sources.setdefault("disk_write_latency", self._write_latency.fraction)
         self._pressure = PressureMonitor(
@@ -320,9 +319,15 @@ class OffloadEngine:
         return self._closing
 
     def _make_pools(self) -> List[HostSlabPool]:
+        """The host pools, of the view's device kind; on CUDA they must be page-locked. Runs on a
+        worker thread: pre-faulting (and registering) a large slab takes seconds."""
+        check_device_kind(self.config.device_kind, self.device)
         chunk_bytes = [self.device.chunk_nbytes(g) for g in range(len(self.layout.groups))]
-        return pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=self.config.device_kind,
-                                eviction=self.config.host_policy())
+        # The view's own device ("cuda:1"): the slab is registered with that device current.
+        pools = pools_for_budget(self.config.host_capacity_bytes, chunk_bytes, device_kind=str(self.device.device),
+                                 eviction=self.config.host_policy())
+        check_pools_pinned(self.device, pools)
+        return pools
 
     # ------------------------------------------------------------------ the disk index
 
@@ -490,10 +495,6 @@ class OffloadEngine:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _compute_stream(self):
-        """The calling thread's current CUDA stream (``None`` on CPU): copies are ordered after it."""
-        return self.device.backend.current_stream()
-
     # ------------------------------------------------------------------ keys
 
     def request_keys(self, token_ids: Sequence[int], *, salt: Union[bytes, str, None] = None) -> RequestKeys:
@@ -537,6 +538,8 @@ class OffloadEngine:
         num_tokens: Optional[int] = None,
         *,
         salt: Union[bytes, str, None] = None,
+        compute_stream: Any = None,
+        ready_event: Any = None,
     ) -> StoreHandle:
         """Schedule the store of a request's chunks and return at once.
 
@@ -548,13 +551,14 @@ class OffloadEngine:
         handle is durable only once those are on disk too. Under memory pressure, a full store
         queue or a full host pool, the new chunks are dropped and counted, never waited for. The
         caller must not overwrite the device blocks before ``handle.wait_released()`` (or
-        ``fence``). The copy is ordered after the work queued on the calling thread's current CUDA
-        stream (see the module docstring).
+        ``fence``). The copy is ordered after ``ready_event``, else after the work queued so far on
+        ``compute_stream`` (default: the calling thread's current CUDA stream; module docstring).
         """
         self._check_open()
         keys = self._keys(request, salt)
         num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        return self._stores.schedule(keys, num_tokens, block_table)
+        return self._stores.schedule(keys, num_tokens, block_table,
+                                     self.device.backend.ready_event(compute_stream, ready_event))
 
     def _allocate_slots(self, groups: Iterable[int]) -> Optional[Dict[int, List[int]]]:
         """One host slot per item of ``groups`` (a group index per chunk), all or nothing across
@@ -683,6 +687,8 @@ class OffloadEngine:
         block_table: BlockTable,
         *,
         salt: Union[bytes, str, None] = None,
+        compute_stream: Any = None,
+        ready_event: Any = None,
     ) -> LoadResult:
         """Restore the retained chunks of a hit of ``hit_tokens`` into the device blocks of
         ``block_table`` (same shape as for ``store``; blocks a sliding-window group never restores
@@ -693,9 +699,11 @@ class OffloadEngine:
 
         Cancelling the caller cancels its wait only: the load runs on into its blocks, and
         ``fence`` on them waits for it. A load interrupted by ``close`` before its copies raises
-        ``ClosedError``.
+        ``ClosedError``. The copies are ordered after ``ready_event`` or ``compute_stream`` as
+        for ``store``.
         """
         self._check_open()
+        ready = self.device.backend.ready_event(compute_stream, ready_event)  # the order, taken now
         keys = self._keys(request, salt)
         hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
         jobs = []  # (group, chunk, key, device block per block of the chunk or None)
@@ -725,7 +733,7 @@ class OffloadEngine:
         # The whole load fences its blocks from now until its last copy ended.
         finished = self._loop.create_future()
         self._mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
-        task = self._spawn(self._loads.run(hit_tokens, jobs, finished, self._compute_stream()))
+        task = self._spawn(self._loads.run(hit_tokens, jobs, finished, ready))
         return await asyncio.shield(task)
 
     # ------------------------------------------------------------------ prefetch

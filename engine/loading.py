@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from kvtier.errors import ClosedError
 
+from kvtier.tiers.chain import read_with_sources
+
 from .lifecycle import HostState
 from .records import ChunkEntry, LoadResult
 from .tasks import settle, wait_all
@@ -59,13 +61,13 @@ class LoadPath:
             windows.append(current)
         return windows
 
-    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, stream) -> LoadResult:
+    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, ready) -> LoadResult:
         engine = self._engine
         loaded: List[Tuple[int, int]] = []
         from_disk = 0
         try:
             for window in self._load_windows(jobs):
-                reason, read = await self._load_window(window, loaded, stream)
+                reason, read = await self._load_window(window, loaded, ready)
                 from_disk += read
                 if reason is not None:
                     engine.metrics.miss(reason)
@@ -77,7 +79,7 @@ class LoadPath:
             if not finished.done():
                 finished.set_result(None)
 
-    async def _load_window(self, window, loaded: List[Tuple[int, int]], stream) -> Tuple[Optional[str], int]:
+    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready) -> Tuple[Optional[str], int]:
         """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
         engine = self._engine
         pinned: List[ChunkEntry] = []
@@ -95,7 +97,7 @@ class LoadPath:
                 engine._pools[gi].touch(entry.slot)
             started = time.perf_counter()
             try:
-                scatter = functools.partial(engine.device.scatter_many_groups, batch, compute_stream=stream)
+                scatter = functools.partial(engine.device.scatter_many_groups, batch, ready_event=ready)
                 await settle(engine._loop.run_in_executor(engine._h2d, scatter))
             except asyncio.CancelledError:
                 raise
@@ -117,6 +119,8 @@ class LoadPath:
         engine = self._engine
         entries: List[Optional[ChunkEntry]] = []
         to_promote = []
+        resident_on_disk: List[bytes] = []
+        host_bytes = 0
         for gi, chunk, key in wanted:
             entry = engine._entries.get(key)
             if entry is None:
@@ -128,6 +132,9 @@ class LoadPath:
             engine._pin(entry)
             pinned.append(entry)
             entries.append(entry)
+            if key in engine._index:
+                resident_on_disk.append(key)
+            host_bytes += engine._chunk_nbytes[gi]
         promoted: List[ChunkEntry] = []
         if to_promote:
             promoted = self.start_promotion(to_promote)
@@ -152,6 +159,16 @@ class LoadPath:
             failed = [r for r in reasons if r is not None]
             if failed:
                 return [], 0, failed[0]
+        if resident_on_disk and engine._disk is not None:
+            # Served from the host, but a use all the same: the disk's LRU hears of it (after the
+            # promotions' reads, in the load's order), or a chunk kept hot on the host ages out of
+            # the disk and is gone for good once the host evicts it (no store writes it again).
+            try:
+                engine._disk.touch_many(resident_on_disk)
+            except Exception as exc:  # noqa: BLE001 - a recency hint: never a reason to fail the load
+                logger.debug("disk tier touch failed: %r", exc)
+        if len(entries) > len(promoted):  # the chunks this load found on the host tier
+            engine.metrics.loaded("host", len(entries) - len(promoted), host_bytes)
         return entries, len(promoted), None
 
     def start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:
@@ -173,7 +190,7 @@ class LoadPath:
         # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record is
         # gone (another process's gc, an eviction the index has not heard of): "missing".
         bad_before = _bad_reads(engine._disk)
-        read = asyncio.ensure_future(engine._disk.get_many_into(items))
+        read = asyncio.ensure_future(read_with_sources(engine._disk, items))
         done, _ = await asyncio.wait([read], timeout=engine.config.tier_timeout_s)
         if not done:
             # A stalled read: its waiters fail now and lookup answers from the disk index again;
@@ -186,14 +203,14 @@ class LoadPath:
                     self._abandon(entry, "timeout")
             await wait_all([read])
         try:
-            metas = read.result()
+            metas, sources = read.result()
             failure = "corrupt" if _bad_reads(engine._disk) != bad_before else "missing"
         except Exception as exc:  # any exception: a foreign one must not leave entries LOADING
             logger.warning("disk read of %d chunks failed: %r", len(items), exc)
             engine.metrics.worker_error("promote")
-            metas, failure = [None] * len(items), "tier_error"
-        nbytes = 0
-        for (entry, generation), meta in zip(work, metas):
+            metas, sources, failure = [None] * len(items), [None] * len(items), "tier_error"
+        served: Dict[str, List[int]] = {}  # tier name -> [chunks, bytes] this read restored
+        for (entry, generation), meta, source in zip(work, metas, sources):
             engine._unpin(entry)
             if entry.generation != generation or entry.dead:
                 continue  # abandoned (timeout): the late result is discarded
@@ -213,12 +230,22 @@ class LoadPath:
                 engine._resolve_ready(entry, failure)
                 continue
             engine._settle_ready(entry)
-            nbytes += engine._chunk_nbytes[entry.group_index]
+            counts = served.setdefault(_TIER_NAMES[min(source or 0, 1)], [0, 0])
+            counts[0] += 1
+            counts[1] += engine._chunk_nbytes[entry.group_index]
             engine._events.append("stored", entry.key, entry.group_index, "host")
             engine._resolve_ready(entry, None)
-        if nbytes:
-            engine.metrics.loaded("disk", len(work), nbytes)
-            engine.metrics.latency("disk", "get", time.perf_counter() - started)
+        # "disk" counts every chunk the disk tier (a chain: all of its tiers) gave back, as it
+        # always has; "remote" the part of them a chain's remote tier served, and the reads that
+        # needed it (their latency includes the disk miss before it)
+        chunks = sum(c for c, _ in served.values())
+        if chunks:
+            elapsed = time.perf_counter() - started
+            engine.metrics.loaded("disk", chunks, sum(b for _, b in served.values()))
+            engine.metrics.latency("disk", "get", elapsed)
+            if "remote" in served:
+                engine.metrics.loaded("remote", *served["remote"])
+                engine.metrics.latency("remote", "get", elapsed)
 
     def _abandon(self, entry: ChunkEntry, reason: str) -> None:
         """Give up on an in-flight read: waiters fail now; the slot stays reserved (pinned by the
@@ -233,3 +260,7 @@ def _bad_reads(tier) -> int:
     """Records the tier counted bad on reads so far (checksum or parse failures, wrong sizes)."""
     stats = tier.statistics()
     return int(getattr(stats, "corrupt", 0)) + int(getattr(stats, "mismatched", 0))
+
+
+# The disk tier's own records, and a chain's lower (remote) tiers, as metric labels.
+_TIER_NAMES = ("disk", "remote")

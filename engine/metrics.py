@@ -19,7 +19,10 @@ Names (with the default ``namespace="kvtier"``):
 ``kvtier_hit_tokens_total``            counter    tokens those hits cover
 ``kvtier_misses_total{reason}``        counter    lookups or loads that found nothing usable
 ``kvtier_stored_chunks_total{tier}``   counter    chunks written into a tier (and ``_bytes_``)
-``kvtier_loaded_chunks_total{tier}``   counter    chunks read from a tier (and ``_bytes_``)
+``kvtier_loaded_chunks_total{tier}``   counter    chunks read from a tier (and ``_bytes_``): ``host``
+                                                  (found on the host tier), ``disk`` (every chunk
+                                                  the disk tier gave, a chain's too), ``remote``
+                                                  (the part a chain's remote served), ``device``
 ``kvtier_dropped_chunks_total{reason}`` counter   stores given up, by reason
 ``kvtier_evictions_total{tier}``       counter    chunks evicted from a tier
 ``kvtier_latency_seconds{tier,op}``    histogram  duration of one tier operation (batch)

@@ -10,6 +10,9 @@ Primitives and the thread each runs on:
 - ``nvml_device_memory_source(device_index)``: device memory used / total through NVML
   (``nvidia-ml-py``). No library, no driver, no GPU or any NVML error: ``None``, reason
   "NVML unavailable (...)".
+- ``nvml_device_headroom_source(need_bytes, uuid=...)``: the engine's device signal on CUDA: the
+  part of the room its staging buffers need that is not free (a pre-reserved pool at 92% with
+  gigabytes free reads near 0; an allocation that leaves no room reads 1), the GPU found by UUID.
 - ``host_memory_source()``: host memory in use (``psutil.virtual_memory().percent / 100``).
 - ``LatencyEwma(alpha, high_latency_s)``: a tier's write latency as a moving average; tiers and the
   engine ``observe(seconds)`` from any thread; as a source it reads ``latency / high_latency_s``
@@ -43,6 +46,8 @@ __all__ = [
     "PressureMonitor",
     "LatencyEwma",
     "nvml_device_memory_source",
+    "nvml_device_headroom_source",
+    "device_memory_source_for",
     "host_memory_source",
     "default_sources",
     "NORMAL",
@@ -71,8 +76,12 @@ _OPTIONAL_UNKNOWN_LOGGED: set = set()
 class _NvmlDeviceMemorySource:
     """Device memory used / total of one GPU through NVML. See ``nvml_device_memory_source``."""
 
-    def __init__(self, device_index: int, nvml: Any = None, optional: bool = False) -> None:
+    def __init__(self, device_index: int, nvml: Any = None, optional: bool = False, uuid: Optional[str] = None,
+                 need_bytes: Optional[int] = None, reusable_bytes: Optional[Callable[[], int]] = None) -> None:
         self.device_index = device_index
+        self.uuid = uuid
+        self.need_bytes = need_bytes
+        self._reusable_bytes = reusable_bytes
         self.optional = optional
         self.unknown_reason: Optional[str] = None
         self._nvml = nvml
@@ -99,7 +108,15 @@ class _NvmlDeviceMemorySource:
                 self.unknown_reason = "NVML unavailable (device reports 0 bytes of memory)"
                 return None
             self.unknown_reason = None
-            return info.used / info.total
+            if self.need_bytes is None:
+                return info.used / info.total
+            free = max(0, int(info.total) - int(info.used))
+            if self._reusable_bytes is not None:
+                try:
+                    free += max(0, int(self._reusable_bytes()))
+                except Exception as exc:  # noqa: BLE001 - an allocator query failing is no pressure
+                    logger.debug("reusable device bytes unavailable: %r", exc)
+            return min(1.0, self.need_bytes / free) if free else 1.0
 
     def _open(self) -> bool:
         if self._nvml is None:
@@ -111,7 +128,11 @@ class _NvmlDeviceMemorySource:
         nvml = self._nvml
         try:
             nvml.nvmlInit()  # once per source; NVML reference-counts init.
-            self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            if self.uuid is not None:
+                # NVML numbers GPUs without CUDA_VISIBLE_DEVICES: torch's index can name another one.
+                self._handle = nvml.nvmlDeviceGetHandleByUUID(self.uuid)
+            else:
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
         except _nvml_errors(nvml) as exc:
             return self._fail(f"NVML unavailable ({_describe(exc)})")
         return True
@@ -122,6 +143,8 @@ class _NvmlDeviceMemorySource:
         return False
 
     def __repr__(self) -> str:
+        if self.need_bytes is not None:
+            return f"nvml_device_headroom_source(need_bytes={self.need_bytes}, uuid={self.uuid!r})"
         return f"nvml_device_memory_source(device_index={self.device_index})"
 
 
@@ -135,7 +158,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None, optional: bool = False) -> PressureSource:
+def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None, optional: bool = False,
+                              uuid: Optional[str] = None) -> PressureSource:
     """A source reading device ``device_index``'s memory used / total through NVML.
 
     NVML is initialised once, lazily, on the first call (so on the polling thread). Without
@@ -147,7 +171,34 @@ def nvml_device_memory_source(device_index: int = 0, *, nvml: Any = None, option
     """
     if not isinstance(device_index, int) or isinstance(device_index, bool) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
-    return _NvmlDeviceMemorySource(device_index, nvml, optional)
+    return _NvmlDeviceMemorySource(device_index, nvml, optional, uuid)
+
+
+def nvml_device_headroom_source(
+    need_bytes: int,
+    *,
+    uuid: Optional[str] = None,
+    device_index: int = 0,
+    reusable_bytes: Optional[Callable[[], int]] = None,
+    nvml: Any = None,
+    optional: bool = False,
+) -> PressureSource:
+    """A source reading how much of the room kvtier's copies need is missing on one GPU:
+    ``need_bytes / (NVML's free bytes + reusable_bytes())``, clipped to 1.
+
+    NVML's "used" counts memory a serving process reserves up front (vLLM takes 90% by default),
+    so used/total says nothing about whether offload can run: at a constant 92% with gigabytes
+    free, stores must go on. What offload needs on the device is its staging buffers
+    (``need_bytes``); ``reusable_bytes`` adds what torch's caching allocator holds unallocated in
+    this process (staging can reuse it). Under the monitor's watermarks (0.90 / 0.80) stores pause
+    once free room falls under ~1.1x the need and resume above 1.25x. ``uuid`` ("GPU-...") names
+    the GPU as NVML sees it (``CUDA_VISIBLE_DEVICES`` renumbers torch's indices, not NVML's);
+    without it ``device_index`` is NVML's index. Errors and ``optional`` as for
+    ``nvml_device_memory_source``.
+    """
+    if not isinstance(need_bytes, int) or isinstance(need_bytes, bool) or need_bytes < 1:
+        raise ValueError(f"need_bytes must be a positive int, got {need_bytes!r}")
+    return _NvmlDeviceMemorySource(device_index, nvml, optional, uuid, need_bytes, reusable_bytes)
 
 
 class _HostMemorySource:
@@ -171,6 +222,17 @@ class _HostMemorySource:
 
     def __repr__(self) -> str:
         return "host_memory_source()"
+
+
+def device_memory_source_for(view: Any) -> PressureSource:
+    """The engine's device signal for a ``DeviceKVView``: on CUDA the headroom its staging buffers
+    need (both directions), the GPU found by UUID, the caching allocator's unused bytes counted as
+    room; on CPU NVML is still asked (device 0, optional), its absence said once at INFO."""
+    backend = view.backend
+    if not backend.is_cuda:
+        return nvml_device_memory_source(0, optional=True)
+    return nvml_device_headroom_source(2 * max(1, view.staging_nbytes), uuid=backend.device_uuid(),
+                                       reusable_bytes=backend.reusable_device_bytes)
 
 
 def host_memory_source(own_bytes: Optional[Callable[[], int]] = None) -> PressureSource:

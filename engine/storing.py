@@ -2,7 +2,7 @@
 
 Primitives: ``StorePath`` (``schedule`` one request's store, ``inflight`` chunks whose copy has not
 reported yet). Event-loop thread; the copy runs on the engine's device -> host thread (the CPU
-stand-in for the CUDA d2h stream), ordered after the caller's compute stream.
+stand-in for the CUDA d2h stream), ordered after the event ``OffloadEngine.store`` took at call time.
 
 Rules kept here (issue 10): a store that finds its chunks already in flight waits for their spill
 before its handle says durable (defect 6); slots are taken all or nothing across groups, so a group
@@ -91,7 +91,7 @@ class StorePath:
             return "queue_full"
         return None
 
-    def schedule(self, keys: RequestKeys, num_tokens: int, block_table: Sequence[Sequence[int]]) -> StoreHandle:
+    def schedule(self, keys: RequestKeys, num_tokens: int, block_table: Sequence[Sequence[int]], ready) -> StoreHandle:
         """Plan the store, take host slots, start the copy; return the handle at once. Arguments
         are already validated by ``OffloadEngine.store``."""
         engine = self._engine
@@ -133,17 +133,17 @@ class StorePath:
         self.inflight += len(work)
         copied = engine._loop.create_future()
         engine._mark_busy([(e.group_index, b) for e, _, blocks in work for b in blocks], copied)
-        engine._spawn(self._run(handle, work, copied, engine._compute_stream()))
+        engine._spawn(self._run(handle, work, copied, ready))
         return handle
 
-    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, stream) -> None:
+    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, ready) -> None:
         """The engine-owned copy task of one store: gather, then settle every entry's state."""
         engine = self._engine
         started = time.perf_counter()
         batch = [(e.group_index, blocks, engine._pools[e.group_index].view(e.slot)) for e, _, blocks in work]
         error: Optional[BaseException] = None
         try:
-            gather = functools.partial(engine.device.gather_many_groups, batch, compute_stream=stream)
+            gather = functools.partial(engine.device.gather_many_groups, batch, ready_event=ready)
             await settle(engine._loop.run_in_executor(engine._d2h, gather))
         except asyncio.CancelledError:  # only an engine bug cancels its own task; finish the books
             error = ClosedError("store cancelled")

@@ -290,3 +290,24 @@ def check_engine_settings(config: Any, layout: ModelLayout, device: Any) -> None
             "group (%d bytes): a store needing more slots of one group than that is dropped",
             config.host_capacity_bytes, floor,
         )
+
+
+def check_device_kind(configured: Optional[str], view: Any) -> str:
+    """The host pool's device kind: the view's. A configured ``device_kind`` only asserts it (a
+    CUDA view with a "cpu" pool would make every copy synchronous, silently)."""
+    kind = view.backend.kind
+    if configured not in (None, kind):
+        raise DeviceError(
+            f"config.device_kind is {configured!r} but the KV tensors are on {view.device}; "
+            "leave device_kind unset to follow the view"
+        )
+    return kind
+
+
+def check_pools_pinned(view: Any, pools: Sequence[Any]) -> None:
+    """On CUDA every host pool must be page-locked; closes them and raises ``DeviceError`` if not."""
+    if view.backend.is_cuda and not all(pool.pinned for pool in pools):
+        for pool in pools:
+            pool.close()
+        raise DeviceError("the host pool is not page-locked but the KV tensors are on CUDA: every copy would be "
+                          "synchronous; refusing to start")

@@ -332,6 +332,13 @@ class ChunkTier(abc.ABC):
     async def flush(self) -> None:
         """Wait until every write queued so far has landed. Default: nothing is queued."""
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were just used from a faster copy above this tier (the engine's host slab): a
+        tier that evicts by recency moves the ones it holds to the young end, as a read of them
+        would, so a chunk kept hot above does not age out below and vanish once the copy above is
+        evicted. Never blocks, no I/O on the calling thread, unknown keys ignored; event-loop
+        thread. Default: nothing (a tier whose evictions are not by recency, or not its own)."""
+
     async def check(self) -> List[str]:
         """Self-check: one line per problem found (empty when consistent). Default: ``[]``."""
         return []

@@ -43,7 +43,7 @@ from .codec_pool import wait_through_cancel
 from .owned_tasks import OwnedTasks
 from .remote.tier import PutAbortedError
 
-__all__ = ["ChainedTier", "WRITE_POLICIES", "tier_statistics_dict"]
+__all__ = ["ChainedTier", "WRITE_POLICIES", "read_with_sources", "tier_statistics_dict"]
 
 logger = logging.getLogger("kvtier.tiers.chain")
 
@@ -70,6 +70,15 @@ def tier_statistics_dict(tier: ChunkTier) -> Dict[str, float]:
     if hasattr(stats, "as_dict"):
         return dict(stats.as_dict())  # type: ignore[union-attr]
     return {k: float(v) for k, v in dict(stats).items() if isinstance(v, (int, float, bool))}
+
+
+async def read_with_sources(tier: ChunkTier, items: Sequence[GetItem]) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
+    """``tier.get_many_into(items)``, plus per item the index of the chained tier that served it
+    (0 for a plain tier; ``None``: a miss), for per-tier hit metrics. Cancelling it: as the read's."""
+    if isinstance(tier, ChainedTier):
+        return await tier.get_many_into_sources(items)
+    metas = await tier.get_many_into(items)
+    return metas, [None if m is None else 0 for m in metas]
 
 
 class ChainedTier(ChunkTier):
@@ -346,9 +355,17 @@ class ChainedTier(ChunkTier):
 
         Cancelling it: the tier being asked finishes with the buffers before the call ends (each
         tier's own buffer rule); tiers below it are not asked."""
+        return (await self.get_many_into_sources(items))[0]
+
+    async def get_many_into_sources(
+        self, items: Sequence[GetItem]
+    ) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
+        """``get_many_into``, plus per item the index in ``tiers`` of the tier that served it
+        (``None``: a miss), for per-tier hit metrics. Cancelling it: as ``get_many_into``."""
         self._check_open()
         items = list(items)
         results: List[Optional[ChunkMeta]] = [None] * len(items)
+        sources: List[Optional[int]] = [None] * len(items)
         self._stats["gets"] += len(items)
         wanted = list(range(len(items)))
         for index, tier in enumerate(self.tiers):
@@ -365,6 +382,7 @@ class ChainedTier(ChunkTier):
             found = [(i, m) for i, m in zip(wanted, metas) if m is not None]
             for i, meta in found:
                 results[i] = meta
+                sources[i] = index
             self._hits_per_tier[index] += len(found)
             if index > 0 and found and self.promote:
                 copies = [(items[i][0], meta, memoryview(bytes(items[i][1]))) for i, meta in found]
@@ -373,7 +391,7 @@ class ChainedTier(ChunkTier):
         hits = len(items) - len(wanted)
         self._stats["hits"] += hits
         self._stats["misses"] += len(wanted)
-        return results
+        return results, sources
 
     async def _promote(self, items: List[PutItem]) -> None:
         try:
@@ -382,6 +400,15 @@ class ChainedTier(ChunkTier):
         except Exception as exc:
             self._extra["promotions_failed"] += len(items)
             logger.debug("promotion of %d chunks failed: %s", len(items), exc)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Every tier of the chain hears of the use (``ChunkTier.touch_many``; each ignores the keys
+        it does not hold, and a tier that does not evict by recency ignores all). Nothing once
+        closed."""
+        if self._closed:
+            return
+        for tier in self.tiers:
+            tier.touch_many(keys)
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """True where any tier holds the key (a failing tier counts as not holding it)."""

@@ -9,13 +9,18 @@ Primitives:
   ``gather``/``gather_many`` copy a chunk's blocks (all layers, layer-major) into host ``uint8``
   slots; ``scatter``/``scatter_many`` copy host slots into device blocks (``None`` skips a block).
   They return a ``CopyHandle`` as soon as the copies are queued. ``gather_many_groups`` /
-  ``scatter_many_groups`` take items of several groups and by default block until done.
+  ``scatter_many_groups`` take items of several groups and by default block until done. On CUDA a
+  batch waits for a ready event (the caller's, or one recorded on the compute stream when called),
+  then per layer one ``index_select`` / ``index_copy_`` over the batch into device staging and one
+  host copy per chunk, on the view's own copy stream; a batch failing partway waits for what it
+  queued before raising. ``tools/testing/device.RecordingBackend`` runs that path on CPU.
 - ``CopyHandle``: completion of one enqueued batch: ``done()`` polls, ``wait()`` blocks,
   ``wait_on_stream()`` orders a CUDA stream after the copy without blocking the host.
 
 Threads: the view holds no mutable Python state, and torch's current-stream context is per thread,
 so calls may come from any thread. The intended use is the engine's: one copy thread per direction
-(device->host, host->device), each call validating its whole batch and then queueing it. Two threads
+(device->host, host->device; two on CUDA, so one batch queues while another's thread waits on its
+event), each call validating its whole batch and then queueing it. Two threads
 queueing in the same direction share that direction's stream: still correct, but each batch's event
 then also waits for the other's copies. On CUDA the queueing returns at once; ``CopyHandle.wait()``
 (and the blocking ``*_many_groups``) block their thread in ``event.synchronize()``, so they belong
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+import weakref
 from dataclasses import dataclass
 from math import prod
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
@@ -43,6 +49,11 @@ _PAGE_BYTES = 4096
 # cudaHostRegisterPortable: the pinned range counts as pinned for every CUDA context, so a pool made
 # while another device is current still gets async copies.
 _CUDA_HOST_REGISTER_PORTABLE = 1
+# Pre-fault in 256 MiB pieces: each zero_() releases the GIL, so the event loop runs between them.
+_FAULT_PIECE_BYTES = 256 << 20
+# Device staging per window of a batch: chunks are gathered per layer into it and moved in one copy
+# per chunk. 64 MiB bounds what a batch borrows from the serving process's device memory.
+STAGING_MAX_BYTES = 64 << 20
 
 DeviceLike = Union[str, torch.device]
 # Integer dtypes by element size: CPU copies move bits, whatever float format the KV cache uses.
@@ -87,7 +98,23 @@ class DeviceBackend:
         self.is_cuda: bool = dev.type == "cuda"
         # data_ptr of each buffer handed out -> registered base pointer, for release_host_buffer.
         self._registered: Dict[int, int] = {}
+        self._own_streams: List[int] = []
         self._lock = threading.Lock()  # release may run from a GC finalizer on another thread
+
+    def device_uuid(self) -> Optional[str]:
+        """The GPU's UUID as NVML names it (``"GPU-..."``); ``None`` on CPU. NVML numbers GPUs
+        without ``CUDA_VISIBLE_DEVICES``, so torch's index may name another GPU there."""
+        if not self.is_cuda:
+            return None
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+    def reusable_device_bytes(self) -> int:
+        """Bytes torch's caching allocator holds on this device but has not handed out (staging
+        can reuse them); 0 on CPU."""
+        if not self.is_cuda:
+            return 0
+        return int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
 
     @property
     def kind(self) -> str:
@@ -105,8 +132,11 @@ class DeviceBackend:
         Pinning registers a plain allocation (``cudaHostRegister``) instead of ``pin_memory=True``:
         torch's caching host allocator rounds each request up to a power of two, which for a
         multi-GiB slab can waste almost half of it. Every page is written once here (first-touch
-        costs ~1 GB/s on these machines) so no page fault lands on the copy path. Pair with
-        ``release_host_buffer``.
+        costs ~1 GB/s on these machines) so no page fault lands on the copy path; the writing goes
+        in pieces of ``_FAULT_PIECE_BYTES`` with the GIL released, so an event loop on another
+        thread keeps running. A failed registration clears its CUDA error and raises
+        ``DeviceError``: a CUDA copy path on pageable memory would be 5-20x slower, silently.
+        Pair with ``release_host_buffer``.
         """
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
@@ -115,19 +145,22 @@ class DeviceBackend:
         # I/O and DMA both prefer it); the slack is one page.
         offset = (-raw.data_ptr()) % _PAGE_BYTES
         buffer = raw[offset : offset + nbytes]
-        buffer.zero_()  # pre-fault: touch every page now, off the hot path
+        for start in range(0, nbytes, _FAULT_PIECE_BYTES):
+            buffer[start : start + _FAULT_PIECE_BYTES].zero_()  # pre-fault, off the hot path
         if self.is_cuda:
-            cudart = torch.cuda.cudart()
+            from .cuda_runtime import cuda_runtime
+
             base = buffer.data_ptr()
-            code = int(cudart.cudaHostRegister(base, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-            if code != 0:
-                raise DeviceError(
-                    f"cudaHostRegister of {nbytes} bytes failed with cudaError {code} "
-                    "(locked-memory limit, `ulimit -l`, or an earlier asynchronous CUDA error)"
-                )
+            with torch.cuda.device(self.device):  # no context made on another GPU from a worker thread
+                register_host_range(torch.cuda.cudart(), cuda_runtime(), base, nbytes)
             with self._lock:
                 self._registered[base] = base
         return buffer
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` (from ``host_buffer``) is page-locked for this backend's copies."""
+        with self._lock:
+            return buffer.data_ptr() in self._registered
 
     def release_host_buffer(self, buffer: torch.Tensor) -> None:
         """Unpin a buffer from ``host_buffer`` (no-op on CPU and when already released). Views of it
@@ -141,30 +174,40 @@ class DeviceBackend:
 
     # -- streams and events --------------------------------------------------------------------
 
-    def new_stream(self) -> Optional["torch.cuda.Stream"]:
-        """A dedicated copy stream (CUDA), ``None`` on CPU."""
+    def new_stream(self, priority: int = 0) -> Any:
+        """A copy stream of kvtier's own (CUDA), ``None`` on CPU.
+
+        ``torch.cuda.Stream()`` would hand out one of torch's 32 pooled streams per priority,
+        round robin, which any other component of the process may be given too; so the stream is
+        created with ``cudaStreamCreateWithPriority`` (non-blocking: no implicit ordering with the
+        legacy default stream) and wrapped in ``torch.cuda.ExternalStream``. It lives as long as
+        the backend. Without a loadable ``libcudart`` the pooled stream is the fallback."""
         if not self.is_cuda:
             return None
-        return torch.cuda.Stream(device=self.device)
+        from .cuda_runtime import cuda_runtime
 
-    def current_stream(self) -> Optional["torch.cuda.Stream"]:
+        runtime = cuda_runtime()
+        if runtime is None:
+            return torch.cuda.Stream(device=self.device, priority=priority)
+        with torch.cuda.device(self.device):
+            handle = runtime.stream_create(priority)
+        self._own_streams.append(handle)
+        weakref.finalize(self, runtime.stream_destroy, handle)
+        return torch.cuda.ExternalStream(handle, device=self.device)
+
+    def current_stream(self) -> Any:
         """The calling thread's current (compute) stream on this device; ``None`` on CPU."""
         if not self.is_cuda:
             return None
         return torch.cuda.current_stream(self.device)
 
-    def stream_scope(self, stream: Optional["torch.cuda.Stream"]) -> ContextManager[Any]:
+    def stream_scope(self, stream: Any) -> ContextManager[Any]:
         """Context in which copies are enqueued on ``stream`` (and its device is current)."""
         if stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(stream)
 
-    def wait_stream(self, stream: Optional["torch.cuda.Stream"], other: Any) -> None:
-        """Make ``stream`` wait (on the GPU, host not blocked) for the work queued on ``other``."""
-        if stream is not None and other is not None:
-            stream.wait_stream(other)
-
-    def record_event(self, stream: Optional["torch.cuda.Stream"]) -> Optional["torch.cuda.Event"]:
+    def record_event(self, stream: Any) -> Any:
         """An event recorded on ``stream`` after the work queued so far; ``None`` on CPU (done)."""
         if stream is None:
             return None
@@ -174,10 +217,75 @@ class DeviceBackend:
         event.record(stream)
         return event
 
+    def ready_event(self, compute_stream: Any = None, ready_event: Any = None) -> Any:
+        """The point after which copies may touch the KV blocks, taken now: ``ready_event`` when
+        given, else an event recorded on ``compute_stream`` (default: the calling thread's current
+        stream). Copies queued later wait for this event only, not for later compute."""
+        if ready_event is not None:
+            return ready_event
+        return self.record_event(compute_stream if compute_stream is not None else self.current_stream())
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make work queued on ``stream`` from now on wait (on the GPU, host not blocked) for
+        ``event``; a no-op on CPU, where copies run inline and are ordered by the caller."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before ``event`` completed (never blocks)."""
+        return event is None or bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        """Block the calling thread until the work before ``event`` completed."""
+        if event is not None:
+            event.synchronize()
+
+    def keep_alive_on(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell torch's caching allocator that ``stream`` uses ``tensor`` (``record_stream``), so
+        memory the serving process frees while a copy is queued is not handed out again before the
+        copy ends. Memory outside the caching allocator is not covered: fence first (module
+        docstring)."""
+        if stream is not None and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def index_tensor(self, values: List[int], device: torch.device, keep: List[torch.Tensor]) -> torch.Tensor:
+        """``values`` as an int64 index on ``device``. On CUDA it is moved from pinned memory,
+        queued on the current stream without blocking the host (the pinned source joins ``keep``:
+        it must outlive the copy)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type != "cuda":
+            return host
+        host = host.pin_memory()
+        keep.append(host)
+        return host.to(device, non_blocking=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One bulk copy between host and device (or staging) memory, asynchronous on CUDA."""
+        dst.copy_(src, non_blocking=self.non_blocking)
+
+    @property
+    def host_fast_path(self) -> bool:
+        """Whether CPU views copy with numpy inline (no streams, events or staging)."""
+        return not self.is_cuda
+
     @property
     def non_blocking(self) -> bool:
         """Whether copies may be asynchronous (CUDA with pinned host memory)."""
         return self.is_cuda
+
+
+def register_host_range(cudart: Any, runtime: Any, base: int, nbytes: int) -> None:
+    """``cudaHostRegister`` a range (portable); on failure clear the thread's pending CUDA error
+    (else the next kernel launch reports it as its own) and raise ``DeviceError``."""
+    code = int(cudart.cudaHostRegister(base, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if code == 0:
+        return
+    cleared = "cleared" if runtime is not None and runtime.get_last_error() == code else "could not be cleared"
+    raise DeviceError(
+        f"cudaHostRegister of {nbytes} bytes failed with cudaError {code} (error {cleared}): the host "
+        "pool cannot be page-locked, and CUDA copies from pageable memory are synchronous and 5-20x "
+        "slower; raise the locked-memory limit (`ulimit -l`) or give the pool less host memory"
+    )
 
 
 class CopyHandle:
@@ -195,7 +303,7 @@ class CopyHandle:
     def __init__(
         self,
         backend: DeviceBackend,
-        event: Optional["torch.cuda.Event"],
+        event: Any,
         keepalive: Sequence[torch.Tensor] = (),
     ) -> None:
         self._backend = backend
@@ -205,23 +313,22 @@ class CopyHandle:
     def done(self) -> bool:
         if self._event is None:
             return True
-        if self._event.query():
+        if self._backend.event_done(self._event):
             self._keepalive = None
             return True
         return False
 
     def wait(self) -> None:
         if self._event is not None:
-            self._event.synchronize()
+            self._backend.synchronize(self._event)
             self._keepalive = None
 
-    def wait_on_stream(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+    def wait_on_stream(self, stream: Any = None) -> None:
         if self._event is None:
             return
         if stream is None:
             stream = self._backend.current_stream()
-        if stream is not None:
-            stream.wait_event(self._event)
+        self._backend.wait_event(stream, self._event)
 
     def __repr__(self) -> str:
         return f"CopyHandle(done={self.done()})"
@@ -278,6 +385,8 @@ class DeviceKVView:
         self,
         layout: ModelLayout,
         kv_caches: Sequence[Sequence[torch.Tensor]],
+        *,
+        backend: Optional[DeviceBackend] = None,
     ) -> None:
         if not isinstance(layout, ModelLayout):
             raise TypeError(f"layout must be a ModelLayout, got {type(layout).__name__}")
@@ -305,15 +414,27 @@ class DeviceKVView:
             groups.append(group)
         assert device is not None  # layout.groups is never empty (ModelLayout checks)
         self.layout = layout
-        self.backend = DeviceBackend(device)
+        if backend is None:
+            backend = DeviceBackend(device)
+        elif not isinstance(backend, DeviceBackend) or backend.device.type != device.type:
+            raise DeviceError(f"backend {backend!r} does not serve the KV tensors' device {device}")
+        self.backend = backend
         self._groups: Tuple[_GroupTensors, ...] = tuple(groups)
-        # One stream per direction, so stores (d2h) and loads (h2d) overlap each other and compute.
-        self._d2h_stream = self.backend.new_stream()
-        self._h2d_stream = self.backend.new_stream()
+        self._group_index = {id(group): gi for gi, group in enumerate(groups)}
+        # One stream of kvtier's own per direction, so stores (d2h) and loads (h2d) overlap each
+        # other and compute; loads get the higher priority (a forward pass waits for them).
+        self._d2h_stream = backend.new_stream(priority=0)
+        self._h2d_stream = backend.new_stream(priority=-1)
         # CPU: numpy views of every layer (made once), so a copy costs ~1 us of Python instead of
         # the ~10 us of torch indexing and dispatch per layer; at 256 KiB chunks that overhead was
-        # as large as the copy itself. None on CUDA (streams and events need torch's copies).
-        self._np_layers = None if self.backend.is_cuda else self._numpy_layers()
+        # as large as the copy itself. None on CUDA (streams, events and staging need torch).
+        self._np_layers = self._numpy_layers() if backend.host_fast_path else None
+        # Per group, the layers seen as same-size integers: staging moves bits, whatever the dtype
+        # (index_select has no kernel for some float8 formats on some builds).
+        self._bit_layers = tuple(
+            tuple(layer.detach().view(_BITS_DTYPES[g.layers[0].element_size()]) for layer in g.layers)
+            for g in self._groups
+        )
 
     @staticmethod
     def _validate_group(
@@ -441,6 +562,14 @@ class DeviceKVView:
     def device_index(self) -> Optional[int]:
         """The CUDA device index the KV tensors live on (for NVML); ``None`` on CPU."""
         return self.device.index if self.backend.is_cuda else None
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Device bytes one direction's batch borrows for staging, at most (a window of the group
+        with the largest chunks, per-layer and per-chunk buffers); 0 on the CPU fast path."""
+        if self._np_layers is not None:
+            return 0
+        return max(2 * max(1, STAGING_MAX_BYTES // (2 * g.chunk_nbytes)) * g.chunk_nbytes for g in self._groups)
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -572,13 +701,17 @@ class DeviceKVView:
         items: Sequence[GroupGatherItem],
         *,
         compute_stream: Optional["torch.cuda.Stream"] = None,
+        ready_event: Any = None,
         wait: bool = True,
     ) -> CopyHandle:
         """``gather`` for ``(group_index, block_ids, out)`` items of any groups: one validation
-        pass, one stream sync, one event. By default blocks until the copies finished: it is meant
-        for the engine's copy thread. On CUDA that thread's current stream is usually the default
-        stream, so pass the serving process's ``compute_stream`` if it computes on another one.
-        ``wait=False`` returns the pending handle instead."""
+        pass, one wait for the compute, one event. By default blocks until the copies finished: it
+        is meant for the engine's copy thread. The copies wait for ``ready_event`` when given (an
+        event the caller recorded after the kernels that wrote the blocks), else for an event
+        recorded now on ``compute_stream`` (default: this thread's current stream). Per layer the
+        batch's blocks are gathered on the device into a staging buffer, moved in one copy per
+        chunk. ``wait=False`` returns the pending handle instead."""
+        ready = self.backend.ready_event(compute_stream, ready_event)
         if self._np_layers is not None:
             cpu_plans: List[_CpuPlan] = []
             for index, (gi, block_ids, out) in enumerate(items):
@@ -594,7 +727,7 @@ class DeviceKVView:
             runs = self._runs(gi, group, block_ids, allow_none=False, seen={})
             typed = self._typed_slot(gi, group, out, f"out (item {index})")
             plans.append((group, runs, typed, out))
-        handle = self._enqueue(plans, self._d2h_stream, compute_stream, to_host=True)
+        handle = self._enqueue(plans, self._d2h_stream, ready, to_host=True)
         if wait:
             handle.wait()
         return handle
@@ -635,11 +768,14 @@ class DeviceKVView:
         items: Sequence[GroupScatterItem],
         *,
         compute_stream: Optional["torch.cuda.Stream"] = None,
+        ready_event: Any = None,
         wait: bool = True,
     ) -> CopyHandle:
         """``scatter`` for ``(group_index, src, block_ids)`` items of any groups, validated in full
-        before any copy is queued; one event. Blocks until done unless ``wait=False`` (see
-        ``gather_many_groups``)."""
+        before any copy is queued; one event. The copies wait for ``ready_event`` (or an event
+        recorded now on ``compute_stream``): the kernels still reading the blocks' old contents.
+        Blocks until done unless ``wait=False`` (see ``gather_many_groups``)."""
+        ready = self.backend.ready_event(compute_stream, ready_event)
         seen: Dict[int, Dict[int, int]] = {}
         if self._np_layers is not None:
             cpu_plans: List[_CpuPlan] = []
@@ -655,7 +791,7 @@ class DeviceKVView:
             runs = self._runs(gi, group, block_ids, allow_none=True, seen=seen.setdefault(gi, {}))
             typed = self._typed_slot(gi, group, src, f"src (item {index})")
             plans.append((group, runs, typed, src))
-        handle = self._enqueue(plans, self._h2d_stream, compute_stream, to_host=False)
+        handle = self._enqueue(plans, self._h2d_stream, ready, to_host=False)
         if wait:
             handle.wait()
         return handle
@@ -675,32 +811,75 @@ class DeviceKVView:
                         np.copyto(layer[block : block + length], host_layer[pos : pos + length])
         return CopyHandle(self.backend, None)
 
-    def _enqueue(
-        self,
-        plans: List[_Plan],
-        stream: Optional["torch.cuda.Stream"],
-        compute_stream: Optional["torch.cuda.Stream"],
-        to_host: bool,
-    ) -> CopyHandle:
+    def _enqueue(self, plans: List[_Plan], stream: Any, ready: Any, to_host: bool) -> CopyHandle:
+        """Queue a validated batch on ``stream`` after ``ready``: per group, windows of chunks
+        staged on the device (``_copy_window``), then one event for the batch. Both directions
+        wait: d2h because compute may still be writing the blocks (read-after-write), h2d because
+        it may still read their old contents (write-after-read)."""
         backend = self.backend
-        # Capture the compute stream before entering the copy stream's scope, where "current"
-        # would be the copy stream itself. Both directions wait: d2h because compute may still be
-        # writing the blocks (read-after-write), h2d because it may still read their old contents
-        # (write-after-read).
-        if compute_stream is None:
-            compute_stream = backend.current_stream()
-        backend.wait_stream(stream, compute_stream)
-        non_blocking = backend.non_blocking
+        keepalive: List[torch.Tensor] = [host for _, _, _, host in plans]
         with backend.stream_scope(stream):
-            for group, runs, typed, _ in plans:
-                for li, layer in enumerate(group.layers):
-                    host_layer = typed[li]
-                    for pos, block, length in runs:
-                        host_part = host_layer[pos : pos + length]
-                        device_part = layer[block : block + length]
-                        if to_host:
-                            host_part.copy_(device_part, non_blocking=non_blocking)
-                        else:
-                            device_part.copy_(host_part, non_blocking=non_blocking)
+            backend.wait_event(stream, ready)
+            try:
+                for gi, window in self._windows(plans):
+                    keepalive.extend(self._copy_window(gi, window, stream, to_host))
+            except BaseException:
+                # Copies queued before the failure may still run: wait for them before reporting,
+                # so the caller frees slots and blocks only once nothing touches them.
+                backend.synchronize(backend.record_event(stream))
+                raise
             event = backend.record_event(stream)
-        return CopyHandle(backend, event, [host for _, _, _, host in plans])
+        return CopyHandle(backend, event, keepalive)
+
+    def _windows(self, plans: List[_Plan]):
+        """The batch's plans per group, in windows whose staging fits ``STAGING_MAX_BYTES``."""
+        by_group: Dict[int, List[_Plan]] = {}
+        for plan in plans:
+            by_group.setdefault(self._group_index[id(plan[0])], []).append(plan)
+        for gi, group_plans in by_group.items():
+            size = max(1, STAGING_MAX_BYTES // (2 * self._groups[gi].chunk_nbytes))
+            for start in range(0, len(group_plans), size):
+                yield gi, group_plans[start : start + size]
+
+    def _copy_window(self, gi: int, window: List[_Plan], stream: Any, to_host: bool) -> List[torch.Tensor]:
+        """One window of chunks of group ``gi``: one ``index_select`` (d2h) or ``index_copy_``
+        (h2d) per layer over every block of the window, a transpose between the per-layer and the
+        per-chunk staging when the window has several chunks, and one host copy per chunk. Returns
+        the tensors the queued work uses."""
+        backend = self.backend
+        group = self._groups[gi]
+        layers = self._bit_layers[gi]
+        per, num_layers, count = group.blocks_per_chunk, len(layers), len(window)
+        bits, device = layers[0].dtype, layers[0].device
+        rows: List[int] = []
+        blocks: List[int] = []
+        for c, (_, runs, _, _) in enumerate(window):
+            for pos, block, length in runs:
+                rows.extend(range(c * per + pos, c * per + pos + length))
+                blocks.extend(range(block, block + length))
+        for layer in group.layers:
+            backend.keep_alive_on(layer, stream)
+        keep: List[torch.Tensor] = []
+        block_index = backend.index_tensor(blocks, device, keep)
+        by_layer = torch.empty((num_layers, count * per, *group.block_shape), dtype=bits, device=device)
+        # The window's chunks in their host form, one after another; the same memory for one chunk.
+        by_chunk = by_layer.view(1, num_layers, per, *group.block_shape) if count == 1 else torch.empty(
+            (count, num_layers, per, *group.block_shape), dtype=bits, device=device)
+        keep += [by_layer, by_chunk]
+        if to_host:
+            for li, layer in enumerate(layers):
+                torch.index_select(layer, 0, block_index, out=by_layer[li])
+            if count > 1:
+                by_chunk.copy_(by_layer.view(num_layers, count, per, *group.block_shape).transpose(0, 1))
+            for c, (_, _, typed, _) in enumerate(window):
+                backend.copy(typed.view(bits), by_chunk[c])
+            return keep
+        for c, (_, _, typed, _) in enumerate(window):
+            backend.copy(by_chunk[c], typed.view(bits))
+        if count > 1:
+            by_layer.view(num_layers, count, per, *group.block_shape).copy_(by_chunk.transpose(0, 1))
+        row_index = None if len(rows) == count * per else backend.index_tensor(rows, device, keep)
+        for li, layer in enumerate(layers):
+            source = by_layer[li] if row_index is None else by_layer[li].index_select(0, row_index)
+            layer.index_copy_(0, block_index, source)
+        return keep

@@ -87,7 +87,7 @@ def pools_for_budget(capacity_bytes: int, chunk_bytes: Sequence[int], *, device_
 class HostSlabPool:
     """Fixed-size slots in one host slab, with pins, owner tags and LRU/ARC eviction.
 
-    ``HostSlabPool(slot_bytes, num_slots, device_kind="cpu"|"cuda", eviction="lru"|"arc")``.
+    ``HostSlabPool(slot_bytes, num_slots, device_kind="cpu"|"cuda"|"cuda:N", eviction="lru"|"arc")``.
     A slot is *free* (on the free list) or *allocated*. An allocated slot can be evicted by a later
     ``allocate`` only when its owner marked it evictable (``mark_evictable(slot, True)``: its chunk
     is READY and may be dropped) and no pin holds it. Pins are reference counts taken while a copy
@@ -175,6 +175,11 @@ class HostSlabPool:
     @property
     def closed(self) -> bool:
         return self._slab is None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slab is page-locked (``cudaHostRegister``): always false on CPU."""
+        return self._slab is not None and self._backend.is_pinned(self._slab)
 
     # -- internal helpers ----------------------------------------------------------------------
 

@@ -52,10 +52,10 @@ class NoCopyDeviceView(DeviceKVView):
     """A device view whose batch copies are no-ops: the engine's bookkeeping runs unchanged, no
     byte moves. For measuring only; never hand it to a real engine."""
 
-    def gather_many_groups(self, items, *, compute_stream=None, wait: bool = True) -> CopyHandle:
+    def gather_many_groups(self, items, *, compute_stream=None, ready_event=None, wait: bool = True) -> CopyHandle:
         return CopyHandle(self.backend, None)
 
-    def scatter_many_groups(self, items, *, compute_stream=None, wait: bool = True) -> CopyHandle:
+    def scatter_many_groups(self, items, *, compute_stream=None, ready_event=None, wait: bool = True) -> CopyHandle:
         return CopyHandle(self.backend, None)
 
 

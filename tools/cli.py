@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence
 
 from kvtier.errors import CorruptCacheError
 from kvtier.policy import KvtierError
+from kvtier.tools.argtypes import int_option
 
 __all__ = ["main", "build_parser", "user_error_message"]
 
@@ -249,28 +250,8 @@ def _terminate_as_interrupt():
     return signal.signal(signal.SIGTERM, on_term)
 
 
-def _retention_interval(text: str) -> Optional[int]:
-    """argparse type of --retention-interval: 'none' or an int >= 0."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'none' or an int >= 0, got {text!r}")
-    return value
-
-
-def _extra_retained(text: str) -> int:
-    """argparse type of --extra-retained-tokens: an int in [0, MAX_EXTRA_RETAINED_TOKENS]."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_EXTRA_RETAINED_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, {MAX_EXTRA_RETAINED_TOKENS}], got {text!r}")
-    return value
+_retention_interval = int_option(0, none=("none",))  # --retention-interval
+_extra_retained = int_option(0, MAX_EXTRA_RETAINED_TOKENS)  # --extra-retained-tokens
 
 
 def _cmd_warmup(args) -> int:

@@ -27,7 +27,7 @@ class VllmTierConfigError(KvtierError, ValueError):
 
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,14 @@ class VllmTierConfig:
     Valkey/Redis server shared by a fleet, chained write-through behind the disk (``None``: disk
     only); ``remote_namespace`` separates caches on one server. ``weights_version``: a tag bound
     into every key (bump it when the weights change under the same model name).
-    ``hash_algorithm``: vLLM's ``--prefix-caching-hash-algo`` when it cannot be read from the
-    running vLLM config. ``max_inflight_jobs``: stores beyond this many unfinished jobs are
+    ``hash_algorithm``: vLLM's ``--prefix-caching-hash-algo``; the tier reads it back from vLLM's
+    seeded NONE_HASH at its first lookup, and refuses (every lookup misses, said once) a value
+    that contradicts it. ``max_inflight_jobs``: stores beyond this many unfinished jobs are
     refused at once (reported failed: vLLM keeps its CPU copy) instead of queueing without bound.
     ``op_timeout_s``: the longest the tier waits for its own loop thread at start and shutdown.
     ``enable_kv_events``: emit vLLM KV events for stored chunks (when vLLM enables events).
+    ``read_only``: serve hits from ``cache_dir`` and never write it (a read-only mount of a warmed
+    cache; also chosen, with one warning, when ``cache_dir`` exists and cannot be written).
     ``lmdb_verify_on_open`` and ``quarantine_corrupt_cache_dir``: as ``EngineConfig``'s, on by
     default: the LMDB file's structure is checked before LMDB maps it, and a damaged cache
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
@@ -72,7 +75,8 @@ class VllmTierConfig:
     lmdb_segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION
     lmdb_verify_on_open: bool = True
     quarantine_corrupt_cache_dir: bool = True
-    eviction_policy: str = "lfuda"
+    eviction_policy: str = "lru"
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> VllmTierConfigError:
@@ -99,8 +103,8 @@ class VllmTierConfig:
             raise bad("remote_namespace", "1..64 characters of [A-Za-z0-9._-]")
         if not isinstance(self.weights_version, str):
             raise bad("weights_version", "a string")
-        if self.hash_algorithm is not None and self.hash_algorithm not in _HASH_ALGORITHMS:
-            raise bad("hash_algorithm", f"one of {', '.join(_HASH_ALGORITHMS)} or null")
+        if self.hash_algorithm is not None and self.hash_algorithm not in HASH_ALGORITHMS:
+            raise bad("hash_algorithm", f"one of {', '.join(HASH_ALGORITHMS)} or null")
         for name in ("max_inflight_jobs", "read_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -108,7 +112,7 @@ class VllmTierConfig:
         t = self.op_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise bad("op_timeout_s", "a finite number of seconds > 0")
-        for name in ("enable_kv_events", "lmdb_verify_on_open", "quarantine_corrupt_cache_dir"):
+        for name in ("enable_kv_events", "lmdb_verify_on_open", "quarantine_corrupt_cache_dir", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
         if self.eviction_policy not in BYTE_INDEX_NAMES:

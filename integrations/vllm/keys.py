@@ -3,17 +3,20 @@
 vLLM hands a secondary tier ``OffloadKey`` = block hash (chained from ``NONE_HASH``) + 4-byte group
 index. The bytes behind a key also depend on things the hash does not cover: the model and its
 weights, the KV layout of each group (layers, tokens per block, blocks per chunk, bytes per
-block), the parallel rank layout, and the primary row size. ``VllmLayout`` collects them (plus
-the hash algorithm and ``NONE_HASH``), and its ``namespace`` (BLAKE3 of a canonical JSON) keys the
-BLAKE3 that turns an offload key into kvtier's 32-byte chunk key. Two servers with one layout
-share records; any difference gives disjoint keys, and the namespace is also the records'
-fingerprint, so a record read under another layout is a mismatch, never bytes.
+block), the parallel rank layout (unless vLLM says the persisted bytes are the same under any
+topology), and the primary row size. ``VllmLayout`` collects them; its ``fingerprint`` (BLAKE3 of
+a canonical JSON of them) is every record's fingerprint, so a record read under another layout is
+a mismatch, never bytes. The key scheme (vLLM's hash algorithm and ``NONE_HASH``) is bound later
+(``with_key_scheme``): vLLM builds its secondary tiers before it seeds ``NONE_HASH``. The bound
+layout's ``namespace`` keys the BLAKE3 that turns an offload key into kvtier's 32-byte chunk key.
+Two servers with one layout and one key scheme share records; any difference gives disjoint keys.
 
 Pure: no vLLM import (the tier and warmup fill ``VllmLayout`` from vLLM objects).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Mapping, Sequence, Tuple
@@ -68,16 +71,28 @@ class VllmLayout:
     kv_cache_layout: Any = None
     canonical_layout: bool = False
     replicated_layout: bool = False
-    hash_algorithm: str = "sha256"
+    hash_algorithm: str = ""
     none_hash_hex: str = ""
     weights_version: str = ""
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): the namespace hashes exactly this."""
+        return json.dumps(self._data(), sort_keys=True, separators=(",", ":"))
+
+    def _data(self) -> Dict[str, Any]:
         data = asdict(self)
         data["groups"] = [dict(g, layer_names=list(g["layer_names"])) for g in data["groups"]]
         data["parallel"] = dict(self.parallel)
-        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return data
+
+    @property
+    def key_scheme_bound(self) -> bool:
+        """Whether vLLM's hash algorithm and NONE_HASH are known (``with_key_scheme``)."""
+        return bool(self.hash_algorithm) and bool(self.none_hash_hex)
+
+    def with_key_scheme(self, hash_algorithm: str, none_hash: bytes) -> "VllmLayout":
+        """This layout bound to the block hashes vLLM computes (its algorithm and seeded NONE_HASH)."""
+        return dataclasses.replace(self, hash_algorithm=str(hash_algorithm), none_hash_hex=bytes(none_hash).hex())
 
     @classmethod
     def from_json(cls, text: str) -> "VllmLayout":
@@ -94,8 +109,19 @@ class VllmLayout:
         return cls(groups=groups, **data)
 
     @property
+    def fingerprint(self) -> bytes:
+        """32 bytes: what a record's bytes mean (everything but the key scheme); every record's
+        fingerprint, known at construction (the remote tier binds its keys to it)."""
+        data = self._data()
+        del data["hash_algorithm"], data["none_hash_hex"]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return blake3.blake3(b"kvtier-vllm-records-v1\x00" + text.encode()).digest()
+
+    @property
     def namespace(self) -> bytes:
-        """32 bytes: the BLAKE3 key of every chunk key and the records' fingerprint."""
+        """32 bytes: the BLAKE3 key of every chunk key (the layout and the key scheme)."""
+        if not self.key_scheme_bound:
+            raise ValueError("this vLLM layout has no key scheme yet (with_key_scheme: vLLM's hash algorithm and NONE_HASH)")
         return blake3.blake3(b"kvtier-vllm-layout-v1\x00" + self.to_json().encode()).digest()
 
     @property

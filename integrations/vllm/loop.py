@@ -60,6 +60,14 @@ class LoopThread:
 
         self.loop.call_soon_threadsafe(start)
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop without waiting (a plain call, not a task); nothing once
+        the loop is closed. Any thread."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
     def stop(self, timeout_s: float) -> None:
         """Stop the loop after the callbacks already posted, and join the thread."""
         if self.loop.is_closed():

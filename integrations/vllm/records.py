@@ -1,6 +1,6 @@
 """The record meta ``KvtierTier`` binds to every chunk it stores (and an offline warmup must match).
 
-A record's meta carries the layout namespace as fingerprint, vLLM's group id, the chunk index
+A record's meta carries the layout fingerprint, vLLM's group id, the chunk index
 (vLLM's end-token position of the offload key // the group's tokens per chunk; 0 when vLLM gave
 no position) and the primary row as ``uint8[row_bytes]``. A load accepts a record only when these
 agree, so the tier and ``model_warmup`` build them with this one function. Pure, any thread.
@@ -26,7 +26,7 @@ def record_meta(layout: VllmLayout, group_id: int, end_token: Optional[int], row
         (g.tokens_per_block * layout.blocks_per_chunk for g in layout.groups if g.group_id == group_id), 1
     )
     chunk_index = 0 if end_token is None else int(end_token) // tokens_per_chunk
-    return ChunkMeta(fingerprint=layout.namespace, group_index=int(group_id), chunk_index=chunk_index,
+    return ChunkMeta(fingerprint=layout.fingerprint, group_index=int(group_id), chunk_index=chunk_index,
                      dtype=ROW_DTYPE, shape=(int(row_bytes),))
 
 

@@ -6,7 +6,8 @@ GPU <-> CPU copy worker is replaced: vLLM's handler asserts CUDA tensors, record
 calls a CUDA kernel absent from the CPU wheel. ``CpuCopyWorker`` computes the same byte addresses
 with vLLM's own ``compute_sub_block_ptrs`` and copies them with ``ctypes.memmove``, synchronously.
 
-``VllmCpuRig`` builds a hybrid model's KV cache (a hand-written ``config.json``, no weights; the
+``VllmCpuRig`` builds them in ``EngineCore``'s order (the Scheduler and its tiers, then
+``init_none_hash``), builds a hybrid model's KV cache (a hand-written ``config.json``, no weights; the
 groups are given as vLLM ``KVCacheSpec``s), runs requests step by step like vLLM's model runner
 (bind metadata, start loads, forward, wait for saves, report), and stands in for the model: its
 forward writes, for every computed token, bytes that depend on the whole prefix, the group and the
@@ -34,12 +35,14 @@ import xxhash
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_events import EventBatch, EventPublisher, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -55,7 +58,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-__all__ = ["CpuCopyWorker", "CpuTieringOffloadingSpec", "VllmCpuRig", "RunRecord", "write_model_config"]
+__all__ = ["CpuCopyWorker", "CpuTieringOffloadingSpec", "RecordingEventPublisher", "VllmCpuRig", "RunRecord",
+           "write_model_config"]
 
 EOS_TOKEN_ID = 0
 
@@ -152,6 +156,21 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
         return CpuCopyWorker(kv_caches, self.blocks_per_chunk, region)
 
 
+class RecordingEventPublisher(EventPublisher):
+    """A vLLM KV event publisher that keeps every event the scheduler publishes (in order), where
+    vLLM's ZMQ publisher would send them to a KV-aware router."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: List[KVCacheEvent] = []
+
+    def publish(self, events: EventBatch) -> None:
+        self.events.extend(events.events)
+
+    def shutdown(self) -> None:
+        return None
+
+
 # ---------------------------------------------------------------------------------- the rig
 
 
@@ -190,7 +209,10 @@ class VllmCpuRig:
 
     ``group_specs``: one vLLM ``KVCacheSpec`` per group (equal ``page_size_bytes``), each group one
     layer. ``secondary_tiers``: the tier dicts of ``kv_connector_extra_config``. ``retention``:
-    vLLM's ``prefix_cache_retention_interval``.
+    vLLM's ``prefix_cache_retention_interval``. ``kv_events``: vLLM's KV cache events on, kept by
+    ``self.kv_events`` (a ``RecordingEventPublisher``). ``log_stats``: vLLM's scheduler stats on;
+    each step's KV connector stats payload (what vLLM's Prometheus logger reads) is kept in
+    ``self.connector_stats``.
     """
 
     _engine_counter = 0
@@ -207,6 +229,8 @@ class VllmCpuRig:
         max_model_len: int = 1024,
         hash_algorithm: str = "sha256",
         model_dir: Optional[Path] = None,
+        kv_events: bool = False,
+        log_stats: bool = False,
     ) -> None:
         self.group_specs = list(group_specs)
         pages = {s.page_size_bytes for s in self.group_specs}
@@ -245,6 +269,7 @@ class VllmCpuRig:
                 kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra,
                 engine_id=f"kvtier-rig-{os.getpid()}-{VllmCpuRig._engine_counter}",
             ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_config = KVCacheConfig(
@@ -261,16 +286,21 @@ class VllmCpuRig:
             prefix_cache_retention_interval=retention,
             hash_block_size=self.hash_block_size,
         )
+        # EngineCore's order: the Scheduler (and with it every secondary tier) is built before
+        # init_none_hash seeds the block hashes, and outside set_current_vllm_config.
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
+            log_stats=log_stats,
+        )
+        self.kv_events = RecordingEventPublisher()
+        if kv_events:
+            self.scheduler.kv_event_publisher = self.kv_events
         self.hash_fn = get_hash_fn_by_name(hash_algorithm)
         init_none_hash(self.hash_fn)
         self._block_hasher = get_request_block_hasher(self.hash_block_size, self.hash_fn)
         with set_current_vllm_config(self.vllm_config):
-            self.scheduler = Scheduler(
-                vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                structured_output_manager=StructuredOutputManager(self.vllm_config),
-                block_size=self.group_specs[0].block_size, hash_block_size=self.hash_block_size,
-                log_stats=False,
-            )
             self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
             # layer tensors: (blocks, block_size, slot bytes) so a token's slot is one row
             self.kv: Dict[str, torch.Tensor] = {
@@ -278,6 +308,7 @@ class VllmCpuRig:
                 for name, spec in zip(layer_names, self.group_specs)
             }
             self.worker.register_kv_caches(self.kv)
+        self.connector_stats: List[Dict[str, Any]] = []
         self._requests = 0
         self._started: Set[str] = set()
         self.records: Dict[str, RunRecord] = {}
@@ -385,8 +416,12 @@ class VllmCpuRig:
             sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=kv_out,
         )
         t1 = time.perf_counter()
-        self.scheduler.update_from_output(out, runner_out)
+        outputs = self.scheduler.update_from_output(out, runner_out)
         scheduler_s += time.perf_counter() - t1
+        for client_outputs in outputs.values():
+            stats = client_outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
         return scheduler_s
 
     def run(self, prompt: Sequence[int], *, max_tokens: int = 1, max_steps: int = 200,

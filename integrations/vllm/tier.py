@@ -17,6 +17,10 @@ Threads:
 - blocking (never from a scheduler step): the constructor (opens the tiers, lists their keys),
   ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit).
 
+Keys: vLLM builds this tier before it seeds NONE_HASH, so the key scheme (hash algorithm and
+NONE_HASH, read from vLLM) is bound at the first lookup or submit (``_bound_layout``), which also
+leaves the layout file; before that, lookups miss.
+
 Index: the kvtier keys readable now = keys listed at start + stores that completed - records
 the disk tier removed (eviction, quarantine) - loads that missed. ``lookup`` answers RETRY while a
 store of the key is in flight, HIT only for an indexed key, MISS otherwise or when the tier is
@@ -27,6 +31,7 @@ key is ever reported loaded.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -48,47 +53,74 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogramMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta, ChunkTier
-from kvtier.tiers.chain import tier_statistics_dict
+from kvtier.tiers.chain import read_with_sources, tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
 
-from .config import VllmTierConfig
+from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
 from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
 from .records import codec_for, record_meta
 
-__all__ = ["KvtierTier", "layout_from_spec"]
+__all__ = ["KvtierTier", "CacheDirInUseError", "layout_from_spec", "vllm_key_scheme"]
+
+WRITER_LOCK_FILE = "vllm-writer.lock"
+
+
+class CacheDirInUseError(KvtierError):
+    """Another process (or tier) already writes this ``cache_dir``: refused at start, because its
+    evictions would never reach this tier's index (a hit admitted for a key it removed)."""
+
 
 logger = logging.getLogger("kvtier.integrations.vllm")
 
 
-def _none_hash() -> bytes:
+def vllm_key_scheme(explicit: Optional[str]) -> Optional[Tuple[str, bytes]]:
+    """(hash algorithm, NONE_HASH) of the block hashes vLLM computes now, or None before vLLM
+    seeded NONE_HASH. vLLM builds its secondary tiers before ``init_none_hash`` and the offloading
+    config does not name the algorithm, so both are read from vLLM's own state when it is set: the
+    algorithm is the one whose hash of vLLM's seed is NONE_HASH (``explicit`` must be it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
-    return bytes(getattr(kv_cache_utils, "NONE_HASH", b"") or b"")
-
-
-def _hash_algorithm(explicit: Optional[str], none_hash: bytes) -> str:
-    """The algorithm vLLM hashes blocks with: the config key, else the running vLLM config, else
-    inferred from NONE_HASH's length (32 bytes: sha256 family; shorter: xxhash family)."""
-    if explicit is not None:
-        return explicit
-    from vllm.config import vllm as vllm_config_module
-
-    current = getattr(vllm_config_module, "_current_vllm_config", None)
-    if current is not None and current.cache_config is not None:
-        return str(current.cache_config.prefix_caching_hash_algo)
-    return "sha256" if len(none_hash) in (0, 32) else "xxhash"
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if none_hash is None:
+        return None
+    none_hash = bytes(none_hash)
+    seed = kv_cache_utils.get_none_hash_seed()
+    for name in HASH_ALGORITHMS:
+        if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
+            if explicit is not None and explicit != name:
+                raise VllmTierConfigError(
+                    f"KvtierTier hash_algorithm is {explicit!r} but vLLM hashes prefix blocks with {name!r}")
+            return name, none_hash
+    if explicit is None:
+        raise VllmTierConfigError(
+            "KvtierTier cannot tell vLLM's prefix-caching hash algorithm from its NONE_HASH; "
+            f"set hash_algorithm (one of {', '.join(HASH_ALGORITHMS)})")
+    return explicit, none_hash
 
 
 def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) -> VllmLayout:
-    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``)."""
+    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``), its
+    key scheme not bound yet. Where vLLM says the persisted block bytes are the same under any
+    topology (``is_parallelism_agnostic``), the parallel sizes stay out of it and the bytes per
+    block are counted across all workers, so servers of different TP sizes share records."""
     c = spec.config
     p = c.parallel
-    none_hash = _none_hash()
+    if p.is_parallelism_agnostic:
+        parallel: Dict[str, Any] = dict(parallelism_agnostic=True)
+        kv_bytes_per_block = int(c.worker_kv_bytes_per_block) * int(p.world_size)
+    else:
+        parallel = dict(world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
+                        dcp_size=p.dcp_size, parallelism_agnostic=False)
+        kv_bytes_per_block = int(c.worker_kv_bytes_per_block)
     return VllmLayout(
         model=str(c.model.name),
         dtype=str(c.model.dtype),
@@ -103,19 +135,26 @@ def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) 
         ),
         tokens_per_hash=int(c.cache.tokens_per_hash),
         blocks_per_chunk=int(c.cache.blocks_per_chunk),
-        worker_kv_bytes_per_block=int(c.worker_kv_bytes_per_block),
+        worker_kv_bytes_per_block=kv_bytes_per_block,
         primary_row_bytes=int(primary_row_bytes),
-        parallel=dict(
-            world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
-            dcp_size=p.dcp_size, parallelism_agnostic=bool(p.is_parallelism_agnostic),
-        ),
+        parallel=parallel,
         kv_cache_layout=c.kv_cache_layout,
         canonical_layout=bool(c.canonical_layout),
         replicated_layout=bool(c.replicated_layout),
-        hash_algorithm=_hash_algorithm(config.hash_algorithm, none_hash),
-        none_hash_hex=none_hash.hex(),
         weights_version=config.weights_version,
     )
+
+
+def parallel_sharing_note(layout: VllmLayout) -> Optional[str]:
+    """The line a tier logs at start when its records cannot be shared across parallel layouts."""
+    parallel = dict(layout.parallel)
+    if parallel.get("parallelism_agnostic"):
+        return None
+    sizes = ", ".join(f"{k}={parallel[k]}" for k in ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size"))
+    return (f"kvtier: records are bound to this parallel layout ({sizes}): vLLM reports the host KV bytes of "
+            "this model as not parallelism-agnostic (it needs one full-attention, non-MLA group with KV heads "
+            "split by TP and no context parallelism, or canonical_layout), so servers with another "
+            "parallel layout will not hit them")
 
 
 @dataclass
@@ -135,6 +174,19 @@ class _Done:
     ok_chunk_keys: Optional[frozenset]  # loads: the keys whose record decoded and matched
     transfer_bytes: int
     transfer_s: float
+    # loads: (kvtier tier, chunks, tokens, bytes) per tier that served keys; the deepest one
+    by_tier: Tuple[Tuple[str, int, int, int], ...] = ()
+    deepest_tier: Optional[str] = None
+
+
+# The kvtier tiers a load can be served from, as metric labels: the LMDB disk, the fleet remote.
+TIER_NAMES = ("disk", "remote")
+TIER_LABEL_NAME = "kvtier_tier"
+METRIC_HITS = "vllm:kvtier_tier_hits"
+METRIC_HIT_TOKENS = "vllm:kvtier_tier_hit_tokens"
+METRIC_HIT_BYTES = "vllm:kvtier_tier_hit_bytes"
+METRIC_LOAD_SECONDS = "vllm:kvtier_tier_load_seconds"
+_LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 _warned_ephemeral_keys = False
@@ -162,10 +214,12 @@ class KvtierTier(SecondaryTierManager):
         self.locality = Locality(self.config.locality) if self.config.locality else None
         self._rows = primary_kv_view
         self._row_bytes = primary_kv_view.strides[0]
+        # The layout's key scheme is bound at the first lookup or submit (``_bound_layout``).
         self.layout = layout_from_spec(offloading_spec, self._row_bytes, self.config)
-        self._namespace = self.layout.namespace
-        self._group_positions = {g.group_id: i for i, g in enumerate(self.layout.groups)}
-        self._warn_if_keys_are_ephemeral()
+        self._key_scheme_unknown_logged = False
+        note = parallel_sharing_note(self.layout)
+        if note is not None:
+            logger.warning(note)
 
         self._index: set = set()
         self._storing: Counter = Counter()
@@ -176,19 +230,33 @@ class KvtierTier(SecondaryTierManager):
         self._outstanding = 0
         self._outstanding_cv = threading.Condition()
         self._events: Optional[List[OffloadingEvent]] = [] if self._events_enabled(offloading_spec) else None
+        # with events on: the vLLM key of every chunk a stored event announced (for its removal)
+        self._announced: Dict[bytes, OffloadKey] = {}
         self._closed = False
         self.counters: Counter = Counter()
+        # per kvtier tier ("disk", "remote"): hits (chunks), hit_tokens, hit_bytes, load_s (sum)
+        self.tier_hits: Counter = Counter()
+        self._stats = OffloadingConnectorStats()  # what get_stats hands vLLM next
         # Where a damaged cache_dir's files were moved at start (None: it was sound, or new).
         self.quarantined_cache_dir: Optional[str] = None
+        self.read_only = self.config.read_only or self._cache_dir_unwritable()
+        self._writer_lock: Optional[int] = None
 
+        if not self.read_only:  # before the open: a second writer never touches the directory
+            self._take_writer_lock()
         self._loop = LoopThread()
         try:
             self.chunk_tier, self.disk_tier, listed = self._loop.run(self._open(), self.config.op_timeout_s)
+            if self._writer_lock is not None and self.quarantined_cache_dir is not None:
+                self._release_writer_lock()  # the lock file moved aside with the damaged directory
+                self._take_writer_lock()
         except BaseException:
+            if getattr(self, "chunk_tier", None) is not None:
+                self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
+            self._release_writer_lock()
             self._loop.stop(self.config.op_timeout_s)
             raise
         self._index.update(listed)
-        self._write_layout_file()
 
     # ------------------------------------------------------------------------------ construction
 
@@ -214,12 +282,47 @@ class KvtierTier(SecondaryTierManager):
             self.layout.hash_algorithm,
         )
 
+    def _cache_dir_unwritable(self) -> bool:
+        """An existing ``cache_dir`` this process may not write (a read-only mount, permissions):
+        served read-only, said once."""
+        path = self.config.cache_dir
+        if not os.path.isdir(path) or os.access(path, os.W_OK):
+            return False
+        logger.warning("kvtier: cache_dir %s cannot be written (a read-only mount or its permissions): "
+                       "serving its records read-only; nothing will be stored", path)
+        return True
+
+    def _take_writer_lock(self) -> None:
+        """One writer per ``cache_dir``: an exclusive ``flock`` held until ``shutdown``."""
+        os.makedirs(self.config.cache_dir, mode=0o700, exist_ok=True)
+        path = Path(self.config.cache_dir) / WRITER_LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CacheDirInUseError(
+                f"kvtier: cache_dir {self.config.cache_dir} is already written by another KvtierTier (pid {holder}); "
+                "two schedulers writing one directory are not supported (its evictions would not reach this "
+                "index): give each server its own cache_dir and share through remote_url, or set read_only"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._writer_lock = fd
+
+    def _release_writer_lock(self) -> None:
+        fd, self._writer_lock = self._writer_lock, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
     async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
         codec = codec_for(self.config.compression)
         disk, aside = await open_replacing_damaged(
             self.config.cache_dir,
             lambda: LmdbTier.open(
                 self.config.cache_dir,
+                readonly=self.read_only,
                 capacity_bytes=self.config.disk_capacity_bytes,
                 segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
                 segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
@@ -229,7 +332,7 @@ class KvtierTier(SecondaryTierManager):
                 max_raw_bytes=max(self._row_bytes, 1 << 20),
                 verify_structure=self.config.lmdb_verify_on_open,
             ),
-            quarantine=self.config.quarantine_corrupt_cache_dir,
+            quarantine=self.config.quarantine_corrupt_cache_dir and not self.read_only,
         )
         if aside is not None:
             self.quarantined_cache_dir = str(aside)
@@ -251,7 +354,7 @@ class KvtierTier(SecondaryTierManager):
 
         remote = await RemoteTier.open(
             self.config.remote_url, namespace=self.config.remote_namespace,
-            fingerprint=self._namespace, codec=codec, require_connection=False,
+            fingerprint=self.layout.fingerprint, codec=codec, require_connection=False,
         )
         return ChainedTier([disk, remote])
 
@@ -277,13 +380,46 @@ class KvtierTier(SecondaryTierManager):
             present = [False] * len(keys)
         self._completions.put(("removed", [k for k, here in zip(keys, present) if not here]))
 
-    def _write_layout_file(self) -> None:
-        """Leave the layout beside the records, so `kvtier warmup --key-scheme vllm` keys alike."""
-        path = Path(self.config.cache_dir) / self.layout.file_name
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(self.layout.to_json())
+    def _bound_layout(self, log_unknown: bool = True) -> Optional[VllmLayout]:
+        """The layout with vLLM's key scheme, bound once, at the first call that needs a key (or
+        the first ``get_finished_jobs``, or ``shutdown``): vLLM seeds NONE_HASH after it builds its
+        tiers, and before it hashes any request. None (logged once) while NONE_HASH is unset:
+        lookups miss and submits fail, never a key of another seed."""
+        if self.layout.key_scheme_bound:
+            return self.layout
+        try:
+            scheme = vllm_key_scheme(self.config.hash_algorithm)
+        except VllmTierConfigError as exc:
+            scheme, why = None, str(exc)
+        else:
+            why = "vLLM has not seeded NONE_HASH yet"
+        if scheme is None:
+            if log_unknown and not self._key_scheme_unknown_logged:
+                self._key_scheme_unknown_logged = True
+                logger.error("kvtier: no vLLM key scheme, every lookup misses: %s", why)
+            return None
+        self.layout = self.layout.with_key_scheme(*scheme)
+        self._warn_if_keys_are_ephemeral()
+        self._write_layout_file(self.layout)
+        return self.layout
+
+    def _write_layout_file(self, layout: VllmLayout) -> None:
+        """Leave the layout beside the records, so `kvtier warmup --key-scheme vllm` keys alike
+        (once per layout: a rebuilt engine binds the same layout and finds its file). A few
+        hundred bytes, once per tier, on the first lookup's thread."""
+        path = Path(self.config.cache_dir) / layout.file_name
+        if self.read_only or path.exists():
+            return
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(layout.to_json())
             os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("kvtier: cannot leave the vLLM layout file %s: %s", path, exc)
+
+    def _chunk_keys(self, keys: Sequence[OffloadKey]) -> Optional[List[bytes]]:
+        layout = self._bound_layout()
+        return None if layout is None else layout.chunk_keys(keys)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -327,7 +463,25 @@ class KvtierTier(SecondaryTierManager):
                 done.append(item)
             else:
                 # a store in flight for one of these keys lands later and re-adds it
-                self._index.difference_update(item[1])
+                self._forget(item[1])
+
+    def _forget(self, chunk_keys: Iterable[bytes]) -> None:
+        """Chunks that left this tier: out of the index, and a removed event for the announced."""
+        chunk_keys = list(chunk_keys)
+        self._index.difference_update(chunk_keys)
+        if self._events is None:
+            return
+        gone = [self._announced.pop(k) for k in chunk_keys if k in self._announced]
+        if gone:
+            self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+
+    def _announce(self, job: "_Job") -> None:
+        """A stored event for a store job's keys, in the order completions and removals arrive."""
+        if self._events is None or not job.keys:
+            return
+        self._announced.update(zip(job.chunk_keys, job.keys))
+        self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium, removed=False,
+                                            locality=self.locality))
 
     def _apply(self, done: _Done) -> None:
         job = self._jobs.get(done.job_id)
@@ -340,11 +494,26 @@ class KvtierTier(SecondaryTierManager):
                     del self._storing[key]
                     if done.success:
                         self._index.add(key)
+            if done.success:
+                self._announce(job)
         else:
             ok = done.ok_chunk_keys or frozenset()
-            for key in job.chunk_keys:
-                if key not in ok:
-                    self._index.discard(key)
+            self._forget(key for key in job.chunk_keys if key not in ok)
+            self._count_hits(done)
+
+    def _count_hits(self, done: _Done) -> None:
+        """Per kvtier tier: chunks, tokens and bytes a load restored; the job's time goes to the
+        deepest tier it needed (a job that reached the remote waited for it)."""
+        for name, chunks, tokens, nbytes in done.by_tier:
+            label = (name,)
+            for metric, value in ((METRIC_HITS, chunks), (METRIC_HIT_TOKENS, tokens), (METRIC_HIT_BYTES, nbytes)):
+                self._stats.increase_counter(metric, value, label)
+            self.tier_hits[f"{name}_hits"] += chunks
+            self.tier_hits[f"{name}_hit_tokens"] += tokens
+            self.tier_hits[f"{name}_hit_bytes"] += nbytes
+        if done.deepest_tier is not None:
+            self._stats.observe_histogram(METRIC_LOAD_SECONDS, done.transfer_s, (done.deepest_tier,))
+            self.tier_hits[f"{done.deepest_tier}_load_s"] += done.transfer_s
 
     # ------------------------------------------------------------------------------ vLLM's calls
 
@@ -355,12 +524,27 @@ class KvtierTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain_into_pending()
-        (chunk_key,) = self.layout.chunk_keys([key])
+        chunk_keys = self._chunk_keys([key])
+        if chunk_keys is None:
+            return LookupResult.MISS
+        (chunk_key,) = chunk_keys
         if chunk_key in self._storing:
             return LookupResult.RETRY
         if chunk_key in self._index and self._usable():
             return LookupResult.HIT
         return LookupResult.MISS
+
+    @override
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM marks these chunks used (a hit its CPU tier serves is one): kvtier's disk tier hears
+        of the use for the ones it holds (``ChunkTier.touch_many`` on the tier's loop), so a chunk
+        kept hot in vLLM's CPU tier does not age out of the disk. Scheduler thread; O(keys)."""
+        chunk_keys = self._chunk_keys(list(keys))
+        if not chunk_keys or not self._usable():
+            return
+        held = [key for key in chunk_keys if key in self._index]
+        if held:
+            self._loop.call(self.chunk_tier.touch_many, held)
 
     def _drain_into_pending(self) -> None:
         """Keep completions drained by a lookup for the next ``get_finished_jobs``."""
@@ -370,9 +554,13 @@ class KvtierTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        chunk_keys = self.layout.chunk_keys(keys)
-        job = _Job("store", keys, chunk_keys)
+        chunk_keys = self._chunk_keys(keys)
+        job = _Job("store", keys, chunk_keys or [])
         self._jobs[job_id] = job
+        if chunk_keys is None:
+            return self._fail_now(job_id, "stores_refused_unseeded")
+        if self.read_only:
+            return self._fail_now(job_id, "stores_refused_read_only")
         if not self._usable():
             return self._fail_now(job_id, "stores_refused_closed")
         if self._outstanding >= self.config.max_inflight_jobs:
@@ -406,8 +594,10 @@ class KvtierTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        chunk_keys = self.layout.chunk_keys(keys)
-        self._jobs[job_id] = _Job("load", keys, chunk_keys)
+        chunk_keys = self._chunk_keys(keys)
+        self._jobs[job_id] = _Job("load", keys, chunk_keys or [])
+        if chunk_keys is None:
+            return self._fail_now(job_id, "loads_refused_unseeded")
         if not self._usable():
             return self._fail_now(job_id, "loads_refused_closed")
         items = [(ck, self._row(cid)) for ck, cid in zip(chunk_keys, job_metadata.chunk_ids)]
@@ -415,12 +605,17 @@ class KvtierTier(SecondaryTierManager):
         self._begin()
         self._loop.post(lambda: self._load(job_id, items, expected))
 
+    def _tokens_per_chunk(self, group_id: int) -> int:
+        group = self.layout.groups[self.layout.group_index(group_id)]
+        return group.tokens_per_block * self.layout.blocks_per_chunk
+
     async def _load(self, job_id: int, items: List[Any], expected: List[ChunkMeta]) -> None:
         start = time.monotonic()
         ok: set = set()
+        served: Counter = Counter()  # (tier name, "chunks" | "tokens") -> count
         try:
-            metas = await self.chunk_tier.get_many_into(items)
-            for (chunk_key, _), meta, want in zip(items, metas, expected):
+            metas, sources = await read_with_sources(self.chunk_tier, items)
+            for (chunk_key, _), meta, want, source in zip(items, metas, expected, sources):
                 if meta is None:
                     self.counters["load_misses"] += 1
                 elif (meta.fingerprint, meta.group_index, tuple(meta.shape)) != (
@@ -429,15 +624,23 @@ class KvtierTier(SecondaryTierManager):
                     self.counters["load_mismatches"] += 1
                 else:
                     ok.add(chunk_key)
+                    name = TIER_NAMES[min(source or 0, 1)]
+                    served[(name, "chunks")] += 1
+                    served[(name, "tokens")] += self._tokens_per_chunk(want.group_index)
         except Exception as exc:  # a broken tier is a miss for every key of the job, never bytes
             self.counters["load_failures"] += 1
             logger.warning("kvtier load of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
         finally:
+            by_tier = tuple((name, served[(name, "chunks")], served[(name, "tokens")],
+                             served[(name, "chunks")] * self._row_bytes)
+                            for name in TIER_NAMES if served[(name, "chunks")])
             self._finish(_Done(job_id, len(ok) == len(items), frozenset(ok),
-                               len(ok) * self._row_bytes, time.monotonic() - start))
+                               len(ok) * self._row_bytes, time.monotonic() - start,
+                               by_tier, by_tier[-1][0] if by_tier else None))
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._bound_layout(log_unknown=False)  # every step: the layout file appears before a request
         finished, self._pending_results = self._pending_results + self._drain(), []
         results = []
         for done in finished:
@@ -450,13 +653,33 @@ class KvtierTier(SecondaryTierManager):
                 loaded = tuple(k for k, ck in zip(job.keys, job.chunk_keys) if ck in ok)
                 successful_keys = loaded or None
                 self.counters["promotions_failed"] += 1
-            elif job.kind == "store" and done.success and self._events is not None and job.keys:
-                self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium,
-                                                    removed=False, locality=self.locality))
             self.counters[f"{job.kind}s_{'ok' if done.success else 'failed'}"] += 1
             results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
                                      transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))
         return results
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, OffloadingMetricMetadata]:
+        """vLLM's Prometheus metrics this tier reports through ``get_stats``, per kvtier tier."""
+        labels = (TIER_LABEL_NAME,)
+        return {
+            METRIC_HITS: OffloadingCounterMetadata("Chunks kvtier restored, by the kvtier tier that held them.", labels),
+            METRIC_HIT_TOKENS: OffloadingCounterMetadata("Tokens those chunks cover, by kvtier tier.", labels),
+            METRIC_HIT_BYTES: OffloadingCounterMetadata("Primary-row bytes kvtier restored, by kvtier tier.", labels),
+            METRIC_LOAD_SECONDS: OffloadingHistogramMetadata(
+                "Duration of one kvtier load job, by the deepest kvtier tier it needed, in seconds.",
+                labels, buckets=_LOAD_SECONDS_BUCKETS),
+        }
+
+    @override
+    def get_stats(self) -> Optional[OffloadingConnectorStats]:
+        """The hit counters and load times since the last call (vLLM's stats hook; scheduler thread)."""
+        self._drain_into_pending()
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        return stats
 
     @override
     def has_pending_work(self) -> bool:
@@ -485,6 +708,7 @@ class KvtierTier(SecondaryTierManager):
         """Wait for running jobs, close the tiers (queued writes land), stop the loop. Safe twice."""
         if self._closed:
             return
+        self._bound_layout(log_unknown=False)
         try:
             self.drain_jobs()
         finally:
@@ -492,18 +716,21 @@ class KvtierTier(SecondaryTierManager):
             try:
                 self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
             finally:
+                self._release_writer_lock()
                 self._loop.stop(self.config.op_timeout_s)
 
     def statistics(self) -> Dict[str, float]:
         """This tier's counters plus the chunk tier's (records, bytes, corrupt, evictions, ...)."""
         stats = {f"vllm_{k}": float(v) for k, v in self.counters.items()}
+        stats.update({f"vllm_{k}": float(v) for k, v in self.tier_hits.items()})
         stats.update(tier_statistics_dict(self.chunk_tier))
         stats["indexed_chunks"] = float(len(self._index))
         return stats
 
     def index_contains(self, key: OffloadKey) -> bool:
         """Whether ``lookup`` would find ``key`` in the index (tests and tools)."""
-        return self.layout.chunk_keys([key])[0] in self._index
+        chunk_keys = self._chunk_keys([key])
+        return chunk_keys is not None and chunk_keys[0] in self._index
 
     def run_on_loop(self, coro: Any) -> Any:
         """Run a coroutine on kvtier's loop and wait (tools and tests, never from a scheduler step)."""

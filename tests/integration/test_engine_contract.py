@@ -583,25 +583,29 @@ async def test_an_engine_used_in_a_forked_child_says_so(tmp_path):
 
 @pytest.mark.asyncio
 async def test_store_and_load_order_copies_after_the_callers_compute_stream(tmp_path):
+    # The order is an event recorded on the caller's stream, on the caller's thread, when store()
+    # and load() are called; the copy threads are handed that event (see also
+    # test_engine_device_order.py, which runs the CUDA code path on CPU).
     r = await rig(tmp_path)
     backend = r.engine.device.backend
     seen = []
     caller = threading.get_ident()
     backend.current_stream = lambda: ("stream-of", threading.get_ident())
+    backend.record_event = lambda stream: ("event-on", stream, threading.get_ident())
     for method in ("gather_many_groups", "scatter_many_groups"):
         real = getattr(r.engine.device, method)
 
-        def recording(items, *, compute_stream=None, wait=True, _real=real, _name=method):
-            seen.append((_name, compute_stream))
-            return _real(items, compute_stream=compute_stream, wait=wait)
+        def recording(items, *, ready_event=None, wait=True, _real=real, _name=method):
+            seen.append((_name, ready_event))
+            return _real(items, ready_event=ready_event, wait=wait)
 
         setattr(r.engine.device, method, recording)
     prompt = r.scenario.tokens(33)
     await r.scenario.produce(prompt)
     await r.scenario.consume(prompt + [1], expect_hit=32)
     assert seen == [
-        ("gather_many_groups", ("stream-of", caller)),
-        ("scatter_many_groups", ("stream-of", caller)),
+        ("gather_many_groups", ("event-on", ("stream-of", caller), caller)),
+        ("scatter_many_groups", ("event-on", ("stream-of", caller), caller)),
     ]
     await r.close()
 
@@ -716,3 +720,40 @@ async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_
     reopened = await FileTier.open(tmp_path / "files")
     assert await reopened.contains_many([key]) == [True]
     await reopened.close()
+
+
+# ----------------------------------------------------------------- host hits and the disk's LRU
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
+    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
+    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
+    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
+    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
+    # it again).
+    from kvtier.tiers.base import ChunkMeta
+    from kvtier.tiers.record_format import CodecConfig, encode_record
+
+    raw = CodecConfig(compress=False)
+    nbytes = make_cpu_device(FULL, num_blocks=128).chunk_nbytes(0)
+    probe = await rig(tmp_path / "probe")
+    dtype, shape = probe.engine._metas[0]
+    await probe.close()
+    record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
+    inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes)
+    removed = []
+    inner.subscribe_removals(lambda removals: removed.extend(x.key for x in removals))
+    hot, a, b, c = (r.scenario.tokens(17 * 4) for _ in range(4))
+    for prompt in (hot, a):
+        await r.scenario.produce(prompt)
+    await r.scenario.consume(hot + [1], expect_hit=64)  # from the host
+    await r.scenario.produce(b)  # the host drops A's copies; the disk is full: A, H, B
+    await r.scenario.produce(c)  # the host drops H's copies; the disk evicts A, its oldest use
+    await r.engine.flush()
+    keys = {name: set(r.engine.request_keys(p).keys[0][:4]) for name, p in (("hot", hot), ("a", a))}
+    assert set(removed) == keys["a"]
+    assert not any(k in r.engine._entries for k in keys["hot"])
+    assert (await r.scenario.consume(hot + [1], expect_hit=64)).ok  # from the disk, bitwise
+    await r.close()

@@ -243,6 +243,28 @@ async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     assert (path / "data.mdb").stat().st_size < 3 * cap
 
 
+@pytest.mark.asyncio
+async def test_a_key_read_again_before_the_writer_applies_reads_is_the_most_recent(tmp_path: Path) -> None:
+    """Reads reach the LRU in batches (the writer applies them at its next write or timer tick): a
+    key read, then another, then the first again, ends younger than the second, however the reads
+    fall between two batches (its last read counts, never its first)."""
+    cap = 1 << 20
+    items = [_item(i, shape=(100 * 1024,), random=True) for i in range(12)]
+    removed: List[bytes] = []
+    async with await LmdbTier.open(tmp_path / "c", capacity_bytes=cap, access_flush_interval_s=3600.0) as tier:
+        tier.subscribe_removals(lambda removals: removed.extend(r.key for r in removals))
+        for it in items[:10]:  # 10 records fit
+            await tier.put_many([it])
+        for it in (items[0], items[1], items[0]):  # one batch of reads: 0, 1, 0
+            await _get(tier, [it])
+        await tier.flush()
+        await tier.put_many([items[10]])
+        await tier.put_many([items[11]])
+        assert removed == [items[2][0], items[3][0]]  # 0 and 1 were read; 1 before 0's last read
+        await tier.put_many([_item(20 + i, shape=(100 * 1024,), random=True) for i in range(8)])  # 4..9, then 1, then 0
+        assert removed[-2:] == [items[1][0], items[0][0]]
+
+
 # --------------------------------------------------------------------------------- directory safety
 
 

@@ -59,7 +59,7 @@ def test_replay_help_names_the_modes():
     result = run_cli("replay", "--help")
     assert result.returncode == 0
     for option in ("--trace", "--simulate", "--layout", "--bytes-scale", "--host-bytes", "--disk-bytes", "--sweep",
-                   "--policy", "--json"):
+                   "--policy", "--json", "--through-vllm"):
         assert option in result.stdout
 
 
@@ -100,7 +100,7 @@ def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, con
                                                                       policy):
     # Budgets small enough that both tiers evict and hits come from the host and from disk.
     args = ["--trace", conversations, "--layout", layout, "-R", extra, "--retention", retention, "--policy", policy,
-            "--bytes-scale", "0.002", "--host-bytes", "30%", "--disk-bytes", "20%"]
+            "--bytes-scale", "0.002", "--host-bytes", "20%", "--disk-bytes", "30%"]
     engine = replay_json(capsys, *args)
     fast = replay_json(capsys, *args, "--simulate")
     main_run, model = engine["main"], engine["simulate"]
@@ -181,6 +181,7 @@ def test_model_config_and_vllm_layout_files(capsys, tmp_path, conversations):
     vllm = VllmLayout(model="m", dtype="bfloat16", groups=(GroupLayout(0, 16, ("model.layers.0.attn",)),
                       GroupLayout(1, 16, ("model.layers.1.attn",), sliding_window_size_in_chunks=2)),
                       tokens_per_hash=16, blocks_per_chunk=4, worker_kv_bytes_per_block=4096, primary_row_bytes=16384)
+    vllm = vllm.with_key_scheme("sha256", bytes(32))  # the tier writes its file once the scheme is bound
     file = tmp_path / vllm.file_name
     file.write_text(vllm.to_json())
     result = replay_json(capsys, "--trace", conversations, "--vllm-layout", str(file), "--simulate")

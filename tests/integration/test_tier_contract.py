@@ -353,6 +353,29 @@ async def test_removals_are_reported_once_with_their_sequence(kind: TierKind, op
 
 
 @pytest.mark.asyncio
+async def test_a_touch_counts_as_a_use_for_eviction(kind: TierKind, opened) -> None:
+    """``touch_many`` (a use served from a faster copy above) moves a held key young as a read
+    would; unknown keys are ignored."""
+    if not kind.bounded:
+        pytest.skip(f"{kind.name}: no capacity of its own (server evictions: test_remote_tier.py)")
+    size = 4000
+    record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
+    tier = await opened(capacity_bytes=4 * record)
+    try:
+        removals = Removals(tier)
+        for i in range(4):
+            await tier.put_many([item(key_of(i), payload(i, size))])
+        tier.touch_many([key_of(1), key_of(0), key_of(99)])  # oldest first now: 2, 3, 1, 0
+        for i in range(4, 8):
+            await tier.put_many([item(key_of(i), payload(i, size))])
+            await settle(tier)
+        assert [r.key for r in removals.seen] == [key_of(2), key_of(3), key_of(1), key_of(0)]
+        assert await tier.check() == []
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
 async def test_snapshot_reflects_every_mutation_up_to_its_sequence(opened) -> None:
     tier = await opened()
     try:

@@ -14,6 +14,8 @@ import os
 import random
 import shutil
 import struct
+import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,6 +115,8 @@ def test_bytes_through_vllm(tmp_path, r, retention):
             assert consumed.loaded[g] == {b for _, blocks in plan for b in blocks if b is not None}
         assert assert_restored_bitwise(rig, consumed, before) == 2 + len(loaded_swa)
         assert tier.counters["loads_ok"] >= 1 and tier.counters["promotions_failed"] == 0
+        assert tier.tier_hits["disk_hits"] == 2 + len(loaded_swa) and tier.tier_hits["remote_hits"] == 0
+        assert tier.tier_hits["disk_hit_tokens"] == 2 * 16 + 4 * len(loaded_swa)
     finally:
         rig.shutdown()
 
@@ -289,9 +293,9 @@ def test_offline_warmup_then_a_fresh_scheduler_hits_bitwise(tmp_path, capsys):
     server = make_rig(tmp_path, 0, None)
     try:
         tier = server.secondary_tiers[0]
-        assert tier.layout == layout  # the server's layout is the one the warmup keyed with
         keys = vllm_chunk_keys(PROMPT, layout)
         indexed = {(k.group_id, k.chunk_index) for k in keys if tier.index_contains(k.offload_key)}
+        assert tier.layout == layout  # the server's layout (bound at its first key) is the warmup's
         assert indexed == {(0, 0), (0, 1), (1, 2), (1, 3), (1, 6), (1, 7)}
         salted = vllm_chunk_keys(PROMPT, layout, cache_salt="tenant-b")
         assert not any(tier.index_contains(k.offload_key) for k in salted)
@@ -315,6 +319,8 @@ def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process
     rigs = [VllmCpuRig(group_specs(0), [tier_config(tmp_path / f"kv{i}")], model_dir=tmp_path / "model",
                        hash_algorithm="xxhash") for i in range(2)]
     try:
+        for rig in rigs:  # the key scheme (and the warning) binds at the tier's first lookup
+            rig.run(PROMPT)
         warnings = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED is not set" in r.getMessage()]
         assert len(warnings) == 1 and "hashes prefix blocks with xxhash" in warnings[0]
         assert "can never be hit after a restart" in warnings[0]
@@ -326,7 +332,10 @@ def test_xxhash_without_pythonhashseed_warns_once_that_keys_die_with_the_process
 
 def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_path, valkey_node):
     """Two vLLM servers, each with its own LMDB, sharing one real Valkey (remote_url): host B's
-    first request restores host A's prefix bitwise from the remote, and promotes it into its LMDB."""
+    first request restores host A's prefix bitwise from the remote, and promotes it into its LMDB.
+    The hit is counted per kvtier tier in the tier's statistics and in the KV connector stats
+    vLLM's scheduler hands its Prometheus logger."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     namespace = f"fleet-{os.getpid()}"
     host_a = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "a", remote_url=valkey_node.url, remote_namespace=namespace)],
                         retention=None, model_dir=tmp_path / "model")
@@ -336,7 +345,7 @@ def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_pat
     finally:
         host_a.shutdown()  # closes the chain: write-behind to the remote has landed
     host_b = VllmCpuRig(group_specs(3), [tier_config(tmp_path / "b", remote_url=valkey_node.url, remote_namespace=namespace)],
-                        retention=None, model_dir=tmp_path / "model")
+                        retention=None, model_dir=tmp_path / "model", log_stats=True)
     try:
         tier = host_b.secondary_tiers[0]
         assert tier.disk_tier.statistics().records == 0  # nothing local: every hit comes from the remote
@@ -344,6 +353,27 @@ def test_fleet_host_b_hits_what_host_a_prefilled_through_the_remote_tier(tmp_pat
         assert consumed.external_hit_tokens == 32
         assert dict(consumed.loaded) == {0: {0, 1}, 1: {5, 6, 7}}
         assert assert_restored_bitwise(host_b, consumed, before) == 5
+        # per kvtier tier, in the tier's statistics and in vLLM's stats hook (its Prometheus metrics):
+        # 5 chunks from the remote (2 FA chunks of 16 tokens, 3 SWA chunks of 4), none from disk
+        row = tier.layout.primary_row_bytes
+        assert {k: v for k, v in tier.statistics().items() if k.startswith(("vllm_disk_", "vllm_remote_"))
+                and not k.endswith("_load_s")} == {
+            "vllm_remote_hits": 5.0, "vllm_remote_hit_tokens": 44.0, "vllm_remote_hit_bytes": 5.0 * row}
+        total = OffloadingConnectorStats()
+        for payload in host_b.connector_stats:
+            total.aggregate(OffloadingConnectorStats(data=payload))
+        types, values = total.metric_sections()
+        assert values["vllm:kvtier_tier_hits"] == {("remote",): 5}
+        assert values["vllm:kvtier_tier_hit_tokens"] == {("remote",): 44}
+        assert values["vllm:kvtier_tier_hit_bytes"] == {("remote",): 5 * row}
+        assert list(values["vllm:kvtier_tier_load_seconds"]) == [("remote",)]
+        assert types["vllm:kvtier_tier_load_seconds"] == "histogram"
+        assert set(type(tier).build_metric_definitions({})) <= set(values)
+        # vLLM's spec declares them to its Prometheus logger (it loads each secondary tier's definitions)
+        extra = host_b.vllm_config.kv_transfer_config.kv_connector_extra_config
+        from kvtier.integrations.vllm.testing import CpuTieringOffloadingSpec
+
+        assert set(type(tier).build_metric_definitions({})) <= set(CpuTieringOffloadingSpec.build_metric_definitions(extra))
     finally:
         host_b.shutdown()
 
@@ -411,3 +441,98 @@ def test_a_damaged_cache_dir_is_checked_moved_aside_and_replaced_under_vllm(tmp_
         assert tier.statistics()["indexed_chunks"] == 4  # and it serves: the consumer's stores landed
     finally:
         fresh.shutdown()
+
+
+def test_a_server_over_a_read_only_mount_of_a_warmed_cache_serves_hits(tmp_path, caplog):
+    """A warmed cache bind-mounted read-only (writes through the mount fail with EROFS): the server
+    starts, says once that it serves read-only, hits 32 tokens bitwise, refuses its own stores (vLLM
+    keeps its CPU copy) and leaves the directory as it was."""
+    from mounts import bind_mount
+
+    warmer = make_rig(tmp_path)
+    try:
+        warmer.run(PROMPT)
+    finally:
+        warmer.shutdown()
+    before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "kv").iterdir())
+    caplog.set_level("WARNING", logger="kvtier.integrations.vllm")
+    with bind_mount(tmp_path / "kv", tmp_path / "ro", read_only=True) as ro:
+        server = VllmCpuRig(group_specs(0), [tier_config(ro)], model_dir=tmp_path / "model")
+        try:
+            tier = server.secondary_tiers[0]
+            assert tier.read_only
+            consumed = server.run(CONSUMER)
+            assert consumed.external_hit_tokens == 32
+            assert dict(consumed.loaded) == {0: {0, 1}, 1: {6, 7}}
+            for group, blocks in consumed.loaded.items():
+                for logical in blocks:
+                    assert server.block_bytes(group, consumed.block_ids[group][logical]) == server.expected_block(PROMPT, group, logical)
+            server.run([11] * 33)  # a new prefix: its stores are refused, never written
+            assert tier.counters["stores_refused_read_only"] >= 1 and tier.counters["promotions_failed"] == 0
+        finally:
+            server.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(lines) == 1 and "serving its records read-only" in lines[0]
+    assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "kv").iterdir()) == before
+
+
+def test_a_second_scheduler_writing_the_same_cache_dir_is_refused_at_start_in_one_line(tmp_path):
+    """Two writers of one directory would admit hits for keys the other evicted: a second server
+    process on this server's cache_dir is refused at start, in one line naming the directory and
+    the holder; once this one shuts down, that server starts and hits what this one stored."""
+    import subprocess
+    import sys
+
+    child = [sys.executable, str(Path(__file__).with_name("vllm_server_child.py")), "serve", str(tmp_path / "kv"), "sha256"]
+    first = make_rig(tmp_path)
+    try:
+        first.run(PROMPT)
+        refused = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    finally:
+        first.shutdown()
+    assert refused.returncode != 0
+    (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("kvtier.integrations.vllm.tier.CacheDirInUseError")]
+    assert line == (f"kvtier.integrations.vllm.tier.CacheDirInUseError: kvtier: cache_dir {tmp_path / 'kv'} is already "
+                    f"written by another KvtierTier (pid {os.getpid()}); two schedulers writing one directory are not "
+                    "supported (its evictions would not reach this index): give each server its own cache_dir and "
+                    "share through remote_url, or set read_only")
+    served = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert json.loads(served.stdout.splitlines()[-1])["hit_tokens"] == 32
+
+
+def test_kv_events_announce_what_kvtier_stores_and_what_it_loses_with_its_medium(tmp_path):
+    """With vLLM's KV events on and ``enable_kv_events``: every chunk kvtier stores is announced
+    as a BlockStored with medium STORAGE (a KV-aware router can route that prefix here), and a
+    chunk kvtier evicts is announced as a BlockRemoved, after its store; a key announced removed
+    is not in the tier any more."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    # room for one prompt's 4 raw records: the second prompt's stores evict the first's
+    rig = VllmCpuRig(group_specs(0), [tier_config(tmp_path / "kv", enable_kv_events=True, compression=0,
+                                                  disk_capacity_bytes=20000)],
+                     model_dir=tmp_path / "model", kv_events=True)
+    try:
+        tier = rig.secondary_tiers[0]
+        rig.run(PROMPT)
+        second = [11] * 33
+        rig.run(second)
+        evictions = int(tier.statistics()["evictions"])
+        deadline = time.monotonic() + 10
+        while int(tier.statistics()["indexed_chunks"]) > 8 - evictions and time.monotonic() < deadline:
+            time.sleep(0.02)  # the removals reach the index (and the events) at the next steps
+            rig.step()
+        rig.step()  # publishes what the last drain queued
+        ours = [e for e in rig.kv_events.events if e.medium == "STORAGE"]
+        stored = [h for e in ours if isinstance(e, BlockStored) for h in e.block_hashes]
+        removed = [h for e in ours if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        # 2 prompts x (2 FA + 2 SWA chunks); FA chunk 1 and SWA chunk 7 end on one block hash
+        assert len(stored) == 8 and set(stored[:4]).isdisjoint(stored[4:])
+        assert evictions >= 1 and len(removed) == evictions
+        assert set(removed) <= set(stored[:4])  # only the first prompt's chunks went
+        order = [(type(e).__name__, h) for e in ours for h in e.block_hashes]
+        for h in removed:
+            assert order.index(("BlockStored", h)) < order.index(("BlockRemoved", h))
+        assert int(tier.statistics()["indexed_chunks"]) == 8 - evictions
+    finally:
+        rig.shutdown()

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
-from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView
+from kvtier.errors import InjectedFault
+from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView, register_host_range
 from kvtier.tiers.host import HostSlabPool
+from kvtier.tools.testing.device import RecordingBackend, TokenEvent
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
@@ -44,21 +46,32 @@ def layout_of(*blocks_per_chunk: int) -> ModelLayout:
     return ModelLayout(groups)
 
 
+@pytest.fixture(params=["numpy", "staged"])
+def make_view(request):
+    """Views on the CPU fast path (numpy, inline) and on the CUDA code path run on CPU (staging
+    per layer over the batch, one copy per chunk, streams and events as logged tokens)."""
+
+    def make(layout, caches):
+        return DeviceKVView(layout, caches, backend=RecordingBackend() if request.param == "staged" else None)
+
+    return make
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
 @pytest.mark.parametrize(
     "block_shape", [(3, 5, 7), (1, 9), (13,)], ids=lambda s: "x".join(map(str, s))
 )
 def test_gather_scatter_round_trip_is_bitwise(
-    dtype: torch.dtype, blocks_per_chunk: int, block_shape: Tuple[int, ...]
+    make_view, dtype: torch.dtype, blocks_per_chunk: int, block_shape: Tuple[int, ...]
 ) -> None:
     num_layers, num_blocks = 3, 11
     layout = layout_of(blocks_per_chunk)
     src_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=1)
     dst_layers = random_layers(num_layers, num_blocks, block_shape, dtype, seed=2)
     dst_before = [as_bytes(t).clone() for t in dst_layers]
-    src = DeviceKVView(layout, [src_layers])
-    dst = DeviceKVView(layout, [dst_layers])
+    src = make_view(layout, [src_layers])
+    dst = make_view(layout, [dst_layers])
 
     nbytes = src.chunk_nbytes(0)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -90,11 +103,11 @@ def test_gather_scatter_round_trip_is_bitwise(
         assert torch.equal(as_bytes(d[untouched]), dst_before[layer_index][untouched])
 
 
-def test_none_block_ids_are_skipped() -> None:
+def test_none_block_ids_are_skipped(make_view) -> None:
     layout = layout_of(4)
     src_layers = random_layers(2, 8, (4, 6), torch.bfloat16, seed=3)
     dst_layers = [torch.zeros_like(t) for t in src_layers]
-    src, dst = DeviceKVView(layout, [src_layers]), DeviceKVView(layout, [dst_layers])
+    src, dst = make_view(layout, [src_layers]), make_view(layout, [dst_layers])
     slot = torch.empty(src.chunk_nbytes(0), dtype=torch.uint8)
     src.gather(0, [0, 1, 2, 3], slot)
     # A sliding-window consumer restores only the last two blocks of the chunk.
@@ -108,12 +121,12 @@ def test_none_block_ids_are_skipped() -> None:
     assert all(torch.equal(as_bytes(d), b) for d, b in zip(dst_layers, before))
 
 
-def test_batches_and_groups() -> None:
+def test_batches_and_groups(make_view) -> None:
     # Two groups with different chunk geometry and dtype; batch variants move several chunks.
     layout = layout_of(2, 1)
     g0 = random_layers(4, 10, (2, 3), torch.float16, seed=4)
     g1 = random_layers(2, 6, (5,), torch.float32, seed=5)
-    view = DeviceKVView(layout, [g0, g1])
+    view = make_view(layout, [g0, g1])
     assert view.num_groups == 2 and view.num_layers(0) == 4 and view.num_layers(1) == 2
     assert view.chunk_nbytes(0) == 4 * 2 * 6 * 2 and view.chunk_nbytes(1) == 2 * 1 * 5 * 4
     slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
@@ -133,12 +146,12 @@ def test_batches_and_groups() -> None:
     assert torch.equal(slot1, torch.cat([as_bytes(layer[5]).reshape(-1) for layer in g1]))
 
 
-def test_batches_across_groups() -> None:
+def test_batches_across_groups(make_view) -> None:
     # The engine's copy threads move chunks of every group in one call that blocks until done.
     layout = layout_of(2, 1)
     g0 = random_layers(2, 6, (3, 2), torch.bfloat16, seed=10)
     g1 = random_layers(3, 5, (4,), torch.float8_e4m3fn, seed=11)
-    view = DeviceKVView(layout, [g0, g1])
+    view = make_view(layout, [g0, g1])
     assert view.device_index() is None  # CPU
     a = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
     b = torch.empty(view.chunk_nbytes(1), dtype=torch.uint8)
@@ -160,14 +173,14 @@ def test_batches_across_groups() -> None:
         view.gather_many_groups([(0, [0, 1], a), (1, [0], a)])
 
 
-def test_strided_layers_copy_exactly() -> None:
+def test_strided_layers_copy_exactly(make_view) -> None:
     # vLLM's flash-attention cache is [2, num_blocks, ...]; a permuted view puts blocks first but
     # is not contiguous. The copy must still be exact.
     layout = layout_of(2)
     base = random_layers(2, 2, (7, 4, 3), torch.bfloat16, seed=6)  # [2(K/V), 7 blocks, 4, 3]
     layers = [t.permute(1, 0, 2, 3) for t in base]
     assert not layers[0].is_contiguous()
-    view = DeviceKVView(layout, [layers])
+    view = make_view(layout, [layers])
     slot = torch.empty(view.chunk_nbytes(0), dtype=torch.uint8)
     view.gather(0, [6, 1], slot)
     expected = torch.cat([as_bytes(layer[[6, 1]]).reshape(-1) for layer in layers])
@@ -275,7 +288,7 @@ def test_cpu_backend_is_the_same_code_path_with_no_ops() -> None:
     assert backend.kind == "cpu" and not backend.non_blocking
     stream = backend.new_stream()
     assert stream is None and backend.current_stream() is None
-    backend.wait_stream(stream, backend.current_stream())
+    backend.wait_event(stream, backend.ready_event())
     with backend.stream_scope(stream):
         event = backend.record_event(stream)
     handle = CopyHandle(backend, event)
@@ -288,3 +301,93 @@ def test_cpu_backend_is_the_same_code_path_with_no_ops() -> None:
     backend.release_host_buffer(buffer)  # no-op on CPU
     with pytest.raises(ValueError, match="nbytes must be a positive int"):
         backend.host_buffer(0)
+
+
+# -- the CUDA code path, run on CPU through RecordingBackend ------------------------------------
+
+
+def test_one_copy_per_chunk_and_the_order_is_taken_when_called() -> None:
+    # 4 layers, chunks of 3 blocks in scattered runs: the per-run path made 4 x 2-3 copies per
+    # chunk; staging gathers each layer over the whole batch on the device and moves one per chunk.
+    backend = RecordingBackend()
+    layers = random_layers(4, 16, (2, 5), torch.bfloat16, seed=21)
+    view = DeviceKVView(layout_of(3), [layers], backend=backend)
+    slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
+    chunks = [[9, 2, 3], [15, 0, 7], [4, 5, 6]]
+    view.gather_many_groups([(0, ids, slot) for ids, slot in zip(chunks, slots)])
+    assert backend.copies == 3
+    for ids, slot in zip(chunks, slots):
+        assert torch.equal(slot, torch.cat([as_bytes(layer[ids]).reshape(-1) for layer in layers]))
+    # d2h is copy1, h2d copy2; the order was recorded on the caller's stream before anything was
+    # queued, and the copy stream waits on exactly that event, then records its own.
+    # Each KV tensor is made known to the caching allocator as used by the copy stream (freed KV
+    # memory is not reused under a queued copy).
+    assert backend.ops() == [
+        ("record", "default", 1), ("wait", "copy1", 1), *[("keep", "copy1", None)] * 4,
+        ("copy", "copy1", None), ("copy", "copy1", None), ("copy", "copy1", None),
+        ("record", "copy1", 2), ("sync", "copy1", 2),
+    ]
+    backend.log.clear()
+    targets = [[1, None, 8], [10, 11, 12]]
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    dst = DeviceKVView(layout_of(3), [fresh], backend=backend)
+    handle = dst.scatter_many_groups([(0, slots[0], targets[0]), (0, slots[1], targets[1])],
+                                     compute_stream="side", wait=False)
+    assert backend.copies == 5 and backend.ops("record", "wait")[:2] == [("record", "side", 3), ("wait", "copy4", 3)]
+    handle.wait_on_stream("consumer")  # the serving process's stream waits for the loads' event
+    assert backend.ops("wait")[-1] == ("wait", "consumer", 4)
+    for ids, target in zip(chunks[:2], targets):
+        for src_block, dst_block in zip(ids, target):
+            if dst_block is not None:
+                assert all(torch.equal(as_bytes(d[dst_block]), as_bytes(s[src_block])) for s, d in zip(layers, fresh))
+    assert all(int(as_bytes(d[2]).count_nonzero()) == 0 for d in fresh)  # no target: untouched
+    backend.log.clear()
+    mine = TokenEvent(99, "server")  # an event the caller recorded itself: no new record now
+    view.gather_many_groups([(0, [1, 2, 3], slots[2])], ready_event=mine)
+    assert backend.ops("record", "wait")[:1] == [("wait", "copy1", 99)]
+
+
+def test_a_batch_failing_partway_waits_for_the_copies_it_queued() -> None:
+    seen = []
+    backend = RecordingBackend(fail_on_copy=2, on_sync=lambda: seen.append(list(backend.ops())))
+    view = DeviceKVView(layout_of(2), [random_layers(2, 8, (3,), torch.float16, seed=22)], backend=backend)
+    slots = [torch.empty(view.chunk_nbytes(0), dtype=torch.uint8) for _ in range(3)]
+    with pytest.raises(InjectedFault, match="injected failure of copy 2"):
+        view.gather_many_groups([(0, [0, 1], slots[0]), (0, [2, 3], slots[1]), (0, [4, 5], slots[2])], wait=False)
+    # Copy 1 was queued when copy 2 failed: the batch records an event and waits for it before the
+    # exception reaches the caller (who then frees slots and blocks).
+    assert backend.ops() == [
+        ("record", "default", 1), ("wait", "copy1", 1), ("keep", "copy1", None), ("keep", "copy1", None),
+        ("copy", "copy1", None), ("copy_failed", "copy1", None), ("record", "copy1", 2), ("sync", "copy1", 2),
+    ]
+    assert len(seen) == 1
+
+
+class _FakeCudart:
+    def __init__(self, code: int) -> None:
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, base, nbytes, flags):  # noqa: N802 - the CUDA name
+        self.calls.append(("register", base, nbytes, flags))
+        return self.code
+
+
+class _FakeRuntime:
+    def __init__(self, pending: int) -> None:
+        self.pending, self.cleared = pending, 0
+
+    def get_last_error(self) -> int:
+        self.cleared += 1
+        code, self.pending = self.pending, 0
+        return code
+
+
+def test_a_failed_host_registration_clears_the_cuda_error_and_refuses() -> None:
+    cudart, runtime = _FakeCudart(2), _FakeRuntime(2)
+    with pytest.raises(DeviceError, match=r"cudaHostRegister of 4096 bytes failed with cudaError 2 \(error cleared\)"):
+        register_host_range(cudart, runtime, 0x1000, 4096)
+    assert runtime.cleared == 1 and runtime.pending == 0  # the next kernel launch sees no stale error
+    assert cudart.calls == [("register", 0x1000, 4096, 1)]  # portable: pinned for every context
+    with pytest.raises(DeviceError, match=r"error could not be cleared"):
+        register_host_range(_FakeCudart(2), None, 0x1000, 4096)
+    register_host_range(_FakeCudart(0), _FakeRuntime(0), 0x1000, 4096)  # success: nothing raised

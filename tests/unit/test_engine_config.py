@@ -17,7 +17,7 @@ def test_defaults_are_valid_and_documented_values():
     config = EngineConfig()
     assert config.cache_dir is None
     assert config.host_capacity_bytes == 256 * MiB
-    assert config.eviction_policy == "lfuda" and config.host_eviction_policy is None and config.host_policy() == "lfuda"
+    assert config.eviction_policy == "lru" and config.host_eviction_policy is None and config.host_policy() == "lru"
     assert config.disk_capacity_bytes is None
     assert config.lmdb_map_size_bytes == 1 * GiB
     assert config.store_queue_max_chunks == 4096
@@ -32,7 +32,7 @@ def test_defaults_are_valid_and_documented_values():
     assert config.pressure_low_watermark_fraction == 0.80
     assert config.pressure_poll_interval_s == 1.0
     assert config.reader_check_interval_s == 30.0
-    assert config.device_kind == "cpu"
+    assert config.device_kind is None  # follows the view
 
 
 def test_frozen_and_round_trips_through_dict():
@@ -199,7 +199,7 @@ def test_eviction_policies_by_name_from_every_loader(tmp_path):
     assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", None, "lru")
     config = EngineConfig.from_env({"KVTIER_EVICTION_POLICY": "lru", "KVTIER_HOST_EVICTION_POLICY": "arc"})
     assert (config.eviction_policy, config.host_policy()) == ("lru", "arc")
-    assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lfuda"
+    assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lru"
     with pytest.raises(ValueError, match=r"eviction_policy must be one of 'lfuda', 'lru', got 'arc'"):
         EngineConfig(eviction_policy="arc")  # ARC has no disk-tier variant
 

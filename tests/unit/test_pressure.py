@@ -17,7 +17,8 @@ from kvtier.engine.pressure import (
     host_memory_source,
     nvml_device_memory_source,
 )
-from kvtier.tools.testing.pressure import FakeNvml, ScriptedSource
+from kvtier.engine.pressure import nvml_device_headroom_source
+from kvtier.tools.testing.pressure import FakeNvml, FakeNvmlLibrary, ScriptedSource
 
 LOGGER = "kvtier.engine.pressure"
 
@@ -416,3 +417,49 @@ async def test_stop_does_not_wait_for_a_hung_source():
     await asyncio.wait_for(monitor.stop(), timeout=1.0)
     release.set()
     assert monitor.polls == 0  # the late reading was discarded
+
+
+# -- device headroom: what offload needs, not NVML's "used" ------------------------------------
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def test_the_gpu_is_found_by_uuid_not_by_torchs_index():
+    # CUDA_VISIBLE_DEVICES=1 makes the second GPU torch's cuda:0; NVML's index 0 is still the first.
+    nvml = FakeNvmlLibrary(80 * GiB, [10 * GiB], uuids=["GPU-aaaa", "GPU-bbbb"])
+    source = nvml_device_headroom_source(128 * MiB, uuid="GPU-bbbb", nvml=nvml)
+    assert source() == pytest.approx(128 * MiB / (70 * GiB))
+    assert ("by_uuid", "GPU-bbbb") in nvml.calls and not any(name == "by_index" for name, _ in nvml.calls)
+    assert nvml.calls[-1] == ("memory", "GPU-bbbb")
+    missing = nvml_device_headroom_source(128 * MiB, uuid="GPU-cccc", nvml=nvml)
+    assert missing() is None and missing.unknown_reason == "NVML unavailable (FakeNvmlError: Not Found: GPU-cccc)"
+    assert nvml_device_memory_source(0, uuid="GPU-bbbb", nvml=nvml)() == pytest.approx(10 / 80)
+
+
+def test_a_reserved_pool_at_92_percent_is_not_pressure():
+    # vLLM reserves 90% of the GPU up front: NVML's used/total sits at 0.92 for good. With ~11 GiB
+    # free and 128 MiB of staging needed, offload has all the room it needs.
+    total = 141 * GiB
+    nvml = FakeNvmlLibrary(total, [int(0.92 * total)])
+    monitor = PressureMonitor({"device": nvml_device_headroom_source(128 * MiB, uuid="GPU-fake-0", nvml=nvml)})
+    assert [monitor.poll_once() for _ in range(5)] == ["normal"] * 5 and monitor.readings["device"] < 0.02
+    # The old reading, used / total, would have paused for good at the default 0.90 mark.
+    old = PressureMonitor({"device": nvml_device_memory_source(0, nvml=nvml)})
+    assert old.poll_once() == "high"
+
+
+def test_an_allocation_leaving_no_room_for_staging_backs_off_with_hysteresis():
+    total, need = 80 * GiB, 128 * MiB
+    free_curve = [8 * GiB, 1 * GiB, 200 * MiB, 140 * MiB, 100 * MiB, 150 * MiB, 165 * MiB, 170 * MiB, 2 * GiB]
+    nvml = FakeNvmlLibrary(total, [total - free for free in free_curve])
+    reusable = [0]
+    monitor = PressureMonitor({"device": nvml_device_headroom_source(need, uuid="GPU-fake-0", nvml=nvml,
+                                                                      reusable_bytes=lambda: reusable[0])})
+    states = [monitor.poll_once() for _ in free_curve]
+    # Pause once free room is under need / 0.90 (~142 MiB), resume only at need / 0.80 (160 MiB).
+    assert states == ["normal", "normal", "normal", "high", "high", "high", "normal", "normal", "normal"]
+    assert monitor.transitions == 2
+    nvml.set_used(total - 100 * MiB)
+    assert monitor.poll_once() == "high"
+    reusable[0] = 1 * GiB  # torch's caching allocator holds a free GiB in this process: room enough
+    assert monitor.poll_once() == "normal"

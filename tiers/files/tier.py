@@ -388,6 +388,12 @@ class FileTier(ChunkTier, FileWrites):
             await asyncio.shield(self._tasks.spawn(self._remove_files(victims)))
         return len(victims)
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Move the ``keys`` this tier holds to the young end of its LRU, as a read would
+        (``ChunkTier.touch_many``; event-loop thread, like every change of the index)."""
+        for key in keys:
+            self._index.touch(check_key(key))
+
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Which keys are in the index (no disk access, no checksum). Cancelling it: no effect."""
         self._check_open()

@@ -586,15 +586,7 @@ class LmdbTier(ChunkTier, Maintenance):
             corrupt[:] = self._still_stored(corrupt)
         hits = sum(1 for r in results if r is not None)
         self._count(gets=len(items), hits=hits, misses=len(items) - hits, corrupt=len(corrupt))
-        if not self._readonly:
-            for (key, _), meta in zip(items, results):
-                if meta is not None:
-                    self._accesses.append((key, now))
-            if len(self._accesses) > _ACCESS_FLUSH_BACKLOG and self._writer is not None:
-                try:
-                    self._writer.submit(Job(self._flush_accesses, _log_failure))
-                except ClosedError:
-                    pass
+        self._record_accesses([key for (key, _), meta in zip(items, results) if meta is not None], now)
         if corrupt:
             for key, _, reason in corrupt:
                 log.warning("kvtier lmdb: corrupt record %s in %s: %s", key.hex(), self._path, reason)
@@ -605,6 +597,26 @@ class LmdbTier(ChunkTier, Maintenance):
                 except ClosedError:
                     pass
         return results
+
+    def _record_accesses(self, keys: Sequence[bytes], now: int) -> None:
+        """Queue ``keys`` as used at ``now`` for the writer, which moves them young in the LRU and
+        persists their access times (any thread: a deque's append is atomic)."""
+        if self._readonly:
+            return
+        for key in keys:
+            self._accesses.append((key, now))
+        if len(self._accesses) > _ACCESS_FLUSH_BACKLOG and self._writer is not None:
+            try:
+                self._writer.submit(Job(self._flush_accesses, _log_failure))
+            except ClosedError:
+                pass
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Move the ``keys`` this tier holds to the young end of its LRU as a read would (applied by
+        the writer with the next reads; ``ChunkTier.touch_many``). Any thread of the opening
+        process; does nothing once closed or read-only."""
+        if not self._closed and os.getpid() == self._pid:
+            self._record_accesses([check_key(k) for k in keys], time.time_ns())
 
     def _still_stored(self, corrupt: List[Tuple[bytes, int, str]]) -> List[Tuple[bytes, int, str]]:
         """Of the records a read found bad, those whose key still holds the same value. A pointer

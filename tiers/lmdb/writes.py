@@ -172,6 +172,7 @@ class WriterSide:
                 key, t = self._accesses.popleft()
             except IndexError:
                 break
+            taken.pop(key, None)  # its last read sets its place in the LRU, not its first
             taken[key] = t
         return [(key, t) for key, t in taken.items() if self._lru.touch(key)]
 

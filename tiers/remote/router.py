@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import redis.asyncio as aioredis
@@ -32,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvtier.errors import TierIOError, TierTimeoutError
 
 from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from .getreader import GetConnection, LiveReads, Reply
 from .url import RemoteAddress
 
 __all__ = ["NodeRouter", "RemoteNode", "NodeUnavailableError"]
@@ -44,6 +46,10 @@ _REFRESH_MIN_INTERVAL_S = 1.0
 
 class NodeUnavailableError(TierIOError):
     """The node's circuit breaker is open: the call was refused without touching the network."""
+
+
+class _Abandoned(Exception):
+    """The batch was abandoned before this pipeline was sent."""
 
 
 def _no_retry() -> Retry:
@@ -59,6 +65,9 @@ class RemoteNode:
         self.port = port
         self.name = f"{host}:{port}"
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: List[GetConnection] = []  # GET connections between pipelines
+        self._closed = False
         self.client = aioredis.Redis(
             host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=_no_retry(), retry_on_error=[], max_connections=concurrency, decode_responses=False,
@@ -133,7 +142,70 @@ class RemoteNode:
         self.breaker.success()
         return list(results)
 
+    async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
+                       live: LiveReads) -> List[Reply]:
+        """``GET`` each key as one pipeline on a ``GetConnection``: a raw record of its target's size
+        lands straight in the target (``DirectValue``), any other value comes back whole
+        (``bytearray``), an error reply as redis-py's exception object, an absent key as ``None``.
+        Errors, timeouts and the breaker as ``call``. While it reads, its connection is in
+        ``live``: ``live.abandon()`` stops every write into the targets at once (and keeps a call
+        that has not sent yet from sending), and this call then raises ``TierIOError`` without
+        counting against the breaker.
+        Cancelling it: the connection is aborted before the cancellation propagates, so nothing
+        writes into the targets after it ends."""
+        await self._ready()
+        async with self.slots:
+            conn: Optional[GetConnection] = None
+            try:
+                if self.hook is not None:
+                    self.hook(self, [("GET", rk) for rk in rkeys])
+                conn = await self._get_connection()
+                if live.abandoned:
+                    raise _Abandoned()
+                live.connections.add(conn)
+                replies = await asyncio.wait_for(conn.get(rkeys, targets), 2 * self.timeout_s)
+            except (RedisTimeoutError, asyncio.TimeoutError) as exc:
+                self.timeouts += 1
+                self.breaker.trip()
+                raise TierTimeoutError(
+                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
+                ) from exc
+            except (RedisError, OSError, _Abandoned) as exc:
+                if live.abandoned:  # aborted for the caller: not the node's fault
+                    raise TierIOError(f"remote tier: read from {self.name} abandoned") from exc
+                self.breaker.failure()
+                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+            finally:
+                if conn is not None:
+                    live.connections.discard(conn)
+                    if conn.broken is not None:
+                        pass
+                    elif self._closed:  # the node was closed (or left the slot map) meanwhile
+                        conn.abort()
+                    else:
+                        self._idle.append(conn)
+        self.breaker.success()
+        return replies
+
+    async def _get_connection(self) -> GetConnection:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.broken is None:
+                return conn
+        loop = asyncio.get_running_loop()
+        transport, conn = await asyncio.wait_for(
+            loop.create_connection(GetConnection, self.host, self.port), self.connect_timeout_s
+        )
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # as the redis-py client's connections: a dead peer is noticed
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        return conn
+
     async def close(self) -> None:
+        self._closed = True
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
         try:
             await self.client.aclose()
         except Exception:  # a broken connection cannot stop a close

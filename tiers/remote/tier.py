@@ -11,7 +11,8 @@ Primitives, and the thread each runs on:
   touched only on the event-loop thread.
 - The tier's own ``ThreadPoolExecutor`` (``kvtier-remote-*``) runs the record codec (one hop per
   slice of a batch, ``tiers.codec_pool``; zstd and the checksum release the GIL). Network I/O is redis-py's asyncio
-  client on the loop (``router.py``).
+  client on the loop (``router.py``), except ``GET`` pipelines: kvtier's own reader
+  (``getreader.py``) lands each raw record's payload straight in the caller's buffer.
 
 Storage: one key per chunk, ``kvtier:<namespace>:<fingerprint tag>:<hex chunk key>``, holding
 kvtier's checksummed record (``tiers/record_format.py``) - never a metadata key beside a data key, which an
@@ -40,7 +41,7 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import xxhash
 from redis.exceptions import OutOfMemoryError
@@ -61,9 +62,9 @@ from ..record_format import (
     CodecConfig,
     RecordMetaMismatchError,
     RecordSizeMismatchError,
-    decode_record,
     encode_record,
 )
+from .getreader import DirectValue, LiveReads, decode_into, fetched_size
 from .notify import EvictionListener
 from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
 from .url import RemoteAddress, parse_remote_url
@@ -121,8 +122,9 @@ class RemoteTier(ChunkTier):
                  codec: CodecConfig, timeout_s: float, connect_timeout_s: float, concurrency: int,
                  pipeline_max_bytes: int, breaker_failures: int, breaker_reset_s: float,
                  listing_interval_s: Optional[float], configure_notifications: bool,
-                 io_threads: int) -> None:
+                 io_threads: int, direct_get: bool = True) -> None:
         self.address = address
+        self._direct_get = direct_get
         self.namespace = namespace
         self._fingerprint = fingerprint
         tag = xxhash.xxh3_64_hexdigest(fingerprint) if fingerprint is not None else "any"
@@ -165,7 +167,7 @@ class RemoteTier(ChunkTier):
             put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
             get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
             evictions_notified=0, removals_listed=0, listings=0,
-            rollbacks=0, moved=0,
+            rollbacks=0, moved=0, get_direct=0,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -188,6 +190,7 @@ class RemoteTier(ChunkTier):
         configure_notifications: bool = True,
         io_threads: int = 2,
         require_connection: bool = True,
+        direct_get: bool = True,
     ) -> "RemoteTier":
         """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
 
@@ -201,6 +204,9 @@ class RemoteTier(ChunkTier):
         add ``Ee`` to ``notify-keyspace-events`` on each primary (a managed server that forbids
         CONFIG leaves only the listing). ``require_connection``: raise ``TierIOError`` when no node
         answers (the default); ``False`` starts degraded and heals when the server comes back.
+        ``direct_get``: read ``GET`` replies with kvtier's own reader, which lands each raw
+        record's payload straight in the caller's buffer (``getreader.py``; the default);
+        ``False`` reads them through redis-py's client like every other command.
 
         Cancelling it: nothing is left running; no tier is returned.
         """
@@ -226,6 +232,7 @@ class RemoteTier(ChunkTier):
             pipeline_max_bytes=pipeline_max_bytes, breaker_failures=breaker_failures,
             breaker_reset_s=float(breaker_reset_s), listing_interval_s=listing_interval_s,
             configure_notifications=configure_notifications, io_threads=io_threads,
+            direct_get=direct_get,
         )
         try:
             try:
@@ -329,8 +336,11 @@ class RemoteTier(ChunkTier):
         return await asyncio.wrap_future(coding)
 
     async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
-                          make: Callable[[int], Tuple[Any, ...]]) -> Tuple[List[Any], List[BaseException]]:
-        """Run one command per key, grouped per node into size-capped pipelines, all concurrently.
+                          make: Callable[[int], Tuple[Any, ...]],
+                          send: Optional[Callable[[RemoteNode, List[int]], Awaitable[List[Any]]]] = None,
+                          ) -> Tuple[List[Any], List[BaseException]]:
+        """Run one command per key, grouped per node into size-capped pipelines, all concurrently
+        (``send(node, indexes)`` runs one pipeline; by default ``node.call`` of ``make(i)`` each).
 
         Returns the per-key replies (an exception object where that key's command or its node
         failed) and the node-level failures. Every pipeline is waited for before returning."""
@@ -347,9 +357,9 @@ class RemoteTier(ChunkTier):
             node = self._router.nodes[name]
             for part in _pipelines(indexes, sizes, self._pipeline_max_bytes):
                 jobs.append((node, part))
-        outcomes = await asyncio.gather(
-            *(node.call([make(i) for i in part]) for node, part in jobs), return_exceptions=True
-        )
+        if send is None:
+            send = lambda node, part: node.call([make(i) for i in part])  # noqa: E731
+        outcomes = await asyncio.gather(*(send(node, part) for node, part in jobs), return_exceptions=True)
         moved = False
         for (node, part), outcome in zip(jobs, outcomes):
             if isinstance(outcome, BaseException):
@@ -405,7 +415,8 @@ class RemoteTier(ChunkTier):
         put/get bytes moved, latency totals and maxima (seconds per batch), timeouts, full (stores
         refused for memory), breaker_rejected (items skipped while a breaker was open),
         breaker_open (primaries whose breaker is not closed), breaker_opens, evictions_notified,
-        removals_listed, listings, listener_restarts, rollbacks, moved, nodes."""
+        removals_listed, listings, listener_restarts, rollbacks, moved, nodes, get_direct (values
+        whose payload the reader placed straight in the caller's buffer)."""
         extra = dict(self._extra)
         primaries = self._router.primaries()
         extra["nodes"] = float(len(primaries))
@@ -566,8 +577,8 @@ class RemoteTier(ChunkTier):
         written for another fingerprint (deleted, ``mismatched``, reported ``quarantined``), or of
         another raw size than the buffer (``mismatched``, left in place).
 
-        Cancelling it: while the values are still on the network, the call ends at once and they
-        are dropped unread; once decoding into the buffers has begun, the call returns (re-raising
+        Cancelling it: while the values are still on the network, the connections reading them
+        (straight into the buffers) are aborted and the call ends at once; once decoding into the buffers has begun, the call returns (re-raising
         ``CancelledError``) only after it has finished, so the buffers are free when it ends.
         """
         self._check_open()
@@ -581,42 +592,48 @@ class RemoteTier(ChunkTier):
         self._stats["gets"] += len(checked)
         if not checked:
             return []
-        state = {"phase": "fetching"}
+        state: Dict[str, Any] = {"phase": "fetching", "live": LiveReads()}
         decoded: "asyncio.Future[None]" = self._loop.create_future()
         task = self._tasks.spawn(self._get_batch(checked, state, decoded))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if state["phase"] == "fetching":
-                state["phase"] = "abandoned"  # the task sees it before it touches any buffer
+                state["phase"] = "abandoned"  # the task sees it before it decodes into any buffer
+                state["live"].abandon()  # values arriving straight into the buffers: stop them now
                 raise
             await wait_through_cancel(decoded)
             raise
 
-    async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, str],
+    async def _get_batch(self, checked: List[Tuple[bytes, memoryview]], state: Dict[str, Any],
                          decoded: "asyncio.Future[None]") -> List[Optional[ChunkMeta]]:
         started = time.perf_counter()
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
         try:
             rkeys = [self._prefix + key.hex().encode() for key, _ in checked]
+            send = None
+            if self._direct_get:
+                send = lambda node, part: node.get_into(  # noqa: E731
+                    [rkeys[i] for i in part], [checked[i][1] for i in part], state["live"])
             replies, failures = await self._node_calls(
-                rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i])
+                rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i]), send
             )
-            if failures:
-                self._stats["errors"] += len(failures)
             if state["phase"] == "abandoned":
                 self._stats["misses"] += len(checked)
                 return results
+            if failures:
+                self._stats["errors"] += len(failures)
             state["phase"] = "decoding"
-            found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray))]
+            found = [(i, r) for i, r in enumerate(replies) if isinstance(r, (bytes, bytearray, DirectValue))]
+            self._extra["get_direct"] += sum(1 for _, r in found if isinstance(r, DirectValue))
             jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
             fingerprint = self._fingerprint
 
-            def decode(part: Sequence[Tuple[bytes, bytes, memoryview]]) -> List[Any]:
+            def decode(part: Sequence[Tuple[bytes, Any, memoryview]]) -> List[Any]:
                 out: List[Any] = []
                 for rkey, data, buf in part:
                     try:
-                        meta, _ = decode_record(rkey, data, buf)
+                        meta = decode_into(rkey, data, buf)
                     except RecordSizeMismatchError as exc:
                         out.append(_Mismatch(str(exc), False))
                         continue
@@ -651,10 +668,11 @@ class RemoteTier(ChunkTier):
                     bad.append(rkeys[i])
                     bad_keys.append(key)
             else:
+                size = fetched_size(data, checked[i][1])
                 results[i] = outcome
-                got += len(data)
+                got += size
                 if key not in self._known:
-                    self._remember(key, self._sequence, len(data))
+                    self._remember(key, self._sequence, size)
         if bad:
             await self._quarantine(list(dict.fromkeys(bad)), list(dict.fromkeys(bad_keys)))
         hits = sum(1 for r in results if r is not None)

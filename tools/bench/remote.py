@@ -95,6 +95,33 @@ async def _timed_gets(tier: Any, items: List[Any], chunk_bytes: int) -> float:
     return time.perf_counter() - started
 
 
+def _recv_into_limit(port: int, names: List[bytes]) -> float:
+    """Seconds for a bare ``socket`` to send pipelined ``GET``s of ``names`` and ``recv_into`` every
+    reply byte into one preallocated buffer (no parsing, no decode): the limit of any reader."""
+    import socket
+
+    import redis
+
+    client = redis.Redis(port=port)
+    try:
+        lengths = [int(client.strlen(n)) for n in names]
+    finally:
+        client.close()
+    expect = sum(len(b"$%d\r\n" % n) + n + 2 for n in lengths)
+    request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n) for n in names)
+    sink = memoryview(bytearray(min(expect, 64 * MiB)))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        started = time.perf_counter()
+        sock.sendall(request)
+        got = 0
+        while got < expect:
+            n = sock.recv_into(sink[: min(sink.nbytes, expect - got)])
+            if not n:
+                raise RuntimeError("bare socket: connection closed early")
+            got += n
+        return time.perf_counter() - started
+
+
 async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, rounds: int,
                          say: Callable[[str], None], work: Optional[Path] = None) -> None:
     """Add the remote rows to ``report`` (a ``BenchReport``); failures (wrong bytes) go to
@@ -136,7 +163,13 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
                                          codec=raw_codec, timeout_s=10.0)
             cluster = await RemoteTier.open(servers.cluster.url, namespace="bench", fingerprint=meta.fingerprint,
                                             codec=raw_codec, timeout_s=10.0)
-            subjects = {"lmdb": lmdb, "node": node, "cluster": cluster}
+            # The same node read through redis-py's client (the reader before kvtier's own), measured
+            # in the same rounds so the two are compared under the same machine load.
+            node_redispy = await RemoteTier.open(servers.node.url, namespace="bench-redispy",
+                                                 fingerprint=meta.fingerprint, codec=raw_codec, timeout_s=10.0,
+                                                 direct_get=False)
+            subjects = {"lmdb": lmdb, "node": node, "node_redispy": node_redispy, "cluster": cluster}
+            recv: List[float] = []
             k = max(1, min(rounds, n))
             step = n // k
             ranges = [range(i * step, (i + 1) * step if i < k - 1 else n) for i in range(k)]
@@ -158,6 +191,8 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
                         bad = sum(1 for i in r if outs[i] != chunks[i])
                         if bad:
                             report.failures.append(f"remote {label}: {name} returned {bad} wrong chunks")
+                        if name == "node":
+                            recv.append(_recv_into_limit(int(servers.node.port), [node.rkey(k) for k in keys]))
             finally:
                 for tier in subjects.values():
                     await tier.close()
@@ -175,6 +210,14 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
                        ratio(put["lmdb"], copy), "memcpy")
             report.add(f"lmdb get (page cache) {label} (remote run)", speed(get["lmdb"]), "MB/s",
                        ratio(get["lmdb"], copy), "memcpy")
+            report.add(f"bare socket recv_into {label} (remote run, one node)", speed(recv), "MB/s",
+                       ratio(recv, copy), "memcpy")
+            report.add(f"remote get one node {label} (redis-py reader)", speed(get["node_redispy"]), "MB/s",
+                       ratio(get["node_redispy"], copy), "memcpy")
+            report.add(f"remote get one node {label} vs redis-py reader", speed(get["node"]), "MB/s",
+                       ratio(get["node"], get["node_redispy"]), "redis-py reader")
+            report.add(f"remote get one node {label} vs bare socket", speed(get["node"]), "MB/s",
+                       ratio(get["node"], recv), "bare socket recv_into")
             for name, title in (("node", "one node"), ("cluster", "3-primary cluster")):
                 report.add(f"remote put {title} {label}", speed(put[name]), "MB/s", ratio(put[name], copy), "memcpy")
                 report.add(f"remote put {title} {label} vs lmdb", speed(put[name]), "MB/s",

@@ -15,6 +15,7 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
+from ..argtypes import int_option
 from .layouts import PRESETS, ReplayLayout, resolve_layout
 from .report import format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
@@ -49,26 +50,8 @@ def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]
     return parse_size(value, option), None
 
 
-def _retention(text: str) -> Optional[int]:
-    if text.lower() in ("none", "dense"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'none' (dense) or an int >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
+_retention = int_option(0, none=("none", "dense"), none_text="'none' (dense)")
+_positive = int_option(1)
 
 
 def _scale(text: str) -> float:
@@ -119,6 +102,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated presets for --sweep")
     parser.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples for --sweep (default 1000)")
     parser.add_argument("--plot", metavar="PNG", help="with --sweep: write a plot of hit rate against budget (needs matplotlib)")
+    parser.add_argument("--through-vllm", action="store_true",
+                        help="the first --limit requests (default 40, prompts cut to --max-input-tokens, default 2000) "
+                        "through vLLM's real Scheduler + OffloadingConnector on CPU: its CPU tier alone, then its CPU "
+                        "tier + KvtierTier at equal total chunks, and kvtier's engine mode configured the same (its own "
+                        "full-attention model of 512-token chunks; budgets from --vllm-chunks, not --host/--disk-bytes)")
+    parser.add_argument("--vllm-chunks", type=_positive, default=64, metavar="N",
+                        help="with --through-vllm: total budget in 512-token chunks (default 64)")
+    parser.add_argument("--vllm-cpu-chunks", type=_positive, default=16, metavar="N",
+                        help="with --through-vllm: vLLM's CPU tier in the run with kvtier (the rest is kvtier's disk; "
+                        "default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
 
@@ -245,6 +238,8 @@ def run(args) -> int:
     policy_class(args.policy)
     if args.plot and not args.sweep:
         raise ValueError("--plot goes with --sweep (a plot of hit rate against budget)")
+    if args.through_vllm:
+        return _run_through_vllm(args)
     trace = read_trace(args.trace, format=args.format).limited(args.limit, args.max_input_tokens)
     if args.compare_policies:
         return _run_comparison(args, trace)
@@ -270,6 +265,37 @@ def _plain(value):
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+VLLM_LIMIT = 40
+VLLM_MAX_INPUT_TOKENS = 2000
+
+
+def _run_through_vllm(args) -> int:
+    from .engine_mode import EngineReplayError
+    from .vllm_mode import format_vllm_report, replay_through_vllm
+
+    if args.sweep or args.simulate or args.remote:
+        raise ValueError("--through-vllm runs alone: not with --sweep, --simulate or --remote")
+    if args.layout or args.model_config or args.vllm_layout or args.extra_retained_tokens:
+        raise ValueError("--through-vllm replays its own model (one full-attention group of 512-token chunks, the "
+                         "trace's blocks): not with --layout, --model-config, --vllm-layout or -R")
+    trace = read_trace(args.trace, format=args.format).limited(args.limit or VLLM_LIMIT,
+                                                               args.max_input_tokens or VLLM_MAX_INPUT_TOKENS)
+    try:
+        with _progress(2 * len(trace), args.no_progress or args.json, "kvtier replay --through-vllm") as bar:
+            result = replay_through_vllm(trace, total_chunks=args.vllm_chunks, cpu_chunks=args.vllm_cpu_chunks,
+                                         progress=bar.update)
+    except EngineReplayError as exc:
+        print(f"kvtier: error: wrong bytes loaded: {exc}", file=sys.stderr)
+        return 1
+    result["trace"] = trace.path
+    result["hit_rate"] = result["vllm_kvtier"]["hit_rate"]
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=_plain))
+    else:
+        print(format_vllm_report(result))
+    return 0
 
 
 def _layout_names(args) -> list:

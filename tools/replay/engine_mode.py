@@ -62,9 +62,9 @@ class _SizedPoolsEngine(OffloadEngine):
         self._replay_slots = list(host_slots)
 
     def _make_pools(self) -> List[HostSlabPool]:
-        config = self.config
-        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=config.device_kind,
-                             eviction=config.host_policy()) for g, slots in enumerate(self._replay_slots)]
+        # the view's own device, as the engine's pools (the config's device_kind may be None: follow it)
+        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=str(self.device.device),
+                             eviction=self.config.host_policy()) for g, slots in enumerate(self._replay_slots)]
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:
@@ -159,10 +159,9 @@ async def replay_engine(
 
     seen_remote = [0.0]
     async with _SizedPoolsEngine(model, device, config, fingerprint=fingerprint, host_slots=host_slots) as engine:
-        # The LMDB tier applies disk reads to its LRU at its next write, keeping each key's first
-        # read, or earlier on a 5 s timer: which of the two depends on timing when a key is read
-        # twice between writes. Applying them after every load that read the disk makes the order
-        # a function of the trace (the fast mode's: each read touches at once).
+        # The LMDB tier applies a load's uses (disk reads, and host hits it also holds) to its LRU
+        # at its next write or on a timer; applying them after every load makes the moment they
+        # land a function of the trace, as in the fast mode (each use touches at once).
         flushable = engine.disk_tier is not None and hasattr(engine.disk_tier, "flush")
         take_events(engine)  # chunks an earlier run left are on disk, not on the host
         for r in range(n_req):
@@ -181,7 +180,7 @@ async def replay_engine(
                 # Chunks that came to the host during the load were promoted from disk (a chunk
                 # an earlier window of the load evicted comes back that way too).
                 promoted = take_events(engine)
-                if promoted and flushable:
+                if flushable:
                     await engine.disk_tier.flush()
                 if remote_url is not None and promoted:
                     # The chain counts its hits per tier; the remote's share of this load's reads

@@ -15,9 +15,12 @@ its work flushed after every request (the way engine mode replays):
   ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
   disk-only ones into new slots and touches them all, in windows of half a pool;
 - disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
-  byte index (``tiers.lru``: LRU, or LFU-DA under ``lfuda``) counts record bytes, keeps the batch being written, and sees each disk read as a touch
-  (only reads from disk touch it: a chunk hot on the host ages on disk). The tier applies reads
-  at its next write or on a timer; engine mode flushes them after each load, so both orders agree;
+  byte index (``tiers.lru``: LRU, or LFU-DA under ``lfuda``) counts record bytes, keeps the batch
+  being written, and sees each use as a touch: a
+  disk read, and (after the window's promotions) a chunk the load served from the host that the
+  disk also holds (``ChunkTier.touch_many``), so a chunk hot on the host does not age out below.
+  The tier applies uses at its next write or on a timer; engine mode flushes them after each
+  load, so both orders agree;
 - a chunk evicted from disk stays on the host until evicted there; lookups see both.
 """
 
@@ -229,6 +232,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                     read_host[r] += len(pinned[g]) * chunk_bytes[g]
                     hcount.read_chunks += len(pinned[g])
                     hcount.read_bytes += len(pinned[g]) * chunk_bytes[g]
+                for g, key in window:  # served from the host, still a use the disk's index hears of
+                    if key in pinned[g] and key in disk:
+                        disk.touch(key)
                 for g, key in window:
                     host[g].touch(key)
         new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))

@@ -8,7 +8,10 @@
   base of ``FaultyTier`` and ``SeamTier``; override only what you intercept).
 - ``scenario``: ``OffloadScenario`` (a producer and consumers on CPU tensors, exact stored and
   loaded sets), ``make_cpu_device``, ``DEFAULT_TEST_LAYOUT``.
-- ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings).
+- ``pressure``: ``ScriptedSource`` / ``FakeNvml`` (scripted memory-pressure readings),
+  ``FakeNvmlLibrary`` (a stand-in ``pynvml``: GPUs by UUID, scripted bytes used).
+- ``device``: ``RecordingBackend`` (a CPU device backend whose views take the CUDA code path and
+  log every record / wait / sync / copy; a copy can be made to fail).
 - ``tier_seam``: ``SeamTier`` (fail a tier call with any exception, hold it before or after the
   inner tier did the work, stall it) -- the seam of the engine's contract tests.
 - ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random

@@ -51,6 +51,9 @@ class ForwardingTier(ChunkTier):
     async def flush(self) -> None:
         await self.inner.flush()
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        self.inner.touch_many(keys)
+
     async def check(self) -> List[str]:
         return await self.inner.check()
 

@@ -1,15 +1,17 @@
 """Scripted pressure sources for tests and the pytest plugin's ``fake_nvml`` fixture.
 
 ``ScriptedSource`` returns a scripted list of used-fractions, one per call (any thread: the pressure
-monitor polls it from its own thread); ``FakeNvml`` stands in for the NVML device-memory source.
+monitor polls it from its own thread); ``FakeNvml`` stands in for the NVML device-memory source;
+``FakeNvmlLibrary`` stands in for the ``pynvml`` module itself (GPUs by UUID, scripted bytes used).
 """
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Iterable, List, Optional
 
-__all__ = ["ScriptedSource", "FakeNvml"]
+__all__ = ["ScriptedSource", "FakeNvml", "FakeNvmlLibrary", "FakeNvmlError"]
 
 
 class ScriptedSource:
@@ -66,3 +68,45 @@ class FakeNvml(ScriptedSource):
     "NVML unavailable"."""
 
     default_unknown_reason = "NVML unavailable (fake NVML scripted no reading)"
+
+
+class FakeNvmlError(Exception):
+    """The fake library's ``NVMLError``."""
+
+
+class FakeNvmlLibrary:
+    """A stand-in for the ``pynvml`` module (pass it as ``nvml=`` to kvtier's NVML sources): GPUs
+    by UUID and index, each with ``total`` bytes and a scripted ``used`` curve (one value per
+    memory query, then the last one held; ``set_used`` replaces the rest). ``calls`` logs every
+    lookup and query as ``(name, argument)``. Thread-safe."""
+
+    NVMLError = FakeNvmlError
+
+    def __init__(self, total: int, used: Iterable[int], *, uuids: Iterable[str] = ("GPU-fake-0",)) -> None:
+        self.total = total
+        self.uuids = list(uuids)
+        self._used = ScriptedSource(used)
+        self.calls: List[tuple] = []
+
+    def set_used(self, used: int) -> None:
+        self._used.set(used)
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        self.calls.append(("init", None))
+
+    def nvmlDeviceGetHandleByUUID(self, uuid) -> str:  # noqa: N802
+        self.calls.append(("by_uuid", uuid))
+        if uuid not in self.uuids:
+            raise FakeNvmlError(f"Not Found: {uuid}")
+        return uuid
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802
+        self.calls.append(("by_index", index))
+        if not 0 <= index < len(self.uuids):
+            raise FakeNvmlError("Invalid Argument")
+        return self.uuids[index]
+
+    def nvmlDeviceGetMemoryInfo(self, handle):  # noqa: N802
+        self.calls.append(("memory", handle))
+        used = int(self._used())
+        return SimpleNamespace(total=self.total, used=used, free=self.total - used)

@@ -19,7 +19,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device import DeviceBackend, DeviceKVView
 
 __all__ = ["OffloadScenario", "ProducerRecord", "ConsumerRecord", "make_cpu_device", "DEFAULT_TEST_LAYOUT"]
 
@@ -39,14 +39,16 @@ def make_cpu_device(
     kv_heads: int = 2,
     head_dim: int = 4,
     dtype: torch.dtype = torch.float32,
+    backend: Optional[DeviceBackend] = None,
 ) -> DeviceKVView:
     """CPU paged KV tensors for ``layout``: per group ``num_layers`` tensors of shape
-    ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (K and V stacked), zero-filled."""
+    ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (K and V stacked), zero-filled. ``backend``:
+    a CPU backend of the caller's (``RecordingBackend`` runs the CUDA code path)."""
     caches = [
         [torch.zeros(num_blocks, 2, g.block_size, kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
         for g in layout.groups
     ]
-    return DeviceKVView(layout, caches)
+    return DeviceKVView(layout, caches, backend=backend)
 
 
 def _as_sets(expected: Optional[Mapping[int, Sequence[int]]], num_groups: int) -> Optional[GroupBlocks]:
