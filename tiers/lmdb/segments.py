@@ -61,7 +61,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import lmdb
 
@@ -102,8 +102,11 @@ __all__ = [
     "check_segment_threshold",
 ]
 
-if TYPE_CHECKING:
-    from .segment_reader import SegmentReader
+class ForgetsSegments(Protocol):
+    """What ``remove_dead`` needs of a reader (``segment_reader.SegmentReader``): to drop its fds
+    of deleted segments. A protocol, so this module never imports the reader that imports it."""
+
+    def forget(self, names: Iterable[str]) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +466,7 @@ def segment_files(directory: Path) -> List[str]:
 
 
 def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter],
-                reader: "SegmentReader") -> List[str]:
+                reader: ForgetsSegments) -> List[str]:
     """After the commit that emptied ``names``: delete each segment file, unless a writer still
     appends to it (ours is rotated first; another process's keeps its lock: left for later).
     Returns the names deleted. Never raises: it runs after a commit, which must stand whatever

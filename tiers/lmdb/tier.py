@@ -524,7 +524,8 @@ class LmdbTier(ChunkTier, Maintenance):
         buffer (``mismatched``).
 
         Cancelling it: slices not yet started are abandoned, running ones finish into the buffers,
-        and only then does the call re-raise ``CancelledError`` (the buffer rule).
+        and only then does the call re-raise ``CancelledError`` (the buffer rule); the hits of a
+        cancelled call do not count as uses in the LRU.
         """
         self._check_usable()
         checked = [(check_key(k), v) for k, v in items]
@@ -541,11 +542,14 @@ class LmdbTier(ChunkTier, Maintenance):
             )
         except RuntimeError as exc:  # the pool is shut down: close() ran
             raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
-        return await wait_threads(reading, abandon_unstarted=True)
+        results = await wait_threads(reading, abandon_unstarted=True)
+        # The hits count as uses in the batch's order, not in the order its slices happened to
+        # finish on the read threads: the LRU's order is then a function of the calls made.
+        self._record_accesses([key for (key, _), meta in zip(checked, results) if meta is not None], time.time_ns())
+        return results
 
     def _read_slice(self, items: List[GetItem]) -> List[Optional[ChunkMeta]]:
         corrupt: List[Tuple[bytes, int, str]] = []
-        now = time.time_ns()
 
         def body(txn: lmdb.Transaction) -> List[Optional[ChunkMeta]]:
             results: List[Optional[ChunkMeta]] = []
@@ -586,7 +590,6 @@ class LmdbTier(ChunkTier, Maintenance):
             corrupt[:] = self._still_stored(corrupt)
         hits = sum(1 for r in results if r is not None)
         self._count(gets=len(items), hits=hits, misses=len(items) - hits, corrupt=len(corrupt))
-        self._record_accesses([key for (key, _), meta in zip(items, results) if meta is not None], now)
         if corrupt:
             for key, _, reason in corrupt:
                 log.warning("kvtier lmdb: corrupt record %s in %s: %s", key.hex(), self._path, reason)
