@@ -18,7 +18,8 @@ __all__ = ["ByteLru", "ByteLfuda", "make_byte_index", "BYTE_INDEX_NAMES"]
 
 class ByteLru:
     """Stored sizes in least-recently-used order. ``choose_victims`` picks what to drop for room;
-    ``reconcile`` compares the index with what a tier finds in storage."""
+    ``reconcile`` compares the index with what a tier finds in storage. One thread only: the
+    owning tier's (module docstring)."""
 
     __slots__ = ("_sizes", "_total")
 
@@ -112,7 +113,8 @@ class ByteLfuda(ByteLru):
     count, its priority is ``L + count`` (``L``: the priority of the last record dropped), the
     lowest goes first, equal ones least recently used first. Counts outlive the records (a chunk
     written again keeps its history), halved every ``history`` accesses (zeros dropped) so at most
-    about that many keys are remembered. A size change by ``put`` is an access like any other."""
+    about that many keys are remembered. A size change by ``put`` is an access like any other.
+    One thread only, as ``ByteLru``."""
 
     __slots__ = ("_rank", "_heap", "_counts", "_age", "_sequence", "_samples", "_history")
 
@@ -153,18 +155,13 @@ class ByteLfuda(ByteLru):
         return iter(sorted(self._rank, key=self._rank.__getitem__))
 
     def put(self, key: bytes, size: int) -> None:
-        old = self._sizes.pop(key, None)
-        if old is not None:
-            self._total -= old
-        self._sizes[key] = size
-        self._total += size
+        super().put(key, size)
         self._access(key)
 
     def pop(self, key: bytes) -> Optional[int]:
         """Drop ``key`` (evicted or removed): ``L`` becomes its priority if that is higher."""
-        size = self._sizes.pop(key, None)
+        size = super().pop(key)
         if size is not None:
-            self._total -= size
             self._age = max(self._age, self._rank.pop(key)[0])
         return size
 
