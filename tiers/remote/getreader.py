@@ -37,7 +37,8 @@ _DIRECT_MIN_BYTES = 16 << 10
 
 class DirectValue:
     """A ``GET`` value whose record payload sits in the caller's buffer; ``head`` is the record's
-    prefix and header (exactly), for ``check_payload_in_place`` / ``decode_split``."""
+    prefix and header (exactly), for ``check_payload_in_place`` / ``decode_split``. Made on the
+    event-loop thread, read by the codec threads after the read finished."""
 
     __slots__ = ("head",)
 
@@ -50,7 +51,8 @@ Reply = Union[None, bytearray, DirectValue, BaseException]
 
 class LiveReads:
     """The connections reading one batch's values into its buffers, and whether the batch was
-    abandoned (its caller cancelled): ``abandon`` aborts those reading and bars any later one."""
+    abandoned (its caller cancelled): ``abandon`` aborts those reading and bars any later one.
+    Event-loop thread only."""
 
     __slots__ = ("connections", "abandoned")
 
@@ -83,7 +85,8 @@ def fetched_size(data: Union[bytearray, DirectValue], buf: memoryview) -> int:
 
 
 class GetConnection(asyncio.BufferedProtocol):
-    """One connection reading pipelined ``GET`` replies. One pipeline at a time (``get``)."""
+    """One connection reading pipelined ``GET`` replies. One pipeline at a time (``get``), on the
+    event-loop thread only (asyncio calls its protocol methods there)."""
 
     def __init__(self) -> None:
         self.transport: Optional[asyncio.Transport] = None

@@ -57,7 +57,7 @@ def _no_retry() -> Retry:
 
 
 class RemoteNode:
-    """One primary: ``name`` is ``host:port``."""
+    """One primary: ``name`` is ``host:port``. Event-loop thread only (the loop the tier opened on)."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float, connect_timeout_s: float,
                  concurrency: int, breaker_failures: int, breaker_reset_s: float) -> None:
@@ -130,17 +130,20 @@ class RemoteNode:
                 # A second bound over the socket timeout: a connect that hangs in the pool, or a
                 # server that trickles bytes, still ends within about two timeouts.
                 results = await asyncio.wait_for(pipe.execute(raise_on_error=False), 2 * self.timeout_s)
-            except (RedisTimeoutError, asyncio.TimeoutError) as exc:
-                self.timeouts += 1
-                self.breaker.trip()
-                raise TierTimeoutError(
-                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
-                ) from exc
-            except (RedisError, OSError) as exc:
-                self.breaker.failure()
-                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                raise self._failed(exc) from exc
         self.breaker.success()
         return list(results)
+
+    def _failed(self, exc: BaseException) -> TierIOError:
+        """The typed error of a pipeline that failed underneath, the breaker told: a timeout trips
+        it at once (``TierTimeoutError``), any other failure counts one (``TierIOError``)."""
+        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+            self.timeouts += 1
+            self.breaker.trip()
+            return TierTimeoutError(f"remote tier: node {self.name} did not answer within {self.timeout_s} s")
+        self.breaker.failure()
+        return TierIOError(f"remote tier: node {self.name} failed: {exc}")
 
     async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
                        live: LiveReads) -> List[Reply]:
@@ -165,16 +168,11 @@ class RemoteNode:
                 live.connections.add(conn)
                 replies = await asyncio.wait_for(conn.get(rkeys, targets), 2 * self.timeout_s)
             except (RedisTimeoutError, asyncio.TimeoutError) as exc:
-                self.timeouts += 1
-                self.breaker.trip()
-                raise TierTimeoutError(
-                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
-                ) from exc
+                raise self._failed(exc) from exc
             except (RedisError, OSError, _Abandoned) as exc:
                 if live.abandoned:  # aborted for the caller: not the node's fault
                     raise TierIOError(f"remote tier: read from {self.name} abandoned") from exc
-                self.breaker.failure()
-                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+                raise self._failed(exc) from exc
             finally:
                 if conn is not None:
                     live.connections.discard(conn)
@@ -213,11 +211,14 @@ class RemoteNode:
 
 
 class NodeRouter:
-    """Slot map and primaries of one remote address (one node, or a cluster)."""
+    """Slot map and primaries of one remote address (one node, or a cluster). Event-loop thread
+    only. ``timeout_s`` bounds each node call, ``connect_timeout_s`` each connect."""
 
     def __init__(self, address: RemoteAddress, *, timeout_s: float, connect_timeout_s: float,
                  concurrency: int, breaker_failures: int, breaker_reset_s: float) -> None:
         self.address = address
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._node_kwargs = dict(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, concurrency=concurrency,
             breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,

@@ -40,33 +40,23 @@ import asyncio
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import xxhash
 from redis.exceptions import OutOfMemoryError
 
-from kvtier.errors import (
-    ClosedError,
-    CorruptRecordError,
-    TierFullError,
-    TierIOError,
-    TierTimeoutError,
-)
+from kvtier.errors import ClosedError, CorruptRecordError, TierFullError, TierIOError, TierTimeoutError
 
-from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
-from ..key_counts import KeyCounts
+from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, TierStatistics, check_key
+from ..codec_pool import wait_through_cancel
 from ..owned_tasks import OwnedTasks
-from ..record_format import (
-    CodecConfig,
-    RecordMetaMismatchError,
-    RecordSizeMismatchError,
-    encode_record,
-)
-from .getreader import DirectValue, LiveReads, decode_into, fetched_size
+from ..record_format import CodecConfig
+from .coding import CodecThreads, Mismatch, decode_records, encode_records
+from .fanout import Fanout
+from .getreader import DirectValue, LiveReads, fetched_size
+from .keyspace import Keyspace
+from .listing import Listing
 from .notify import EvictionListener
-from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
+from .router import NodeRouter, RemoteNode
 from .url import RemoteAddress, parse_remote_url
 
 __all__ = ["RemoteTier", "PutAbortedError"]
@@ -76,44 +66,21 @@ logger = logging.getLogger("kvtier.tiers.remote")
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
-_SCAN_COUNT = 1000
-
 
 
 class PutAbortedError(TierIOError):
     """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
 
 
-class _Mismatch:
-    __slots__ = ("reason", "foreign")
-
-    def __init__(self, reason: str, foreign: bool) -> None:
-        self.reason = reason
-        self.foreign = foreign  # another fingerprint: never ours, delete it
-
-
-def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
-    """Cut one node's items into pipelines of at most ``cap`` bytes (at least one item each): the
-    transport copies a whole pipeline into one buffer, so a huge one costs memory and speed."""
-    out: List[List[int]] = []
-    cur: List[int] = []
-    acc = 0
-    for i in indexes:
-        if cur and acc + sizes[i] > cap:
-            out.append(cur)
-            cur, acc = [], 0
-        cur.append(i)
-        acc += sizes[i]
-    if cur:
-        out.append(cur)
-    return out
-
-
 class RemoteTier(ChunkTier):
     """Chunk records on a Valkey/Redis node or cluster; see the module docstring.
 
     Build with ``await RemoteTier.open("redis://127.0.0.1:6379", namespace=..., fingerprint=...)``
-    or ``"redis+cluster://h1:p1,h2:p2"``; use from one event loop.
+    or ``"redis+cluster://h1:p1,h2:p2"``. Event-loop thread only: every method is called on the
+    loop it was opened on. It wires its parts (each event-loop only): ``Keyspace`` (names, known
+    keys, sequence, removals), ``NodeRouter`` and ``Fanout`` (nodes, per-node pipelines),
+    ``EvictionListener`` and ``Listing`` (removals seen on the server), ``CodecThreads`` (the
+    record codec's own threads).
     """
 
     name = "remote"
@@ -124,40 +91,20 @@ class RemoteTier(ChunkTier):
                  listing_interval_s: Optional[float], configure_notifications: bool,
                  io_threads: int, direct_get: bool = True) -> None:
         self.address = address
-        self._direct_get = direct_get
         self.namespace = namespace
+        self._direct_get = direct_get
         self._fingerprint = fingerprint
-        tag = xxhash.xxh3_64_hexdigest(fingerprint) if fingerprint is not None else "any"
-        self._prefix = f"kvtier:{namespace}:{tag}:".encode()
         self._codec = codec
-        self._timeout_s = timeout_s
-        self._pipeline_max_bytes = pipeline_max_bytes
-        self._listing_interval_s = listing_interval_s
+        self._keys = Keyspace(namespace, fingerprint)
         self._router = NodeRouter(
             address, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             concurrency=concurrency, breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
         )
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-remote")
-        self._io_threads = io_threads
+        self._coding = CodecThreads(io_threads)
         self._loop = asyncio.get_running_loop()
-        self._sequence = 0
-        # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
-        self._known: Dict[bytes, Tuple[int, int]] = {}
-        self._known_bytes = 0
-        self._removal_feed = RemovalFeed()
         self._tasks = OwnedTasks()
-        self._listing_task: Optional["asyncio.Task[None]"] = None
-        self._listing_wakeup = asyncio.Event()
-        self._listener = EvictionListener(
-            self._router, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-            configure=configure_notifications, on_keys=self._on_evicted, on_gap=self._listing_wakeup.set,
-        )
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
-        # Keys with a put in flight, and those of them the server evicted meanwhile: a notification
-        # can overtake the put's own reply (another connection), and must not be lost.
-        self._writing = KeyCounts()
-        self._evicted_while_writing: Set[bytes] = set()
         self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
         self._stats: Dict[str, int] = dict(
             puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
@@ -168,6 +115,15 @@ class RemoteTier(ChunkTier):
             get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
             evictions_notified=0, removals_listed=0, listings=0,
             rollbacks=0, moved=0, get_direct=0,
+        )
+        self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
+        wakeup = asyncio.Event()
+        self._listener = EvictionListener(
+            self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
+        )
+        self._listing = Listing(
+            self._router, self._listener, self._keys, self._stats, self._extra,
+            interval_s=listing_interval_s, wakeup=wakeup, closed=lambda: self._closed,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -249,8 +205,7 @@ class RemoteTier(ChunkTier):
         except BaseException:
             await self._shutdown()
             raise
-        if listing_interval_s is not None:
-            self._listing_task = self._loop.create_task(self._listing_loop(), name="kvtier-remote-listing")
+        self._listing.start()
         return self
 
     async def _read_value_limit(self) -> None:
@@ -272,7 +227,7 @@ class RemoteTier(ChunkTier):
     def rkey(self, key: bytes) -> bytes:
         """The server-side name of ``key``'s record (tests plant and inspect with it)."""
         self._check_key(key)
-        return self._prefix + key.hex().encode()
+        return self._keys.rkey(key)
 
     def set_call_hook(self, hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]]) -> None:
         """Fault injection: ``hook(node, commands)`` runs right before each pipeline is sent to
@@ -281,113 +236,18 @@ class RemoteTier(ChunkTier):
         that pipeline's connection failing."""
         self._router.set_hook(hook)
 
-    def _chunk_key(self, rkey: bytes) -> Optional[bytes]:
-        if not rkey.startswith(self._prefix):
-            return None
-        try:
-            return bytes.fromhex(rkey[len(self._prefix):].decode("ascii"))
-        except ValueError:
-            return None
-
     _check_key = staticmethod(check_key)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"remote tier at {self.address.url} is closed")
 
-    def _next_sequence(self) -> int:
-        self._sequence += 1
-        return self._sequence
-
-    def _forget(self, key: bytes) -> bool:
-        entry = self._known.pop(key, None)
-        if entry is None:
-            return False
-        self._known_bytes -= entry[1]
-        return True
-
-    def _remember(self, key: bytes, seq: int, size: int) -> None:
-        old = self._known.get(key)
-        if old is not None:
-            self._known_bytes -= old[1]
-            size = size or old[1]
-        self._known[key] = (seq, size)
-        self._known_bytes += size
-
-    def _report(self, removals: List[Removal]) -> None:
-        self._removal_feed.publish(removals)
-
-    def _removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
-        """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
-        out: List[Removal] = []
-        for key in keys:
-            if self._forget(key):
-                out.append(Removal(key, self._next_sequence(), reason))
-        return out
-
-    async def _run_codec(self, fn: Callable[[Sequence[Any]], List[Any]], jobs: Sequence[Any],
-                         sizes: Sequence[int], inline_below: int) -> List[Any]:
-        if not jobs:
-            return []
-        if sum(sizes) < inline_below:
-            return fn(jobs)
-        # One shared slicing rule (tiers.codec_pool): at most one slice per I/O thread, >= 1 MiB each.
-        coding = map_slices(self._io, fn, jobs, sizes, workers=self._io_threads, min_slice_bytes=MIN_SLICE_BYTES)
-        return await asyncio.wrap_future(coding)
-
-    async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
-                          make: Callable[[int], Tuple[Any, ...]],
-                          send: Optional[Callable[[RemoteNode, List[int]], Awaitable[List[Any]]]] = None,
-                          ) -> Tuple[List[Any], List[BaseException]]:
-        """Run one command per key, grouped per node into size-capped pipelines, all concurrently
-        (``send(node, indexes)`` runs one pipeline; by default ``node.call`` of ``make(i)`` each).
-
-        Returns the per-key replies (an exception object where that key's command or its node
-        failed) and the node-level failures. Every pipeline is waited for before returning."""
-        replies: List[Any] = [None] * len(rkeys)
-        per, orphans = self._router.group(rkeys)
-        failures: List[BaseException] = []
-        for i in orphans:
-            replies[i] = TierIOError("remote tier: no node serves this key's slot")
-        if orphans:
-            failures.append(replies[orphans[0]])
-            self._router.refresh_soon()
-        jobs: List[Tuple[RemoteNode, List[int]]] = []
-        for name, indexes in per.items():
-            node = self._router.nodes[name]
-            for part in _pipelines(indexes, sizes, self._pipeline_max_bytes):
-                jobs.append((node, part))
-        if send is None:
-            send = lambda node, part: node.call([make(i) for i in part])  # noqa: E731
-        outcomes = await asyncio.gather(*(send(node, part) for node, part in jobs), return_exceptions=True)
-        moved = False
-        for (node, part), outcome in zip(jobs, outcomes):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                failures.append(outcome)
-                if isinstance(outcome, NodeUnavailableError):
-                    self._extra["breaker_rejected"] += len(part)
-                elif isinstance(outcome, TierTimeoutError):
-                    self._extra["timeouts"] += 1
-                for i in part:
-                    replies[i] = outcome
-                continue
-            for i, reply in zip(part, outcome):
-                replies[i] = reply
-                if is_moved(reply):
-                    moved = True
-        if moved:
-            self._extra["moved"] += 1
-            self._router.refresh_soon()
-        return replies, failures
-
     # ---------------------------------------------------------------------------- public, sync
 
     @property
     def sequence(self) -> int:
         """The last mutation sequence this instance assigned (puts, deletes, removals seen)."""
-        return self._sequence
+        return self._keys.sequence
 
     @property
     def degraded(self) -> bool:
@@ -406,7 +266,7 @@ class RemoteTier(ChunkTier):
         (corrupt or foreign value found by a read), ``external`` (found gone by the listing). It
         runs on the loop that was running when this was called (handed over with
         ``call_soon_threadsafe``)."""
-        self._removal_feed.subscribe(callback)
+        self._keys.feed.subscribe(callback)
 
     def statistics(self) -> TierStatistics:
         """Counters of this instance (items, not batches, unless named so). ``records`` / ``bytes``
@@ -424,10 +284,10 @@ class RemoteTier(ChunkTier):
         extra["breaker_opens"] = float(sum(n.breaker.opens for n in self._router.nodes.values()))
         extra["notifications_on"] = float(sum(1 for v in self._listener.enabled.values() if v))
         extra["listener_restarts"] = float(self._listener.restarts)
-        extra["sequence"] = float(self._sequence)
+        extra["sequence"] = float(self._keys.sequence)
         s = self._stats
         return TierStatistics(
-            records=len(self._known), bytes=self._known_bytes, capacity_bytes=None,
+            records=len(self._keys.known), bytes=self._keys.known_bytes, capacity_bytes=None,
             puts=s["puts"], put_batches=s["put_batches"], gets=s["gets"], hits=s["hits"],
             misses=s["misses"], corrupt=s["corrupt"], mismatched=s["mismatched"],
             quarantined=s["quarantined"], evictions=s["evictions"], deletes=s["deletes"],
@@ -451,7 +311,7 @@ class RemoteTier(ChunkTier):
         """
         if not items:
             self._check_open()
-            return self._sequence
+            return self._keys.sequence
         encoded, task = self.start_put(items)
         try:
             return await asyncio.shield(task)
@@ -480,24 +340,21 @@ class RemoteTier(ChunkTier):
         if not batch:
             encoded.set_result(None)
         keys = list(batch)
-        self._writing.add(keys)
+        self._keys.start_writing(keys)
         task = self._tasks.spawn(self._put_batch(list(batch.values()), encoded, after))
-        task.add_done_callback(lambda _: self._done_writing(keys))
+        task.add_done_callback(lambda _: self._keys.done_writing(keys))
         return encoded, task
-
-    def _done_writing(self, keys: List[bytes]) -> None:
-        self._evicted_while_writing.difference_update(self._writing.discard(keys))
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
                          encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
         if not batch:
-            return self._sequence
+            return self._keys.sequence
         started = time.perf_counter()
-        rkeys = [self._prefix + key.hex().encode() for key, _, _ in batch]
+        rkeys = self._keys.rkeys(key for key, _, _ in batch)
         codec = self._codec
         try:
-            records: List[bytes] = await self._run_codec(
-                lambda part: [encode_record(rk, meta, raw, codec) for rk, (_, meta, raw) in part],
+            records: List[bytes] = await self._coding.run(
+                lambda part: encode_records(part, codec),
                 list(zip(rkeys, batch)), [raw.nbytes for _, _, raw in batch], 0,
             )
         finally:
@@ -517,7 +374,7 @@ class RemoteTier(ChunkTier):
                 f"remote tier: a record of {max(sizes)} bytes exceeds the server's proto-max-bulk-len "
                 f"of {self._max_value_bytes} bytes; nothing of the batch was sent"
             )
-        replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
+        replies, failures = await self._fanout.calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
         if len(stored) != len(batch):
             full = any(isinstance(r, OutOfMemoryError) for r in replies)
@@ -538,15 +395,14 @@ class RemoteTier(ChunkTier):
                                   f"{type(bad).__name__}: {bad}") from bad
             raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
         self._write_failed = False
-        seq = self._next_sequence()
+        seq = self._keys.next_sequence()
         for (key, _, _), size in zip(batch, sizes):
-            self._remember(key, seq, size)
+            self._keys.remember(key, seq, size)
         # Evicted while the put was in flight: maybe this batch's copy, maybe an older one. Report
         # it after the put's sequence - at worst a lost hit, never a promise of a missing chunk.
-        late = [key for key, _, _ in batch if key in self._evicted_while_writing]
+        late = self._keys.evicted_during(key for key, _, _ in batch)
         if late:
-            self._evicted_while_writing.difference_update(late)
-            self._count_evictions(self._removed(late, "evicted"))
+            self._count_evictions(self._keys.removed(late, "evicted"))
         elapsed = time.perf_counter() - started
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
@@ -560,12 +416,12 @@ class RemoteTier(ChunkTier):
         if not rkeys:
             return
         self._extra["rollbacks"] += 1
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        _, failures = await self._fanout.each("DEL", rkeys)
         if failures:
             self._stats["errors"] += 1
             logger.warning("remote tier: rollback of %d records incomplete: %s", len(rkeys), failures[0])
         # A key this instance knew before the batch held an older copy, now deleted.
-        self._report(self._removed(keys, "deleted"))
+        self._keys.report(self._keys.removed(keys, "deleted"))
 
     # ---------------------------------------------------------------------------------- gets
 
@@ -610,12 +466,12 @@ class RemoteTier(ChunkTier):
         started = time.perf_counter()
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
         try:
-            rkeys = [self._prefix + key.hex().encode() for key, _ in checked]
+            rkeys = self._keys.rkeys(key for key, _ in checked)
             send = None
             if self._direct_get:
                 send = lambda node, part: node.get_into(  # noqa: E731
                     [rkeys[i] for i in part], [checked[i][1] for i in part], state["live"])
-            replies, failures = await self._node_calls(
+            replies, failures = await self._fanout.calls(
                 rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i]), send
             )
             if state["phase"] == "abandoned":
@@ -629,27 +485,8 @@ class RemoteTier(ChunkTier):
             jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
             fingerprint = self._fingerprint
 
-            def decode(part: Sequence[Tuple[bytes, Any, memoryview]]) -> List[Any]:
-                out: List[Any] = []
-                for rkey, data, buf in part:
-                    try:
-                        meta = decode_into(rkey, data, buf)
-                    except RecordSizeMismatchError as exc:
-                        out.append(_Mismatch(str(exc), False))
-                        continue
-                    except RecordMetaMismatchError as exc:
-                        out.append(_Mismatch(str(exc), True))
-                        continue
-                    except CorruptRecordError as exc:
-                        out.append(exc)
-                        continue
-                    if fingerprint is not None and meta.fingerprint != fingerprint:
-                        out.append(_Mismatch("record of another fingerprint", True))
-                        continue
-                    out.append(meta)
-                return out
-
-            outcomes = await self._run_codec(decode, jobs, [b.nbytes for _, _, b in jobs], _INLINE_DECODE_BYTES)
+            outcomes = await self._coding.run(lambda part: decode_records(part, fingerprint), jobs,
+                                              [b.nbytes for _, _, b in jobs], _INLINE_DECODE_BYTES)
         finally:
             if not decoded.done():
                 decoded.set_result(None)
@@ -662,7 +499,7 @@ class RemoteTier(ChunkTier):
                 self._stats["corrupt"] += 1
                 bad.append(rkeys[i])
                 bad_keys.append(key)
-            elif isinstance(outcome, _Mismatch):
+            elif isinstance(outcome, Mismatch):
                 self._stats["mismatched"] += 1
                 if outcome.foreign:
                     bad.append(rkeys[i])
@@ -671,8 +508,7 @@ class RemoteTier(ChunkTier):
                 size = fetched_size(data, checked[i][1])
                 results[i] = outcome
                 got += size
-                if key not in self._known:
-                    self._remember(key, self._sequence, size)
+                self._keys.remember_new([key], self._keys.sequence, size)
         if bad:
             await self._quarantine(list(dict.fromkeys(bad)), list(dict.fromkeys(bad_keys)))
         hits = sum(1 for r in results if r is not None)
@@ -688,14 +524,12 @@ class RemoteTier(ChunkTier):
     async def _quarantine(self, rkeys: List[bytes], keys: List[bytes]) -> None:
         """Delete values that must never be served again. Nothing to move them to on a shared
         server: kvtier keeps no copy of another host's bad bytes."""
-        _, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        _, failures = await self._fanout.each("DEL", rkeys)
         if failures:
             self._stats["errors"] += 1
         self._stats["quarantined"] += len(keys)
-        # Reported even if unknown before: a reader's index may hold it from a listing elsewhere.
-        for key in keys:
-            self._known.setdefault(key, (self._sequence, 0))
-        self._report(self._removed(keys, "quarantined"))
+        self._keys.know(keys)  # reported even if unknown before (``Keyspace.know``)
+        self._keys.report(self._keys.removed(keys, "quarantined"))
 
     # ------------------------------------------------------------------------- other requests
 
@@ -712,13 +546,11 @@ class RemoteTier(ChunkTier):
         return await asyncio.shield(self._tasks.spawn(self._delete(unique)))
 
     async def _delete(self, keys: List[bytes]) -> int:
-        rkeys = [self._prefix + key.hex().encode() for key in keys]
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        replies, failures = await self._fanout.each("DEL", self._keys.rkeys(keys))
         gone = [keys[i] for i, r in enumerate(replies) if r == 1]
         self._stats["deletes"] += len(gone)
-        for key in gone:
-            self._known.setdefault(key, (self._sequence, 0))
-        self._report(self._removed(gone, "deleted"))
+        self._keys.know(gone)
+        self._keys.report(self._keys.removed(gone, "deleted"))
         if failures:
             self._stats["errors"] += 1
             raise TierIOError(f"remote tier: delete failed on a node: {failures[0]}") from failures[0]
@@ -732,57 +564,23 @@ class RemoteTier(ChunkTier):
             self._check_key(key)
         if not keys:
             return []
-        rkeys = [self._prefix + key.hex().encode() for key in keys]
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("EXISTS", rkeys[i]))
+        replies, failures = await self._fanout.each("EXISTS", self._keys.rkeys(keys))
         if failures:
             self._stats["errors"] += 1
         return [r == 1 for r in replies]
-
-    async def _scan(self) -> Tuple[Set[bytes], Set[str]]:
-        """Keys of this namespace on every primary reachable now, and the primaries that failed."""
-        found: Set[bytes] = set()
-        failed: Set[str] = set()
-
-        async def scan_node(node: RemoteNode) -> None:
-            cursor: Any = 0
-            pattern = self._prefix + b"*"
-            while True:
-                reply = (await node.call([("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)]))[0]
-                if isinstance(reply, BaseException):
-                    raise TierIOError(f"remote tier: SCAN on {node.name} failed: {reply}")
-                cursor, names = reply
-                for rk in names:
-                    key = self._chunk_key(bytes(rk))
-                    if key is not None:
-                        found.add(key)
-                if int(cursor) == 0:
-                    return
-
-        nodes = self._router.primaries()
-        outcomes = await asyncio.gather(*(scan_node(n) for n in nodes), return_exceptions=True)
-        for node, outcome in zip(nodes, outcomes):
-            if isinstance(outcome, asyncio.CancelledError):
-                raise outcome
-            if isinstance(outcome, BaseException):
-                failed.add(node.name)
-                self._stats["errors"] += 1
-        return found, failed
 
     async def list_keys(self) -> List[bytes]:
         """Every key of this namespace on the primaries reachable now (``SCAN``; a node that fails
         is skipped and counted in ``errors``: its records are unreadable anyway). Cancelling it:
         no effect beyond the listing stopping."""
         self._check_open()
-        found, _ = await self._scan()
-        seq = self._sequence
-        for key in found:
-            if key not in self._known:
-                self._remember(key, seq, 0)
+        found, _ = await self._listing.scan()
+        self._keys.remember_new(found, self._keys.sequence)
         return list(found)
 
     async def snapshot_keys(self) -> KeySnapshot:
         """Keys and the sequence they reflect (every removal reported up to it)."""
-        seq = self._sequence
+        seq = self._keys.sequence
         return KeySnapshot(frozenset(await self.list_keys()), seq)
 
     async def flush(self) -> None:
@@ -821,69 +619,27 @@ class RemoteTier(ChunkTier):
 
     async def _shutdown(self) -> None:
         self._closed = True
-        if self._listing_task is not None:
-            self._listing_task.cancel()
-            await asyncio.gather(self._listing_task, return_exceptions=True)
+        await self._listing.close()
         await self._listener.close()
         await self._router.close()
-        self._io.shutdown(wait=False)
+        self._coding.shutdown()
 
     # --------------------------------------------------------------- evictions: notifications
 
     def _on_evicted(self, names: List[bytes]) -> None:
-        keys = [k for k in (self._chunk_key(name) for name in names) if k is not None]
-        self._evicted_while_writing.update(k for k in keys if k in self._writing)
-        self._count_evictions(self._removed(keys, "evicted"))
+        self._count_evictions(self._keys.removed(self._keys.evicted(names), "evicted"))
 
     def _count_evictions(self, removals: List[Removal]) -> None:
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
-        self._report(removals)
+        self._keys.report(removals)
 
     # ----------------------------------------------------------------- evictions: the listing
 
-    async def _listing_loop(self) -> None:
-        interval = self._listing_interval_s
-        assert interval is not None
-        while not self._closed:
-            try:
-                await asyncio.wait_for(self._listing_wakeup.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
-            self._listing_wakeup.clear()
-            if self._closed:
-                return
-            try:
-                await self.reconcile()
-            except ClosedError:
-                return
-            except Exception as exc:  # keep the backstop alive; the next round tries again
-                self._stats["errors"] += 1
-                logger.warning("remote tier: listing failed: %s", exc)
-
     async def reconcile(self) -> int:
-        """One round of the backstop: refresh the slot map, (re)start listeners for new primaries,
-        list every primary, and report each known key that is gone (``external``) - but only keys
-        last seen before the listing began, on primaries that listed fine. Returns how many were
-        reported. Cancelling it: nothing is reported."""
+        """One round of the backstop listing (``Listing.reconcile``): refresh the slot map,
+        (re)start listeners for new primaries, list every primary, and report each known key that
+        is gone (``external``) - but only keys last seen before the listing began, on primaries
+        that listed fine. Returns how many were reported. Cancelling it: nothing is reported."""
         self._check_open()
-        self._extra["listings"] += 1
-        await self._router.refresh()
-        await self._listener.sync()
-        start_seq = self._sequence
-        found, failed = await self._scan()
-        gone: List[bytes] = []
-        for key, (seq, _) in list(self._known.items()):
-            if seq > start_seq or key in found:
-                continue
-            node = self._router.owner(self._prefix + key.hex().encode())
-            if node is None or node.name in failed:
-                continue
-            gone.append(key)
-        removals = self._removed(gone, "external")
-        self._extra["removals_listed"] += len(removals)
-        self._report(removals)
-        for key in found:
-            if key not in self._known:
-                self._remember(key, start_seq, 0)
-        return len(removals)
+        return await self._listing.reconcile()
