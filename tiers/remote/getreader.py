@@ -67,7 +67,7 @@ class LiveReads:
             self.connections.pop().abort()
 
 
-def decode_into(rkey: bytes, data: Union[bytearray, DirectValue], buf: memoryview) -> ChunkMeta:
+def decode_into(rkey: bytes, data: Union[bytes, bytearray, DirectValue], buf: memoryview) -> ChunkMeta:
     """Check and decode one fetched value into ``buf``: a whole record (``decode_record``), or a
     ``DirectValue`` whose payload the reader already placed in ``buf`` (checked in place when raw;
     another codec whose stored size happens to match is decoded from a copy)."""
@@ -79,7 +79,7 @@ def decode_into(rkey: bytes, data: Union[bytearray, DirectValue], buf: memoryvie
         return decode_split(rkey, data.head, bytes(buf), buf)[0]
 
 
-def fetched_size(data: Union[bytearray, DirectValue], buf: memoryview) -> int:
+def fetched_size(data: Union[bytes, bytearray, DirectValue], buf: memoryview) -> int:
     """The record's length of a fetched value."""
     return len(data.head) + buf.nbytes if isinstance(data, DirectValue) else len(data)
 

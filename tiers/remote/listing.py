@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Optional, Set, Tuple
 
 from kvtier.errors import ClosedError, TierIOError
 
+from .counters import RemoteCounters
 from .keyspace import Keyspace
 from .notify import EvictionListener
 from .router import NodeRouter, RemoteNode
@@ -28,17 +29,16 @@ _SCAN_COUNT = 1000
 
 
 class Listing:
-    """See the module docstring. Counts in the owner's counters: ``errors`` (a primary whose listing
+    """See the module docstring. Counts in the tier's counters: ``errors`` (a primary whose listing
     failed, a round that failed), ``listings`` and ``removals_listed``. Event-loop thread only."""
 
     def __init__(self, router: NodeRouter, listener: EvictionListener, keys: Keyspace,
-                 stats: Dict[str, int], extra: Dict[str, float], *, interval_s: Optional[float],
-                 wakeup: asyncio.Event, closed: Callable[[], bool]) -> None:
+                 counters: RemoteCounters, *, interval_s: Optional[float], wakeup: asyncio.Event,
+                 closed: Callable[[], bool]) -> None:
         self._router = router
         self._listener = listener
         self._keys = keys
-        self._stats = stats
-        self._extra = extra
+        self._stats, self._extra = counters.stats, counters.extra
         self._interval_s = interval_s
         self._wakeup = wakeup
         self._closed = closed

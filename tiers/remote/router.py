@@ -145,6 +145,21 @@ class RemoteNode:
         self.breaker.failure()
         return TierIOError(f"remote tier: node {self.name} failed: {exc}")
 
+    async def problem(self, cluster: bool) -> Optional[str]:
+        """What is wrong with the node now, ``None`` when it answers (``PING``; in a cluster,
+        ``CLUSTER INFO`` must say the state is ok). A half-open breaker is probed by this, and
+        healed if the node answers."""
+        command: Tuple[Any, ...] = ("CLUSTER", "INFO") if cluster else ("PING",)
+        try:
+            reply = (await self.call([command]))[0]
+        except TierIOError as exc:
+            return f"node {self.name}: {exc}"
+        if isinstance(reply, BaseException):
+            return f"node {self.name}: {reply}"
+        if cluster and b"cluster_state:ok" not in bytes(reply):
+            return f"node {self.name}: cluster state not ok"
+        return None
+
     async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
                        live: LiveReads) -> List[Reply]:
         """``GET`` each key as one pipeline on a ``GetConnection``: a raw record of its target's size
@@ -359,6 +374,20 @@ class NodeRouter:
             else:
                 per.setdefault(node.name, []).append(i)
         return per, orphans
+
+    async def max_value_bytes(self, default: int) -> int:
+        """The largest value every primary accepts (``proto-max-bulk-len``; ``default`` where CONFIG
+        is forbidden or the node is down): a bigger one gets the connection reset, not an error,
+        which would look like a dead node to the breaker."""
+        limits = []
+        for node in self.primaries():
+            try:
+                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
+                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
+                limits.append(int(value))  # type: ignore[arg-type]  # None or junk: TypeError, skipped
+            except Exception:  # CONFIG forbidden or node down: keep the server default
+                continue
+        return min(limits) if limits else default
 
     def primaries(self) -> List[RemoteNode]:
         return [self.nodes[n] for n in dict.fromkeys(self._owners) if n]

@@ -51,6 +51,7 @@ from ..codec_pool import wait_through_cancel
 from ..owned_tasks import OwnedTasks
 from ..record_format import CodecConfig
 from .coding import CodecThreads, Mismatch, decode_records, encode_records
+from .counters import RemoteCounters
 from .fanout import Fanout
 from .getreader import DirectValue, LiveReads, fetched_size
 from .keyspace import Keyspace
@@ -79,6 +80,7 @@ class RemoteTier(ChunkTier):
     or ``"redis+cluster://h1:p1,h2:p2"``. Event-loop thread only: every method is called on the
     loop it was opened on. It wires its parts (each event-loop only): ``Keyspace`` (names, known
     keys, sequence, removals), ``NodeRouter`` and ``Fanout`` (nodes, per-node pipelines),
+    ``RemoteCounters`` (counters, statistics),
     ``EvictionListener`` and ``Listing`` (removals seen on the server), ``CodecThreads`` (the
     record codec's own threads).
     """
@@ -106,24 +108,15 @@ class RemoteTier(ChunkTier):
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
         self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
-        self._stats: Dict[str, int] = dict(
-            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
-            quarantined=0, evictions=0, deletes=0, errors=0,
-        )
-        self._extra: Dict[str, float] = dict(
-            put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
-            get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
-            evictions_notified=0, removals_listed=0, listings=0,
-            rollbacks=0, moved=0, get_direct=0,
-        )
+        self._counters = RemoteCounters()
+        self._stats, self._extra = self._counters.stats, self._counters.extra
         self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
         wakeup = asyncio.Event()
         self._listener = EvictionListener(
             self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
         )
         self._listing = Listing(
-            self._router, self._listener, self._keys, self._stats, self._extra,
-            interval_s=listing_interval_s, wakeup=wakeup, closed=lambda: self._closed,
+            self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s, wakeup=wakeup, closed=lambda: self._closed,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -201,26 +194,12 @@ class RemoteTier(ChunkTier):
                 logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
                 self._router.start_unreachable()
             await self._listener.sync()
-            await self._read_value_limit()
+            self._max_value_bytes = await self._router.max_value_bytes(_DEFAULT_MAX_VALUE_BYTES)
         except BaseException:
             await self._shutdown()
             raise
         self._listing.start()
         return self
-
-    async def _read_value_limit(self) -> None:
-        """The largest value the primaries accept (``proto-max-bulk-len``): a bigger one gets the
-        connection reset, not an error, which would look like a dead node to the breaker."""
-        limits = []
-        for node in self._router.primaries():
-            try:
-                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
-                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
-                limits.append(int(value))
-            except Exception:  # CONFIG forbidden or node down: keep the server default
-                continue
-        if limits:
-            self._max_value_bytes = min(limits)
 
     # --------------------------------------------------------------------------------- helpers
 
@@ -277,22 +256,7 @@ class RemoteTier(ChunkTier):
         breaker_open (primaries whose breaker is not closed), breaker_opens, evictions_notified,
         removals_listed, listings, listener_restarts, rollbacks, moved, nodes, get_direct (values
         whose payload the reader placed straight in the caller's buffer)."""
-        extra = dict(self._extra)
-        primaries = self._router.primaries()
-        extra["nodes"] = float(len(primaries))
-        extra["breaker_open"] = float(sum(1 for n in primaries if n.breaker.state != "closed"))
-        extra["breaker_opens"] = float(sum(n.breaker.opens for n in self._router.nodes.values()))
-        extra["notifications_on"] = float(sum(1 for v in self._listener.enabled.values() if v))
-        extra["listener_restarts"] = float(self._listener.restarts)
-        extra["sequence"] = float(self._keys.sequence)
-        s = self._stats
-        return TierStatistics(
-            records=len(self._keys.known), bytes=self._keys.known_bytes, capacity_bytes=None,
-            puts=s["puts"], put_batches=s["put_batches"], gets=s["gets"], hits=s["hits"],
-            misses=s["misses"], corrupt=s["corrupt"], mismatched=s["mismatched"],
-            quarantined=s["quarantined"], evictions=s["evictions"], deletes=s["deletes"],
-            errors=s["errors"], degraded=self.degraded, extra=extra,
-        )
+        return self._counters.statistics(self._keys, self._router, self._listener, self.degraded)
 
     # ---------------------------------------------------------------------------------- puts
 
@@ -403,12 +367,9 @@ class RemoteTier(ChunkTier):
         late = self._keys.evicted_during(key for key, _, _ in batch)
         if late:
             self._count_evictions(self._keys.removed(late, "evicted"))
-        elapsed = time.perf_counter() - started
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
-        self._extra["put_bytes"] += sum(sizes)
-        self._extra["put_seconds"] += elapsed
-        self._extra["put_seconds_max"] = max(self._extra["put_seconds_max"], elapsed)
+        self._counters.batch_done("put", sum(sizes), started)
         return seq
 
     async def _rollback(self, rkeys: List[bytes], keys: List[bytes]) -> None:
@@ -514,11 +475,8 @@ class RemoteTier(ChunkTier):
         hits = sum(1 for r in results if r is not None)
         self._stats["hits"] += hits
         self._stats["misses"] += len(checked) - hits
-        elapsed = time.perf_counter() - started
-        self._extra["get_bytes"] += got
         self._extra["get_batches"] += 1
-        self._extra["get_seconds"] += elapsed
-        self._extra["get_seconds_max"] = max(self._extra["get_seconds_max"], elapsed)
+        self._counters.batch_done("get", got, started)
         return results
 
     async def _quarantine(self, rkeys: List[bytes], keys: List[bytes]) -> None:
@@ -594,17 +552,9 @@ class RemoteTier(ChunkTier):
         self._check_open()
         problems: List[str] = []
         for node in self._router.primaries():
-            # A half-open breaker is probed by this call (and healed if the node answers).
-            command: Tuple[Any, ...] = ("CLUSTER", "INFO") if self.address.cluster else ("PING",)
-            try:
-                reply = (await node.call([command]))[0]
-            except TierIOError as exc:
-                problems.append(f"node {node.name}: {exc}")
-                continue
-            if isinstance(reply, BaseException):
-                problems.append(f"node {node.name}: {reply}")
-            elif self.address.cluster and b"cluster_state:ok" not in bytes(reply):
-                problems.append(f"node {node.name}: cluster state not ok")
+            problem = await node.problem(self.address.cluster)
+            if problem is not None:
+                problems.append(problem)
             if not self._listener.enabled.get(node.name, False):
                 problems.append(f"node {node.name}: eviction notifications off (listing only)")
         return problems
