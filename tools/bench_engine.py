@@ -43,7 +43,8 @@ import torch
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tiers.device import CopyHandle, DeviceKVView
+from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device_backend import CopyHandle
 
 __all__ = ["BookkeepingResult", "NoCopyDeviceView", "measure_bookkeeping", "main"]
 

@@ -109,7 +109,7 @@ def _timed(fn: Callable[[], None], repeat: int) -> float:
 def _raw_bandwidth() -> Dict[str, float]:
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     nbytes = 256 * MiB
     backend = DeviceBackend("cuda")
@@ -153,7 +153,7 @@ def _view_of(chunk_bytes: int, num_layers: int = 32, per: int = 16, num_blocks: 
 def check_throughput() -> str:
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     if not _BANDWIDTH:
         _BANDWIDTH.update(_raw_bandwidth())
@@ -185,7 +185,7 @@ def check_throughput() -> str:
 def _race_setup(chunk_bytes: int = 1 * MiB):
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     view, layers = _view_of(chunk_bytes, num_blocks=256)
     backend = DeviceBackend("cuda")
@@ -360,7 +360,7 @@ def check_register_error() -> str:
 
     from kvtier.policy import DeviceError
     from kvtier.tiers.cuda_runtime import cuda_runtime
-    from kvtier.tiers.device import DeviceBackend, register_host_range
+    from kvtier.tiers.device_backend import DeviceBackend, register_host_range
 
     runtime = cuda_runtime()
     _require(runtime is not None, "libcudart not found in this process")
@@ -387,7 +387,7 @@ def check_register_error() -> str:
 
 
 def check_register_4gib() -> str:
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     backend = DeviceBackend("cuda")
     started = time.perf_counter()
@@ -404,7 +404,7 @@ def check_nvml() -> str:
 
     import pynvml
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     backend = DeviceBackend("cuda")
     uuid = backend.device_uuid()

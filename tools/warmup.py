@@ -37,7 +37,8 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
 from kvtier.policy import ChunkState, KvtierError, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
-from kvtier.tiers.device import DeviceBackend, DeviceKVView
+from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device_backend import DeviceBackend
 
 from .hf_model import (
     _require_transformers,
