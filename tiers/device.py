@@ -195,42 +195,23 @@ class DeviceKVView:
 
     # -- copies --------------------------------------------------------------------------------
 
-    def gather(
-        self,
-        group_index: int,
-        block_ids: Sequence[int],
-        out: torch.Tensor,
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-    ) -> CopyHandle:
+    def gather(self, group_index: int, block_ids: Sequence[int], out: torch.Tensor, *,
+               compute_stream: Optional["torch.cuda.Stream"] = None) -> CopyHandle:
         """Copy the blocks ``block_ids`` (all layers) of one chunk into the host slot ``out``
         (``uint8``, ``chunk_nbytes`` bytes), layer-major. On CUDA the copy waits, on the GPU, for
         the work queued so far on ``compute_stream`` (it may still be writing these blocks)."""
         return self.gather_many(group_index, [(block_ids, out)], compute_stream=compute_stream)
 
-    def gather_many(
-        self,
-        group_index: int,
-        items: Sequence[GatherItem],
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-    ) -> CopyHandle:
+    def gather_many(self, group_index: int, items: Sequence[GatherItem], *,
+                    compute_stream: Optional["torch.cuda.Stream"] = None) -> CopyHandle:
         """``gather`` for a batch of chunks of one group: every item is validated before any copy is
         queued, and the batch completes under one event."""
-        return self.gather_many_groups(
-            [(group_index, block_ids, out) for block_ids, out in items],
-            compute_stream=compute_stream,
-            wait=False,
-        )
+        return self.gather_many_groups([(group_index, block_ids, out) for block_ids, out in items],
+                                       compute_stream=compute_stream, wait=False)
 
-    def gather_many_groups(
-        self,
-        items: Sequence[GroupGatherItem],
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-        ready_event: Any = None,
-        wait: bool = True,
-    ) -> CopyHandle:
+    def gather_many_groups(self, items: Sequence[GroupGatherItem], *,
+                           compute_stream: Optional["torch.cuda.Stream"] = None, ready_event: Any = None,
+                           wait: bool = True) -> CopyHandle:
         """``gather`` for ``(group_index, block_ids, out)`` items of any groups: one validation
         pass, one wait for the compute, one event. By default blocks until the copies finished: it
         is meant for the engine's copy thread. The copies wait for ``ready_event`` when given (an
@@ -240,14 +221,8 @@ class DeviceKVView:
         chunk. ``wait=False`` returns the pending handle instead."""
         return self._copy_groups(items, True, compute_stream, ready_event, wait)
 
-    def scatter(
-        self,
-        group_index: int,
-        src: torch.Tensor,
-        block_ids: Sequence[Optional[int]],
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-    ) -> CopyHandle:
+    def scatter(self, group_index: int, src: torch.Tensor, block_ids: Sequence[Optional[int]], *,
+                compute_stream: Optional["torch.cuda.Stream"] = None) -> CopyHandle:
         """Copy the host slot ``src`` into the device blocks ``block_ids`` (all layers). A ``None``
         block id skips that block of the chunk (a sliding-window block the consumer never restores);
         its device block is not written. On CUDA the copy waits, on the GPU, for the work queued so
@@ -255,30 +230,17 @@ class DeviceKVView:
         ``handle.wait_on_stream()`` (or ``wait()``) before the forward pass that reads them."""
         return self.scatter_many(group_index, [(src, block_ids)], compute_stream=compute_stream)
 
-    def scatter_many(
-        self,
-        group_index: int,
-        items: Sequence[ScatterItem],
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-    ) -> CopyHandle:
+    def scatter_many(self, group_index: int, items: Sequence[ScatterItem], *,
+                     compute_stream: Optional["torch.cuda.Stream"] = None) -> CopyHandle:
         """``scatter`` for a batch of chunks of one group, validated in full before any copy is
         queued; one event for the batch. A device block written twice in one batch is an error (the
         result would depend on copy order)."""
-        return self.scatter_many_groups(
-            [(group_index, src, block_ids) for src, block_ids in items],
-            compute_stream=compute_stream,
-            wait=False,
-        )
+        return self.scatter_many_groups([(group_index, src, block_ids) for src, block_ids in items],
+                                        compute_stream=compute_stream, wait=False)
 
-    def scatter_many_groups(
-        self,
-        items: Sequence[GroupScatterItem],
-        *,
-        compute_stream: Optional["torch.cuda.Stream"] = None,
-        ready_event: Any = None,
-        wait: bool = True,
-    ) -> CopyHandle:
+    def scatter_many_groups(self, items: Sequence[GroupScatterItem], *,
+                            compute_stream: Optional["torch.cuda.Stream"] = None, ready_event: Any = None,
+                            wait: bool = True) -> CopyHandle:
         """``scatter`` for ``(group_index, src, block_ids)`` items of any groups, validated in full
         before any copy is queued; one event. The copies wait for ``ready_event`` (or an event
         recorded now on ``compute_stream``): the kernels still reading the blocks' old contents.

@@ -116,7 +116,8 @@ class RemoteTier(ChunkTier):
             self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
         )
         self._listing = Listing(
-            self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s, wakeup=wakeup, closed=lambda: self._closed,
+            self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s,
+            wakeup=wakeup, closed=lambda: self._closed,
         )
 
     # ------------------------------------------------------------------------------ construction
