@@ -95,6 +95,7 @@ class CodecConfig:
     ``level``: zstd level 1..22 (level 1 uses the fast match-finder parameters measured in DESIGN.md:
     min_match 7, search_log 1, hash_log 6). ``min_savings_fraction``: keep the compressed form only
     if it is at least this fraction smaller than raw (0 <= f < 1). ``compress``: False stores raw.
+    Immutable: any thread.
     """
 
     level: int = 1

@@ -110,7 +110,8 @@ def element_size(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class RecordHeader:
-    """What ``read_header`` finds in a record (the payload is not decoded, the checksum not checked)."""
+    """What ``read_header`` finds in a record (the payload is not decoded, the checksum not checked).
+    Immutable: any thread."""
 
     meta: ChunkMeta
     codec: str
@@ -173,7 +174,8 @@ def checksum(key: BytesLike, prefix: BytesLike, header_body: BytesLike, *payload
 
 
 class _Cursor:
-    """Reads header fields; every short read or bad value is a ``RecordFormatError``."""
+    """Reads header fields; every short read or bad value is a ``RecordFormatError``. One parse on
+    one thread (made and dropped inside ``parse_header``)."""
 
     __slots__ = ("buf", "pos", "end")
 
