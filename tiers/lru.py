@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Container, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 __all__ = ["ByteLru", "ByteLfuda", "make_byte_index", "BYTE_INDEX_NAMES"]
 
@@ -119,9 +119,9 @@ class ByteLfuda(ByteLru):
     __slots__ = ("_rank", "_heap", "_counts", "_age", "_sequence", "_samples", "_history")
 
     def __init__(self, entries: Iterable[Tuple[bytes, int]] = (), history: int = 1 << 20) -> None:
-        self._rank: Dict[Hashable, Tuple[float, int]] = {}
-        self._heap: List[Tuple[float, int, Hashable]] = []
-        self._counts: Dict[Hashable, int] = {}
+        self._rank: Dict[bytes, Tuple[float, int]] = {}
+        self._heap: List[Tuple[float, int, bytes]] = []
+        self._counts: Dict[bytes, int] = {}
         self._age = 0.0
         self._sequence = 0
         self._samples = 0
@@ -132,10 +132,10 @@ class ByteLfuda(ByteLru):
     def age(self) -> float:
         return self._age
 
-    def count(self, key: Hashable) -> int:
+    def count(self, key: bytes) -> int:
         return self._counts.get(key, 0)
 
-    def _access(self, key: Hashable) -> None:
+    def _access(self, key: bytes) -> None:
         count = self._counts.get(key, 0) + 1
         self._counts[key] = count
         self._samples += 1
@@ -176,7 +176,7 @@ class ByteLfuda(ByteLru):
         if excess <= 0:
             return victims
         heap, rank, sizes = self._heap, self._rank, self._sizes
-        popped: List[Tuple[float, int, Hashable]] = []
+        popped: List[Tuple[float, int, bytes]] = []
         freed = 0
         try:
             while heap:

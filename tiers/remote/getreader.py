@@ -132,7 +132,7 @@ class GetConnection(asyncio.BufferedProtocol):
         try:
             if self._direct:
                 self._pos += nbytes
-                if self._pos == self._cur.nbytes:
+                if self._pos == self._cur.nbytes:  # type: ignore[union-attr]  # set whenever _direct is
                     self._next_stage()
                 return
             self._lpos += nbytes

@@ -95,7 +95,8 @@ class EvictionListener:
         first = True
         while not self._closed:
             client = aioredis.Redis(host=host, port=port, socket_connect_timeout=self._connect_timeout_s,
-                                    socket_timeout=None, retry=None, decode_responses=False)
+                                    socket_timeout=None, retry=None,  # type: ignore[arg-type]  # no retries
+                                    decode_responses=False)
             pubsub = client.pubsub()
             try:
                 await asyncio.wait_for(pubsub.subscribe(*EVICTION_CHANNELS), self._timeout_s)
