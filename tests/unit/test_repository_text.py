@@ -53,3 +53,25 @@ def test_relative_links_in_readme_and_docs_resolve():
             if not (base / target).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {target}")
     assert missing == []
+
+
+def test_the_configuration_reference_lists_every_setting_once_with_its_default():
+    import ast
+    import dataclasses
+
+    from kvtier.engine import EngineConfig
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", text, re.MULTILINE)
+    assert [name for name, _ in rows] == list(EngineConfig.field_names())
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "s": 1}
+    defaults = EngineConfig()
+    for name, shown in rows:
+        shown = shown.strip()
+        number, _, unit = shown.partition(" ")
+        if shown.startswith("`"):
+            value = ast.literal_eval(shown.strip("`"))  # None, True, "lru": as Python writes it
+        else:
+            value = float(number) * units[unit] if unit else float(number)
+        assert value == getattr(defaults, name), name
+    assert len(dataclasses.fields(EngineConfig)) == len(rows)
