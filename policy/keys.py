@@ -116,7 +116,7 @@ def _bad_token_error(token_ids: Iterable[object]) -> ValueError:
 def _token_array(token_ids: TokenIds) -> array:
     """Tokens as 4 little-endian bytes each; each must lie in ``[0, 2**32)`` (checked in C)."""
     if hasattr(token_ids, "tolist"):  # numpy arrays, torch tensors, array.array: unbox in C
-        token_ids = token_ids.tolist()  # type: ignore[union-attr]
+        token_ids = token_ids.tolist()
     elif iter(token_ids) is token_ids:  # a one-shot iterator: keep it for the error message
         token_ids = list(token_ids)
     try:

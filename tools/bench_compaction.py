@@ -1,4 +1,4 @@
-"""What segment compaction costs and gives back (issue 14): ``python -m kvtier.tools.bench_compaction``.
+"""What segment compaction costs and gives back: ``python -m kvtier.tools.bench_compaction``.
 
 One run: fill an LMDB tier with segments on (raw codec, ``--record-kib`` records, ``--segment-mib``
 segments, automatic compaction off while filling), delete records at random until about

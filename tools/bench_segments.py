@@ -1,4 +1,4 @@
-"""Design probe for issue 14 goal 2: would payloads in O_DIRECT segment files beat LMDB's durable writes?
+"""Design probe for the disk write path: would payloads in O_DIRECT segment files beat LMDB's durable writes?
 
 Primitives: ``SegmentProbe`` (a ``DiskSubject``: the proposed write path, minimal but complete in
 its I/O: checksum, aligned direct appends, fdatasync, then one synced LMDB index commit), ``main``

@@ -1,4 +1,4 @@
-"""The public API on bad input (issue 11): each mistake is a typed error naming the argument and the
+"""The public API on bad input: each mistake is a typed error naming the argument and the
 value, raised before anything is scheduled; integer-like values that are exact (numpy and torch
 integer scalars and arrays) work; settings that can never work are refused where they are known,
 and drops that follow from tight settings are logged (rate-limited) and counted."""

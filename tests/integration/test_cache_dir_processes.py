@@ -10,8 +10,8 @@ after the ack); the end-of-trial check holds the directory to the journals: noth
 lost unless a reported removal explains it by sequence, no read of bytes no put wrote (in any
 process, throughout), no lookup finding a key after its delete returned, no key present after its
 removal was reported, the writer's descriptors and the disk bytes held (deleted-but-open files from
-``/proc/<pid>/fd`` included) within stated bounds. This is what README's "Errors, exit codes and
-limits" promises about tools beside a live writer.
+``/proc/<pid>/fd`` included) within stated bounds. This is what docs/cli.md's "Errors, exit codes
+and limits" promises about tools beside a live writer.
 
 ``KVTIER_FAULT_SEED`` replays a run; ``tests/stress/test_cache_dir_stress.py`` runs longer trials.
 """

@@ -1,4 +1,4 @@
-"""The `kvtier` command at its edges (issue 11): every user mistake and environment problem is one
+"""The `kvtier` command at its edges: every user mistake and environment problem is one
 line ``kvtier: error: ...`` naming the file or option, exit 2; an interrupted command exits 130; a
 closed stdout exits 141 without a word; a demo on a warm directory verifies; warmup fails when its
 chunks never reached the disk.

@@ -1,5 +1,5 @@
-"""The engine keeps its promises on every path (issue 10): one plain regression test per defect
-found from the outside, and one per suspicion, settled.
+"""The engine keeps its promises on every path: one plain regression test per bug found from the
+outside, and one per suspicion, settled.
 
 Each test drives a real engine over a real LMDB tier (or FileTier), with a ``SeamTier`` in front of
 it where a test needs a tier call to fail with a foreign exception, to be held, or to stall.
@@ -108,7 +108,7 @@ async def cancel_soon(coro, *, ticks: int = 3):
     return task
 
 
-# ---------------------------------------------------------------------------------- defect 1
+# -------------------------------------------------------- a cancel cancels only its own wait
 
 
 @pytest.mark.asyncio
@@ -175,7 +175,7 @@ async def test_cancelling_a_load_never_lets_a_late_copy_write_into_reused_blocks
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 2
+# -------------------------------------------------------- any exception at a worker boundary
 
 
 @pytest.mark.asyncio
@@ -199,7 +199,7 @@ async def test_a_spill_failing_with_a_foreign_exception_is_not_durable(tmp_path,
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 3
+# -------------------------------------------------------------------- a tier's own evictions
 
 
 @pytest.mark.asyncio
@@ -221,7 +221,7 @@ async def test_file_tier_evictions_leave_the_engine_index(tmp_path):
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 4
+# ------------------------------------------------------------ hits larger than the host pool
 
 
 @pytest.mark.asyncio
@@ -280,7 +280,7 @@ async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path
     await inner.close()
 
 
-# ---------------------------------------------------------------------------------- defect 5
+# ----------------------------------------------------------- index refresh and queued spills
 
 
 @pytest.mark.asyncio
@@ -307,7 +307,7 @@ async def test_refresh_does_not_drop_a_queued_spill(tmp_path):
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 6
+# ----------------------------------------------------------------- durable only when on disk
 
 
 @pytest.mark.asyncio
@@ -344,7 +344,7 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 7
+# --------------------------------------------------- removals ordered by the tier's sequence
 
 
 @pytest.mark.asyncio
@@ -419,7 +419,7 @@ def _raw_item(engine: OffloadEngine, key: bytes):
     return key, ChunkMeta(engine.fingerprint, 0, 0, dtype, shape), memoryview(bytearray(os.urandom(nbytes)))
 
 
-# ---------------------------------------------------------------------------------- defect 8, 9
+# ------------------------------------------------------------------ failed and stalled reads
 
 
 @pytest.mark.asyncio
@@ -487,7 +487,7 @@ async def test_a_timed_out_read_keeps_its_slots_until_the_tier_lets_go(tmp_path)
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 10, 12
+# ---------------------------------------------------------- bounded events, exported metrics
 
 
 @pytest.mark.asyncio

@@ -1,4 +1,4 @@
-"""Opening a cache directory at its edges (issue 11): a full disk without ``lock.mdb`` is one line
+"""Opening a cache directory at its edges: a full disk without ``lock.mdb`` is one line
 (TierFullError), not SIGBUS, and leaves the directory as it was; a map another process grew while
 we opened is adopted; quarantine moves only kvtier's files and works on a mount point; another
 program's LMDB is refused, not written into; a read-only inspect writes nothing.

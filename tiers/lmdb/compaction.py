@@ -1,4 +1,4 @@
-"""Compaction of partly-live payload segments: choose segments, move their live records (issue 14).
+"""Compaction of partly-live payload segments: choose segments, move their live records.
 
 Why: space returns by whole segment (``segments``): a file is deleted only once its last live record
 goes, so one live 256 KiB record can keep a 256 MiB file, and disk usage can stay far above the

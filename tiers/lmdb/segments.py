@@ -1,4 +1,4 @@
-"""Large records out of LMDB: append-only payload segment files beside ``data.mdb`` (issue 14).
+"""Large records out of LMDB: append-only payload segment files beside ``data.mdb``.
 
 Why: LMDB writes every dirty page through the page cache and syncs twice per commit; large records
 written that way run at 0.14-0.31x of the disk's O_DIRECT limit (docs/ARCHITECTURE.md). A record

@@ -42,7 +42,7 @@ DIRECT_IN_FLIGHT = 4  # direct I/Os in flight for the limit (more adds nothing o
 VLLM_THREADS = 16  # FileSystemTierManager's n_read_threads / n_write_threads defaults
 VLLM_JOB_BYTES = 16 * MiB  # one store/load job: a request's new blocks over one scheduler step
 PAGE = mmap.PAGESIZE
-# Issue 14's targets, as ratios to the peers and to the limit measured in the same run.
+# The targets README's benchmark tables list, as ratios to the peers and to the limit measured in the same run.
 TARGET_WRITE_VS_PEERS = 1.0
 TARGET_WRITE_VS_DIRECT = 0.8
 TARGET_READ_VS_PEERS = 1.0

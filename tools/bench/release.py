@@ -1,7 +1,7 @@
 """Store until released without a disk tier: the engine's own cost of freeing device blocks.
 
-Primitive: ``measure_engine_release`` (async; MB/s). Issue 14 goal 4 asks the engine's store until
-released to run at >= 0.8x the bare staging copy. In the end-to-end figure (``EngineSubject``) the
+Primitive: ``measure_engine_release`` (async; MB/s). The target is the engine's store until
+released at >= 0.8x the bare staging copy. In the end-to-end figure (``EngineSubject``) the
 spill of the first requests (zstd encoding on the tier's read pool, LMDB writes) runs while later
 requests are still being copied, and on 2 cores it takes CPU from the copy thread: that figure
 measures the machine's contention, not the store path (on a GPU server the copy is a DMA on its

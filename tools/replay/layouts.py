@@ -213,8 +213,8 @@ def layout_from_model_config(path: str, *, extra_retained_tokens: int = 0, block
         for g, (layers, shape, dtype) in enumerate(zip(plan.layer_groups, plan.item_shapes(), plan.group_dtypes(torch.bfloat16))):
             item = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             block_bytes.append(len(layers) * plan.items_per_block(g) * item)
-        names = tuple(r.kind + (f"-{r.rate}" if r.rate else "") for r in plan.roles)
-        return ReplayLayout(name, plan.layout, tuple(block_bytes), names)
+        roles = tuple(r.kind + (f"-{r.rate}" if r.rate else "") for r in plan.roles)
+        return ReplayLayout(name, plan.layout, tuple(block_bytes), roles)
     layout, layer_groups = layout_from_config(config, block_size=block_size, blocks_per_chunk=1,
                                               extra_retained_tokens=extra_retained_tokens)
     shapes = layer_kv_shapes(config)

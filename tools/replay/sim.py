@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -70,7 +70,7 @@ class Outcome:
     stored_bytes: np.ndarray  # bytes newly stored per request (first tier)
     tiers: Dict[str, TierCounts] = field(default_factory=dict)
     dropped_stores: Dict[str, int] = field(default_factory=dict)
-    extra: Dict[str, object] = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -142,9 +142,10 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     disk = make_byte_index(disk_policy if disk_policy is not None else
                            (policy if policy in BYTE_INDEX_NAMES else "lru"))
     disk_capacity_bytes = disk_capacity
-    disk_group: Dict[int, int] = {}
+    disk_group: Dict[Hashable, int] = {}  # chunk id -> group, for what the byte index holds
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
-    hcount, dcount = tiers["host"], tiers.get("disk")
+    # Without a disk tier nothing is written or promoted, so its counts stay zero and unreported.
+    hcount, dcount = tiers["host"], tiers["disk"] if has_disk else TierCounts()
     dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
     failed_loads = 0
     caps = [max(1, s // 2) for s in host_slots]
@@ -169,7 +170,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         if cap is not None:
             excess = disk.total_bytes + batch_bytes - cap
             # The batch fits the capacity, so every other record together frees enough.
-            for key, _ in disk.choose_victims(excess, {key for _, key in batch}):
+            victims = disk.choose_victims(excess, {key for _, key in batch})
+            assert victims is not None, "a batch within the capacity always finds its victims"
+            for key, _ in victims:
                 disk.pop(key)
                 dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
                 dcount.evicted_chunks += 1
@@ -206,8 +209,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 counts[job[0]] += 1
             windows.append(current)
             for window in windows:
-                pinned = [set() for _ in range(num_groups)]
-                promote = [[] for _ in range(num_groups)]
+                pinned: List[Set[int]] = [set() for _ in range(num_groups)]
+                promote: List[List[int]] = [[] for _ in range(num_groups)]
                 for g, key in window:
                     (pinned[g].add(key) if key in host[g] else promote[g].append(key))
                 if any(key not in disk for g in range(num_groups) for key in promote[g]):

@@ -203,16 +203,18 @@ class Workload:
                     per_group.append(ChunkIds(canon, size, block, num_groups, g, n // size))
                     ends_in_block[g].append((np.asarray(canon, dtype=np.int64), his // size - starts // size))
                 ids.append(per_group)
-            else:
+            elif request.token_ids is not None:
                 chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=b"kvtier-replay")
                 ids.append([KeyIds(keyed.setdefault(k, len(keyed)) for k in chain.keys[g]) for g in range(num_groups)])
+            else:
+                raise ValueError(f"request {request.index} has neither block_ids nor token_ids")
         unique = []
         for g in range(num_groups):
             count = len({i for request in ids if isinstance(request[g], KeyIds) for i in request[g]})
             if ends_in_block[g]:
                 most = np.zeros(len(chains), dtype=np.int64)
-                for canon, counts in ends_in_block[g]:
-                    np.maximum.at(most, canon, counts)
+                for chain_ids, counts in ends_in_block[g]:
+                    np.maximum.at(most, chain_ids, counts)
                 count += int(most.sum())
             unique.append(count)
         work = cls(trace, layout, ids, tokens, unique)
