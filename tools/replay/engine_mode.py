@@ -51,20 +51,18 @@ def chunk_bytes_of_key(key: bytes, nbytes: int) -> np.ndarray:
     return np.frombuffer(blake3.blake3(key).digest(length=nbytes), dtype=np.uint8)
 
 
-class _SizedPoolsEngine(OffloadEngine):
-    """The engine with host pools of given slot counts: those the true (unscaled) chunk sizes
-    give for the host budget (``tiers.host.pools_for_budget``), so that ``--bytes-scale`` shrinks
-    the slots' bytes without changing how many chunks the host holds (page padding of large
-    slots, which the split counts, would otherwise change with the scale)."""
+def _sized_pools(host_slots: List[int]) -> Callable[..., List[HostSlabPool]]:
+    """An ``OffloadEngine(host_pools=...)`` factory of pools holding ``host_slots[g]`` chunks: those
+    the true (unscaled) chunk sizes give for the host budget (``tiers.host.pools_for_budget``), so
+    that ``--bytes-scale`` shrinks the slots' bytes without changing how many chunks the host holds
+    (page padding of large slots, which the split counts, would otherwise change with the scale)."""
+    slots = list(host_slots)
 
-    def __init__(self, *args, host_slots: List[int], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._replay_slots = list(host_slots)
+    def make(chunk_bytes: List[int], *, device_kind: str, eviction: str) -> List[HostSlabPool]:
+        return [HostSlabPool(nbytes, count, device_kind=device_kind, eviction=eviction)
+                for nbytes, count in zip(chunk_bytes, slots)]
 
-    def _make_pools(self) -> List[HostSlabPool]:
-        # the view's own device, as the engine's pools (the config's device_kind may be None: follow it)
-        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=str(self.device.device),
-                             eviction=self.config.host_policy()) for g, slots in enumerate(self._replay_slots)]
+    return make
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:
@@ -158,7 +156,8 @@ async def replay_engine(
         return float(tier_statistics_dict(engine.disk_tier).get("hits.remote", 0.0))
 
     seen_remote = [0.0]
-    async with _SizedPoolsEngine(model, device, config, fingerprint=fingerprint, host_slots=host_slots) as engine:
+    async with OffloadEngine(model, device, config, fingerprint=fingerprint,
+                             host_pools=_sized_pools(host_slots)) as engine:
         # The LMDB tier applies a load's uses (disk reads, and host hits it also holds) to its LRU
         # at its next write or on a timer; applying them after every load makes the moment they
         # land a function of the trace, as in the fast mode (each use touches at once).
