@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Set
 
-from .records import StoreHandle
+from .records import StoreHandle, mark_durable
 
 __all__ = ["DurableWatch"]
 
@@ -51,7 +51,7 @@ class DurableWatch:
                 watchers.remove(handle)
                 if not watchers:
                     del self._by_key[key]
-        handle._mark_durable(ok)
+        mark_durable(handle, ok)
 
     def fail_all(self) -> None:
         for handle in list(self._waiting):

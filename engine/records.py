@@ -98,8 +98,9 @@ class StoreHandle:
         """Whether ``wait_durable()`` would answer at once."""
         return self._durable.done()
 
-    # The engine resolves a handle through these two, never by touching its futures; both are
-    # idempotent, so a late or repeated resolution cannot raise on the event loop.
+    # The engine resolves a handle through ``mark_released`` / ``mark_durable`` below, never by
+    # touching its futures; both are idempotent, so a late or repeated resolution cannot raise on
+    # the event loop.
     def _mark_released(self) -> None:
         if not self._released.done():
             self._released.set_result(None)
@@ -115,6 +116,16 @@ class StoreHandle:
 
     def __await__(self):
         return self._wait().__await__()
+
+
+def mark_released(handle: StoreHandle) -> None:
+    """The store's device -> host copy ended: the caller may reuse its device blocks."""
+    handle._mark_released()
+
+
+def mark_durable(handle: StoreHandle, ok: bool) -> None:
+    """Every scheduled chunk of the store reached the disk (``ok``), or some never will."""
+    handle._mark_durable(ok)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from .events import EventLog
 from .host_book import HostBook
 from .lifecycle import DURABLE_LATER, HostState
 from .metrics import EngineMetrics
-from .records import ChunkEntry, RequestKeys, StoreHandle
+from .records import ChunkEntry, RequestKeys, StoreHandle, mark_durable, mark_released
 from .spill import SpillPipeline
 from .tasks import settle
 from .validation import check_store_blocks
@@ -130,17 +130,17 @@ class StorePath:
                 queue_max_chunks=config.store_queue_max_chunks,
                 pool_slots=[p.num_slots for p in book.pools]))
             handle = StoreHandle(self._loop, (), skipped, dropped, drop_reason)
-            handle._mark_released()
-            handle._mark_durable(False)
+            mark_released(handle)
+            mark_durable(handle, False)
             return handle
 
         handle = StoreHandle(self._loop, [(g, c) for g, c, _, _ in jobs], skipped, (), None)
         if not self._has_disk or never_durable or (jobs and self._spill is None):
-            handle._mark_durable(False)
+            mark_durable(handle, False)
         else:
             self._watch.watch(handle, [k for _, _, k, _ in jobs] + wait_for)
         if not jobs:
-            handle._mark_released()
+            mark_released(handle)
             return handle
         interval = config.store_retention_interval_tokens
         limits = {g: retention_speculative_limit(self._layout, g, num_tokens, interval) if book.pools[g].uses_speculative
@@ -197,6 +197,6 @@ class StorePath:
             self._metrics.latency("host", "store", time.perf_counter() - started)
         if not copied.done():
             copied.set_result(None)
-        handle._mark_released()
+        mark_released(handle)
         if error is not None or closing:
             self._watch.finish(handle, False)
