@@ -243,7 +243,7 @@ class OffloadEngine:
             low_fraction=config.pressure_low_watermark_fraction,
             poll_interval_s=config.pressure_poll_interval_s,
         )
-        self.metrics.watch_pressure(lambda: self._pressure is not None and self._pressure.paused)
+        self.metrics.watch_pressure(self._paused)
         await self._pressure.start()
 
     def _build_paths(self) -> None:
@@ -257,8 +257,11 @@ class OffloadEngine:
                       events=self._events, spawn=self._spawn, closing=closing)
         self._stores = StorePath(self.host, self._index, self._watch, spill, executor=self._d2h,
                                  has_disk=disk is not None, drop_log=self._drop_log,
-                                 paused=lambda: self._pressure is not None and self._pressure.paused, **common)
+                                 paused=self._paused, **common)
         self._loads = LoadPath(self.host, self._index, disk, executor=self._h2d, **common)
+
+    def _paused(self) -> bool:
+        return self._pressure is not None and self._pressure.paused
 
     def _supervise(self, name: str, factory) -> Supervised:
         def crashed(exc: BaseException) -> None:

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple
 
 from kvtier.errors import ClosedError
 from kvtier.policy import ModelLayout
@@ -30,6 +30,7 @@ from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.chain import read_with_sources
 from kvtier.tiers.device import DeviceKVView
 
+from .config import EngineConfig
 from .disk_index import DiskIndex
 from .events import EventLog
 from .host_book import HostBook
@@ -52,9 +53,10 @@ class LoadPath:
     without a disk tier; ``closing()`` is the engine's; ``spawn`` runs a coroutine as an
     engine-owned task."""
 
-    def __init__(self, book: HostBook, index: DiskIndex, tier: Optional[ChunkTier], *, layout: ModelLayout, config,
-                 device: DeviceKVView, executor: Executor, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics,
-                 events: EventLog, spawn: Callable, closing: Callable[[], bool]) -> None:
+    def __init__(self, book: HostBook, index: DiskIndex, tier: Optional[ChunkTier], *, layout: ModelLayout,
+                 config: EngineConfig, device: DeviceKVView, executor: Executor, loop: asyncio.AbstractEventLoop,
+                 metrics: EngineMetrics,
+                 events: EventLog, spawn: Callable[[Coroutine], asyncio.Task], closing: Callable[[], bool]) -> None:
         self._book = book
         self._index = index
         self._tier = tier

@@ -32,6 +32,7 @@ from typing import Callable, Deque, Iterable, List, Optional, Set, Tuple
 
 from kvtier.tiers.base import ChunkTier
 
+from .config import EngineConfig
 from .disk_index import DiskIndex
 from .durable import DurableWatch
 from .events import EventLog
@@ -56,7 +57,7 @@ class SpillPipeline:
     ``write_latency`` hears each batch's service time (the pressure monitor's disk signal)."""
 
     def __init__(self, book: HostBook, tier: Optional[ChunkTier], index: DiskIndex, watch: DurableWatch, *,
-                 config, metrics: EngineMetrics, events: EventLog, write_latency: LatencyEwma,
+                 config: EngineConfig, metrics: EngineMetrics, events: EventLog, write_latency: LatencyEwma,
                  closing: Callable[[], bool]) -> None:
         self._book = book
         self._tier = tier

@@ -19,13 +19,14 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple
 
 from kvtier.errors import ClosedError
 from kvtier.policy import ModelLayout
 from kvtier.policy.retention import retention_speculative_limit, retention_store_chunk_indices
 from kvtier.tiers.device import DeviceKVView
 
+from .config import EngineConfig
 from .disk_index import DiskIndex
 from .drop_log import DropLog, drop_detail
 from .durable import DurableWatch
@@ -52,9 +53,10 @@ class StorePath:
     engine's; ``spawn`` runs a coroutine as an engine-owned task."""
 
     def __init__(self, book: HostBook, index: DiskIndex, watch: DurableWatch, spill: Optional[SpillPipeline], *,
-                 layout: ModelLayout, config, device: DeviceKVView, executor: Executor, has_disk: bool,
+                 layout: ModelLayout, config: EngineConfig, device: DeviceKVView, executor: Executor, has_disk: bool,
                  loop: asyncio.AbstractEventLoop, metrics: EngineMetrics, events: EventLog, drop_log: DropLog,
-                 spawn: Callable, paused: Callable[[], bool], closing: Callable[[], bool]) -> None:
+                 spawn: Callable[[Coroutine], asyncio.Task], paused: Callable[[], bool],
+                 closing: Callable[[], bool]) -> None:
         self._book = book
         self._index = index
         self._watch = watch
@@ -98,7 +100,8 @@ class StorePath:
                     else:
                         never_durable = True
                     continue
-                jobs.append((gi, chunk, key, check_store_blocks(gi, chunk, per_chunk, table, self._book.num_blocks[gi])))
+                blocks = check_store_blocks(gi, chunk, per_chunk, table, self._book.num_blocks[gi])
+                jobs.append((gi, chunk, key, blocks))
         return jobs, skipped, wait_for, never_durable
 
     def _drop_reason(self, count: int) -> Optional[str]:
