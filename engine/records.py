@@ -20,17 +20,17 @@ __all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult"
 
 @dataclass(eq=False)
 class ChunkEntry:
-    """One chunk with a host slot. ``pins`` counts readers and writers of the slot; a pinned slot
-    is never evicted or released. ``generation`` changes whenever an in-flight operation is
-    abandoned (timeout, close), so its late completion is recognised and discarded. ``state`` moves
-    only through ``lifecycle.move`` (the transition table)."""
+    """One chunk with a host slot. Its pins (readers and writers of the slot; a pinned slot is
+    never evicted or released) are counted by the slot's pool alone (``HostBook.pins``).
+    ``generation`` changes whenever an in-flight operation is abandoned (timeout, close), so its
+    late completion is recognised and discarded. ``state`` moves only through ``lifecycle.move``
+    (the transition table)."""
 
     key: bytes
     group_index: int
     chunk_index: int
     state: HostState
     slot: int
-    pins: int = 0
     generation: int = 0
     dead: bool = False  # removed from the index; the slot is released when the last pin goes
     # Resolves when the in-flight copy ends: None when READY, else the failure reason.
