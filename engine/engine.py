@@ -65,8 +65,8 @@ from .spill import SpillPipeline
 from .storing import StorePath
 from .tasks import Supervised, wait_all
 from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
-                         check_load_arguments, check_pools_pinned, check_request_keys, check_store_arguments,
-                         check_timeout, check_token_ids)
+                         check_load_arguments, check_pools_pinned, check_prefetch_policy, check_request_keys,
+                         check_store_arguments, check_token_ids)
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -76,8 +76,6 @@ TokensOrKeys = Union[Sequence[int], RequestKeys]
 BlockTable = Sequence[Sequence[int]]
 # Makes the host pools: (bytes of one chunk per group, device_kind=, eviction=) -> one pool per group.
 PoolsFactory = Callable[..., List[HostSlabPool]]
-
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 # Forks of this process so far, counted in the child: an int compare per public call instead of a
 # getpid() system call on the lookup path.
@@ -656,14 +654,10 @@ class OffloadEngine:
         wait does not stop the reads; they still land in the host tier.
         """
         self._check_open()
-        if not isinstance(policy, str) or policy not in PREFETCH_POLICIES:
-            raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
-        timeout_s = check_timeout("timeout_s", timeout_s)
-        if policy == "timeout" and timeout_s is None:
-            raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {timeout_s!r}")
+        timeout_s = check_prefetch_policy(policy, timeout_s)
         keys = self._keys(request, salt)
         hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
-        if self._pressure is not None and self._pressure.paused:
+        if self._paused():
             self.metrics.dropped("pressure_prefetch", 1)
             return 0
         if hit_tokens is None:

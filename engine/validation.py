@@ -37,6 +37,7 @@ __all__ = [
     "check_load_blocks",
     "check_fence_arguments",
     "check_timeout",
+    "check_prefetch_policy",
     "check_engine_settings",
 ]
 
@@ -305,6 +306,20 @@ def check_timeout(name: str, value: Any) -> Optional[float]:
     seconds = float(value)
     if not 0.0 < seconds < math.inf:
         raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return seconds
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def check_prefetch_policy(policy: Any, timeout_s: Any) -> Optional[float]:
+    """``prefetch``'s ``policy`` (one of ``PREFETCH_POLICIES``) and ``timeout_s`` (as for
+    ``check_timeout``; ``policy="timeout"`` needs one). Returns the timeout in seconds."""
+    if not isinstance(policy, str) or policy not in PREFETCH_POLICIES:
+        raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
+    seconds = check_timeout("timeout_s", timeout_s)
+    if policy == "timeout" and seconds is None:
+        raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {seconds!r}")
     return seconds
 
 
