@@ -18,7 +18,6 @@ arrives on the host during a load was promoted from disk; the rest of the load c
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Callable, Dict, List, Optional
 
