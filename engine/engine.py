@@ -43,8 +43,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from kvtier.errors import EngineInvariantError, EngineUsageError, ForkedProcessError
-from kvtier.policy import ClosedError, KeyChain, KvtierError, ModelLayout, TierIOError, longest_hit
+from kvtier.errors import (
+    ClosedError,
+    EngineInvariantError,
+    EngineUsageError,
+    ForkedProcessError,
+    KvtierError,
+    TierIOError,
+)
+from kvtier.policy import KeyChain, ModelLayout, longest_hit
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkTier, Removal
 from kvtier.tiers.device import DeviceKVView
