@@ -6,12 +6,12 @@ load or a prefetch). Event-loop thread; the copies run on the host -> device exe
 and the reads on the disk tier's threads. Host slots and entries change only through the engine's
 ``HostBook``.
 
-Rules kept here (issue 10): a load moves through the host pool in windows of at most half of each
-group's slots, so a hit larger than the pool still loads (defect 4); a read or a copy failing with
-*any* exception fails the load with a reason and leaves nothing LOADING or pinned (defect 8); a
-promotion whose read stalls past ``tier_timeout_s`` is abandoned -- its waiters fail, lookup answers
-from the disk index again -- while its slots stay pinned until the tier lets go of the buffers
-(defect 9); an executor copy is awaited to its end before its pins go (``tasks.settle``).
+Rules kept here: a load moves through the host pool in windows of at most half of each group's
+slots, so a hit larger than the pool still loads; a read or a copy failing with *any* exception
+fails the load with a reason and leaves nothing LOADING or pinned; a promotion whose read stalls
+past ``tier_timeout_s`` is abandoned -- its waiters fail, lookup answers from the disk index
+again -- while its slots stay pinned until the tier lets go of the buffers (it may still write
+into them); an executor copy is awaited to its end before its pins go (``tasks.settle``).
 """
 
 from __future__ import annotations

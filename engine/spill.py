@@ -5,7 +5,7 @@ Primitives: ``SpillPipeline`` (the queue of QUEUED chunks, the loop that writes 
 as their puts land. Event-loop thread only; the tier does its blocking work on its own
 threads.
 
-Rules this module keeps (issue 10):
+Rules this module keeps:
 
 - a chunk's host slot becomes evictable only once its chunk is on disk, or once the engine gave up
   writing it (a failed put: the drop is counted, the host copy stays usable until evicted);

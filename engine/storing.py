@@ -5,8 +5,8 @@ reported yet). Event-loop thread; the copy runs on the device -> host executor i
 CPU stand-in for the CUDA d2h stream), ordered after the event ``OffloadEngine.store`` took at call
 time. Host slots and entries change only through the engine's ``HostBook``.
 
-Rules kept here (issue 10): a store that finds its chunks already in flight waits for their spill
-before its handle says durable (defect 6); slots are taken all or nothing across groups, so a group
+Rules kept here: a store that finds its chunks already in flight waits for their spill before its
+handle says durable (another store's copy is no promise of this one's); slots are taken all or nothing across groups, so a group
 that cannot make room evicts nothing anywhere; a copy failing with *any* exception drops its chunks
 with a reason and still releases the caller's device blocks; the engine's own task is never
 cancelled by a caller (``tasks.settle``), so the books are always finished here.
