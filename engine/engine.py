@@ -168,8 +168,11 @@ class OffloadEngine:
         self._spill_runner: Optional[Supervised] = None
         self._refresh_runner: Optional[Supervised] = None
         self._tasks: set = set()
-        self._d2h: Optional[ThreadPoolExecutor] = None
-        self._h2d: Optional[ThreadPoolExecutor] = None
+        # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its
+        # event. An executor starts its threads at its first copy, not here.
+        workers = 2 if device.backend.is_cuda else 1
+        self._d2h = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-d2h")
+        self._h2d = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-h2d")
         self._started = False
         self._closing = False
         self._closed = False
@@ -205,12 +208,8 @@ class OffloadEngine:
         self._pid = os.getpid()
         self._forks = _forks
         config = self.config
-        # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its event.
-        workers = 2 if self.device.backend.is_cuda else 1
-        self._d2h = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-d2h")
-        self._h2d = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-h2d")
         # off the loop: seconds for a large slab
-        self.host.open(await asyncio.to_thread(self._make_pools), self._loop)
+        self.host.open(await asyncio.to_thread(self._make_pools))
         self.metrics.set_state_counts(self.host.state_counts)
         if self._disk is None and config.cache_dir is not None:
             self._disk = await self._open_cache_dir()
@@ -232,7 +231,7 @@ class OffloadEngine:
                 logger.warning("cannot list the disk tier's chunks, starting with an empty disk index: %s", exc)
                 keys, sequence = [], None
             self._index.replace_all(keys, sequence)
-        if self._disk is not None and config.spill_enabled:
+        if self._spill is not None and config.spill_enabled:
             self._spill_runner = self._supervise("spill", self._spill.run)
         if self._disk is not None and config.disk_index_refresh_interval_s is not None:
             self._refresh_runner = self._supervise("disk-index", self._refresh_loop)
@@ -252,14 +251,18 @@ class OffloadEngine:
         await self._pressure.start()
 
     def _build_paths(self) -> None:
-        """The spill, store and load paths, each given the host bookkeeping and what else it uses."""
+        """The spill (with a disk tier), store and load paths, each given the host bookkeeping and
+        what else it uses. Runs on the engine's loop, in ``start``."""
         config, disk = self.config, self._disk
         closing = lambda: self._closing  # noqa: E731 - read when a path asks, not now
-        self._spill = SpillPipeline(self.host, disk, self._index, self._watch, config=config, metrics=self.metrics,
-                                    events=self._events, write_latency=self._write_latency, closing=closing)
-        spill = self._spill if disk is not None and config.spill_enabled else None
-        common = dict(layout=self.layout, config=config, device=self.device, loop=self._loop, metrics=self.metrics,
-                      events=self._events, spawn=self._spawn, closing=closing)
+        if disk is not None:
+            self._spill = SpillPipeline(self.host, disk, self._index, self._watch, config=config,
+                                        metrics=self.metrics, events=self._events,
+                                        write_latency=self._write_latency, closing=closing)
+        spill = self._spill if config.spill_enabled else None
+        common: Dict[str, Any] = dict(layout=self.layout, config=config, device=self.device,
+                                      loop=asyncio.get_running_loop(), metrics=self.metrics, events=self._events,
+                                      spawn=self._spawn, closing=closing)
         self._stores = StorePath(self.host, self._index, self._watch, spill, executor=self._d2h,
                                  has_disk=disk is not None, drop_log=self._drop_log,
                                  paused=self._paused, **common)
@@ -459,7 +462,7 @@ class OffloadEngine:
         if self._refresh_runner is not None:
             self._refresh_runner.cancel()
             await self._refresh_runner.wait()
-        if self._spill_runner is not None:
+        if self._spill_runner is not None and self._spill is not None:
             self._spill.wake()
             await self._spill_runner.wait()
         while any(not t.done() for t in self._tasks):
@@ -483,6 +486,13 @@ class OffloadEngine:
             raise ClosedError("the offload engine is not started: use `async with OffloadEngine(...)`")
         self._check_caller()
 
+    def _paths(self) -> Tuple[StorePath, LoadPath]:
+        """``_check_open``, and the store and load paths ``start`` built."""
+        self._check_open()
+        if self._stores is None or self._loads is None:
+            raise ClosedError("the offload engine did not finish starting; close it")
+        return self._stores, self._loads
+
     def _check_caller(self, failed_ok: bool = False) -> None:
         if _forks != self._forks:
             raise ForkedProcessError(
@@ -502,7 +512,7 @@ class OffloadEngine:
             raise EngineUsageError(f"the offload engine failed: {self._failure!r}; close it and start a new one")
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = self._loop.create_task(coro)
+        task = asyncio.get_running_loop().create_task(coro)  # the engine's loop: _check_caller made sure
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -548,11 +558,10 @@ class OffloadEngine:
         ``fence``). The copy is ordered after ``ready_event``, else after the work queued so far on
         ``compute_stream`` (default: the calling thread's current CUDA stream; module docstring).
         """
-        self._check_open()
+        stores, _ = self._paths()
         keys = self._keys(request, salt)
-        num_tokens, block_table = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
-        return self._stores.schedule(keys, num_tokens, block_table,
-                                     self.device.backend.ready_event(compute_stream, ready_event))
+        num_tokens, rows = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
+        return stores.schedule(keys, num_tokens, rows, self.device.backend.ready_event(compute_stream, ready_event))
 
     async def flush(self) -> None:
         """Wait until every operation started so far has finished: device copies of stores, their
@@ -566,8 +575,9 @@ class OffloadEngine:
             if running:
                 await wait_all(running)
                 continue
-            if self._spill_runner is not None and not self._spill_runner.done.is_set() and not self._spill.idle:
-                await self._spill.drain()
+            spill, runner = self._spill, self._spill_runner
+            if spill is not None and runner is not None and not runner.done.is_set() and not spill.idle:
+                await spill.drain()
                 continue
             return
 
@@ -631,15 +641,15 @@ class OffloadEngine:
         ``ClosedError``. The copies are ordered after ``ready_event`` or ``compute_stream`` as
         for ``store``.
         """
-        self._check_open()
+        _, loads = self._paths()
         ready = self.device.backend.ready_event(compute_stream, ready_event)  # the order, taken now
         keys = self._keys(request, salt)
-        hit_tokens, block_table = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
-        jobs, missing = self._loads.plan(keys, hit_tokens, block_table)
+        hit_tokens, rows = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
+        jobs, missing = loads.plan(keys, hit_tokens, rows)
         if missing:
             self.metrics.miss("missing")
             return LoadResult(hit_tokens, False, (), reason="missing")
-        return await asyncio.shield(self._loads.start(hit_tokens, jobs, ready))
+        return await asyncio.shield(loads.start(hit_tokens, jobs, ready))
 
     # ------------------------------------------------------------------ prefetch
 
@@ -660,7 +670,7 @@ class OffloadEngine:
         ``tier_timeout_s`` is abandoned (lookup answers from the disk index again). Cancelling the
         wait does not stop the reads; they still land in the host tier.
         """
-        self._check_open()
+        _, loads = self._paths()
         timeout_s = check_prefetch_policy(policy, timeout_s)
         keys = self._keys(request, salt)
         hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
@@ -669,19 +679,19 @@ class OffloadEngine:
             return 0
         if hit_tokens is None:
             hit_tokens = longest_hit(self.layout, max(0, keys.num_tokens - 1), self.host.lookup_state(keys)) or 0
-        wanted = self._loads.promotable(keys, hit_tokens)
+        wanted = loads.promotable(keys, hit_tokens)
         if not wanted:
             return 0
-        entries = self._loads.start_promotion(wanted)
+        entries = loads.start_promotion(wanted)
         if entries is None:
             self.metrics.dropped("host_full", len(wanted))
             return 0
         if policy == "best_effort":
             return len(entries)
-        waits = [asyncio.shield(e.ready) for e in entries]
+        readies = [e.ready for e in entries if e.ready is not None]  # every new entry has one
         timeout = timeout_s if policy == "timeout" else None
-        await asyncio.wait(waits, timeout=timeout)
-        return sum(1 for e in entries if e.ready.done() and e.ready.result() is None)
+        await asyncio.wait([asyncio.shield(r) for r in readies], timeout=timeout)
+        return sum(1 for r in readies if r.done() and r.result() is None)
 
     # ------------------------------------------------------------------ fences and pins
 

@@ -51,14 +51,12 @@ class HostBook:
         self._watch = watch
         self._metrics = metrics
         self._events = events
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         # In-flight copy batches: completion future -> the (group, device block) pairs it touches.
         self._busy: Dict[asyncio.Future, FrozenSet[Tuple[int, int]]] = {}
 
-    def open(self, pools: List[HostSlabPool], loop: asyncio.AbstractEventLoop) -> None:
-        """Take the engine's host pools (one per group) and the loop its futures belong to."""
+    def open(self, pools: List[HostSlabPool]) -> None:
+        """Take the engine's host pools, one per group."""
         self.pools = pools
-        self._loop = loop
 
     def close(self) -> None:
         for pool in self.pools:
@@ -125,11 +123,12 @@ class HostBook:
         """Index an entry per (group, chunk, key) in ``wanted`` in the given slots, pinned once for
         the copy that is about to fill them; a (group, chunk) in ``speculative`` is told to the
         host pool's policy as such (stored only for partial-prefix hits)."""
+        loop = asyncio.get_running_loop()  # the engine's: every call runs on it
         iters = {g: iter(s) for g, s in slots.items()}
         entries = []
         for gi, chunk, key in wanted:
             slot = next(iters[gi])
-            entry = ChunkEntry(key, gi, chunk, state, slot, ready=self._loop.create_future())
+            entry = ChunkEntry(key, gi, chunk, state, slot, ready=loop.create_future())
             pool = self.pools[gi]
             pool.set_owner(slot, entry, key=key, speculative=(gi, chunk) in speculative)
             pool.pin(slot)
@@ -139,9 +138,10 @@ class HostBook:
 
     def evicted(self, group_index: int, evicted: Sequence[Tuple[int, Any]]) -> None:
         """The pool of ``group_index`` evicted these (slot, owner entry) pairs to make room."""
-        for _slot, entry in evicted:
-            if entry is None:
+        for _slot, owner in evicted:
+            if not isinstance(owner, ChunkEntry):
                 continue
+            entry = owner
             entry.dead = True
             if self.entries.get(entry.key) is entry:
                 del self.entries[entry.key]

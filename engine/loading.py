@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Executor
 from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple
 
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, EngineInvariantError
 from kvtier.policy import ModelLayout
 from kvtier.policy.plan import load_block_plan
 from kvtier.tiers.base import ChunkTier
@@ -70,7 +70,8 @@ class LoadPath:
         self._spawn = spawn
         self._closing = closing
 
-    def plan(self, keys: RequestKeys, hit_tokens: int, block_table: Sequence[Sequence[Optional[int]]]):
+    def plan(self, keys: RequestKeys, hit_tokens: int,
+             block_table: Sequence[Sequence[Optional[int]]]) -> Tuple[List[LoadJob], bool]:
         """The jobs of a load of ``hit_tokens`` (checked by ``check_load_arguments``) into
         ``block_table``, and whether a chunk of the hit has no key (a miss). Refuses a table that
         lacks, repeats or overruns a device block the hit restores, before anything is scheduled."""
@@ -178,7 +179,7 @@ class LoadPath:
         """Pin a host entry for every wanted chunk, promoting disk-only chunks (single flight).
         Returns (entries, chunks read from disk, failure reason or None)."""
         book, index = self._book, self._index
-        entries: List[Optional[ChunkEntry]] = []
+        found: List[Optional[ChunkEntry]] = []  # None: to promote
         to_promote = []
         resident_on_disk: List[bytes] = []
         host_bytes = 0
@@ -188,25 +189,27 @@ class LoadPath:
                 if key not in index:
                     return [], 0, "missing"
                 to_promote.append((gi, chunk, key))
-                entries.append(None)
+                found.append(None)
                 continue
             book.pin(entry)
             pinned.append(entry)
-            entries.append(entry)
+            found.append(entry)
             if key in index:
                 resident_on_disk.append(key)
             host_bytes += book.chunk_nbytes[gi]
         promoted: List[ChunkEntry] = []
         if to_promote:
-            promoted = self.start_promotion(to_promote)
-            if promoted is None:
+            started = self.start_promotion(to_promote)
+            if started is None:
                 return [], 0, "host_full"
+            promoted = started
             for entry in promoted:
                 book.pin(entry)
                 pinned.append(entry)
-            it = iter(promoted)
-            entries = [e if e is not None else next(it) for e in entries]
-        waits = [e.ready for e in entries if e.state in (HostState.PENDING, HostState.LOADING)]
+        it = iter(promoted)
+        entries = [e if e is not None else next(it) for e in found]
+        waits = [e.ready for e in entries
+                 if e.state in (HostState.PENDING, HostState.LOADING) and e.ready is not None]
         if waits:
             try:
                 reasons = await asyncio.wait_for(
@@ -235,16 +238,19 @@ class LoadPath:
     def start_promotion(self, wanted) -> Optional[List[ChunkEntry]]:
         """Allocate slots and start one disk read for ``wanted`` (group, chunk, key) chunks; the
         read runs in an engine-owned task, so no caller's cancellation can cut it short."""
+        tier = self._tier
+        if tier is None:  # the disk index names keys of a tier only: an engine bug
+            raise EngineInvariantError("a promotion was asked of an engine without a disk tier")
         slots = self._book.allocate(g for g, _, _ in wanted)
         if slots is None:
             return None
         # The read's own pin is held until the worker reports.
         entries = self._book.add_entries(wanted, HostState.LOADING, slots)
-        self._spawn(self._promote([(e, e.generation) for e in entries]))
+        self._spawn(self._promote(tier, [(e, e.generation) for e in entries]))
         return entries
 
-    async def _promote(self, work: List[Tuple[ChunkEntry, int]]) -> None:
-        book, tier, timeout_s = self._book, self._tier, self._config.tier_timeout_s
+    async def _promote(self, tier: ChunkTier, work: List[Tuple[ChunkEntry, int]]) -> None:
+        book, timeout_s = self._book, self._config.tier_timeout_s
         items = [(e.key, book.buffer(e)) for e, _ in work]
         started = time.perf_counter()
         # A miss is "corrupt" only when the tier counted a bad record meanwhile; else the record is

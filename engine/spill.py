@@ -52,11 +52,11 @@ BATCHES_IN_FLIGHT = 2
 
 class SpillPipeline:
     """The spill queue and its loop, for one engine (see the module docstring): chunks of
-    ``book`` go to ``tier`` (``None``: no disk, the loop never runs), land in ``index`` and
+    ``book`` go to ``tier``, land in ``index`` and
     resolve ``watch``; ``closing()`` tells the loop to return once the queue is drained;
     ``write_latency`` hears each batch's service time (the pressure monitor's disk signal)."""
 
-    def __init__(self, book: HostBook, tier: Optional[ChunkTier], index: DiskIndex, watch: DurableWatch, *,
+    def __init__(self, book: HostBook, tier: ChunkTier, index: DiskIndex, watch: DurableWatch, *,
                  config: EngineConfig, metrics: EngineMetrics, events: EventLog, write_latency: LatencyEwma,
                  closing: Callable[[], bool]) -> None:
         self._book = book

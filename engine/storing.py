@@ -43,6 +43,8 @@ __all__ = ["StorePath"]
 
 logger = logging.getLogger("kvtier.engine")
 
+# A store's block table once checked: per group, the device block of each logical block (or None).
+BlockTable = Sequence[Sequence[Optional[int]]]
 # (group, chunk, key, device blocks) of one chunk a store copies
 StoreJob = Tuple[int, int, bytes, List[int]]
 
@@ -75,7 +77,7 @@ class StorePath:
         self._closing = closing
         self.inflight = 0  # chunks whose device -> host copy has not reported yet
 
-    def _plan(self, keys: RequestKeys, num_tokens: int, block_table: Sequence[Sequence[int]]):
+    def _plan(self, keys: RequestKeys, num_tokens: int, block_table: BlockTable):
         """Which chunks to copy, which are already stored or in flight (skipped), which of those
         the handle must still wait for, and whether one of them can never become durable."""
         entries, index, layout = self._book.entries, self._index, self._layout
@@ -90,11 +92,12 @@ class StorePath:
                 layout, gi, num_tokens, self._config.store_retention_interval_tokens
             ):
                 key = keys.keys[gi][chunk]
-                entry = entries.get(key)
-                if entry is not None or key in index:
+                if key in index:
                     skipped.append((gi, chunk))
-                    if key in index:
-                        continue
+                    continue
+                entry = entries.get(key)
+                if entry is not None:
+                    skipped.append((gi, chunk))
                     if entry.state in DURABLE_LATER:
                         wait_for.append(key)
                     else:
@@ -113,18 +116,20 @@ class StorePath:
             return "queue_full"
         return None
 
-    def schedule(self, keys: RequestKeys, num_tokens: int, block_table: Sequence[Sequence[int]], ready) -> StoreHandle:
+    def schedule(self, keys: RequestKeys, num_tokens: int, block_table: BlockTable, ready) -> StoreHandle:
         """Plan the store, take host slots, start the copy; return the handle at once. Arguments
         are already validated by ``OffloadEngine.store``."""
         book, config = self._book, self._config
         jobs, skipped, wait_for, never_durable = self._plan(keys, num_tokens, block_table)
 
         drop_reason = self._drop_reason(len(jobs))
-        allocations: Optional[Dict[int, List[int]]] = {}
+        allocations: Dict[int, List[int]] = {}
         if drop_reason is None and jobs:
-            allocations = book.allocate(g for g, _, _, _ in jobs)
-            if allocations is None:
+            granted = book.allocate(g for g, _, _, _ in jobs)
+            if granted is None:
                 drop_reason = "host_full"
+            else:
+                allocations = granted
         if drop_reason is not None:
             dropped = [(g, c) for g, c, _, _ in jobs]
             self._metrics.dropped(drop_reason, len(dropped))

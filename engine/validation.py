@@ -180,7 +180,7 @@ def check_store_arguments(
         if len(given) == len(row) and len(set(given)) == len(given):
             continue  # the common case: a full table of distinct ids; the mask is not needed
         per_chunk = layout.groups[gi].blocks_per_chunk
-        seen = {}
+        seen: dict = {}
         for chunk in store_chunk_indices(layout, gi, count):
             for logical in range(chunk * per_chunk, (chunk + 1) * per_chunk):
                 if logical >= len(row):
@@ -223,7 +223,8 @@ def check_device_blocks(group_index: int, blocks: Sequence[int], limit: int) -> 
             raise _out_of_range(group_index, block, limit)
 
 
-def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: BlockRow, limit: int) -> List[int]:
+def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: Sequence[Optional[int]],
+                       limit: int) -> List[int]:
     """The device blocks of one chunk a store copies (``row`` normalised by ``check_store_arguments``,
     which refused a ``None`` among them): the row must reach the chunk's end (``ValueError``) and
     each block lie in the KV cache (``DeviceError``). Checked only for the chunks a store copies."""
@@ -233,12 +234,14 @@ def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: BlockR
             f"block_table[{group_index}] has {len(row)} blocks; chunk {chunk} needs blocks "
             f"{first}..{first + per_chunk - 1}"
         )
-    blocks = [int(b) for b in row[first : first + per_chunk]]
+    blocks = [int(b) for b in row[first : first + per_chunk] if b is not None]
+    if len(blocks) != per_chunk:  # check_store_arguments refused these; kept for a direct caller
+        raise ValueError(f"block_table[{group_index}] has no device block for a block of chunk {chunk}")
     check_device_blocks(group_index, blocks, limit)
     return blocks
 
 
-def check_load_blocks(group_index: int, row: BlockRow, logical: Sequence[Optional[int]], limit: int,
+def check_load_blocks(group_index: int, row: Sequence[Optional[int]], logical: Sequence[Optional[int]], limit: int,
                       seen: dict) -> List[Optional[int]]:
     """The device block of each logical block one chunk of a load restores (``None`` where it
     restores none): a restored block without a device block (missing, ``None`` or negative) is a
@@ -249,9 +252,10 @@ def check_load_blocks(group_index: int, row: BlockRow, logical: Sequence[Optiona
         if block is None:
             targets.append(None)
             continue
-        if block >= len(row) or row[block] is None or row[block] < 0:
+        device_block = row[block] if block < len(row) else None
+        if device_block is None or device_block < 0:
             raise ValueError(f"block_table[{group_index}] has no device block for logical block {block}")
-        targets.append(int(row[block]))
+        targets.append(int(device_block))
     for block in targets:  # none is negative: the loop above refused those
         if block is not None and block >= limit:
             raise _out_of_range(group_index, block, limit)

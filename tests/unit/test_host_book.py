@@ -35,7 +35,7 @@ def make_book(loop, slots=(2, 2)):
     watch = DurableWatch()
     book = HostBook(b"fp", [64, 32], [16, 16], [("uint8", (64,)), ("uint8", (32,))], index=index, watch=watch,
                     metrics=metrics, events=EventLog(100))
-    book.open([HostSlabPool(64, slots[0]), HostSlabPool(32, slots[1])], loop)
+    book.open([HostSlabPool(64, slots[0]), HostSlabPool(32, slots[1])])
     return book, index, watch, metrics
 
 

@@ -19,7 +19,7 @@ arrives on the host during a load was promoted from disk; the rest of the load c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import blake3
 import numpy as np
@@ -68,6 +68,8 @@ def _request_tokens(trace: Trace, index: int) -> List[int]:
     request = trace.requests[index]
     if request.token_ids is not None:
         return request.token_ids.tolist()
+    if request.block_ids is None:
+        raise ValueError(f"request {request.index} has neither block_ids nor token_ids")
     return block_tokens(request.block_ids, request.input_length, trace.block_tokens).tolist()
 
 
@@ -101,7 +103,7 @@ async def replay_engine(
     fingerprint = layout_fingerprint(model, model=f"kvtier-replay:{layout.name}", dtype="uint8",
                                      shapes=[(b,) for b in layout.block_bytes], weights_version="replay-1")
     host_bytes = sum(n * size for n, size in zip(host_slots, chunk_bytes))
-    options: Dict[str, object] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
+    options: Dict[str, Any] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
                                       eviction_policy=policy if policy in EVICTION_POLICIES else "lru",
                                       host_eviction_policy=policy, events_max=1 << 20)
     if cache_dir is not None:
@@ -152,7 +154,8 @@ async def replay_engine(
     def remote_hits(engine: OffloadEngine) -> float:
         from kvtier.tiers.chain import tier_statistics_dict
 
-        return float(tier_statistics_dict(engine.disk_tier).get("hits.remote", 0.0))
+        tier = engine.disk_tier
+        return float(tier_statistics_dict(tier).get("hits.remote", 0.0)) if tier is not None else 0.0
 
     seen_remote = [0.0]
     async with OffloadEngine(model, device, config, fingerprint=fingerprint,
@@ -198,7 +201,7 @@ async def replay_engine(
                     for g in range(num_groups):
                         bb = layout.block_bytes[g]
                         for c, block_list in plans[g]:
-                            expected = chunk_bytes_of_key(keys.key(g, c), chunk_bytes[g]).reshape(-1, bb)
+                            expected = chunk_bytes_of_key(keys.keys[g][c], chunk_bytes[g]).reshape(-1, bb)
                             for j, block in enumerate(block_list):
                                 if block is not None and not np.array_equal(arrays[g][block], expected[j]):
                                     wrong = int(np.count_nonzero(arrays[g][block] != expected[j]))
@@ -218,7 +221,7 @@ async def replay_engine(
                 per_chunk, bb = group.blocks_per_chunk, layout.block_bytes[g]
                 for c in range(n // group.tokens_per_chunk):
                     arrays[g][c * per_chunk:(c + 1) * per_chunk] = chunk_bytes_of_key(
-                        keys.key(g, c), chunk_bytes[g]).reshape(per_chunk, bb)
+                        keys.keys[g][c], chunk_bytes[g]).reshape(per_chunk, bb)
             handle = engine.store(keys, table)
             ops += 1
             await handle.wait_released()
