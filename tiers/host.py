@@ -334,7 +334,7 @@ class HostSlabPool:
 
     def buffer(self, slot: int) -> memoryview:
         """The slot's bytes as a writable ``memoryview`` (no copy), for tiers that take buffers."""
-        return memoryview(self.view(slot).numpy())
+        return self.view(slot).numpy().data
 
     # -- lifecycle and introspection -----------------------------------------------------------
 

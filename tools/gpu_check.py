@@ -462,7 +462,7 @@ def check_engine(cache_dir: Path) -> str:
 
     async def run() -> Tuple[int, bool]:
         async with OffloadEngine(layout, DeviceKVView(layout, caches), config, fingerprint=b"gpu-check") as engine:
-            pinned = all(pool.pinned for pool in engine._pools)
+            pinned = all(pool.pinned for pool in engine.host.pools)
             scenario = OffloadScenario(engine)
             prompt = scenario.tokens(33)
             await scenario.produce(prompt, expect_stored={0: {0, 1}, 1: {1, 2, 3, 5, 6, 7}})

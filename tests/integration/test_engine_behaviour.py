@@ -179,7 +179,7 @@ async def test_close_during_a_load_raises_closed_and_leaks_nothing(tmp_path):
     with pytest.raises(ClosedError, match="closed during the load"):
         await task
     engine.check()
-    for pool in engine._pools:
+    for pool in engine.host.pools:
         assert pool.statistics()["pinned_slots"] == 0
     with pytest.raises(ClosedError, match="closed"):
         engine.lookup(prompt)

@@ -357,13 +357,13 @@ class _Sim:
             return sequence
 
         inner.put_many = recorded_put
-        evicted = engine._evicted
+        evicted = engine.host.evicted
 
         def recorded_eviction(group_index, victims):
             history.host_evicted([entry.key for _, entry in victims if entry is not None])
             return evicted(group_index, victims)
 
-        engine._evicted = recorded_eviction
+        engine.host.evicted = recorded_eviction
         watch = engine._spill.watch
         resolve = watch.resolve
 
@@ -381,7 +381,7 @@ class _Sim:
 
         watch.resolve = recorded_resolve
         slots = {pool._views[slot].data_ptr(): (g, slot)
-                 for g, pool in enumerate(engine._pools) for slot in range(pool.num_slots)}
+                 for g, pool in enumerate(engine.host.pools) for slot in range(pool.num_slots)}
         get_many_into = self.seam.get_many_into
 
         async def watched_read(items):
@@ -576,7 +576,7 @@ class _Sim:
             per_chunk = group.blocks_per_chunk
             for chunk, key in enumerate(keys.keys[g][: len(prompt) // (group.block_size * per_chunk)]):
                 raw = self.device.chunk_bytes(key, g).numpy().tobytes()
-                dtype, shape = self.engine._metas[g]
+                dtype, shape = self.engine.host.metas[g]
                 items.append((key, ChunkMeta(self.engine.fingerprint, g, chunk, dtype, shape), memoryview(bytearray(raw))))
         if items:
             await self.inner.put_many(items[: 8])
@@ -645,7 +645,7 @@ class _Sim:
                 if where is None:
                     continue  # not a host slot of the engine's
                 g, slot = where
-                pool = self.engine._pools[g]
+                pool = self.engine.host.pools[g]
                 owner = pool._owners[slot]
                 if not pool._allocated[slot] or not pool._pins[slot] or getattr(owner, "key", None) != key:
                     raise SimViolation(
@@ -657,10 +657,10 @@ class _Sim:
     def check_host_copies(self) -> None:
         """Every host slot whose bytes the engine calls valid holds its chunk's bytes (a late read
         or copy into a slot given to another chunk is caught here)."""
-        for key, entry in list(self.engine._entries.items()):
+        for key, entry in list(self.engine.host.entries.items()):
             if entry.dead or entry.state not in VALID_BYTES:
                 continue
-            got = self.engine._pools[entry.group_index].view(entry.slot)
+            got = self.engine.host.pools[entry.group_index].view(entry.slot)
             if not torch.equal(got, self.device.chunk_bytes(key, entry.group_index)):
                 raise SimViolation(
                     f"seed {self.seed}: the host copy of chunk {key.hex()[:12]} (group {entry.group_index}, "
@@ -709,7 +709,7 @@ class _Sim:
         self.device.check_free(self.seed)
         if self.engine._tasks and any(not t.done() for t in self.engine._tasks):
             raise SimViolation(f"seed {self.seed}: engine tasks still running after close")
-        if not all(pool.closed for pool in self.engine._pools):
+        if not all(pool.closed for pool in self.engine.host.pools):
             raise SimViolation(f"seed {self.seed}: close() left a host pool open")
 
     async def finish(self) -> None:
@@ -751,7 +751,7 @@ class _Sim:
             self.device.release(table)
         await self.engine.flush()
         self.engine.check()
-        for gi, pool in enumerate(self.engine._pools):
+        for gi, pool in enumerate(self.engine.host.pools):
             if pool.statistics()["pinned_slots"]:
                 raise SimViolation(f"seed {self.seed}: group {gi} has pinned slots once idle")
 
