@@ -40,17 +40,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from kvtier.errors import EngineInvariantError, EngineUsageError, ForkedProcessError
-from kvtier.policy import (
-    ChunkState,
+from kvtier.errors import (
     ClosedError,
     DeviceError,
-    KeyChain,
+    EngineInvariantError,
+    EngineUsageError,
+    ForkedProcessError,
     KvtierError,
-    ModelLayout,
     TierIOError,
-    longest_hit,
 )
+from kvtier.policy import ChunkState, KeyChain, ModelLayout, longest_hit
 from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal

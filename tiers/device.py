@@ -41,7 +41,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, U
 import numpy as np
 import torch
 
-from kvtier.policy import DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import ModelLayout
 
 __all__ = ["DeviceBackend", "DeviceKVView", "CopyHandle"]
 

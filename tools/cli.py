@@ -24,7 +24,7 @@ import threading
 from typing import List, Optional, Sequence
 
 from kvtier.errors import CorruptCacheError
-from kvtier.policy import KvtierError
+from kvtier.errors import KvtierError
 from kvtier.tools.argtypes import int_option
 
 __all__ = ["main", "build_parser", "user_error_message"]

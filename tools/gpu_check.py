@@ -358,7 +358,7 @@ def check_own_streams() -> str:
 def check_register_error() -> str:
     import torch
 
-    from kvtier.policy import DeviceError
+    from kvtier.errors import DeviceError
     from kvtier.tiers.cuda_runtime import cuda_runtime
     from kvtier.tiers.device import DeviceBackend, register_host_range
 

@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
-from kvtier.policy import ChunkState, KvtierError, ModelLayout, cdiv, layout_fingerprint, longest_hit
+from kvtier.errors import KvtierError
+from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceBackend, DeviceKVView
 

@@ -146,7 +146,7 @@ def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_
 _OPEN_CHILD = textwrap.dedent(
     """
     import sys
-    from kvtier.policy import KvtierError
+    from kvtier.errors import KvtierError
     from kvtier.tiers.lmdb import LmdbTier
     for path in sys.argv[1:]:
         for readonly in (True, False):

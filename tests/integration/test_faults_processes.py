@@ -17,7 +17,7 @@ from typing import Dict, List, Set
 
 import pytest
 
-from kvtier.policy import ForkedProcessError
+from kvtier.errors import ForkedProcessError
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.fault_child import (
     check_cache,

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
 
-from kvtier.policy import KvtierError
+from kvtier.errors import KvtierError
 
 from .fault_child import chunk_content, make_batch, parse_key
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Set,
 
 import numpy as np
 
-from kvtier.policy import KvtierError
+from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta
 
 if TYPE_CHECKING:
