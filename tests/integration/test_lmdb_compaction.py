@@ -703,7 +703,7 @@ def test_kill9_during_compaction_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_the_compaction_bench_runs_and_checks_what_it_moved(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from kvtier.tools.bench_compaction import main
+    from kvtier.tools.bench.compaction import main
 
     assert main(["--total-mib", "4", "--record-kib", "256", "--segment-mib", "1", "--latency-puts", "2",
                  "--dir", str(tmp_path)]) == 0

@@ -26,7 +26,7 @@ machines are shared and noisy (absolute speeds drift by 2x within minutes). Per 
   end to end through ``OffloadEngine`` (store until every chunk is durable; after a restart and a
   dropped page cache, lookup + load of every request into device blocks). Restored bytes are
   checked against the originals; a mismatch fails the run.
-- Engine bookkeeping per chunk (``tools.bench_engine``); ``longest_hit`` on a 131072-token request.
+- Engine bookkeeping per chunk (``tools.bench.engine``); ``longest_hit`` on a 131072-token request.
 - Coverage: SWA store bytes on a DeepSeek-V4-like layout at 100K tokens against storing every
   chunk and against a brute-force minimal set (they must be equal: exit code 1 otherwise).
 - Compression: zstd byte planes on real bf16 KV of a tiny random-init Gemma3 (built from a
@@ -41,6 +41,10 @@ Modules: ``settings`` (sizes, budgets, targets), ``report`` (rows and the table)
 (filesystem, page-cache drops, first-touch memory), ``kv`` (the KV bytes and paged layout, copy
 limits), ``subjects`` (what the disk figures time, and the ``TIER_SUBJECTS`` registry where a new
 subject goes), ``rounds`` (paired rounds), ``figures`` (policy and compression), ``run``.
+The standalone probes, each ``python -m kvtier.tools.bench.NAME``: ``engine`` (bookkeeping per
+chunk), ``keys`` (chunk keys on a long prompt), ``longest_hit`` (the policy's hot functions),
+``segments`` (the disk write path), ``compaction`` (what segment compaction costs), ``metasync``
+(LMDB metadata sync modes).
 """
 
 from .figures import (

@@ -141,7 +141,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             gc.collect()
         if "bookkeeping" in parts:
             say("engine bookkeeping")
-            from kvtier.tools.bench_engine import measure_bookkeeping
+            from kvtier.tools.bench.engine import measure_bookkeeping
 
             bk = await measure_bookkeeping(rounds=3 if quick else 7)
             report.add(

@@ -1,7 +1,7 @@
 """Engine bookkeeping cost per chunk: store + lookup + load, excluding copies and I/O.
 
 Primitives: ``measure_bookkeeping`` (async; returns a ``BookkeepingResult``), ``NoCopyDeviceView``
-(a ``DeviceKVView`` whose copies do nothing), ``main`` (``python -m kvtier.tools.bench_engine``).
+(a ``DeviceKVView`` whose copies do nothing), ``main`` (``python -m kvtier.tools.bench.engine``).
 Runs on the caller's event loop; the engine's copy threads still run (one hop per batch).
 
 Method. An ``OffloadEngine`` with no disk tier (no spill, no I/O) drives a device view whose
@@ -182,7 +182,7 @@ async def measure_bookkeeping(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.tools.bench_engine",
+        prog="python -m kvtier.tools.bench.engine",
         description="Engine bookkeeping cost per chunk (store + lookup + load, no copies, no I/O).",
     )
     parser.add_argument("--chunks-per-request", type=int, default=256)

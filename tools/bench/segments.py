@@ -2,7 +2,7 @@
 
 Primitives: ``SegmentProbe`` (a ``DiskSubject``: the proposed write path, minimal but complete in
 its I/O: checksum, aligned direct appends, fdatasync, then one synced LMDB index commit), ``main``
-(``python -m kvtier.tools.bench_segments``). Not a tier: no eviction, quarantine or recovery; it
+(``python -m kvtier.tools.bench.segments``). Not a tier: no eviction, quarantine or recovery; it
 measures the I/O pattern such a tier would pay, beside the kvtier LMDB tier, the O_DIRECT limit
 and the raw write in the same paired rounds (``kvtier.tools.bench.rounds``).
 
@@ -34,11 +34,11 @@ import xxhash
 
 from kvtier.tiers.host import HostSlabPool
 
-from .bench.kv import make_kv_bytes
-from .bench.peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
-from .bench.rounds import run_paired
-from .bench.settings import MiB, label_of
-from .bench.subjects import DiskSubject, RawFile, TierSubject
+from .kv import make_kv_bytes
+from .peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
+from .rounds import run_paired
+from .settings import MiB, label_of
+from .subjects import DiskSubject, RawFile, TierSubject
 
 __all__ = ["SegmentProbe", "main"]
 
@@ -176,7 +176,7 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench_segments", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench.segments", description=__doc__.split("\n\n")[0])
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per chunk size (default 256 MiB)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sizes-kib", default="256,1024,4096")
