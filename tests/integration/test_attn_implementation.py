@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvtier.tools.hf_model import capture_kv, full_logits, layout_from_config, next_token_logits, tiny_hybrid_config  # noqa: E402
+from kvtier.integrations.transformers import capture_kv, full_logits, layout_from_config, next_token_logits, tiny_hybrid_config  # noqa: E402
 from kvtier.tools.warmup import model_fingerprint  # noqa: E402
 
 PREFIX = 96

@@ -157,7 +157,7 @@ def gemma3_kv_bytes(seq_len: int, seed: int = 0) -> torch.Tensor:
     V laid out ``[seq, kv_heads, head_dim]`` as a paged cache holds them."""
     import transformers
 
-    from kvtier.tools.hf_model import capture_kv, tiny_hybrid_config
+    from kvtier.integrations.transformers import capture_kv, tiny_hybrid_config
 
     config = tiny_hybrid_config(
         vocab_size=512,

@@ -198,10 +198,15 @@ def _dtype_bytes(config) -> int:
 def layout_from_model_config(path: str, *, extra_retained_tokens: int = 0, block_size: int = 16,
                              full_blocks_per_chunk: int = 32, sliding_blocks_per_chunk: int = 1) -> ReplayLayout:
     """The layout of a transformers ``config.json``: groups as ``warmup`` builds them
-    (``tools/hf_model.layout_from_config``; DeepSeek-V4 through ``DeepseekV4CachePlan``), block
+    (``integrations.transformers.layout_from_config``; DeepSeek-V4 through ``DeepseekV4CachePlan``), block
     bytes from each layer's KV heads and head dims in the config's dtype."""
-    from kvtier.tools.hf_deepseek_v4 import DeepseekV4CachePlan, is_compressed_attention
-    from kvtier.tools.hf_model import layer_kv_shapes, layout_from_config, text_config
+    from kvtier.integrations.transformers import (
+        DeepseekV4CachePlan,
+        is_compressed_attention,
+        layer_kv_shapes,
+        layout_from_config,
+        text_config,
+    )
 
     config = _read_config(path)
     name = f"model-config:{getattr(text_config(config), 'model_type', None) or os.path.basename(path)}"
