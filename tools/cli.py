@@ -195,7 +195,7 @@ def _cmd_demo(args) -> int:
     from tqdm import tqdm
 
     from .demo import format_summary, run_demo
-    from .valkey import remote_server
+    from .testing.valkey import remote_server
 
     if not 1 <= args.producers <= MAX_DEMO_PRODUCERS:
         raise ValueError(f"--producers must be in [1, {MAX_DEMO_PRODUCERS}], got {args.producers}")

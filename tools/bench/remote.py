@@ -49,7 +49,7 @@ class RemoteBenchServers:
     """A local Valkey node and a local 3-primary cluster for one bench run (no persistence)."""
 
     def __init__(self) -> None:
-        from ..valkey import start_cluster, start_node
+        from ..testing.valkey import start_cluster, start_node
 
         self.node = start_node()
         try:
@@ -131,7 +131,7 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
     from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
-    from ..valkey import valkey_available
+    from ..testing.valkey import valkey_available
     from .kv import make_kv_bytes, measure_memcpy
 
     reason = valkey_available()

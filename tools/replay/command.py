@@ -197,7 +197,7 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
         temporary = args.cache_dir is None and budgets.has_disk
         cache_dir = tempfile.mkdtemp(prefix="kvtier-replay-") if temporary else (args.cache_dir if budgets.has_disk else None)
         try:
-            from kvtier.tools.valkey import remote_server
+            from kvtier.tools.testing.valkey import remote_server
 
             with remote_server(args.remote) as remote_url, _progress(len(trace), progress_off, "kvtier replay") as bar:
                 begun = time.perf_counter()
