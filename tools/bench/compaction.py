@@ -23,7 +23,7 @@ from typing import List
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import segment_disk_bytes
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tools.testing.fault_child import chunk_content, make_batch
+from kvtier.tools.testing.children import chunk_content, make_batch
 
 __all__ = ["main"]
 

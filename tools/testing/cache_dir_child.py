@@ -3,7 +3,7 @@
 Run as ``python -m kvtier.tools.testing.cache_dir_child COMMAND ...``. Commands:
 
 - ``writer``: an ``LmdbTier`` writer (a serving process's disk tier, or a warmup) that stores
-  batches of fault-suite chunks (``fault_child.make_batch``: bytes are a function of the key, and
+  batches of fault-suite chunks (``children.make_batch``: bytes are a function of the key, and
   keys spell the writer's seed, so no two writers and no two lives of one writer share a key) and
   deletes the batch ``--window`` batches back (reading it back first), for ``--duration-s`` seconds
   or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N``
@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Set
 
 from kvtier.errors import KvtierError
 
-from .fault_child import chunk_content, make_batch, parse_key
+from .children import chunk_content, make_batch, parse_key, run_command
 
 __all__ = ["Journal", "JournalEntries", "read_journal", "main"]
 
@@ -306,16 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "writer":
-        asyncio.run(_writer(args))
-    elif args.command == "gc":
-        _gc(args)
-    elif args.command == "reopen":
-        _reopen(args)
-    elif args.command == "read-check":
-        asyncio.run(_read_check(args))
-    return 0
+    commands = {"writer": _writer, "gc": _gc, "reopen": _reopen, "read-check": _read_check}
+    return run_command(commands, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
