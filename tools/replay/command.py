@@ -20,7 +20,7 @@ from .layouts import PRESETS, ReplayLayout, resolve_layout
 from .report import format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
 from .trace import Trace, read_trace
-from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes, scaled_layout
 
 __all__ = ["add_arguments", "run", "run_replay", "parse_budget"]
 
@@ -245,8 +245,8 @@ def run(args) -> int:
         return _run_comparison(args, trace)
     if args.sweep:
         return _run_sweep(args, trace)
-    layout = resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
-                            extra_retained_tokens=args.extra_retained_tokens, bytes_scale=args.bytes_scale)
+    layout = scaled_layout(resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
+                                          extra_retained_tokens=args.extra_retained_tokens), args.bytes_scale)
     from .engine_mode import EngineReplayError
 
     try:

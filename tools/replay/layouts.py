@@ -260,9 +260,10 @@ def layout_from_vllm_file(path: str, *, extra_retained_tokens: int = 0, sliding_
 
 
 def resolve_layout(name: Optional[str], *, model_config: Optional[str] = None, vllm_layout: Optional[str] = None,
-                   extra_retained_tokens: int = 0, bytes_scale: float = 1.0) -> ReplayLayout:
+                   extra_retained_tokens: int = 0) -> ReplayLayout:
     """What ``--layout`` / ``--model-config`` / ``--vllm-layout`` name (one of them; default the
-    ``full-attention`` preset), scaled by ``--bytes-scale``."""
+    ``full-attention`` preset). ``--bytes-scale`` is ``workload.scaled_layout``'s: scaling needs
+    the record sizes the workload measures."""
     given = [n for n, v in (("--layout", name), ("--model-config", model_config), ("--vllm-layout", vllm_layout)) if v]
     if len(given) > 1:
         raise ValueError(f"give one of --layout, --model-config, --vllm-layout, not {' and '.join(given)}")
@@ -272,10 +273,5 @@ def resolve_layout(name: Optional[str], *, model_config: Optional[str] = None, v
         layout = layout_from_vllm_file(vllm_layout, extra_retained_tokens=extra_retained_tokens)
     else:
         layout = preset(name or "full-attention", extra_retained_tokens)
-    if bytes_scale == 1:
-        return layout
-    from .workload import REPLAY_FINGERPRINT, record_bytes
-
-    overhead = [size - layout.chunk_bytes(g) for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
-    return layout.scaled(bytes_scale, overhead)
+    return layout
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from kvtier.policy import ChunkState, longest_hit
+from kvtier.policy import ChunkState, ModelLayout, longest_hit
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
 
@@ -45,6 +45,18 @@ __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
 
+
+
+def _hit_tokens(layout: ModelLayout, ids: Sequence[Any], n: int, held: Callable[[int, Any], bool]) -> int:
+    """The longest hit of a request of ``n`` tokens whose chunk keys are ``ids[g]`` per group;
+    ``held(g, key)`` says whether the simulated cache holds that chunk. The last token is never a
+    hit (it must be computed to produce the next one)."""
+
+    def state(g: int, c: int) -> ChunkState:
+        group_ids = ids[g]
+        return _READY if c < len(group_ids) and held(g, group_ids[c]) else _MISSING
+
+    return longest_hit(layout, max(0, n - 1), state) or 0
 
 @dataclass
 class TierCounts:
@@ -183,14 +195,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            if c >= len(group_ids):
-                return _MISSING
-            key = group_ids[c]
-            return _READY if key in host[g] or key in disk else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in host[g] or key in disk)
         hits[r] = hit
         if hit:
             jobs = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.load(g, hit))]
@@ -300,11 +305,7 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
@@ -370,11 +371,7 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         n = work.tokens[r]
         upcoming = nexts[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
