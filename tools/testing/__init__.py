@@ -15,7 +15,8 @@
 - ``tier_seam``: ``SeamTier`` (fail a tier call with any exception, hold it before or after the
   inner tier did the work, stall it) -- the seam of the engine's contract tests.
 - ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random
-  interleavings, cancellations and faults, checked against a model after every step).
+  interleavings, cancellations and faults, checked against a model after every step; the model,
+  device blocks and the tier's history, is ``engine_sim_model``).
 - ``valkey``: real Valkey servers on 127.0.0.1 (``start_node``, ``start_cluster``, ``restart_node``,
   ``ValkeyFactory``, ``shared_node()``; the demo and the bench start theirs here too) and remote-tier
   test helpers; the plugin's ``valkey_node`` / ``valkey_cluster`` / ``valkey_factory`` fixtures.
