@@ -34,7 +34,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
     tiny_hybrid_config,
     write_kv_to_blocks,
 )
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 WINDOW = 32
 BLOCK = 16

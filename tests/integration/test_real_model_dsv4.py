@@ -24,7 +24,7 @@ from kvtier.policy.compressed import ENTRIES, OVERLAP, SLIDING, GroupRole  # noq
 from kvtier.policy.plan import load_block_plan  # noqa: E402
 from kvtier.tiers.device import DeviceKVView  # noqa: E402
 from kvtier.integrations.transformers import cache_plan, full_logits, load_model, next_token_logits  # noqa: E402
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 WINDOW = 8
 BLOCK = 8

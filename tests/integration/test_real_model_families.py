@@ -25,7 +25,7 @@ from kvtier.policy import num_skipped_tokens  # noqa: E402
 from kvtier.policy.plan import load_block_plan  # noqa: E402
 from kvtier.tiers.device import DeviceKVView  # noqa: E402
 from kvtier.integrations.transformers import cache_plan, full_logits, layer_kv_shapes, load_model, next_token_logits  # noqa: E402
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 BLOCK = 8
 WINDOW = 16

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
-from ..argtypes import int_option
+from .._argtypes import int_option
 from .layouts import PRESETS, ReplayLayout, resolve_layout
 from .report import format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru

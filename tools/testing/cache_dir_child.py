@@ -8,7 +8,7 @@ Run as ``python -m kvtier.tools.testing.cache_dir_child COMMAND ...``. Commands:
   deletes the batch ``--window`` batches back (reading it back first), for ``--duration-s`` seconds
   or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N``
   fails the Nth commit of the tier with an injected I/O error (``faults.IOFaultPlan``).
-- ``gc``: ``tools.maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
+- ``gc``: ``tools._maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
   ``--max-bytes``, then compaction), with every record it evicts journaled.
 - ``reopen``: open the directory writable and close it again, in a loop for ``--duration-s`` (a
   server restarting over and over; every writable open reclaims what crashed writers left).
@@ -238,7 +238,7 @@ async def _writer(args: argparse.Namespace) -> None:
 
 
 def _gc(args: argparse.Namespace) -> None:
-    from kvtier.tools.maintenance import gc_cache
+    from kvtier.tools._maintenance import gc_cache
 
     journal = Journal(args.journal)
     report = gc_cache(args.dir, args.max_bytes, on_removed=_journal_removals(journal))

@@ -124,7 +124,7 @@ async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, ob
 
 def _corrupt_trials(args: argparse.Namespace) -> None:
     from kvtier.tools import cli
-    from kvtier.tools.maintenance import verify_cache
+    from kvtier.tools._maintenance import verify_cache
 
     src = Path(args.src)
     originals = [bytes.fromhex(k) for k in Path(args.keys).read_text().split()]
