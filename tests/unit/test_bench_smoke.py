@@ -23,7 +23,7 @@ from kvtier.tools.bench import (
     measure_longest_hit,
     run_bench,
 )
-from kvtier.tools.bench.figures import _brute_force_minimal
+from kvtier.tools.bench._figures import _brute_force_minimal
 from kvtier.tools.bench.engine import measure_bookkeeping
 
 ROW_KEYS = {"name", "value", "unit", "ratio", "ratio_to"}

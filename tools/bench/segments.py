@@ -4,7 +4,7 @@ Primitives: ``SegmentProbe`` (a ``DiskSubject``: the proposed write path, minima
 its I/O: checksum, aligned direct appends, fdatasync, then one synced LMDB index commit), ``main``
 (``python -m kvtier.tools.bench.segments``). Not a tier: no eviction, quarantine or recovery; it
 measures the I/O pattern such a tier would pay, beside the kvtier LMDB tier, the O_DIRECT limit
-and the raw write in the same paired rounds (``kvtier.tools.bench.rounds``).
+and the raw write in the same paired rounds (``kvtier.tools.bench._rounds``).
 
 Write of one round: xxh3-64 of every payload; one segment file per round opened O_DIRECT, chunks
 appended at page-aligned offsets by ``DIRECT_IN_FLIGHT`` threads straight from the page-aligned
@@ -34,11 +34,11 @@ import xxhash
 
 from kvtier.tiers.host import HostSlabPool
 
-from .kv import make_kv_bytes
-from .peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
-from .rounds import run_paired
-from .settings import MiB, label_of
-from .subjects import DiskSubject, RawFile, TierSubject
+from ._kv import make_kv_bytes
+from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
+from ._rounds import run_paired
+from ._settings import MiB, label_of
+from ._subjects import DiskSubject, RawFile, TierSubject
 
 __all__ = ["SegmentProbe", "main"]
 

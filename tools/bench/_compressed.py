@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .settings import COVERAGE_TOKENS
+from ._settings import COVERAGE_TOKENS
 
 __all__ = ["deepseek_v4_store_figures"]
 

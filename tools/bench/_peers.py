@@ -32,9 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
-from .report import judge
-from .settings import MiB
-from .subjects import DiskSubject, RowContext, SubjectSpec
+from ._report import judge
+from ._settings import MiB
+from ._subjects import DiskSubject, RowContext, SubjectSpec
 
 __all__ = ["DirectLimit", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT"]
 

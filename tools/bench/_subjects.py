@@ -4,7 +4,7 @@ Primitives: ``DiskSubject`` (the interface), ``RawFile`` (the limit), ``FilePerC
 a user would otherwise pick), ``TierSubject`` (a kvtier ``ChunkTier``), ``EngineSubject`` (end to
 end), and ``TIER_SUBJECTS``: the registry of subjects the ``tiers`` part runs at every chunk size,
 each with the rows it reports. To add a subject (a peer library, the remote tier), append a
-``SubjectSpec`` to ``TIER_SUBJECTS`` (from your own module, imported by ``tools/bench/run.py``):
+``SubjectSpec`` to ``TIER_SUBJECTS`` (from your own module, imported by ``tools/bench/_run.py``):
 its ``make`` builds the subject for one chunk size, its ``rows`` adds its figures to the report.
 """
 
@@ -28,9 +28,9 @@ from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import DEFAULT_SEGMENT_THRESHOLD_BYTES, LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 
-from .kv import KVGeometry
-from .report import BenchReport, BenchRow, judge
-from .settings import (
+from ._kv import KVGeometry
+from ._report import BenchReport, BenchRow, judge
+from ._settings import (
     BATCH_BYTES,
     BATCH_MAX_CHUNKS,
     BASELINE_FILES_IN_FLIGHT,

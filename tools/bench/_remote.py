@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import xxhash
 
-from .settings import label_of as _label
-from .settings import mb_s as _mb_s
+from ._settings import label_of as _label
+from ._settings import mb_s as _mb_s
 
 __all__ = ["measure_remote", "RemoteBenchServers", "REMOTE_QUICK_TOTAL_BYTES", "REMOTE_FULL_TOTAL_BYTES"]
 
@@ -132,7 +132,7 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
     from kvtier.tiers.remote import RemoteTier
 
     from ..testing.valkey import valkey_available
-    from .kv import make_kv_bytes, measure_memcpy
+    from ._kv import make_kv_bytes, measure_memcpy
 
     reason = valkey_available()
     if reason is not None:
@@ -244,7 +244,7 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
 
     from kvtier.engine import EngineConfig, OffloadEngine
 
-    from .kv import KVGeometry
+    from ._kv import KVGeometry
 
     label = _label(size)
     geometry = KVGeometry.for_chunk(size)

@@ -18,7 +18,7 @@ from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.record_format import CodecConfig, decode_record, encode_record
 
-from .settings import COVERAGE_TOKEN_BYTES, COVERAGE_TOKENS, LONGEST_HIT_TOKENS, mb_s
+from ._settings import COVERAGE_TOKEN_BYTES, COVERAGE_TOKENS, LONGEST_HIT_TOKENS, mb_s
 
 __all__ = [
     "deepseek_v4_like_layout",
