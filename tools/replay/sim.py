@@ -58,6 +58,7 @@ def _hit_tokens(layout: ModelLayout, ids: Sequence[Any], n: int, held: Callable[
 
     return longest_hit(layout, max(0, n - 1), state) or 0
 
+
 @dataclass
 class TierCounts:
     stored_chunks: int = 0
@@ -69,6 +70,11 @@ class TierCounts:
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
+
+    def evicted(self, size: int) -> None:
+        """Count one chunk of ``size`` bytes evicted."""
+        self.evicted_chunks += 1
+        self.evicted_bytes += size
 
 
 @dataclass
@@ -169,8 +175,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
 
     def evict_host(g: int, count: int, exclude) -> None:
         for key in host[g].victims(count, exclude):
-            hcount.evicted_chunks += 1
-            hcount.evicted_bytes += chunk_bytes[g]
+            hcount.evicted(chunk_bytes[g])
 
     def write(batch: List[tuple]) -> None:
         batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
@@ -183,8 +188,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             # The batch fits the capacity, so every other record together frees enough.
             for key, _ in disk.choose_victims(excess, {key for _, key in batch}):
                 disk.pop(key)
-                dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
-                dcount.evicted_chunks += 1
+                dcount.evicted(chunk_bytes[disk_group.pop(key)])
         for g, key in batch:
             disk.put(key, disk_record_bytes[g])
             disk_group[key] = g
@@ -295,6 +299,14 @@ def _single_tier(work: Workload, plans: Plans):
             np.zeros(n_req, dtype=np.int64), TierCounts())
 
 
+def _single_tier_outcome(mode: str, work: Workload, hits: np.ndarray, read: np.ndarray, stored: np.ndarray,
+                         counts: TierCounts) -> Outcome:
+    """The ``Outcome`` of a one-cache run (the tier is named ``cache``), its byte totals counted."""
+    counts.read_bytes = int(read.sum())
+    counts.stored_bytes = int(stored.sum())
+    return Outcome(mode, hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored, {"cache": counts})
+
+
 def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
     """The reference: one LRU cache of ``capacity`` payload bytes over the chunks the store plan
     stores; a hit touches the chunks it reads, then the new chunks go in and the oldest go out."""
@@ -321,12 +333,8 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         while capacity is not None and total > capacity:
             _, size = cache.popitem(last=False)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("reference-lru", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("reference-lru", work, hits, read, stored, counts)
 
 
 def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
@@ -396,9 +404,5 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
             del cache[key]
             size = size_of.pop(key)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("belady", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("belady", work, hits, read, stored, counts)
