@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -43,6 +44,7 @@ from ._settings import (
 
 __all__ = [
     "DiskSubject",
+    "PooledSubject",
     "RawFile",
     "FilePerChunk",
     "TierSubject",
@@ -92,6 +94,25 @@ class DiskSubject:
 
     def paths(self) -> List[Path]:
         return [self.directory]
+
+
+class PooledSubject(DiskSubject):
+    """A subject whose I/O runs on its own thread pool of ``threads`` workers (``run_threads``),
+    shut down at teardown."""
+
+    def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
+                 threads: int, thread_name_prefix: str) -> None:
+        super().__init__(directory, chunks, outs)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=thread_name_prefix)
+
+    async def run_threads(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run every job on the pool at once; return when all are done."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self.pool, job) for job in jobs))
+
+    async def teardown(self) -> List[str]:
+        self.pool.shutdown(wait=True)
+        return []
 
 
 class RawFile(DiskSubject):

@@ -24,7 +24,6 @@ import struct
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -38,21 +37,20 @@ from ._kv import make_kv_bytes
 from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
 from ._rounds import run_paired
 from ._settings import MiB, label_of
-from ._subjects import DiskSubject, RawFile, TierSubject
+from ._subjects import DiskSubject, PooledSubject, RawFile, TierSubject
 
 __all__ = ["SegmentProbe", "main"]
 
 _ENTRY = struct.Struct("<QQQQ")  # segment, offset, length, xxh3-64
 
 
-class SegmentProbe(DiskSubject):
+class SegmentProbe(PooledSubject):
     """The proposed durable write path (see the module docstring)."""
 
     name = "segments"
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview]) -> None:
-        super().__init__(directory, chunks, outs)
-        self.pool = ThreadPoolExecutor(DIRECT_IN_FLIGHT, thread_name_prefix="bench-segments")
+        super().__init__(directory, chunks, outs, threads=DIRECT_IN_FLIGHT, thread_name_prefix="bench-segments")
         self.env: Optional[lmdb.Environment] = None
 
     async def setup(self) -> None:
@@ -62,10 +60,6 @@ class SegmentProbe(DiskSubject):
 
     def _segment(self, number: int) -> str:
         return str(self.directory / f"segment-{number:08d}.kv")
-
-    async def _threads(self, jobs: List[Callable[[], None]]) -> None:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self.pool, job) for job in jobs))
 
     async def write(self, indices: range) -> float:
         assert self.env is not None
@@ -82,7 +76,7 @@ class SegmentProbe(DiskSubject):
                             raise OSError("short direct write")
                 return run
 
-            await self._threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
             os.fdatasync(fd)  # payloads durable before the index that points at them
         finally:
             os.close(fd)
@@ -113,7 +107,7 @@ class SegmentProbe(DiskSubject):
                             bad.append(i)
                 return run
 
-            await self._threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -124,8 +118,7 @@ class SegmentProbe(DiskSubject):
     async def teardown(self) -> List[str]:
         if self.env is not None:
             self.env.close()
-        self.pool.shutdown(wait=True)
-        return []
+        return await super().teardown()
 
 
 # The segment-enabled LMDB tier row: every chunk of every measured size (>= 4 KiB) goes to segments,
