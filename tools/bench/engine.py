@@ -192,18 +192,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--with-copies", action="store_true", help="real device view over tiny chunks")
     parser.add_argument("--eviction-policy", help="EngineConfig.eviction_policy (default: EngineConfig's)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    result = asyncio.run(
-        measure_bookkeeping(
-            chunks_per_request=args.chunks_per_request,
-            requests=args.requests,
-            rounds=args.rounds,
-            hybrid=args.hybrid,
-            with_copies=args.with_copies,
-            eviction_policy=args.eviction_policy,
-        )
-    )
-    if args.json:
+    options = vars(parser.parse_args(argv))
+    as_json = options.pop("json")
+    # Every other option is one of measure_bookkeeping's keywords, under the same name.
+    result = asyncio.run(measure_bookkeeping(**options))
+    if as_json:
         print(json.dumps(result.to_dict(), sort_keys=True))
     else:
         print(
