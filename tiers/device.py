@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from kvtier.policy import DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import ModelLayout
 
 from .device_backend import CopyHandle, DeviceBackend
 from .device_groups import GroupTensors, Run, block_runs, host_array, typed_slot, validate_group

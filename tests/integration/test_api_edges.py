@@ -17,7 +17,8 @@ import torch
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.drop_log import DropLog
 from kvtier.errors import EngineUsageError
-from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device

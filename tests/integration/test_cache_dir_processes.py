@@ -31,7 +31,7 @@ from kvtier.tiers.base import IOHook
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.cache_dir_child import read_journal
 from kvtier.tools.testing.cache_dir_trial import run_trial
-from kvtier.tools.testing.fault_child import make_batch
+from kvtier.tools.testing.children import make_batch
 
 SEED = int(os.environ.get("KVTIER_FAULT_SEED", "20240607"))
 ROUNDS = 12

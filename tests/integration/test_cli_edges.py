@@ -38,7 +38,7 @@ def inputs(tmp_path_factory):
     """A tiny saved model, a model directory whose weights are garbage, and prompt files."""
     import torch
 
-    from kvtier.tools.hf_model import tiny_hybrid_config
+    from kvtier.integrations.transformers import tiny_hybrid_config
 
     root = tmp_path_factory.mktemp("cli-edges")
     torch.manual_seed(0)

@@ -10,7 +10,8 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.pressure import nvml_device_headroom_source
-from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tools.testing.device import RecordingBackend, TokenEvent
 from kvtier.tools.testing.pressure import FakeNvmlLibrary
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device

@@ -25,7 +25,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.errors import TierIOError
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.cli import main
-from kvtier.tools.maintenance import gc_cache, verify_cache
+from kvtier.tools._maintenance import gc_cache, verify_cache
 from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 from mounts import bind_mount, fill_up, tmpfs

@@ -30,7 +30,7 @@ from kvtier.tiers.lmdb.segment_reader import SegmentReader
 from kvtier.tiers.lmdb.segments import SegmentWriter, committed_ends
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.cli import main
-from kvtier.tools.testing.fault_child import make_batch
+from kvtier.tools.testing.children import make_batch
 from segment_checks import assert_ledger_matches, assert_served, pointers, segment_files
 
 THRESHOLD = 16 << 10

@@ -31,7 +31,7 @@ from kvtier.integrations.vllm.testing import VllmCpuRig
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import retention_store_chunk_indices
-from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
+from kvtier.tools.testing.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
 
 PROMPT = [(i * 7) % 900 + 3 for i in range(33)]
 CONSUMER = PROMPT + [5]

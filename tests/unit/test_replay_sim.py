@@ -188,7 +188,7 @@ def test_presets_carry_the_models_true_bytes_per_token():
 def test_the_deepseek_preset_matches_the_cache_plan_of_transformers_config():
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from kvtier.tools.hf_deepseek_v4 import DeepseekV4CachePlan
+    from kvtier.integrations.transformers import DeepseekV4CachePlan
 
     plan = DeepseekV4CachePlan(transformers.DeepseekV4Config(), block_size=64, blocks_per_chunk=4)
     ours = preset("deepseek-v4")

@@ -15,12 +15,12 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
-from ..argtypes import int_option
+from .._argtypes import int_option
 from .layouts import PRESETS, ReplayLayout, resolve_layout
 from .report import JsonObject, format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
 from .trace import Trace, read_trace
-from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes, scaled_layout
 
 __all__ = ["add_arguments", "run", "run_replay", "parse_budget"]
 
@@ -200,7 +200,7 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
         temporary = tempfile.mkdtemp(prefix="kvtier-replay-") if args.cache_dir is None and budgets.has_disk else None
         cache_dir = temporary if temporary is not None else (args.cache_dir if budgets.has_disk else None)
         try:
-            from kvtier.tools.valkey import remote_server
+            from kvtier.tools.testing.valkey import remote_server
 
             with remote_server(args.remote) as remote_url, _progress(len(trace), progress_off, "kvtier replay") as bar:
                 begun = time.perf_counter()
@@ -248,8 +248,8 @@ def run(args) -> int:
         return _run_comparison(args, trace)
     if args.sweep:
         return _run_sweep(args, trace)
-    layout = resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
-                            extra_retained_tokens=args.extra_retained_tokens, bytes_scale=args.bytes_scale)
+    layout = scaled_layout(resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
+                                          extra_retained_tokens=args.extra_retained_tokens), args.bytes_scale)
     from .engine_mode import EngineReplayError
 
     try:

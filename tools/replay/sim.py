@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 
 import numpy as np
 
-from kvtier.policy import ChunkState, longest_hit
+from kvtier.policy import ChunkState, ModelLayout, longest_hit
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
 
@@ -44,6 +44,19 @@ __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate
 
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
+
+
+
+def _hit_tokens(layout: ModelLayout, ids: Sequence[Any], n: int, held: Callable[[int, Any], bool]) -> int:
+    """The longest hit of a request of ``n`` tokens whose chunk keys are ``ids[g]`` per group;
+    ``held(g, key)`` says whether the simulated cache holds that chunk. The last token is never a
+    hit (it must be computed to produce the next one)."""
+
+    def state(g: int, c: int) -> ChunkState:
+        group_ids = ids[g]
+        return _READY if c < len(group_ids) and held(g, group_ids[c]) else _MISSING
+
+    return longest_hit(layout, max(0, n - 1), state) or 0
 
 
 @dataclass
@@ -57,6 +70,11 @@ class TierCounts:
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
+
+    def evicted(self, size: int) -> None:
+        """Count one chunk of ``size`` bytes evicted."""
+        self.evicted_chunks += 1
+        self.evicted_bytes += size
 
 
 @dataclass
@@ -158,8 +176,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
 
     def evict_host(g: int, count: int, exclude) -> None:
         for key in host[g].victims(count, exclude):
-            hcount.evicted_chunks += 1
-            hcount.evicted_bytes += chunk_bytes[g]
+            hcount.evicted(chunk_bytes[g])
 
     def write(batch: List[tuple]) -> None:
         batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
@@ -174,8 +191,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             assert victims is not None, "a batch within the capacity always finds its victims"
             for key, _ in victims:
                 disk.pop(key)
-                dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
-                dcount.evicted_chunks += 1
+                dcount.evicted(chunk_bytes[disk_group.pop(key)])
         for g, key in batch:
             disk.put(key, disk_record_bytes[g])
             disk_group[key] = g
@@ -186,14 +202,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            if c >= len(group_ids):
-                return _MISSING
-            key = group_ids[c]
-            return _READY if key in host[g] or key in disk else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in host[g] or key in disk)
         hits[r] = hit
         if hit:
             jobs = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.load(g, hit))]
@@ -293,6 +302,14 @@ def _single_tier(work: Workload, plans: Plans):
             np.zeros(n_req, dtype=np.int64), TierCounts())
 
 
+def _single_tier_outcome(mode: str, work: Workload, hits: np.ndarray, read: np.ndarray, stored: np.ndarray,
+                         counts: TierCounts) -> Outcome:
+    """The ``Outcome`` of a one-cache run (the tier is named ``cache``), its byte totals counted."""
+    counts.read_bytes = int(read.sum())
+    counts.stored_bytes = int(stored.sum())
+    return Outcome(mode, hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored, {"cache": counts})
+
+
 def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
     """The reference: one LRU cache of ``capacity`` payload bytes over the chunks the store plan
     stores; a hit touches the chunks it reads, then the new chunks go in and the oldest go out."""
@@ -303,11 +320,7 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
@@ -323,12 +336,8 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         while capacity is not None and total > capacity:
             _, size = cache.popitem(last=False)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("reference-lru", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("reference-lru", work, hits, read, stored, counts)
 
 
 def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
@@ -373,11 +382,7 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         n = work.tokens[r]
         upcoming = nexts[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
@@ -402,9 +407,5 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
             del cache[key]
             size = size_of.pop(key)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("belady", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("belady", work, hits, read, stored, counts)

@@ -6,7 +6,7 @@ R = 3 on the SWA groups), once with every chunk READY (the full hit) and once wi
 chunks MISSING, and ``reachable_store_block_mask`` for each group. Prints the median and p90 in
 microseconds (``--json`` for one JSON object). Imports only ``kvtier.policy`` and the stdlib.
 
-    python tools/bench_longest_hit.py [--repeat N] [--tokens N] [--seed N] [--json]
+    python -m kvtier.tools.bench.longest_hit [--repeat N] [--tokens N] [--seed N] [--json]
 
 The target is ``longest_hit`` <= 2 ms on this request (README's benchmark table).
 """

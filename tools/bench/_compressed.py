@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .settings import COVERAGE_TOKENS
+from ._settings import COVERAGE_TOKENS
 
 __all__ = ["deepseek_v4_store_figures"]
 
@@ -22,7 +22,7 @@ def deepseek_v4_store_figures(
     """``[{"group": "sliding" | "entries r=4" | ..., "layers", "stored", "every"}]``, bytes."""
     import transformers
 
-    from ..hf_deepseek_v4 import DeepseekV4CachePlan
+    from kvtier.integrations.transformers import DeepseekV4CachePlan
 
     plan = DeepseekV4CachePlan(
         transformers.DeepseekV4Config(),

@@ -17,13 +17,13 @@ import torch
 
 from kvtier.tiers.host import HostSlabPool
 
-from .compressed import deepseek_v4_store_figures
-from .figures import gemma3_kv_bytes, measure_compression, measure_coverage, measure_longest_hit
-from .kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
-from .machine import drop_caches_possible, drop_page_cache, filesystem_of, prefault
-from .report import BenchReport, BenchRow, format_report, judge, ratio_of
-from .rounds import run_paired
-from .settings import (
+from ._compressed import deepseek_v4_store_figures
+from ._figures import gemma3_kv_bytes, measure_compression, measure_coverage, measure_longest_hit
+from ._kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
+from ._machine import drop_caches_possible, drop_page_cache, filesystem_of, prefault
+from ._report import BenchReport, BenchRow, format_report, judge, ratio_of
+from ._rounds import run_paired
+from ._settings import (
     FULL_TOTAL_BYTES,
     LAYERS,
     MiB,
@@ -37,9 +37,9 @@ from .settings import (
     label_of,
     mb_s,
 )
-from .peers import PEER_SKIPS, peer_specs
-from .release import measure_engine_release
-from .subjects import TIER_SUBJECTS, DiskSubject, EngineSubject, RawFile, RowContext
+from ._peers import PEER_SKIPS, peer_specs
+from ._release import measure_engine_release
+from ._subjects import TIER_SUBJECTS, DiskSubject, EngineSubject, RawFile, RowContext
 
 __all__ = ["run_bench", "run_bench_command"]
 
@@ -67,7 +67,7 @@ async def run_bench(
     """Run the benchmark (see the module docstring). ``parts`` limits it to some of ``"tiers"``
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
     ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
-    cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/remote.py``); ``total_bytes`` overrides the
+    cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/_remote.py``); ``total_bytes`` overrides the
     bytes moved per chunk size, ``rounds`` the paired rounds per size. ``peers`` (default: not
     ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
     take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. The cache directory gets a
@@ -141,7 +141,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             gc.collect()
         if "bookkeeping" in parts:
             say("engine bookkeeping")
-            from kvtier.tools.bench_engine import measure_bookkeeping
+            from kvtier.tools.bench.engine import measure_bookkeeping
 
             bk = await measure_bookkeeping(rounds=3 if quick else 7)
             report.add(
@@ -206,7 +206,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                            ratio_of(c["decode_mb_s"], write) if write else None,
                            "raw fdatasync write" if write else "no disk figure in this run")
         if "remote" in parts:
-            from .remote import REMOTE_FULL_TOTAL_BYTES, REMOTE_QUICK_TOTAL_BYTES, measure_remote
+            from ._remote import REMOTE_FULL_TOTAL_BYTES, REMOTE_QUICK_TOTAL_BYTES, measure_remote
 
             remote_total = min(total, REMOTE_QUICK_TOTAL_BYTES if quick else REMOTE_FULL_TOTAL_BYTES)
             await measure_remote(report, sizes, remote_total, min(rounds, 3), say, work=work)

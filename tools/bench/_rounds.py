@@ -16,9 +16,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .machine import drop_page_cache
-from .settings import mb_s
-from .subjects import DiskSubject
+from ._machine import drop_page_cache
+from ._settings import mb_s
+from ._subjects import DiskSubject
 
 __all__ = ["PairedTimes", "run_paired"]
 

@@ -1,6 +1,6 @@
 """What LMDB's ``metasync=True`` costs the spill path: paired rounds, same machine, same run.
 
-    python -m kvtier.tools.bench_metasync [--rounds 8] [--batches 16] [--chunks 16] [--chunk-kib 256]
+    python -m kvtier.tools.bench.metasync [--rounds 8] [--batches 16] [--chunks 16] [--chunk-kib 256]
 
 Each round writes ``batches`` spill batches (``chunks`` incompressible chunks each, raw codec, one
 ``put_many`` per batch, as the engine's spill does) into a fresh ``LmdbTier`` twice: once as the

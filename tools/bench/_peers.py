@@ -28,13 +28,12 @@ import asyncio
 import mmap
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
-from .report import judge
-from .settings import MiB
-from .subjects import DiskSubject, RowContext, SubjectSpec
+from ._report import judge
+from ._settings import MiB
+from ._subjects import DiskSubject, PooledSubject, RowContext, SubjectSpec
 
 __all__ = ["DirectLimit", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT"]
 
@@ -59,12 +58,7 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-async def _run_threads(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], None]]) -> None:
-    loop = asyncio.get_running_loop()
-    await asyncio.gather(*(loop.run_in_executor(pool, job) for job in jobs))
-
-
-class DirectLimit(DiskSubject):
+class DirectLimit(PooledSubject):
     """The disk's O_DIRECT limit: one file per round, its blocks allocated first (``fallocate``),
     chunk-sized aligned ``pwrite``s straight from the page-aligned host slots with
     ``DIRECT_IN_FLIGHT`` threads, one ``fdatasync`` at the end;
@@ -73,8 +67,7 @@ class DirectLimit(DiskSubject):
     name = "O_DIRECT"
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview]) -> None:
-        super().__init__(directory, chunks, outs)
-        self.pool = ThreadPoolExecutor(DIRECT_IN_FLIGHT, thread_name_prefix="bench-direct")
+        super().__init__(directory, chunks, outs, threads=DIRECT_IN_FLIGHT, thread_name_prefix="bench-direct")
 
     def _path(self, indices: range) -> str:
         return str(self.directory / f"direct-{indices.start}.bin")
@@ -94,7 +87,7 @@ class DirectLimit(DiskSubject):
                 return run
 
             started = time.perf_counter()
-            await _run_threads(self.pool, [writer(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
             os.fdatasync(fd)
             return time.perf_counter() - started
         finally:
@@ -112,25 +105,20 @@ class DirectLimit(DiskSubject):
                 return run
 
             started = time.perf_counter()
-            await _run_threads(self.pool, [reader(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
             return time.perf_counter() - started
         finally:
             os.close(fd)
 
-    async def teardown(self) -> List[str]:
-        self.pool.shutdown(wait=True)
-        return []
 
-
-class VllmFs(DiskSubject):
+class VllmFs(PooledSubject):
     """vLLM 0.33's ``fs`` secondary tier (see the module docstring)."""
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
                  fsync: bool) -> None:
-        super().__init__(directory, chunks, outs)
+        super().__init__(directory, chunks, outs, threads=VLLM_THREADS, thread_name_prefix="bench-vllm")
         self.fsync = fsync
         self.name = "vllm fs" + (" +fsync" if fsync else "")
-        self.pool = ThreadPoolExecutor(VLLM_THREADS, thread_name_prefix="bench-vllm")
         self.paths_of: List[str] = []
         self.o_direct = False
 
@@ -149,41 +137,38 @@ class VllmFs(DiskSubject):
         per = max(1, VLLM_JOB_BYTES // self.chunks[0].nbytes)
         return [range(i, min(i + per, indices.stop)) for i in range(indices.start, indices.stop, per)]
 
+    async def _timed_jobs(self, indices: range, per_chunk: Callable[[int], None]) -> float:
+        """Seconds to run ``per_chunk(i)`` for every chunk of ``indices``, in vLLM's jobs on its pool."""
+
+        def job(chunks: range) -> Callable[[], None]:
+            def run() -> None:
+                for i in chunks:
+                    per_chunk(i)
+            return run
+
+        started = time.perf_counter()
+        await self.run_threads([job(r) for r in self._jobs(indices)])
+        return time.perf_counter() - started
+
     async def write(self, indices: range) -> float:
         from vllm.v1.kv_offload.tiering.fs.io import batch_store_block
 
         size = self.chunks[0].nbytes
 
-        def job(chunks: range) -> Callable[[], None]:
-            def run() -> None:
-                for i in chunks:  # the pure-Python path stores block by block; fsync each after
-                    batch_store_block([self.paths_of[i]], self.chunks[i], [0], size, self.o_direct)
-                    if self.fsync:
-                        _fsync_path(self.paths_of[i])
-            return run
+        def store(i: int) -> None:  # the pure-Python path stores block by block; fsync each after
+            batch_store_block([self.paths_of[i]], self.chunks[i], [0], size, self.o_direct)
+            if self.fsync:
+                _fsync_path(self.paths_of[i])
 
-        started = time.perf_counter()
-        await _run_threads(self.pool, [job(r) for r in self._jobs(indices)])
-        return time.perf_counter() - started
+        return await self._timed_jobs(indices, store)
 
     async def read(self, indices: range) -> float:
         from vllm.v1.kv_offload.tiering.fs.io import batch_load_block
 
         size = self.chunks[0].nbytes
-
-        def job(chunks: range) -> Callable[[], None]:
-            def run() -> None:
-                for i in chunks:
-                    batch_load_block([self.paths_of[i]], self.outs[i], [0], size, self.o_direct)
-            return run
-
-        started = time.perf_counter()
-        await _run_threads(self.pool, [job(r) for r in self._jobs(indices)])
-        return time.perf_counter() - started
-
-    async def teardown(self) -> List[str]:
-        self.pool.shutdown(wait=True)
-        return []
+        return await self._timed_jobs(
+            indices, lambda i: batch_load_block([self.paths_of[i]], self.outs[i], [0], size, self.o_direct)
+        )
 
 
 class LmcacheDisk(DiskSubject):
@@ -271,16 +256,15 @@ class LmcacheDisk(DiskSubject):
         return []
 
 
-class SglangFile(DiskSubject):
+class SglangFile(PooledSubject):
     """SGLang 0.5.23's ``HiCacheFile`` (see the module docstring)."""
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
                  fsync: bool) -> None:
-        super().__init__(directory, chunks, outs)
+        super().__init__(directory, chunks, outs, threads=1, thread_name_prefix="bench-sglang")
         self.fsync = fsync
         self.name = "sglang file" + (" +fsync" if fsync else "")
         self.store: Any = None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-sglang")
         self.values: List[Any] = []
         self.targets: List[Any] = []
 
@@ -325,10 +309,6 @@ class SglangFile(DiskSubject):
         if any(g is None for g in got):
             raise OSError("sglang file: batch_get missed a chunk")
         return elapsed
-
-    async def teardown(self) -> List[str]:
-        self.pool.shutdown(wait=True)
-        return []
 
 
 # ------------------------------------------------------------------------------------ the registry

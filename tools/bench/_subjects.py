@@ -4,7 +4,7 @@ Primitives: ``DiskSubject`` (the interface), ``RawFile`` (the limit), ``FilePerC
 a user would otherwise pick), ``TierSubject`` (a kvtier ``ChunkTier``), ``EngineSubject`` (end to
 end), and ``TIER_SUBJECTS``: the registry of subjects the ``tiers`` part runs at every chunk size,
 each with the rows it reports. To add a subject (a peer library, the remote tier), append a
-``SubjectSpec`` to ``TIER_SUBJECTS`` (from your own module, imported by ``tools/bench/run.py``):
+``SubjectSpec`` to ``TIER_SUBJECTS`` (from your own module, imported by ``tools/bench/_run.py``):
 its ``make`` builds the subject for one chunk size, its ``rows`` adds its figures to the report.
 """
 
@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,9 +29,9 @@ from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import DEFAULT_SEGMENT_THRESHOLD_BYTES, LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 
-from .kv import KVGeometry
-from .report import BenchReport, BenchRow, judge
-from .settings import (
+from ._kv import KVGeometry
+from ._report import BenchReport, BenchRow, judge
+from ._settings import (
     BATCH_BYTES,
     BATCH_MAX_CHUNKS,
     BASELINE_FILES_IN_FLIGHT,
@@ -43,6 +44,7 @@ from .settings import (
 
 __all__ = [
     "DiskSubject",
+    "PooledSubject",
     "RawFile",
     "FilePerChunk",
     "TierSubject",
@@ -92,6 +94,25 @@ class DiskSubject:
 
     def paths(self) -> List[Path]:
         return [self.directory]
+
+
+class PooledSubject(DiskSubject):
+    """A subject whose I/O runs on its own thread pool of ``threads`` workers (``run_threads``),
+    shut down at teardown."""
+
+    def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview], *,
+                 threads: int, thread_name_prefix: str) -> None:
+        super().__init__(directory, chunks, outs)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=thread_name_prefix)
+
+    async def run_threads(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run every job on the pool at once; return when all are done."""
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self.pool, job) for job in jobs))
+
+    async def teardown(self) -> List[str]:
+        self.pool.shutdown(wait=True)
+        return []
 
 
 class RawFile(DiskSubject):

@@ -18,8 +18,8 @@ import time
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.tiers.device import DeviceKVView
 
-from .kv import KVGeometry
-from .settings import BATCH_BYTES, mb_s
+from ._kv import KVGeometry
+from ._settings import BATCH_BYTES, mb_s
 
 __all__ = ["measure_engine_release"]
 

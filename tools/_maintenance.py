@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from kvtier.policy import KvtierError
+from kvtier.errors import KvtierError
 from kvtier.tiers.base import RemovalCallback
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, segment_disk_bytes

@@ -1,7 +1,7 @@
 """Chunk keys on a long prompt: key format v1 (one hash per chunk per group) against v2 (one stream).
 
 Primitives: ``v1_chunk_keys`` (the v1 format, kept verbatim as the baseline), ``measure_keys``
-(async; returns a dict of cases), ``main`` (``python -m kvtier.tools.bench_keys``). Runs on the
+(async; returns a dict of cases), ``main`` (``python -m kvtier.tools.bench.keys``). Runs on the
 caller's event loop; everything it times runs on that loop, as an engine's lookup does.
 
 Layout: DeepSeek-V4-like, three groups (FA block 64 x 4 = 256-token chunks; SWA block 64, W 128;
@@ -38,7 +38,7 @@ from blake3 import blake3
 from kvtier.engine import EngineConfig, OffloadEngine, RequestKeys
 from kvtier.policy import AttentionGroup, ModelLayout
 
-from .bench_engine import NoCopyDeviceView
+from .engine import NoCopyDeviceView
 
 __all__ = ["v1_chunk_keys", "measure_keys", "main"]
 
@@ -179,7 +179,7 @@ async def measure_keys(*, tokens: int = 131072, repeat: int = 7, grow_steps: int
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench_keys", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench.keys", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=131072, help="prompt length (default 131072)")
     parser.add_argument("--repeat", type=int, default=7, help="timed calls per case (default 7)")
     parser.add_argument("--grow-steps", type=int, default=32, help="decode steps of 8 tokens (default 32)")

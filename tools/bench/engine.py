@@ -1,7 +1,7 @@
 """Engine bookkeeping cost per chunk: store + lookup + load, excluding copies and I/O.
 
 Primitives: ``measure_bookkeeping`` (async; returns a ``BookkeepingResult``), ``NoCopyDeviceView``
-(a ``DeviceKVView`` whose copies do nothing), ``main`` (``python -m kvtier.tools.bench_engine``).
+(a ``DeviceKVView`` whose copies do nothing), ``main`` (``python -m kvtier.tools.bench.engine``).
 Runs on the caller's event loop; the engine's copy threads still run (one hop per batch).
 
 Method. An ``OffloadEngine`` with no disk tier (no spill, no I/O) drives a device view whose
@@ -183,7 +183,7 @@ async def measure_bookkeeping(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.tools.bench_engine",
+        prog="python -m kvtier.tools.bench.engine",
         description="Engine bookkeeping cost per chunk (store + lookup + load, no copies, no I/O).",
     )
     parser.add_argument("--chunks-per-request", type=int, default=256)
@@ -193,18 +193,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--with-copies", action="store_true", help="real device view over tiny chunks")
     parser.add_argument("--eviction-policy", help="EngineConfig.eviction_policy (default: EngineConfig's)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    result = asyncio.run(
-        measure_bookkeeping(
-            chunks_per_request=args.chunks_per_request,
-            requests=args.requests,
-            rounds=args.rounds,
-            hybrid=args.hybrid,
-            with_copies=args.with_copies,
-            eviction_policy=args.eviction_policy,
-        )
-    )
-    if args.json:
+    options = vars(parser.parse_args(argv))
+    as_json = options.pop("json")
+    # Every other option is one of measure_bookkeeping's keywords, under the same name.
+    result = asyncio.run(measure_bookkeeping(**options))
+    if as_json:
         print(json.dumps(result.to_dict(), sort_keys=True))
     else:
         print(

@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import xxhash
 
-from .settings import label_of as _label
-from .settings import mb_s as _mb_s
+from ._settings import label_of as _label
+from ._settings import mb_s as _mb_s
 
 __all__ = ["measure_remote", "RemoteBenchServers", "REMOTE_QUICK_TOTAL_BYTES", "REMOTE_FULL_TOTAL_BYTES"]
 
@@ -49,7 +49,7 @@ class RemoteBenchServers:
     """A local Valkey node and a local 3-primary cluster for one bench run (no persistence)."""
 
     def __init__(self) -> None:
-        from ..valkey import start_cluster, start_node
+        from ..testing.valkey import start_cluster, start_node
 
         self.node = start_node()
         try:
@@ -131,8 +131,8 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
     from kvtier.tiers.record_format import CodecConfig
     from kvtier.tiers.remote import RemoteTier
 
-    from ..valkey import valkey_available
-    from .kv import make_kv_bytes, measure_memcpy
+    from ..testing.valkey import valkey_available
+    from ._kv import make_kv_bytes, measure_memcpy
 
     reason = valkey_available()
     if reason is not None:
@@ -244,7 +244,7 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
 
     from kvtier.engine import EngineConfig, OffloadEngine
 
-    from .kv import KVGeometry
+    from ._kv import KVGeometry
 
     label = _label(size)
     geometry = KVGeometry.for_chunk(size)

@@ -12,7 +12,7 @@ import torch
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.device import DeviceKVView
 
-from .settings import BATCH_BYTES, BLOCK_TOKENS, BLOCK_UNIT, HEAD_DIM, LAYERS, mb_s
+from ._settings import BATCH_BYTES, BLOCK_TOKENS, BLOCK_UNIT, HEAD_DIM, LAYERS, mb_s
 
 __all__ = ["KVGeometry", "make_kv_bytes", "measure_memcpy", "measure_piece_copy", "measure_staging"]
 

@@ -2,9 +2,9 @@
 
 Primitives: ``SegmentProbe`` (a ``DiskSubject``: the proposed write path, minimal but complete in
 its I/O: checksum, aligned direct appends, fdatasync, then one synced LMDB index commit), ``main``
-(``python -m kvtier.tools.bench_segments``). Not a tier: no eviction, quarantine or recovery; it
+(``python -m kvtier.tools.bench.segments``). Not a tier: no eviction, quarantine or recovery; it
 measures the I/O pattern such a tier would pay, beside the kvtier LMDB tier, the O_DIRECT limit
-and the raw write in the same paired rounds (``kvtier.tools.bench.rounds``).
+and the raw write in the same paired rounds (``kvtier.tools.bench._rounds``).
 
 Write of one round: xxh3-64 of every payload; one segment file per round opened O_DIRECT, chunks
 appended at page-aligned offsets by ``DIRECT_IN_FLIGHT`` threads straight from the page-aligned
@@ -24,7 +24,6 @@ import struct
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -34,25 +33,24 @@ import xxhash
 
 from kvtier.tiers.host import HostSlabPool
 
-from .bench.kv import make_kv_bytes
-from .bench.peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
-from .bench.rounds import run_paired
-from .bench.settings import MiB, label_of
-from .bench.subjects import DiskSubject, RawFile, TierSubject
+from ._kv import make_kv_bytes
+from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
+from ._rounds import run_paired
+from ._settings import MiB, label_of
+from ._subjects import DiskSubject, PooledSubject, RawFile, TierSubject
 
 __all__ = ["SegmentProbe", "main"]
 
 _ENTRY = struct.Struct("<QQQQ")  # segment, offset, length, xxh3-64
 
 
-class SegmentProbe(DiskSubject):
+class SegmentProbe(PooledSubject):
     """The proposed durable write path (see the module docstring)."""
 
     name = "segments"
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview]) -> None:
-        super().__init__(directory, chunks, outs)
-        self.pool = ThreadPoolExecutor(DIRECT_IN_FLIGHT, thread_name_prefix="bench-segments")
+        super().__init__(directory, chunks, outs, threads=DIRECT_IN_FLIGHT, thread_name_prefix="bench-segments")
         self.env: Optional[lmdb.Environment] = None
 
     async def setup(self) -> None:
@@ -62,10 +60,6 @@ class SegmentProbe(DiskSubject):
 
     def _segment(self, number: int) -> str:
         return str(self.directory / f"segment-{number:08d}.kv")
-
-    async def _threads(self, jobs: List[Callable[[], None]]) -> None:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self.pool, job) for job in jobs))
 
     async def write(self, indices: range) -> float:
         assert self.env is not None
@@ -82,7 +76,7 @@ class SegmentProbe(DiskSubject):
                             raise OSError("short direct write")
                 return run
 
-            await self._threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
             os.fdatasync(fd)  # payloads durable before the index that points at them
         finally:
             os.close(fd)
@@ -113,7 +107,7 @@ class SegmentProbe(DiskSubject):
                             bad.append(i)
                 return run
 
-            await self._threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -124,8 +118,7 @@ class SegmentProbe(DiskSubject):
     async def teardown(self) -> List[str]:
         if self.env is not None:
             self.env.close()
-        self.pool.shutdown(wait=True)
-        return []
+        return await super().teardown()
 
 
 # The segment-enabled LMDB tier row: every chunk of every measured size (>= 4 KiB) goes to segments,
@@ -176,7 +169,7 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench_segments", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench.segments", description=__doc__.split("\n\n")[0])
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per chunk size (default 256 MiB)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--sizes-kib", default="256,1024,4096")

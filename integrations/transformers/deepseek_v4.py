@@ -30,7 +30,7 @@ from kvtier.policy import ModelLayout, cdiv
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.policy.compressed import ENTRIES, OVERLAP, SLIDING, CompressedAttentionLayout, GroupRole
 
-from .hf_model import BlockTables, _positive_int, _require_transformers, _token_tensor, _valid_block, text_config
+from ._common import BlockTables, positive_int, require_transformers, text_config, token_tensor, valid_block
 
 __all__ = ["is_compressed_attention", "DeepseekV4CachePlan", "DeepseekV4Capture"]
 
@@ -78,7 +78,7 @@ def _rows_to_blocks(rows: torch.Tensor, tensor: torch.Tensor, table: Sequence[Op
     staged[:count] = rows[:count]
     staged = staged.view(num_blocks, per_block, *rows.shape[1:])
     for logical in range(num_blocks):
-        if _valid_block(table[logical]):
+        if valid_block(table[logical]):
             tensor[int(table[logical])] = staged[logical]
 
 
@@ -88,7 +88,7 @@ def _blocks_to_rows(tensor: torch.Tensor, table: Sequence[Optional[int]], start:
     per_block = tensor.shape[1]
     parts = []
     for logical in range(start // per_block, cdiv(end, per_block)):
-        if logical >= len(table) or not _valid_block(table[logical]):
+        if logical >= len(table) or not valid_block(table[logical]):
             raise ValueError(f"logical block {logical} holds rows of [{start}, {end}) but has no device block")
         lo = max(start, logical * per_block) - logical * per_block
         hi = min(end, (logical + 1) * per_block) - logical * per_block
@@ -106,7 +106,7 @@ class DeepseekV4CachePlan:
     def __init__(self, config: Any, *, block_size: int = 16, blocks_per_chunk: int = 1, extra_retained_tokens: int = 0):
         config = text_config(config)
         self.config = config
-        num_layers = _positive_int(config, "num_hidden_layers")
+        num_layers = positive_int(config, "num_hidden_layers")
         layer_types = list(getattr(config, "layer_types", None) or [])
         if len(layer_types) != num_layers:
             raise ValueError(f"unsupported model config (deepseek_v4): {len(layer_types)} layer_types for {num_layers} layers")
@@ -122,10 +122,10 @@ class DeepseekV4CachePlan:
         mixed = {r: sorted(t) for r, t in by_rate.items() if len(t) > 1}
         if mixed:
             raise ValueError(f"unsupported model config (deepseek_v4): CSA and HCA share a compression rate {mixed}")
-        self.head_dim = _positive_int(config, "head_dim")
-        self.index_head_dim = _positive_int(config, "index_head_dim")
-        self.num_kv_heads = _positive_int(config, "num_key_value_heads")
-        window = _positive_int(config, "sliding_window")
+        self.head_dim = positive_int(config, "head_dim")
+        self.index_head_dim = positive_int(config, "index_head_dim")
+        self.num_kv_heads = positive_int(config, "num_key_value_heads")
+        window = positive_int(config, "sliding_window")
         if not self.rate_of:
             raise ValueError("unsupported model config (deepseek_v4): no compressed layer (plain sliding window)")
         self.spec = CompressedAttentionLayout(
@@ -221,7 +221,7 @@ class DeepseekV4CachePlan:
         """Run ``token_ids`` once through ``model`` with its own cache and record every position's
         sliding K (before the cache trims it to the window), every compressed entry, and every
         token's CSA window-carry state (the projections the cache's overlap is sliced from)."""
-        transformers = _require_transformers()
+        transformers = require_transformers()
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
         device = next(model.parameters()).device
@@ -250,7 +250,7 @@ class DeepseekV4CachePlan:
                         )
                     )
         try:
-            model(input_ids=_token_tensor(token_ids, device), use_cache=True, cache=cache)
+            model(input_ids=token_tensor(token_ids, device), use_cache=True, cache=cache)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -306,7 +306,7 @@ class DeepseekV4CachePlan:
         positions, entries ``[0, H / rate)``, and CSA's overlap from ``[H - rate, H)``. Nothing
         else in any block is read, so junk (NaN included) elsewhere cannot reach the logits.
         """
-        transformers = _require_transformers()
+        transformers = require_transformers()
         granularity = self.layout.hit_granularity_tokens
         if not isinstance(hit_tokens, int) or hit_tokens < 1 or hit_tokens % granularity:
             raise ValueError(f"hit_tokens must be a positive multiple of {granularity} (every compression rate), got {hit_tokens!r}")

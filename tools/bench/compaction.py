@@ -1,4 +1,4 @@
-"""What segment compaction costs and gives back: ``python -m kvtier.tools.bench_compaction``.
+"""What segment compaction costs and gives back: ``python -m kvtier.tools.bench.compaction``.
 
 One run: fill an LMDB tier with segments on (raw codec, ``--record-kib`` records, ``--segment-mib``
 segments, automatic compaction off while filling), delete records at random until about
@@ -23,7 +23,7 @@ from typing import List
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.compaction import segment_disk_bytes
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tools.testing.fault_child import chunk_content, make_batch
+from kvtier.tools.testing.children import chunk_content, make_batch
 
 __all__ = ["main"]
 
@@ -91,7 +91,7 @@ async def _run(args: argparse.Namespace, root: Path) -> None:
 
 
 def main(argv: "List[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench_compaction", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench.compaction", description=__doc__)
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--record-kib", type=int, default=1024)
     parser.add_argument("--segment-mib", type=int, default=32)

@@ -35,13 +35,13 @@ from tqdm.auto import tqdm
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import OffloadEngine
-from kvtier.policy import ChunkState, KvtierError, ModelLayout, cdiv, layout_fingerprint, longest_hit
+from kvtier.errors import KvtierError
+from kvtier.policy import ChunkState, ModelLayout, cdiv, layout_fingerprint, longest_hit
 from kvtier.policy.plan import store_chunk_indices
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.device_backend import DeviceBackend
 
-from .hf_model import (
-    _require_transformers,
+from kvtier.integrations.transformers import (
     cache_plan,
     capture_kv,
     layer_kv_shapes,
@@ -49,6 +49,7 @@ from .hf_model import (
     load_model,
     parse_dtype,
     require_model_dir,
+    require_transformers,
     text_config,
 )
 
@@ -234,7 +235,7 @@ def _load_tokenizer(tokenizer_dir: Optional[PathLike], prompts_path: PathLike):
             f"(none of {', '.join(_TOKENIZER_FILES)}); give token_ids instead, or save the tokenizer "
             "next to the model"
         )
-    transformers = _require_transformers()
+    transformers = require_transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
@@ -304,7 +305,7 @@ def _checkpoint_errors() -> Tuple[type, ...]:
 
 def _load_quietly(model_dir: PathLike, **kwargs: Any):
     """``load_model`` without transformers' own progress bars (restored afterwards)."""
-    hf_logging = _require_transformers().utils.logging
+    hf_logging = require_transformers().utils.logging
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -386,7 +387,7 @@ async def run_warmup(
     # Refusals that the config alone decides (shared or lossy KV, unsupported attention) come
     # before the model is loaded and before anything is created on disk.
     plan = cache_plan(
-        _require_transformers().AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True),
+        require_transformers().AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True),
         block_size=block_size,
         blocks_per_chunk=blocks_per_chunk,
         extra_retained_tokens=extra_retained_tokens,

@@ -18,7 +18,7 @@ from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.record_format import CodecConfig, decode_record, encode_record
 
-from .settings import COVERAGE_TOKEN_BYTES, COVERAGE_TOKENS, LONGEST_HIT_TOKENS, mb_s
+from ._settings import COVERAGE_TOKEN_BYTES, COVERAGE_TOKENS, LONGEST_HIT_TOKENS, mb_s
 
 __all__ = [
     "deepseek_v4_like_layout",
@@ -157,7 +157,7 @@ def gemma3_kv_bytes(seq_len: int, seed: int = 0) -> torch.Tensor:
     V laid out ``[seq, kv_heads, head_dim]`` as a paged cache holds them."""
     import transformers
 
-    from kvtier.tools.hf_model import capture_kv, tiny_hybrid_config
+    from kvtier.integrations.transformers import capture_kv, tiny_hybrid_config
 
     config = tiny_hybrid_config(
         vocab_size=512,
