@@ -25,7 +25,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from kvtier.policy import DeviceError
+from kvtier.errors import DeviceError
 
 __all__ = ["DeviceBackend", "CopyHandle", "register_host_range", "PAGE_BYTES", "DeviceLike"]
 

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from kvtier.policy import DeviceError
+from kvtier.errors import DeviceError
 
 __all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array"]
 
