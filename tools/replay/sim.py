@@ -341,9 +341,10 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
 
 
 def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
-    """Per request, the chunk ids it may read -> the index of the next request that may read
-    them (``len(work) + 1``: never again). A request may read every complete chunk of a full-attention
-    group and, of a sliding group, the chunks its dense store plan holds (every alignment
+    """Per request, the chunk ids it holds -> the index of the next request that may read them
+    (``len(work) + 1``: never again). A request may read the chunks of a full-attention group that
+    end before its last token (a hit never covers the last token; the chunk holding it is still
+    stored) and, of a sliding group, the chunks its dense store plan holds (every alignment
     boundary's window): a hit at another boundary is not foreseen, so the bound errs low there."""
     dense = Plans(work.layout, None)
     never = len(work) + 1
@@ -353,16 +354,18 @@ def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
     for r in range(len(work) - 1, -1, -1):
         n = work.tokens[r]
         mine = out[r]
-        keys: List[int] = []
+        readable: List[int] = []
         for g, group in enumerate(groups):
             ids = work.ids[r][g]
             if group.sliding_window is None:
-                keys.extend(ids.take(range(len(ids))))
+                held = ids.take(range(len(ids)))
+                readable.extend(held[: max(0, n - 1) // group.tokens_per_chunk])
             else:
-                keys.extend(ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n)))))
-        for key in keys:
-            mine[key] = following.get(key, never)
-        for key in keys:
+                held = ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n))))
+                readable.extend(held)
+            for key in held:
+                mine[key] = following.get(key, never)
+        for key in readable:
             following[key] = r
     return out
 
@@ -370,11 +373,14 @@ def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
 def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
     """The offline bound over the same chunks and costs: after each request, while over
     ``capacity``, evict the chunk whose next use is farthest (a new chunk not used again goes first:
-    the bound may decline to keep it)."""
+    the bound may decline to keep it); at equal next use the deeper chunk goes first. A chunk is
+    never used later than its parent (every request holding it holds the parent), so with that
+    tie-break the cache stays closed under parents and every chunk it keeps can count in a hit."""
     layout, num_groups, n_req, hits, read, stored, counts = _single_tier(work, plans)
     nexts = _next_uses(work, plans)
     cache: Dict[int, int] = {}  # key -> next use
     size_of: Dict[int, int] = {}
+    depth_of: Dict[int, int] = {}  # key -> its chunk index in the requests that hold it
     heap: List[tuple] = []
     total = 0
     for r in range(n_req):
@@ -390,21 +396,24 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         for key in cache.keys() & upcoming.keys() if len(cache) < len(upcoming) else upcoming.keys() & cache.keys():
             when = upcoming[key]
             cache[key] = when
-            heapq.heappush(heap, (-when, key))
+            heapq.heappush(heap, (-when, -depth_of[key], key))
         for g in range(num_groups):
-            for key in ids[g].take(plans.store(g, n)):
+            positions = plans.store(g, n)
+            for depth, key in zip(positions, ids[g].take(positions)):
                 if key not in cache:
                     when = upcoming[key]
                     cache[key] = when
                     size_of[key] = chunk_bytes[g]
+                    depth_of[key] = int(depth)
                     total += chunk_bytes[g]
                     stored[r] += chunk_bytes[g]
-                    heapq.heappush(heap, (-when, key))
+                    heapq.heappush(heap, (-when, -int(depth), key))
         while capacity is not None and total > capacity:
-            negative, key = heapq.heappop(heap)
+            negative, _, key = heapq.heappop(heap)
             if cache.get(key) != -negative:
                 continue  # a stale entry: the key was used again (or evicted) since
             del cache[key]
+            del depth_of[key]
             size = size_of.pop(key)
             total -= size
             counts.evicted(size)
