@@ -102,17 +102,17 @@ class DiskStore:
         self._started = True
         try:
             if self._owns_tier and self.config.cache_dir is not None:
-                self._tier = self._local = await self._open_cache_dir()
+                self._tier = self._local = await self._open_cache_dir(self.config.cache_dir)
             if self._owns_tier and self.config.remote_url is not None:
-                self._tier = await self._chain_remote(self._tier)
+                self._tier = await self._chain_remote(self._tier, self.config.remote_url)
             if self._tier is not None:
-                self._subscribe_removals()
-                await self._list_into_index()
+                self._subscribe_removals(self._tier)
+                await self._list_into_index(self._tier)
         except BaseException:
             await self.close()
             raise
 
-    async def _open_cache_dir(self) -> ChunkTier:
+    async def _open_cache_dir(self, path: str) -> ChunkTier:
         from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 
         config = self.config
@@ -131,13 +131,13 @@ class DiskStore:
         if self._max_raw_bytes is not None:
             kwargs["max_raw_bytes"] = self._max_raw_bytes
         tier, aside = await open_replacing_damaged(
-            config.cache_dir, lambda: LmdbTier.open(config.cache_dir, **kwargs),
+            path, lambda: LmdbTier.open(path, **kwargs),
             quarantine=config.quarantine_corrupt_cache_dir and not config.read_only)
         if aside is not None:
             self.quarantined_cache_dir = str(aside)
         return tier
 
-    async def _chain_remote(self, disk: Optional[ChunkTier]) -> ChunkTier:
+    async def _chain_remote(self, disk: Optional[ChunkTier], url: str) -> ChunkTier:
         """``disk`` and a ``RemoteTier`` behind it in a ``ChainedTier`` (the remote alone when there
         is no disk). A remote that cannot be reached at start does not stop the store: it starts
         degraded (a warning is logged; the tier's ``degraded`` and ``breaker_open`` say so) and heals
@@ -147,7 +147,7 @@ class DiskStore:
 
         config = self.config
         remote = await RemoteTier.open(
-            config.remote_url,
+            url,
             namespace=config.remote_namespace,
             fingerprint=self.fingerprint,
             codec=config.codec_config(),
@@ -165,7 +165,7 @@ class DiskStore:
         return ChainedTier([disk, remote], write_policy=config.remote_write_policy,
                            promote=config.remote_promote_to_disk)
 
-    def _subscribe_removals(self) -> None:
+    def _subscribe_removals(self, tier: ChunkTier) -> None:
         loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
 
         def on_removed(removals: Sequence[Removal]) -> None:
@@ -177,7 +177,7 @@ class DiskStore:
             else:
                 loop.call_soon_threadsafe(self._removed, removals)
 
-        self._tier.subscribe_removals(on_removed)
+        tier.subscribe_removals(on_removed)
 
     def _removed(self, removals: Sequence[Removal]) -> None:
         for key, sequence in keys_of(removals):
@@ -186,11 +186,11 @@ class DiskStore:
             # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
             self._on_evicted(sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
 
-    async def _list_into_index(self) -> None:
+    async def _list_into_index(self, tier: ChunkTier) -> None:
         # Ordered like a refresh: a removal reported while the listing runs keeps its key out.
         token = self.index.begin()
         try:
-            taken = await self._tier.snapshot_keys()
+            taken = await tier.snapshot_keys()
         except ClosedError:
             raise
         except KvtierError as exc:

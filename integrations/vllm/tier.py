@@ -46,7 +46,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from typing_extensions import override
 
@@ -65,7 +65,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.engine.store import DiskStore
 from kvtier.errors import KvtierError
-from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import read_with_sources
 
 from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
@@ -267,9 +267,10 @@ class KvtierTier(SecondaryTierManager):
             raise
         self.store = store
         self._index = store.index  # changed on the loop thread only; read here with `in` and len()
-        # The tiers jobs read and write (the chain of LMDB and the remote, or LMDB alone), and LMDB.
-        self.chunk_tier = store.tier
-        self.disk_tier = store.local_tier
+        # The tiers jobs read and write (the chain of LMDB and the remote, or LMDB alone), and LMDB:
+        # never None, a vLLM store always has its cache_dir.
+        self.chunk_tier = cast(ChunkTier, store.tier)
+        self.disk_tier = cast(ChunkTier, store.local_tier)
 
     # ------------------------------------------------------------------------------ construction
 

@@ -267,7 +267,7 @@ async def test_a_start_that_fails_after_opening_the_cache_releases_it(tmp_path: 
     # opened itself, or the directory stays "already open in this process" and its threads run on.
     cache = tmp_path / "cache"
 
-    def broken(self) -> None:
+    def broken(self, tier) -> None:
         raise RuntimeError("injected failure after the disk tier opened")
 
     monkeypatch.setattr(DiskStore, "_subscribe_removals", broken)
