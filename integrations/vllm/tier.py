@@ -14,8 +14,8 @@ Threads:
   (one keyed BLAKE3 per key) and never waits for I/O or for the loop.
 - kvtier's loop thread (``LoopThread``): the tiers' async methods; puts and gets end by putting
   one completion record on the queue. The tiers' own threads (LMDB writer, read pool) do the I/O.
-- blocking (never from a scheduler step): the constructor (opens the tiers, lists their keys),
-  ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit).
+- blocking (never from a scheduler step): the constructor (opens the store, lists its keys),
+  ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit), ``settle`` (tools, tests).
 
 Keys: vLLM builds this tier before it seeds NONE_HASH, so the key scheme (hash algorithm and
 NONE_HASH, read from vLLM) is bound at the first lookup or submit (``_bound_layout``), which also
@@ -30,9 +30,9 @@ the disk tier removed (eviction, quarantine) - loads that missed, ordered by the
 sequence (a removal reported after a newer record of the key landed does not take it out). The
 loop thread changes it; the caller's thread only reads it (``in``, ``len``). ``lookup`` answers
 RETRY while a store of the key is in flight, HIT only for an indexed key, MISS otherwise or when
-the tier is closed. A record can still vanish between the HIT and the load (eviction, corruption): the load
-then reports the key failed, vLLM recomputes it, and the key leaves the index; no byte of a failed
-key is ever reported loaded.
+the tier is closed. A record can still vanish between the HIT and the load (eviction,
+corruption): the load then reports the key failed, vLLM recomputes it, and the key leaves the
+index; no byte of a failed key is ever reported loaded.
 """
 
 from __future__ import annotations
