@@ -11,14 +11,14 @@ Blocking work runs elsewhere and only reports back: device -> host copies on one
 tier's own threads. One executor hop per batch of chunks, never per chunk.
 
 Layout. A chunk's life is one transition table (``lifecycle.py``); entries, host pools, pins and
-fences have one owner, the ``HostBook`` (``host_book.py``); which keys the disk holds is the
-ordered ``DiskIndex`` (``disk_index.py``); which handles wait for which spills is the
-``DurableWatch`` (``durable.py``); write-behind is the ``SpillPipeline`` (``spill.py``); stores
-are the ``StorePath`` (``storing.py``); loads and promotions are the ``LoadPath``
-(``loading.py``); waiting on engine-owned work and keeping background loops alive is
-``tasks.py``. The engine builds them and hands each the collaborators it needs (none of them
-imports this module); this module holds the public calls: it checks their arguments once
-(``validation.py``) and passes them on.
+fences have one owner, the ``HostBook`` (``host_book.py``); the disk half (opening the disk and the
+remote, removals, refresh, the ordered ``DiskIndex`` of which keys the disk holds) is the
+``DiskStore`` (``store.py``); which handles wait for which spills is the ``DurableWatch``
+(``durable.py``); write-behind is the ``SpillPipeline`` (``spill.py``); stores are the
+``StorePath`` (``storing.py``); loads and promotions are the ``LoadPath`` (``loading.py``);
+waiting on engine-owned work and keeping background loops alive is ``tasks.py``. The engine builds
+them and hands each the collaborators it needs (none of them imports this module); this module
+holds the public calls: it checks their arguments once (``validation.py``) and passes them on.
 
 Work the engine starts (a store's copy, a load, a promotion, a spill) runs in engine-owned tasks
 that no caller's cancellation reaches: a public coroutine cancels only its own wait. Pins
@@ -53,12 +53,12 @@ from kvtier.errors import (
 )
 from kvtier.policy import KeyChain, ModelLayout, longest_hit
 from kvtier.policy.retention import check_retention_interval
-from kvtier.tiers.base import ChunkTier, Removal
+from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool, pools_for_budget
 
 from .config import EngineConfig
-from .disk_index import DiskIndex, keys_of
+from .disk_index import DiskIndex
 from .drop_log import DropLog
 from .durable import DurableWatch
 from .events import EventLog
@@ -69,6 +69,7 @@ from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor, device_memory_source_for, host_memory_source
 from .records import ChunkEvent, LoadResult, RequestKeys, StoreHandle
 from .spill import SpillPipeline
+from .store import DiskStore
 from .storing import StorePath
 from .tasks import Supervised, wait_all
 from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
@@ -143,7 +144,11 @@ class OffloadEngine:
         check_retention_interval(layout, self.config.store_retention_interval_tokens)
         self.metrics = EngineMetrics()
         self._drop_log = DropLog()
-        self._disk: Optional[ChunkTier] = disk_tier
+        # The disk half: the tier, the remote behind it, and the index of which keys they hold.
+        self._store = DiskStore(self.config.store, fingerprint=self.fingerprint, tier=disk_tier,
+                                on_removed=self._index_removed,
+                                on_evicted=lambda count: self.metrics.evicted("disk", count),
+                                on_error=self.metrics.worker_error)
         self._owns_disk = disk_tier is None
         self._pressure_sources = pressure_sources
         self._pressure: Optional[PressureMonitor] = None
@@ -154,7 +159,7 @@ class OffloadEngine:
         self._forks = _forks
         self._host_pools = host_pools
         self._events = EventLog(self.config.events_max, on_drop=self.metrics.events_dropped)
-        self._index = DiskIndex(on_removed=self._index_removed)
+        self._index = self._store.index
         self._watch = DurableWatch()
         groups = range(len(layout.groups))
         self.host = HostBook(
@@ -177,7 +182,6 @@ class OffloadEngine:
         self._closing = False
         self._closed = False
         self._failure: Optional[BaseException] = None
-        self._quarantined_cache_dir: Optional[str] = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,26 +215,16 @@ class OffloadEngine:
         # off the loop: seconds for a large slab
         self.host.open(await asyncio.to_thread(self._make_pools))
         self.metrics.set_state_counts(self.host.state_counts)
-        if self._disk is None and config.cache_dir is not None:
-            self._disk = await self._open_cache_dir()
         if self._owns_disk and config.remote_url is not None:
-            from .remote_chain import attach_remote_tier  # host -> LMDB -> remote (tiers/chain.py)
-
-            self._disk = await attach_remote_tier(self._disk, config, self.fingerprint)
-            self.metrics.set_tier_statistics(self._disk_statistics)
+            if config.disk_index_refresh_interval_s is None:
+                logger.warning("remote tier without disk_index_refresh_interval_s: chunks other hosts write become "
+                               "hits here only after a restart (set it, e.g. 10 s)")
+            self.metrics.set_tier_statistics(self._store.statistics)
+        # Open (verified, a damaged cache_dir moved aside), chain the remote, subscribe to
+        # removals, list into the index; a listing that fails leaves the index empty (logged) and
+        # the engine serving: the disk's chunks are misses until the next start.
+        await self._store.start()
         self._build_paths()
-        if self._disk is not None:
-            self._subscribe_disk_evictions()
-            try:
-                keys, sequence = await self._disk_listing()
-            except ClosedError:
-                raise
-            except KvtierError as exc:
-                # Keep serving: without the index the disk's chunks are misses until the next start,
-                # and new stores still spill (or fail and are counted).
-                logger.warning("cannot list the disk tier's chunks, starting with an empty disk index: %s", exc)
-                keys, sequence = [], None
-            self._index.replace_all(keys, sequence)
         if self._spill is not None and config.spill_enabled:
             self._spill_runner = self._supervise("spill", self._spill.run)
         if self._disk is not None and config.disk_index_refresh_interval_s is not None:
@@ -292,37 +286,15 @@ class OffloadEngine:
         logger.critical("kvtier engine failed: a background loop keeps crashing (%r); closing is all that is left", exc)
         self._watch.fail_all()
 
-    def _disk_statistics(self) -> Dict[str, float]:
-        from kvtier.tiers.chain import tier_statistics_dict
-
-        return tier_statistics_dict(self._disk) if self._disk is not None else {}
-
-    async def _open_cache_dir(self) -> ChunkTier:
-        """Open the LMDB tier at ``config.cache_dir``; a damaged one is moved aside and recreated
-        when ``config.quarantine_corrupt_cache_dir`` (the default), else its error propagates."""
-        from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
-
-        config = self.config
-        kwargs: Dict[str, Any] = dict(
-            capacity_bytes=config.disk_capacity_bytes,
-            map_size_bytes=config.lmdb_map_size_bytes,
-            codec=config.codec_config(),
-            reader_check_interval_s=config.reader_check_interval_s,
-            verify_structure=config.lmdb_verify_on_open,
-            segment_threshold_bytes=config.lmdb_segment_threshold_bytes,
-            segment_compaction_live_fraction=config.lmdb_segment_compaction_live_fraction,
-            eviction_policy=config.eviction_policy,
-        )
-        tier, aside = await open_replacing_damaged(config.cache_dir, lambda: LmdbTier.open(config.cache_dir, **kwargs),
-                                                   quarantine=config.quarantine_corrupt_cache_dir)
-        if aside is not None:
-            self._quarantined_cache_dir = str(aside)
-        return tier
+    @property
+    def _disk(self) -> Optional[ChunkTier]:
+        # The tier the store, load and spill paths read and write (the store's; None without one).
+        return self._store.tier
 
     @property
     def quarantined_cache_dir(self) -> Optional[str]:
         """Where ``start`` moved a damaged ``cache_dir`` (``None`` when it did not)."""
-        return self._quarantined_cache_dir
+        return self._store.quarantined_cache_dir
 
     @property
     def closed(self) -> bool:
@@ -353,33 +325,6 @@ class OffloadEngine:
         """Which keys the engine believes the disk tier holds (read-only use; see ``DiskIndex``)."""
         return self._index
 
-    async def _disk_listing(self) -> Tuple[List[bytes], Optional[int]]:
-        """The tier's keys with the tier sequence they reflect (``snapshot_keys``, tier contract)."""
-        taken = await self._disk.snapshot_keys()
-        return list(taken.keys), taken.sequence
-
-    def _subscribe_disk_evictions(self) -> None:
-        # A record the disk tier drops (capacity eviction, quarantine, delete) must leave the index
-        # at once, or lookup would admit a hit whose chunk is gone.
-        loop, loop_thread = self._loop, self._loop_thread
-
-        def on_removed(removals: Sequence[Removal]) -> None:
-            # The tier contract delivers on this loop; a tier that calls from its own thread is
-            # handed over rather than trusted.
-            removals = list(removals)
-            if threading.get_ident() == loop_thread:
-                self._disk_removed(removals)
-            else:
-                loop.call_soon_threadsafe(self._disk_removed, removals)
-
-        self._disk.subscribe_removals(on_removed)
-
-    def _disk_removed(self, removals: Sequence[Removal]) -> None:
-        for key, sequence in keys_of(removals):
-            self._index.remove(key, sequence)
-        # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
-        self.metrics.evicted("disk", sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
-
     def _index_removed(self, key: bytes) -> None:
         entry = self.host.entries.get(key)
         self._events.append("removed", key, entry.group_index if entry is not None else -1, "disk")
@@ -395,19 +340,7 @@ class OffloadEngine:
         already are settled as durable by the spill pipeline. Cancelling the call leaves the index
         as it was."""
         self._check_open()
-        if self._disk is None:
-            return 0, 0
-        token = self._index.begin()
-        try:
-            keys, sequence = await self._disk_listing()
-            added, removed = self._index.refresh(keys, token, sequence)
-        except (KvtierError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # a foreign tier error reaches the caller typed, its cause kept
-            self.metrics.worker_error("refresh")
-            raise TierIOError(f"listing the disk tier failed: {exc!r}") from exc
-        finally:
-            self._index.end(token)
+        added, removed = await self._store.refresh()
         if added and self._spill is not None and self._spill.queue:
             self._spill.wake()
         return added, removed
@@ -430,18 +363,7 @@ class OffloadEngine:
         Raises ``EngineInvariantError`` listing each problem. Meant for an idle engine (test
         teardown, end of stress runs). Cancelling the call drops the answer only."""
         self._check_started()
-        if self._disk is None:
-            return
-        problems: List[str] = []
-        before = self._index.keys()
-        listed = set(await self._disk.list_keys())
-        # Keys indexed before and after the listing (a removal meanwhile takes a key out).
-        ghosts = [k for k in before if k in self._index and k not in listed]
-        if ghosts:
-            problems.append(f"{len(ghosts)} indexed keys are not on the disk tier (first {ghosts[0].hex()[:12]})")
-        tier_check = getattr(self._disk, "check", None)
-        if tier_check is not None:
-            problems.extend(f"disk tier: {p}" for p in await tier_check())
+        problems = await self._store.problems()
         if problems:
             raise EngineInvariantError("; ".join(problems))
 
@@ -470,8 +392,7 @@ class OffloadEngine:
         self._watch.fail_all()
         if self._pressure is not None:
             await self._pressure.stop()
-        if self._disk is not None and self._owns_disk:
-            await self._disk.close()
+        await self._store.close()  # the tiers it opened; a disk_tier passed in stays open
         for executor in (self._d2h, self._h2d):
             if executor is not None:
                 executor.shutdown(wait=True)

@@ -39,8 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from kvtier.errors import ClosedError
 
 from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
-from .codec_pool import wait_through_cancel
-from .owned_tasks import OwnedTasks
+from .owned_tasks import OwnedTasks, wait_through_cancel
 from .remote.tier import PutAbortedError
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "read_with_sources", "tier_statistics_dict"]

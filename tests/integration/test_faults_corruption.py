@@ -28,6 +28,7 @@ from typing import List
 import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine.store import DiskStore
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier
 from kvtier.tiers.record_format import CodecConfig
@@ -268,10 +269,10 @@ async def test_a_start_that_fails_after_opening_the_cache_releases_it(tmp_path: 
     # opened itself, or the directory stays "already open in this process" and its threads run on.
     cache = tmp_path / "cache"
 
-    def broken(self) -> None:
+    def broken(self, tier) -> None:
         raise RuntimeError("injected failure after the disk tier opened")
 
-    monkeypatch.setattr(OffloadEngine, "_subscribe_disk_evictions", broken)
+    monkeypatch.setattr(DiskStore, "_subscribe_removals", broken)
     engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=b"q")
     with pytest.raises(RuntimeError, match="injected"):
         async with engine:
