@@ -6,11 +6,21 @@ SGLang loads it through its dynamic backend factory::
       '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
         "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "cache_dir": "/nvme/kvtier"}'
 
-Importing this package imports SGLang's storage interface; ``config``, ``keys``, ``hits`` and
-``testing`` do not.
+``KvtierHiCacheStorage`` (``storage``) imports SGLang's storage interface on first access;
+``config``, ``keys``, ``hits`` and ``testing`` do not import SGLang.
 """
 
+from typing import Any
+
 from .config import SglangStorageConfig, SglangStorageConfigError
-from .storage import KvtierHiCacheStorage, open_page_store
 
 __all__ = ["KvtierHiCacheStorage", "SglangStorageConfig", "SglangStorageConfigError", "open_page_store"]
+
+
+def __getattr__(name: str) -> Any:
+    # SGLang's factory does getattr(module, class_name): the storage module (and SGLang) load then.
+    if name in ("KvtierHiCacheStorage", "open_page_store"):
+        from . import storage
+
+        return getattr(storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,8 @@ Keys: ``keys.PoolBinding`` per registered pool (model, weights version, shard, t
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Coroutine, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -68,6 +69,8 @@ T = TypeVar("T")
 _TP_SHARDED_POOLS = frozenset({PoolName.MAMBA.value})
 _DRAFT_POOLS = frozenset({PoolName.DRAFT.value, PoolName.DRAFT_SWA.value})
 _POOL_ORDER = {p.value: i for i, p in enumerate(PoolName)}
+# Keys whose last read failed, remembered until a store rewrites them (bounded: oldest forgotten).
+_MAX_UNREADABLE_KEYS = 1 << 16
 
 
 async def open_page_store(config: SglangStorageConfig) -> Tuple[ChunkTier, Optional[str]]:
@@ -140,6 +143,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._keys: Dict[str, Tuple[Any, PageKeys]] = {}
         self._closed = False
         self._logged: set = set()
+        # A record that failed its read (corrupt, of another binding) stays in the tier's index
+        # until the tier's writer quarantines it; meanwhile no query reports it and a store
+        # rewrites it. Any thread; guarded by the lock.
+        self._unreadable: "OrderedDict[bytes, None]" = OrderedDict()
+        self._unreadable_lock = threading.Lock()
         self._loop = LoopThread("kvtier-sglang-loop")
         try:
             self._tier, self.quarantined_cache_dir = self._loop.run(open_page_store(self.config),
@@ -225,7 +233,24 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def _contains(self, keys: List[bytes]) -> List[bool]:
         if not keys:
             return []
-        return self._run("exists", lambda: self._tier.contains_many(keys), [False] * len(keys))
+        present = self._run("exists", lambda: self._tier.contains_many(keys), [False] * len(keys))
+        with self._unreadable_lock:
+            if self._unreadable:
+                present = [here and key not in self._unreadable for key, here in zip(keys, present)]
+        return present
+
+    def _mark_unreadable(self, keys: List[bytes]) -> None:
+        with self._unreadable_lock:
+            for key in keys:
+                self._unreadable[key] = None
+                self._unreadable.move_to_end(key)
+            while len(self._unreadable) > _MAX_UNREADABLE_KEYS:
+                self._unreadable.popitem(last=False)
+
+    def _mark_readable(self, keys: List[bytes]) -> None:
+        with self._unreadable_lock:
+            for key in keys:
+                self._unreadable.pop(key, None)
 
     def _load(self, pages: Sequence[_Page]) -> List[bool]:
         """Read ``pages`` into their tensors; True where the record was there, intact and of this
@@ -233,12 +258,21 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if not pages:
             return []
 
-        async def read() -> List[bool]:
+        async def read() -> Tuple[List[bool], List[bytes]]:
             metas = await self._tier.get_many_into([(p.key, _bytes_of(p.tensor)) for p in pages])
-            return [m is not None and (m.fingerprint, m.dtype, tuple(m.shape)) ==
-                    (p.meta.fingerprint, p.meta.dtype, p.meta.shape) for m, p in zip(metas, pages)]
+            ok = [m is not None and (m.fingerprint, m.dtype, tuple(m.shape)) ==
+                  (p.meta.fingerprint, p.meta.dtype, p.meta.shape) for m, p in zip(metas, pages)]
+            failed = [p.key for p, loaded in zip(pages, ok) if not loaded]
+            # Failed but still indexed: corrupt (its quarantine is on its way) or of another binding.
+            still = await self._tier.contains_many(failed) if failed else []
+            return ok, [key for key, here in zip(failed, still) if here]
 
-        ok = self._run("load", read, [False] * len(pages))
+        answer = self._run("load", read, None)
+        if answer is None:  # the call failed or timed out: nothing is known of the records
+            ok = [False] * len(pages)
+        else:
+            ok, unreadable = answer
+            self._mark_unreadable(unreadable)
         self.counters["pages_loaded"] += sum(ok)
         self.counters["pages_load_missed"] += len(ok) - sum(ok)
         return ok
@@ -248,15 +282,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if not pages:
             return []
 
+        with self._unreadable_lock:
+            rewrite = {p.key for p in pages if p.key in self._unreadable}
+
         async def write() -> List[bool]:
             present = await self._tier.contains_many([p.key for p in pages])
-            todo = [p for p, here in zip(pages, present) if not here]
+            todo = [p for p, here in zip(pages, present) if not here or p.key in rewrite]
             if todo:
                 await self._tier.put_many([(p.key, p.meta, _bytes_of(p.tensor)) for p in todo])
             self.counters["pages_stored"] += len(todo)
             return [True] * len(pages)
 
         ok = self._run("store", write, [False] * len(pages))
+        if rewrite and all(ok):
+            self._mark_readable(list(rewrite))
         self.counters["pages_store_failed"] += len(ok) - sum(ok)
         return ok
 
