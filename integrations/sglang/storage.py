@@ -140,7 +140,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.registered_pools: Dict[Any, Any] = {}
         self.counters: Counter = Counter()
-        self._keys: Dict[str, Tuple[Any, PageKeys]] = {}
+        self._keys: Dict[str, Tuple[Any, PageKeys, torch.dtype]] = {}
         self._closed = False
         self._logged: set = set()
         # A record that failed its read (corrupt, of another binding) stays in the tier's index
@@ -179,9 +179,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
             parts.append(f"dcp{c.dcp_rank}/{c.dcp_size}/page{c.logical_page_size}")
         return ",".join(parts)
 
-    def _page_keys(self, name: Hashable) -> Optional[Tuple[Any, PageKeys]]:
-        """(host pool, its ``PageKeys``) of pool ``name``, bound once per registered pool object;
-        None for a pool not registered."""
+    def _page_keys(self, name: Hashable) -> Optional[Tuple[Any, PageKeys, torch.dtype]]:
+        """(host pool, its ``PageKeys``, its page dtype) of pool ``name``, bound once per registered
+        pool object; None for a pool not registered."""
         pool = self._pool(name)
         if pool is None:
             return None
@@ -196,7 +196,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             page_size=int(pool.page_size or 1), page_numel=int(page.numel()),
             page_bytes=int(page.numel() * page.element_size()),
             format_tag=getattr(pool, "storage_format_tag", None), shard=self._shard(label, pool))
-        entry = (pool, PageKeys(binding, self.config.tenant_salt))
+        entry = (pool, PageKeys(binding, self.config.tenant_salt), page.dtype)
         self._keys[label] = entry
         return entry
 
@@ -310,7 +310,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.counters["unregistered_pool_calls"] += 1
             self._log_once(f"unregistered-{name}", "kvtier: pool %s is not registered: its pages miss", name)
             return None
-        pool, keys = bound
+        pool, keys, dtype = bound
         page_size = int(pool.page_size or 1)
         if host_indices is None or host_indices.numel() != len(page_hashes) * page_size:
             self.counters["index_mismatches"] += 1
@@ -321,7 +321,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         label = str(name)
         pages = []
         for page_hash, start in zip(page_hashes, starts):
-            tensor = pool.get_dummy_flat_data_page() if reading else _private_page(pool.get_data_page(start, flat=True))
+            # A plain (unpinned) page to decode into: the pool's own dummy page may be pinned memory.
+            tensor = (torch.empty(keys.binding.page_numel, dtype=dtype) if reading
+                      else _private_page(pool.get_data_page(start, flat=True)))
             pages.append(_Page(keys.page_key(page_hash), self._meta(keys, label, tensor), tensor, pool, start))
         return pages
 
