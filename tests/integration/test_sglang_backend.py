@@ -383,3 +383,45 @@ def test_failure_injector_around_the_backend_leaves_it_consistent(tmp_path):
     assert backend._loop.run(backend._tier.check(), 30) == []
     injected.close()
     assert backend.batch_exists(everything) == 0  # closed: a miss, never an exception
+
+
+def test_logical_anchor_odd_calls_and_concurrent_threads_answer_without_raising(tmp_path):
+    """DeepSeek-V4's logical KV anchor holds no bytes: v1 succeeds, the side pools gate the hit.
+    Calls SGLang's file backend fails (an unregistered pool, indices that do not match the keys, a
+    BLOCK_GROUPS pool) fail the same way here, without an exception. Threads calling at once (the
+    prefetch and backup threads) each get their own answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.integrations.sglang.testing import LogicalAnchorPool
+
+    c4 = PageHostPool(num_pages=POOL_PAGES, page_size=PAGE, layout="page_first")
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(kvtier_extra(tmp_path)), None)
+    anchor = LogicalAnchorPool(num_pages=POOL_PAGES, page_size=PAGE)
+    attach(backend, {PoolName.KV: anchor, PoolName.DEEPSEEK_V4_C4: c4})
+    hashes = [f"v4-{i}" for i in range(4)]
+    assert backend.batch_set_v1(hashes, slots(0, 4)) == [True] * 4
+    data = fill(c4, 0, range(3))
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=hashes[:3], host_indices=slots(0, 3))]) \
+        == {PoolName.DEEPSEEK_V4_C4: [True] * 3}
+    result = backend.batch_exists_v2(hashes, [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=hashes)])
+    assert result == PoolTransferResult(3, {PoolName.KV: 4, PoolName.DEEPSEEK_V4_C4: 3}, [1, 2, 3])
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=hashes[:3], host_indices=slots(8, 3))]) \
+        == {PoolName.DEEPSEEK_V4_C4: [True] * 3} and read_back(c4, 8, 3) == data
+
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=hashes, host_indices=slots(0, 4)),
+                                 PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=hashes, host_indices=slots(0, 3))]) \
+        == {PoolName.MAMBA: [False] * 4, PoolName.DEEPSEEK_V4_C4: [False] * 4}
+    blocks = PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=hashes, hit_policy=PoolHitPolicy.BLOCK_GROUPS, group_pages=2)
+    assert backend.batch_exists_v2(hashes, [blocks]) == PoolTransferResult(
+        4, {PoolName.KV: 4, PoolName.DEEPSEEK_V4_C4: 2}, [1, 2, 3, 4])
+
+    def worker(n: int) -> bool:
+        keys = [f"thread{n}-{i}" for i in range(3)]
+        stored = backend.batch_set_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=keys,
+                                                    host_indices=slots(0, 3))])[PoolName.DEEPSEEK_V4_C4]
+        found = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=keys)])
+        return stored == [True] * 3 and found.kv_hit_pages == 3
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(worker, range(8))) == [True] * 8
+    backend.close()
