@@ -425,3 +425,26 @@ def test_logical_anchor_odd_calls_and_concurrent_threads_answer_without_raising(
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(worker, range(8))) == [True] * 8
     backend.close()
+
+
+def test_disk_errors_are_misses_and_failed_stores_until_the_disk_heals(tmp_path):
+    from kvtier.tools.testing.faults import inject_io_faults, remove_io_faults
+
+    pools = make_pools()
+    backend = open_kvtier(tmp_path, pools)
+    kv = pools[PoolName.KV]
+    first = fill(kv, 0, [1])
+    assert backend.batch_set_v1(["old"], slots(0, 1)) == [True]
+    inject_io_faults(backend._tier, fail_from=1, ops=["commit"])
+    fill(kv, 1, [2])
+    assert backend.batch_set_v1(["new"], slots(1, 1)) == [False]
+    assert backend.batch_get_v1(["old"], slots(2, 1)) == [True] and read_back(kv, 2, 1) == first
+    inject_io_faults(backend._tier, fail_from=1, ops=["read"])
+    assert backend.batch_exists(["old"]) == 0 and backend.batch_get_v1(["old"], slots(3, 1)) == [False]
+    assert backend.batch_exists_v2(["old"], []) == PoolTransferResult(0, {}, [])
+    remove_io_faults(backend._tier)
+    assert backend.batch_set_v1(["new"], slots(1, 1)) == [True]
+    assert backend.batch_exists(["old", "new"]) == 2
+    stats = backend.statistics()
+    assert stats["sglang_store_failures"] == 1 and stats["sglang_load_failures"] == 1
+    backend.close()
