@@ -12,7 +12,7 @@ accessors).
 
 Threads: SGLang calls from its storage threads (prefetch, backup, hit query) and waits for each
 answer. Each call computes keys on the caller's thread, hands one coroutine to kvtier's loop thread
-(``LoopThread``) and waits at most ``op_timeout_s``; the LMDB tier's own threads do the I/O. Bytes
+(``_LoopThread``) and waits at most ``op_timeout_s``; the LMDB tier's own threads do the I/O. Bytes
 never travel between the tier and SGLang's host pool while SGLang is not waiting: a write copies
 each page out of the host pool before the hop (``get_data_page`` already copies most layouts) and a
 read decodes into pages of its own (``get_dummy_flat_data_page``) that the caller's thread copies into
@@ -33,6 +33,8 @@ Keys: ``keys.PoolBinding`` per registered pool (model, weights version, shard, t
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -55,7 +57,6 @@ from kvtier.tiers.chain import tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig, element_size
 
-from ..loop import LoopThread
 from .config import SglangStorageConfig
 from .hits import PoolQuery, restorable_prefixes
 from .keys import PageKeys, PoolBinding
@@ -63,6 +64,39 @@ from .keys import PageKeys, PoolBinding
 __all__ = ["KvtierHiCacheStorage", "open_page_store"]
 
 logger = logging.getLogger("kvtier.integrations.sglang")
+
+
+class _LoopThread:
+    """kvtier's event loop on a daemon thread of its own, where the tier lives; SGLang's threads
+    wait on it with a bound (``run``). The vLLM tier's ``LoopThread`` is the same idea, but importing
+    it imports vLLM (its package does), which an SGLang server need not have."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-sglang-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """``coro`` on the loop, waited for at most ``timeout_s`` (any thread but the loop's); on
+        timeout it is cancelled (the tier's work already handed over still finishes) and
+        ``TimeoutError`` raised."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        done, _ = concurrent.futures.wait([future], timeout_s)
+        if not done:
+            future.cancel()
+            raise TimeoutError(f"kvtier: no answer within {timeout_s} s")
+        return future.result()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the loop after what was already handed to it, join the thread, close the loop."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("kvtier: the SGLang backend's loop thread did not stop within %s s", timeout_s)
+        else:
+            self.loop.close()
 
 T = TypeVar("T")
 # Pools whose bytes are sharded by tensor-parallel rank even in a rank-replicated (MLA) model.
@@ -148,7 +182,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         # rewrites it. Any thread; guarded by the lock.
         self._unreadable: "OrderedDict[bytes, None]" = OrderedDict()
         self._unreadable_lock = threading.Lock()
-        self._loop = LoopThread("kvtier-sglang-loop")
+        self._loop = _LoopThread()
         try:
             self._tier, self.quarantined_cache_dir = self._loop.run(open_page_store(self.config),
                                                                      self.config.open_timeout_s)

@@ -65,7 +65,7 @@ from kvtier.tiers.record_format import CodecConfig
 
 from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
 from .keys import GroupLayout, VllmLayout, split_offload_key
-from ..loop import LoopThread
+from .loop import LoopThread
 from .records import codec_for, record_meta
 
 __all__ = ["KvtierTier", "CacheDirInUseError", "layout_from_spec", "vllm_key_scheme"]

@@ -1,10 +1,10 @@
-"""``LoopThread``: kvtier's asyncio event loop on a thread of its own inside a serving engine's process.
+"""``LoopThread``: kvtier's asyncio event loop on a thread of its own inside vLLM's scheduler process.
 
-A serving engine calls kvtier from its own threads: vLLM's scheduler (and tier-poll) thread, under
-the tiering manager's lock, where every call must return at once; SGLang's HiCache storage threads,
-which wait for each answer. kvtier's tiers are asyncio: they live on this loop. vLLM's side only
-*posts* work (``post``: one ``call_soon_threadsafe``, a few microseconds, never waits) and reads
-completions from a queue; SGLang's side waits with ``run`` under a bound (``timeout_s``).
+vLLM calls a secondary tier from its scheduler thread (and sometimes its tier-poll thread), under
+the tiering manager's lock, and every call must return at once. kvtier's tiers are asyncio: they
+live on this loop; the scheduler side only *posts* work (``post``: one ``call_soon_threadsafe``,
+a few microseconds, never waits) and reads completions from a queue. ``run`` blocks and is used
+only at construction and shutdown, never from a scheduler step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 __all__ = ["LoopThread"]
 
-logger = logging.getLogger("kvtier.integrations")
+logger = logging.getLogger("kvtier.integrations.vllm")
 
 T = TypeVar("T")
 
@@ -25,7 +25,7 @@ T = TypeVar("T")
 class LoopThread:
     """One daemon thread running one asyncio loop until ``stop``."""
 
-    def __init__(self, name: str = "kvtier-loop") -> None:
+    def __init__(self, name: str = "kvtier-vllm-loop") -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -42,7 +42,7 @@ class LoopThread:
         return self._thread.is_alive() and not self.loop.is_closed()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Run ``coro`` on the loop and wait for it, at most ``timeout_s`` (any thread but the loop's).
+        """Run ``coro`` on the loop and wait for it (construction and shutdown only).
 
         On timeout the coroutine is cancelled and ``TimeoutError`` raised."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
