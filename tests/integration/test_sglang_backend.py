@@ -345,13 +345,17 @@ def test_kill_9_during_batch_set_v2_loses_no_acknowledged_page(tmp_path):
     backend.close()
 
 
-def test_failure_injector_around_the_backend_leaves_it_consistent(tmp_path):
-    """SGLang's own fault proxy fails a third of the calls: what it let through and acknowledged
-    is stored and loads bitwise; the backend underneath agrees with HiCacheFile fed the same
-    acknowledged pages."""
+def test_failure_injector_around_the_backend_leaves_it_consistent(tmp_path, monkeypatch):
+    """SGLang's own fault proxy (what its factory wraps a backend in when its test variables are
+    set) fails a third of the calls: what it let through and acknowledged is stored and loads
+    bitwise; the backend underneath agrees with HiCacheFile fed the same acknowledged pages."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.35")
+    injected = StorageBackendFactory.create_backend("dynamic", storage_config(kvtier_extra(tmp_path / "kvtier")), None)
+    assert type(injected) is HiCacheStorageFailureInjector
+    backend = injected._backend
+    assert type(backend) is KvtierHiCacheStorage
     pools = make_pools()
-    backend = open_kvtier(tmp_path / "kvtier", pools)
-    injected = HiCacheStorageFailureInjector(backend, random_delay_limit=0.0, failure_prob=0.35)
+    attach(injected, pools)
     injected._thread_local_random().seed(1234)
     ref_pools = make_pools()
     reference = attach(HiCacheFile(storage_config({"file_storage_path": str(tmp_path / "file")})), ref_pools)
