@@ -142,7 +142,7 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous tensor (shares its memory)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _private_page(page: torch.Tensor) -> torch.Tensor:
@@ -462,7 +462,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ v0: page tensors
 
-    def _v0_pages(self, keys: Sequence[str], tensors: Sequence[Optional[torch.Tensor]], *,
+    def _v0_pages(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *,
                   reading: bool) -> Optional[List[_Page]]:
         """The KV pool's page of each key; its tensor a private copy of ``tensors`` (writes) or a
         private page of the same size and dtype (reads)."""
@@ -472,8 +472,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return None
         page_keys = bound[1]
         pages = []
-        for key, tensor in zip(keys, tensors):
-            tensor = torch.empty(tensor.numel(), dtype=tensor.dtype) if reading else _private_page(tensor.contiguous())
+        for key, given in zip(keys, tensors):
+            tensor = torch.empty(given.numel(), dtype=given.dtype) if reading else _private_page(given.contiguous())
             pages.append(_Page(page_keys.page_key(key), self._meta(page_keys, PoolName.KV.value, tensor), tensor))
         return pages
 
