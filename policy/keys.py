@@ -49,6 +49,7 @@ __all__ = [
     "TokenIds",
     "Fingerprint",
     "Salt",
+    "salted_hasher",
 ]
 
 KEY_BYTES = 32
@@ -86,6 +87,13 @@ def _hasher_factory(salt: Salt) -> Callable[..., blake3]:
     salt_bytes = _as_bytes("salt", salt)
     key = blake3(salt_bytes, derive_key_context=_SALT_CONTEXT).digest()
     return lambda data=b"": blake3(data, key=key)
+
+
+def salted_hasher(salt: Salt) -> Callable[..., blake3]:
+    """The BLAKE3 constructor chunk keys are hashed with: plain without a tenant salt, keyed (key
+    derived from the salt) with one. Front ends that key other names (SGLang's page hashes) use it
+    so a tenant salt separates their keys the same way."""
+    return _hasher_factory(salt)
 
 
 def _uint32_code() -> str:
