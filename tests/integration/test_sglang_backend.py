@@ -119,7 +119,7 @@ def test_factory_builds_it_and_extra_config_errors_name_the_key(tmp_path):
 
 
 def test_bytes_round_trip_bitwise_through_v0_v1_v2_and_the_cli_tools(tmp_path):
-    from kvtier.tools.maintenance import gc_cache, inspect_cache, verify_cache
+    from kvtier.tools._maintenance import gc_cache, inspect_cache, verify_cache
 
     pools = make_pools()
     backend = open_kvtier(tmp_path, pools)
