@@ -53,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from kvtier.engine.config import parse_size
+    from kvtier.engine.config_values import parse_size
 
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
