@@ -261,6 +261,8 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
     for skipped in PEER_SKIPS if "tiers" in parts else []:
         if skipped not in report.machine.setdefault("peers_skipped", []):
             report.machine["peers_skipped"].append(skipped)
+            # Said even without --progress: a table without a peer's rows must not look complete.
+            print(f"kvtier bench: warning: {skipped}", file=sys.stderr, flush=True)
     if specs:
         subjects += [spec.make(work / f"{spec.directory}-{label}", chunks, outs) for spec in specs]
     engine: Optional[EngineSubject] = None
