@@ -98,7 +98,7 @@ class OffloadScenario:
         # What producers stored, by chunk key: per block of the chunk, every layer's bytes. Hand it to
         # the scenario of a restarted engine (``later.producer_bytes = earlier.producer_bytes``) so its
         # consumers are checked against the bytes written before the restart.
-        self.producer_bytes: Dict[bytes, List[torch.Tensor]] = {}
+        self.producer_bytes: Dict[bytes, List[List[torch.Tensor]]] = {}
 
     # ---------------------------------------------------------------- helpers
 
