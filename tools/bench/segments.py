@@ -86,7 +86,7 @@ class SegmentProbe(PooledSubject):
         return time.perf_counter() - started
 
     @staticmethod
-    def _entry(txn: lmdb.Transaction, index: int) -> bytes:
+    def _entry(txn: lmdb.Transaction, index: int) -> "bytes | memoryview":
         raw = txn.get(b"k%08d" % index)
         if raw is None:
             raise RuntimeError(f"segment bench: chunk {index} was read before it was written")
