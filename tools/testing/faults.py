@@ -281,15 +281,15 @@ def _unwrap(tier: ChunkTier) -> ChunkTier:
     return tier
 
 
-def _hooked_tier(tier: ChunkTier) -> LmdbTier | FileTier:
+def _hooked_tier(tier: ChunkTier, doing: str) -> LmdbTier | FileTier:
     """The LMDB or file tier under ``tier`` (a ``FaultyTier`` is looked through): the tiers that
-    call an I/O hook. Any other tier is a ``TypeError``."""
+    call an I/O hook. Any other tier is a ``TypeError`` (``doing``: what the caller was doing)."""
     from kvtier.tiers.files import FileTier
     from kvtier.tiers.lmdb import LmdbTier
 
     inner = _unwrap(tier)
     if not isinstance(inner, (LmdbTier, FileTier)):
-        raise TypeError(f"cannot inject I/O faults under {type(inner).__name__}")
+        raise TypeError(f"cannot {doing} I/O faults under {type(inner).__name__}")
     return inner
 
 
@@ -302,7 +302,7 @@ def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan
         plan = IOFaultPlan(**plan_kw)
     elif plan_kw:
         raise TypeError("pass a plan or plan arguments, not both")
-    inner = _hooked_tier(tier)
+    inner = _hooked_tier(tier, "inject")
     known: Tuple[str, ...]
     if isinstance(inner, LmdbTier):
         known, plan.flavour = LMDB_IO_OPS, "lmdb"
@@ -316,4 +316,4 @@ def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan
 
 def remove_io_faults(tier: ChunkTier) -> None:
     """Put back the tier's no-op hook (under an LMDB or file tier, as ``inject_io_faults``)."""
-    _hooked_tier(tier)._io_hook = NO_IO_HOOK
+    _hooked_tier(tier, "remove")._io_hook = NO_IO_HOOK
