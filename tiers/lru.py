@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Container, Dict, Generic, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
+
+# A tier's keys are bytes; replay's fast mode keys the same indexes with chunk ids.
+K = TypeVar("K", bound=Hashable)
 
 __all__ = ["ByteLru", "ByteLfuda", "make_byte_index", "BYTE_INDEX_NAMES"]
 
 
-class ByteLru:
+class ByteLru(Generic[K]):
     """Stored sizes in least-recently-used order. ``choose_victims`` picks what to drop for room;
     ``reconcile`` compares the index with what a tier finds in storage. One thread only: the
     owning tier's (module docstring)."""
 
     __slots__ = ("_sizes", "_total")
 
-    def __init__(self, entries: Iterable[Tuple[bytes, int]] = ()) -> None:
+    def __init__(self, entries: Iterable[Tuple[K, int]] = ()) -> None:
         """``entries``: (key, size), least recently used first."""
-        self._sizes: "OrderedDict[bytes, int]" = OrderedDict()
+        self._sizes: "OrderedDict[K, int]" = OrderedDict()
         self._total = 0
         for key, size in entries:
             self.put(key, size)
@@ -40,14 +43,14 @@ class ByteLru:
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[K]:
         """Keys, least recently used first."""
         return iter(self._sizes)
 
-    def get(self, key: bytes, default: Optional[int] = None) -> Optional[int]:
+    def get(self, key: K, default: Optional[int] = None) -> Optional[int]:
         return self._sizes.get(key, default)
 
-    def put(self, key: bytes, size: int) -> None:
+    def put(self, key: K, size: int) -> None:
         """Insert or replace ``key`` as the most recently used."""
         old = self._sizes.pop(key, None)
         if old is not None:
@@ -55,29 +58,29 @@ class ByteLru:
         self._sizes[key] = size
         self._total += size
 
-    def pop(self, key: bytes) -> Optional[int]:
+    def pop(self, key: K) -> Optional[int]:
         """Drop ``key``; its size, or ``None`` if absent."""
         size = self._sizes.pop(key, None)
         if size is not None:
             self._total -= size
         return size
 
-    def touch(self, key: bytes) -> bool:
+    def touch(self, key: K) -> bool:
         """Make ``key`` the most recently used; False if absent."""
         if key not in self._sizes:
             return False
         self._sizes.move_to_end(key)
         return True
 
-    def growth(self, sizes: Mapping[bytes, int]) -> int:
+    def growth(self, sizes: Mapping[K, int]) -> int:
         """How many bytes the total would grow by if every (key, size) of ``sizes`` were put."""
         return sum(size - self._sizes.get(key, 0) for key, size in sizes.items())
 
-    def choose_victims(self, excess: int, keep: Container[bytes] = ()) -> Optional[List[Tuple[bytes, int]]]:
+    def choose_victims(self, excess: int, keep: Container[K] = ()) -> Optional[List[Tuple[K, int]]]:
         """The least recently used (key, size) pairs, skipping ``keep``, whose sizes add up to at
         least ``excess``; ``[]`` when ``excess <= 0``; ``None`` when even all of them are not enough
         (then nothing should be dropped: the choice is all or nothing). Changes nothing."""
-        victims: List[Tuple[bytes, int]] = []
+        victims: List[Tuple[K, int]] = []
         freed = 0
         if excess <= 0:
             return victims
@@ -90,7 +93,7 @@ class ByteLru:
                 return victims
         return None
 
-    def reconcile(self, stored: Mapping[bytes, int], capacity: Optional[int], where: str = "stored") -> List[str]:
+    def reconcile(self, stored: Mapping[K, int], capacity: Optional[int], where: str = "stored") -> List[str]:
         """One line per disagreement between this index and ``stored`` (key -> size found in
         storage), and the byte bound; empty when consistent."""
         problems: List[str] = []
@@ -108,7 +111,7 @@ class ByteLru:
         return problems
 
 
-class ByteLfuda(ByteLru):
+class ByteLfuda(ByteLru[K]):
     """``ByteLru``'s interface in LFU-DA order: each ``put`` or ``touch`` of a key adds one to its
     count, its priority is ``L + count`` (``L``: the priority of the last record dropped), the
     lowest goes first, equal ones least recently used first. Counts outlive the records (a chunk
@@ -118,10 +121,10 @@ class ByteLfuda(ByteLru):
 
     __slots__ = ("_rank", "_heap", "_counts", "_age", "_sequence", "_samples", "_history")
 
-    def __init__(self, entries: Iterable[Tuple[bytes, int]] = (), history: int = 1 << 20) -> None:
-        self._rank: Dict[bytes, Tuple[float, int]] = {}
-        self._heap: List[Tuple[float, int, bytes]] = []
-        self._counts: Dict[bytes, int] = {}
+    def __init__(self, entries: Iterable[Tuple[K, int]] = (), history: int = 1 << 20) -> None:
+        self._rank: Dict[K, Tuple[float, int]] = {}
+        self._heap: List[Tuple[float, int, K]] = []
+        self._counts: Dict[K, int] = {}
         self._age = 0.0
         self._sequence = 0
         self._samples = 0
@@ -132,10 +135,10 @@ class ByteLfuda(ByteLru):
     def age(self) -> float:
         return self._age
 
-    def count(self, key: bytes) -> int:
+    def count(self, key: K) -> int:
         return self._counts.get(key, 0)
 
-    def _access(self, key: bytes) -> None:
+    def _access(self, key: K) -> None:
         count = self._counts.get(key, 0) + 1
         self._counts[key] = count
         self._samples += 1
@@ -150,33 +153,33 @@ class ByteLfuda(ByteLru):
             self._heap = [(p, q, k) for k, (p, q) in self._rank.items()]
             heapq.heapify(self._heap)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[K]:
         """Keys, first victim first."""
         return iter(sorted(self._rank, key=self._rank.__getitem__))
 
-    def put(self, key: bytes, size: int) -> None:
+    def put(self, key: K, size: int) -> None:
         super().put(key, size)
         self._access(key)
 
-    def pop(self, key: bytes) -> Optional[int]:
+    def pop(self, key: K) -> Optional[int]:
         """Drop ``key`` (evicted or removed): ``L`` becomes its priority if that is higher."""
         size = super().pop(key)
         if size is not None:
             self._age = max(self._age, self._rank.pop(key)[0])
         return size
 
-    def touch(self, key: bytes) -> bool:
+    def touch(self, key: K) -> bool:
         if key not in self._sizes:
             return False
         self._access(key)
         return True
 
-    def choose_victims(self, excess: int, keep: Container[bytes] = ()) -> Optional[List[Tuple[bytes, int]]]:
-        victims: List[Tuple[bytes, int]] = []
+    def choose_victims(self, excess: int, keep: Container[K] = ()) -> Optional[List[Tuple[K, int]]]:
+        victims: List[Tuple[K, int]] = []
         if excess <= 0:
             return victims
         heap, rank, sizes = self._heap, self._rank, self._sizes
-        popped: List[Tuple[float, int, bytes]] = []
+        popped: List[Tuple[float, int, K]] = []
         freed = 0
         try:
             while heap:
@@ -202,7 +205,7 @@ _BYTE_INDEXES = {"lru": ByteLru, "lfuda": ByteLfuda}
 BYTE_INDEX_NAMES: Tuple[str, ...] = tuple(sorted(_BYTE_INDEXES))
 
 
-def make_byte_index(name: str, entries: Iterable[Tuple[bytes, int]] = ()) -> Union[ByteLru, ByteLfuda]:
+def make_byte_index(name: str, entries: Iterable[Tuple[K, int]] = ()) -> ByteLru[K]:
     """A new index of eviction policy ``name`` over ``entries`` (coldest first). Unknown name:
     ValueError listing the valid names."""
     try:
@@ -210,4 +213,5 @@ def make_byte_index(name: str, entries: Iterable[Tuple[bytes, int]] = ()) -> Uni
     except (KeyError, TypeError):
         raise ValueError(f"unknown disk eviction policy {name!r}; valid names: "
                          f"{', '.join(repr(n) for n in BYTE_INDEX_NAMES)}") from None
-    return cls(entries)
+    index: ByteLru[K] = cls(entries)
+    return index

@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 from vllm import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -51,7 +51,7 @@ class VllmChunkKey:
     chunk_key: bytes
 
 
-def load_layout(path: os.PathLike) -> VllmLayout:
+def load_layout(path: Union[str, "os.PathLike[str]"]) -> VllmLayout:
     """The layout JSON a ``KvtierTier`` left in its cache dir (or that file's directory)."""
     p = Path(path)
     if p.is_dir():
@@ -96,7 +96,7 @@ def vllm_chunk_keys(token_ids: Sequence[int], layout: VllmLayout, *, cache_salt:
     return out
 
 
-def cache_coverage(cache_dir: os.PathLike, layout: VllmLayout, prompts: Sequence[Sequence[int]], *,
+def cache_coverage(cache_dir: Union[str, "os.PathLike[str]"], layout: VllmLayout, prompts: Sequence[Sequence[int]], *,
                    cache_salt: Optional[str] = None) -> List[Dict[int, Dict[str, int]]]:
     """Per prompt, per group id: ``chunks`` complete chunks, ``present`` how many of them the cache
     holds, ``leading`` how many leading ones in a row (vLLM's prefix hits need the leading run for

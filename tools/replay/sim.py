@@ -35,7 +35,7 @@ import numpy as np
 
 from kvtier.policy import ChunkState, ModelLayout, longest_hit
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
-from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
+from kvtier.tiers.lru import BYTE_INDEX_NAMES, ByteLru, make_byte_index
 
 from .workload import Plans, Workload
 
@@ -157,7 +157,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     num_groups = len(layout.groups)
     order_class = policy_class(policy)
     host = [order_class(slots) for slots in host_slots]
-    disk = make_byte_index(disk_policy if disk_policy is not None else
+    disk: ByteLru[Hashable] = make_byte_index(disk_policy if disk_policy is not None else
                            (policy if policy in BYTE_INDEX_NAMES else "lru"))
     disk_capacity_bytes = disk_capacity
     disk_group: Dict[Hashable, int] = {}  # chunk id -> group, for what the byte index holds
