@@ -361,7 +361,7 @@ class OffloadEngine:
         for key, sequence in keys_of(removals):
             self._index.remove(key, sequence)
         # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
-        self.metrics.evicted("disk", sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
+        self.metrics.evicted("disk", sum(1 for r in removals if r.reason != "deleted"))
 
     def _index_removed(self, key: bytes) -> None:
         entry = self._entries.get(key)
@@ -422,9 +422,8 @@ class OffloadEngine:
         ghosts = [k for k in before if k in self._index and k not in listed]
         if ghosts:
             problems.append(f"{len(ghosts)} indexed keys are not on the disk tier (first {ghosts[0].hex()[:12]})")
-        tier_check = getattr(self._disk, "check", None)
-        if tier_check is not None:
-            problems.extend(f"disk tier: {p}" for p in await tier_check())
+        if self._disk is not None:
+            problems.extend(f"disk tier: {p}" for p in await self._disk.check())
         if problems:
             raise EngineInvariantError("; ".join(problems))
 

@@ -18,7 +18,9 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+from kvtier.errors import TierIOError
 
 if TYPE_CHECKING:
     from .lru import ByteLru
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ChunkMeta",
     "ChunkTier",
+    "PutAbortedError",
+    "StartedPut",
     "PutItem",
     "GetItem",
     "IOHook",
@@ -233,11 +237,18 @@ class IOHook:
 NO_IO_HOOK = IOHook()
 
 
+class PutAbortedError(TierIOError):
+    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
+
+
 # (key, meta, raw bytes of the chunk): the tier encodes and writes; the caller keeps the buffer
 # unchanged until put_many has ended (see the buffer rule in ChunkTier).
 PutItem = Tuple[bytes, ChunkMeta, memoryview]
 # (key, writable buffer of exactly the chunk's raw size): the tier decodes straight into it.
 GetItem = Tuple[bytes, memoryview]
+# What ``ChunkTier.start_put`` returns: a future done once the caller's buffers are no longer read,
+# and the task that lands the batch (its result the sequence, its exception the failure).
+StartedPut = Tuple["asyncio.Future[Any]", "asyncio.Future[int]"]
 
 
 class ChunkTier(abc.ABC):
@@ -269,9 +280,11 @@ class ChunkTier(abc.ABC):
     """
 
     name: str = "tier"
-    # What the default ``degraded`` / ``capacity_bytes`` report; a tier sets them in ``__init__``.
+    # What the default ``degraded`` / ``capacity_bytes`` / ``closed`` report; a tier sets them in
+    # ``__init__`` (and ``_closed`` when it closes).
     _degraded: bool = False
     _capacity: Optional[int] = None
+    _closed: bool = False
 
     # --------------------------------------------------------------------------------- required
 
@@ -353,4 +366,35 @@ class ChunkTier(abc.ABC):
     def capacity_bytes(self) -> Optional[int]:
         """The bound on stored bytes (``None``: none but the medium). Default: ``self._capacity``."""
         return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` has begun (every later call but ``close`` raises ``ClosedError``).
+        Default: ``self._closed`` (False)."""
+        return self._closed
+
+    def start_put(self, items: Sequence[PutItem], *, after: "Optional[asyncio.Future[Any]]" = None) -> StartedPut:
+        """The two phases of ``put_many`` apart, for a tier written behind another (the chained
+        tier): returns ``(buffers_read, landed)`` at once (see ``StartedPut``). With ``after``,
+        nothing lands before that future has succeeded; if it fails or is cancelled, the batch is
+        dropped (``landed`` raises ``PutAbortedError``). Event-loop thread; arguments are checked
+        before anything starts; the caller owns ``landed`` (the tier does not cancel it).
+
+        Default: a task that waits for ``after`` and then runs ``put_many`` (the buffers are read
+        until it ends, so ``buffers_read`` is that task). A tier that can read the buffers first
+        (encode) and write later overrides it: the remote tier encodes while the first tier writes."""
+        batch = list(items)
+        for key, _, _ in batch:
+            check_key(key)
+        landed = asyncio.ensure_future(self._put_after(batch, after))
+        return landed, landed
+
+    async def _put_after(self, items: List[PutItem], after: "Optional[asyncio.Future[Any]]") -> int:
+        if after is not None:
+            try:
+                await asyncio.shield(after)
+            except BaseException as exc:  # the write this one follows failed: store nothing
+                raise PutAbortedError(f"{self.name}: store of {len(items)} records dropped: "
+                                      f"the write it follows failed ({exc!r})") from exc
+        return await self.put_many(items)
 

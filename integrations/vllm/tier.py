@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogr
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.errors import KvtierError
-from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
 from kvtier.tiers.chain import read_with_sources, tier_statistics_dict
 from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
 from kvtier.tiers.record_format import CodecConfig
@@ -362,16 +362,13 @@ class KvtierTier(SecondaryTierManager):
         """Removals the tier reports (eviction, quarantine) are re-checked before they touch the
         index: a quarantine can report a key after a newer, good record of it landed, and only
         ``contains_many`` on the loop, after that report, says which is true now."""
-        subscribe = getattr(tier, "subscribe_removals", None)
-        if subscribe is None:
-            return
 
-        def removed(items: Sequence[Any]) -> None:
-            # LMDB calls this on its writer thread, the chain on the loop: hop to the loop either way.
-            keys = [bytes(getattr(item, "key", item)) for item in items]
+        def removed(items: Sequence[Removal]) -> None:
+            # A tier calls on the loop that subscribed, or on its own thread: hop to the loop either way.
+            keys = [bytes(item.key) for item in items]
             self._loop.post(lambda: self._recheck(keys))
 
-        subscribe(removed)
+        tier.subscribe_removals(removed)
 
     async def _recheck(self, keys: List[bytes]) -> None:
         try:
@@ -433,7 +430,7 @@ class KvtierTier(SecondaryTierManager):
         return record_meta(self.layout, group_id, req_context.get_offload_key_position(key), self._row_bytes)
 
     def _usable(self) -> bool:
-        return not self._closed and self._loop.alive and not getattr(self.disk_tier, "closed", False)
+        return not self._closed and self._loop.alive and not (self.disk_tier is not None and self.disk_tier.closed)
 
     def _begin(self) -> None:
         with self._outstanding_cv:

@@ -54,7 +54,7 @@ from kvtier.errors import (
     TierTimeoutError,
 )
 
-from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
+from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutAbortedError, PutItem, Removal, StartedPut, RemovalFeed, TierStatistics, check_key
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
 from ..key_counts import KeyCounts
 from ..owned_tasks import OwnedTasks
@@ -78,10 +78,6 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
 _SCAN_COUNT = 1000
 
-
-
-class PutAbortedError(TierIOError):
-    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
 
 
 class _Mismatch:
@@ -460,7 +456,7 @@ class RemoteTier(ChunkTier):
             raise
 
     def start_put(self, items: Sequence[PutItem], *, after: Optional["asyncio.Future[Any]"] = None
-                  ) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+                  ) -> StartedPut:
         """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
         sequence, its exception the failure). With ``after``, nothing is sent before that future

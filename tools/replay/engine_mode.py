@@ -162,7 +162,7 @@ async def replay_engine(
         # The LMDB tier applies a load's uses (disk reads, and host hits it also holds) to its LRU
         # at its next write or on a timer; applying them after every load makes the moment they
         # land a function of the trace, as in the fast mode (each use touches at once).
-        flushable = engine.disk_tier is not None and hasattr(engine.disk_tier, "flush")
+        flushable = engine.disk_tier is not None
         take_events(engine)  # chunks an earlier run left are on disk, not on the host
         for r in range(n_req):
             n = trace.requests[r].input_length

@@ -148,9 +148,7 @@ async def _settle(tier) -> None:
     LMDB writer reports removals and the tier re-checks them on its loop (``_recheck`` tasks);
     without this wait the next request can be answered HIT for a record already gone, and vLLM
     recomputes that chunk (counted in ``kvtier_failed_promotions``)."""
-    flush = getattr(tier.chunk_tier, "flush", None)
-    if flush is not None:
-        await flush()
+    await tier.chunk_tier.flush()
     me = asyncio.current_task()
     for _ in range(1000):
         await asyncio.sleep(0)

@@ -272,7 +272,7 @@ class _History:
             if isinstance(r, (bytes, bytearray)):
                 self.removals.setdefault(bytes(r), []).append((self.clock, None))
             else:
-                self.removals.setdefault(bytes(r.key), []).append((self.clock, getattr(r, "sequence", None)))
+                self.removals.setdefault(bytes(r.key), []).append((self.clock, r.sequence))
 
     def host_evicted(self, keys: Sequence[bytes]) -> None:
         self.clock += 1
@@ -339,11 +339,9 @@ class _Sim:
     def _watch_tier(self) -> None:
         """Record the tier's puts, its removal reports and the engine's host evictions."""
         history, inner, engine = self.history, self.inner, self.engine
-        subscribe = getattr(inner, "subscribe_removals", None)
-        if subscribe is not None:
-            # Subscribed after the engine: the tier's feed calls both on the loop in that order,
-            # so a removal is recorded in the loop turn the engine's index hears of it.
-            subscribe(history.removed)
+        # Subscribed after the engine: the tier's feed calls both on the loop in that order, so a
+        # removal is recorded in the loop turn the engine's index hears of it.
+        inner.subscribe_removals(history.removed)
         put_many = inner.put_many
 
         async def recorded_put(items):
@@ -499,9 +497,7 @@ class _Sim:
 
     async def _reports_arrive(self) -> None:
         """Let removal reports still on their way reach the loop."""
-        flush = getattr(self.inner, "flush", None)
-        if flush is not None:
-            await flush()
+        await self.inner.flush()
         await asyncio.sleep(0.01)
 
     async def _missing_explained(self, keys, moment: "_Moment") -> bool:
