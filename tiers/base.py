@@ -4,7 +4,9 @@ Primitives: ``ChunkTier`` (the async facade the engine drives), ``ChunkMeta`` (w
 about its chunk), ``Removal`` / ``KeySnapshot`` (what the engine orders its index by),
 ``TierStatistics`` (one typed record, the same field names for every tier), ``check_key`` (the one
 key rule), ``RemovalFeed`` (hands removal reports to subscribers' loops), ``IOHook`` (the
-fault-injection point under a tier's low-level operations).
+fault-injection point under a tier's low-level operations); for implementations, ``Forwarded``
+(a facade's attribute read from the part that owns it) and ``wait_for_gate`` (the wait of a
+two-phase put).
 
 Methods are called from the event-loop thread; implementations do their blocking work on their own
 threads and hand results back with ``loop.call_soon_threadsafe``. A new tier is correct when it
@@ -18,7 +20,22 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
 
 from kvtier.errors import TierIOError
 
@@ -34,6 +51,8 @@ __all__ = [
     "GetItem",
     "IOHook",
     "NO_IO_HOOK",
+    "Forwarded",
+    "wait_for_gate",
     "Removal",
     "RemovalCallback",
     "RemovalFeed",
@@ -236,6 +255,48 @@ class IOHook:
 
 NO_IO_HOOK = IOHook()
 
+T = TypeVar("T")
+
+
+class Forwarded(Generic[T]):
+    """A tier facade's attribute that is ``name`` of the part the facade holds in ``part``: read
+    through (and, with ``settable``, written through), so the value has one owner. Any thread the
+    part allows."""
+
+    def __init__(self, part: str, name: str, *, settable: bool = False, doc: Optional[str] = None) -> None:
+        self._part = part
+        self._name = name
+        self._settable = settable
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, objtype: Optional[type] = None) -> "Forwarded[T]": ...
+
+    @overload
+    def __get__(self, obj: object, objtype: Optional[type] = None) -> T: ...
+
+    def __get__(self, obj: object, objtype: Optional[type] = None) -> "Union[T, Forwarded[T]]":
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self._part), self._name)  # type: ignore[no-any-return]
+
+    def __set__(self, obj: object, value: T) -> None:
+        if not self._settable:
+            raise AttributeError(f"{self._name} is read-only")
+        setattr(getattr(obj, self._part), self._name, value)
+
+
+async def wait_for_gate(after: "Optional[asyncio.Future[Any]]", what: str) -> None:
+    """The wait of a two-phase put (``ChunkTier.start_put``): return once ``after`` (if any) has
+    succeeded; raise ``PutAbortedError`` naming ``what`` was dropped if it failed or was
+    cancelled. Cancelling the wait cancels only the wait (``after`` is shielded)."""
+    if after is None:
+        return
+    try:
+        await asyncio.shield(after)
+    except BaseException as exc:  # the write this one follows failed: store nothing
+        raise PutAbortedError(f"{what} dropped: the write it follows failed ({exc!r})") from exc
+
 
 class PutAbortedError(TierIOError):
     """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
@@ -390,11 +451,6 @@ class ChunkTier(abc.ABC):
         return landed, landed
 
     async def _put_after(self, items: List[PutItem], after: "Optional[asyncio.Future[Any]]") -> int:
-        if after is not None:
-            try:
-                await asyncio.shield(after)
-            except BaseException as exc:  # the write this one follows failed: store nothing
-                raise PutAbortedError(f"{self.name}: store of {len(items)} records dropped: "
-                                      f"the write it follows failed ({exc!r})") from exc
+        await wait_for_gate(after, f"{self.name}: store of {len(items)} records")
         return await self.put_many(items)
 

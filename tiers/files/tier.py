@@ -50,6 +50,7 @@ from kvtier.errors import ClosedError, CorruptRecordError
 from ..base import (
     ChunkMeta,
     ChunkTier,
+    Forwarded,
     GetItem,
     IOHook,
     KeySnapshot,
@@ -219,24 +220,11 @@ class FileTier(ChunkTier):
     def root(self) -> Path:
         return self._root
 
-    @property
-    def sequence(self) -> int:
-        """The last mutation of this instance (a put landing, a removal)."""
-        return self._index.sequence
-
-    @property
-    def degraded(self) -> bool:
-        """A write failed underneath and none has succeeded since (``ChunkTier.degraded``)."""
-        return self._index.degraded
-
-    @property
-    def _io_hook(self) -> IOHook:
-        """The fault-injection point (``tiers.base.IOHook``) of every file operation."""
-        return self._files.io_hook
-
-    @_io_hook.setter
-    def _io_hook(self, hook: IOHook) -> None:
-        self._files.io_hook = hook
+    # The last mutation of this instance (a put landing, a removal); whether a write failed
+    # underneath since the last that succeeded; the fault-injection point of every file operation.
+    sequence: Forwarded[int] = Forwarded("_index", "sequence")  # type: ignore[assignment]
+    degraded: Forwarded[bool] = Forwarded("_index", "degraded")  # type: ignore[assignment]
+    _io_hook: Forwarded[IOHook] = Forwarded("_files", "io_hook", settable=True)
 
     def path_for(self, key: bytes) -> Path:
         """Where ``key``'s record lives (whether or not it exists)."""

@@ -58,6 +58,7 @@ from kvtier.errors import ClosedError, CorruptCacheError, ForkedProcessError, Ti
 from ..base import (
     ChunkMeta,
     ChunkTier,
+    Forwarded,
     GetItem,
     IOHook,
     KeySnapshot,
@@ -274,24 +275,11 @@ class LmdbTier(ChunkTier):
     def readonly(self) -> bool:
         return self._readonly
 
-    @property
-    def degraded(self) -> bool:
-        """A write failed underneath and none has succeeded since (``ChunkTier.degraded``)."""
-        return self._writes.degraded
-
-    @property
-    def sequence(self) -> int:
-        """The environment's sequence as of this tier's last commit or snapshot."""
-        return self._writes.sequence
-
-    @property
-    def _io_hook(self) -> IOHook:
-        """The fault-injection point (``tiers.base.IOHook``) of the environment's operations."""
-        return self._db.io_hook
-
-    @_io_hook.setter
-    def _io_hook(self, hook: IOHook) -> None:
-        self._db.io_hook = hook
+    # The environment's sequence as of this tier's last commit or snapshot, and ``degraded``: both
+    # the writer side's. The fault-injection point is the environment's (puts, commits, reads).
+    sequence: Forwarded[int] = Forwarded("_writes", "sequence")  # type: ignore[assignment]
+    degraded: Forwarded[bool] = Forwarded("_writes", "degraded")  # type: ignore[assignment]
+    _io_hook: Forwarded[IOHook] = Forwarded("_db", "io_hook", settable=True)
 
     # ------------------------------------------------------------------------------- guards, utils
 

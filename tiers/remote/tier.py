@@ -54,7 +54,20 @@ from kvtier.errors import (
     TierTimeoutError,
 )
 
-from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutAbortedError, PutItem, Removal, StartedPut, RemovalFeed, TierStatistics, check_key
+from ..base import (
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    KeySnapshot,
+    PutAbortedError,
+    PutItem,
+    Removal,
+    RemovalFeed,
+    StartedPut,
+    TierStatistics,
+    check_key,
+    wait_for_gate,
+)
 from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
 from ..key_counts import KeyCounts
 from ..owned_tasks import OwnedTasks
@@ -499,12 +512,7 @@ class RemoteTier(ChunkTier):
         finally:
             if not encoded.done():
                 encoded.set_result(None)
-        if after is not None:
-            try:
-                await asyncio.shield(after)
-            except BaseException as exc:  # the write this one follows failed: send nothing
-                raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
-                                      f"the write it follows failed ({exc!r})") from exc
+        await wait_for_gate(after, f"remote tier: store of {len(batch)} records")  # failed: send nothing
         sizes = [len(r) for r in records]
         if max(sizes) > self._max_value_bytes:
             self._stats["errors"] += 1
