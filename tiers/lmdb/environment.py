@@ -3,6 +3,8 @@
 Primitives:
 
 - ``Counters``: the tier's counter table (any thread; one lock).
+- ``claim_directory`` / ``release_directory``: one open tier per directory in a process (two would
+  each take the other's locks); any thread.
 - ``LmdbEnv``: the ``lmdb.Environment`` of one cache directory with its tables, opened safely
   (``open``: the lock file allocated first, the data file and the tables checked, LMDB errors said
   as kvtier's), and the shared/exclusive map lock that every transaction holds shared and every
@@ -15,25 +17,52 @@ Primitives:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
-from typing import Callable, Dict, Iterable, TypeVar
+from typing import Callable, Dict, Iterable, Tuple, TypeVar
 
 import lmdb
 
 from kvtier.errors import CorruptCacheError, TierFullError, TierIOError
 
 from ..base import NO_IO_HOOK, IOHook
+from ..lru import ByteLru, make_byte_index
 from ..writer import SharedExclusiveLock
 from .opening import is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
-from .tables import Tables
+from .segments import committed_ends, reclaim_orphans
+from .tables import Tables, index_entries, read_sequence
 
-__all__ = ["Counters", "LmdbEnv"]
+__all__ = ["Counters", "LmdbEnv", "claim_directory", "release_directory"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Directories this process has open, keyed by (st_dev, st_ino); the pid guards against a fork
+# inheriting the parent's entries.
+_OPEN_DIRS: Dict[Tuple[int, int], int] = {}
+_OPEN_DIRS_LOCK = threading.Lock()
+
+
+def claim_directory(path: Path) -> Tuple[int, int]:
+    """Mark ``path`` open in this process (``ValueError`` when it already is); returns its id for
+    ``release_directory``."""
+    st = os.stat(path)
+    dir_id = (st.st_dev, st.st_ino)
+    with _OPEN_DIRS_LOCK:
+        if _OPEN_DIRS.get(dir_id) == os.getpid():
+            raise ValueError(f"{path} is already open in this process; share that LmdbTier")
+        _OPEN_DIRS[dir_id] = os.getpid()
+    return dir_id
+
+
+def release_directory(dir_id: Tuple[int, int]) -> None:
+    """Undo this process's ``claim_directory`` (not a parent's entry a fork inherited)."""
+    with _OPEN_DIRS_LOCK:
+        if _OPEN_DIRS.get(dir_id) == os.getpid():
+            del _OPEN_DIRS[dir_id]
 
 
 class Counters:
@@ -134,10 +163,42 @@ class LmdbEnv:
         self._opened = True
         self.map_size_read = float(env.info()["map_size"])  # statistics() while a remap runs
 
-    @property
-    def opened(self) -> bool:
-        """Whether ``open`` has succeeded once (``env`` and ``tables`` are set)."""
-        return self._opened
+    def open_with_index(self, map_size_bytes: int, eviction_policy: str) -> Tuple[ByteLru, int]:
+        """``open``, clear stale reader slots, build the eviction index ((last access, key, stored
+        bytes), older first, by ``eviction_policy``) and read the sequence; a writable open also
+        reclaims orphan segments. Returns (index, sequence). LMDB errors are kvtier's; on any
+        failure the environment is closed again (opening thread)."""
+        self.open(map_size_bytes)
+        try:
+            self.counters.count(stale_readers_cleared=self.env.reader_check())
+            entries, sequence = self.read_at_open(
+                lambda txn: (index_entries(txn, self.tables), read_sequence(txn, self.tables)))
+            entries.sort()
+            lru = make_byte_index(eviction_policy, ((key, size) for _, key, size in entries))
+            if not self.readonly:
+                self._reclaim_segment_orphans()
+        except BaseException as exc:
+            self.env.close()
+            if isinstance(exc, CORRUPT_LMDB_ERRORS):
+                raise CorruptCacheError(f"the LMDB environment in {self.path} is damaged: {exc}") from exc
+            if isinstance(exc, lmdb.Error):
+                raise TierIOError(f"cannot read the index of {self.path}: {exc}") from exc
+            raise
+        return lru, sequence
+
+    def _reclaim_segment_orphans(self) -> None:
+        """Truncate or delete what a crash between a segment append and its commit left behind. The
+        committed ends are read by ``reclaim_orphans`` itself, in a transaction begun only once it
+        holds every file it decides on (its docstring says why nothing a live writer committed, or
+        will commit, is touched)."""
+        try:
+            removed, truncated = reclaim_orphans(
+                self.path, lambda: self.read_at_open(lambda txn: committed_ends(txn, self.tables.segments)))
+        except OSError as exc:
+            raise TierIOError(f"cannot reclaim orphan segments in {self.path}: {exc}") from exc
+        if removed or truncated:
+            log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
+                        self.path, removed, truncated)
 
     def reopen(self) -> None:
         """After MDB_PANIC the environment must be reopened (writer thread, exclusive lock)."""

@@ -49,11 +49,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import lmdb
 
-from kvtier.errors import ClosedError, CorruptCacheError, ForkedProcessError, TierFullError, TierIOError
+from kvtier.errors import ClosedError, ForkedProcessError, TierFullError, TierIOError
 
 from ..base import (
     ChunkMeta,
@@ -76,20 +76,13 @@ from ..safedir import ensure_private_dir
 from ..writer import Job, WriterThread, loop_callback
 from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, CompactionReport, check_live_fraction
 from .compactor import Compactor
-from .environment import Counters, LmdbEnv
+from .environment import Counters, LmdbEnv, claim_directory, release_directory
 from .maintenance import Maintenance, RecordInfo, VerifyReport
 from .opening import DirectorySnapshot
 from .reads import CorruptEntry, ReaderSide
-from .recovery import CORRUPT_LMDB_ERRORS
 from .segment_reader import SegmentReader
 from .segment_records import borrows_buffers
-from .segments import (
-    DEFAULT_SEGMENT_MAX_BYTES,
-    DEFAULT_SEGMENT_THRESHOLD_BYTES,
-    check_segment_threshold,
-    committed_ends,
-    reclaim_orphans,
-)
+from .segments import DEFAULT_SEGMENT_MAX_BYTES, DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
 from .writes import PutJob, WriterSide
@@ -112,12 +105,6 @@ _COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismat
              "deletes", "errors", "put_commits", "raw_bytes_in", "stored_bytes_in", "compressed_records",
              "map_growths", "stale_readers_cleared", "compaction_passes", "compacted_records", "compacted_bytes",
              "compacted_segments", "compaction_bytes_freed")
-
-# Directories this process has open (two tiers on one directory in one process would each take
-# the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
-# inheriting the parent's entries.
-_OPEN_DIRS: Dict[Tuple[int, int], int] = {}
-_OPEN_DIRS_LOCK = threading.Lock()
 
 
 class LmdbTier(ChunkTier):
@@ -194,35 +181,13 @@ class LmdbTier(ChunkTier):
         before = DirectorySnapshot(path)
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
         segment_reader = SegmentReader(self._path)
-        st = os.stat(self._path)
-        self._dir_id = (st.st_dev, st.st_ino)
-        with _OPEN_DIRS_LOCK:
-            owner = _OPEN_DIRS.get(self._dir_id)
-            if owner == self._pid:
-                raise ValueError(f"{self._path} is already open in this process; share that LmdbTier")
-            _OPEN_DIRS[self._dir_id] = self._pid
+        self._dir_id = claim_directory(self._path)
         db = LmdbEnv(self._path, counters, readonly=self._readonly, verify_structure=bool(verify_structure),
                      pointers=threshold is not None)
         try:
-            db.open(map_size_bytes)
-            try:
-                counters.count(stale_readers_cleared=db.env.reader_check())
-                # The LRU index: (last access, key, stored bytes), older first.
-                entries, sequence = db.read_at_open(
-                    lambda txn: (index_entries(txn, db.tables), read_sequence(txn, db.tables)))
-                entries.sort()
-                lru = make_byte_index(eviction_policy, ((key, size) for _, key, size in entries))
-                if not self._readonly:
-                    _reclaim_segment_orphans(db)
-            except CORRUPT_LMDB_ERRORS as exc:
-                raise CorruptCacheError(f"the LMDB environment in {self._path} is damaged: {exc}") from exc
-            except lmdb.Error as exc:
-                raise TierIOError(f"cannot read the index of {self._path}: {exc}") from exc
+            lru, sequence = db.open_with_index(map_size_bytes, eviction_policy)
         except BaseException as exc:
-            with _OPEN_DIRS_LOCK:
-                _OPEN_DIRS.pop(self._dir_id, None)
-            if db.opened:
-                db.env.close()
+            release_directory(self._dir_id)
             if isinstance(exc, TierFullError):
                 before.restore()  # a full disk: leave the directory as it was
             raise
@@ -503,9 +468,7 @@ class LmdbTier(ChunkTier):
             self._writes.segment_writer.close()
         self._reads.segment_reader.close()
         self._db.close()
-        with _OPEN_DIRS_LOCK:
-            if _OPEN_DIRS.get(self._dir_id) == self._pid:
-                del _OPEN_DIRS[self._dir_id]
+        release_directory(self._dir_id)
 
     async def __aenter__(self) -> "LmdbTier":
         return self
@@ -619,21 +582,6 @@ class LmdbTier(ChunkTier):
         except lmdb.Error:
             log.exception("kvtier lmdb: reader_check failed")
         return None
-
-
-def _reclaim_segment_orphans(db: LmdbEnv) -> None:
-    """Truncate or delete what a crash between a segment append and its commit left behind. The
-    committed ends are read by ``reclaim_orphans`` itself, in a transaction begun only once it
-    holds every file it decides on (its docstring says why nothing a live writer committed, or
-    will commit, is touched)."""
-    try:
-        removed, truncated = reclaim_orphans(
-            db.path, lambda: db.read_at_open(lambda txn: committed_ends(txn, db.tables.segments)))
-    except OSError as exc:
-        raise TierIOError(f"cannot reclaim orphan segments in {db.path}: {exc}") from exc
-    if removed or truncated:
-        log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
-                    db.path, removed, truncated)
 
 
 def _log_failure(result: object, exc: Optional[BaseException]) -> None:
