@@ -14,7 +14,8 @@ Modules, one concern each:
   maps it, and moving a damaged one aside.
 - ``maintenance``: blocking walks for tools: ``iter_records``, ``verify``.
 - ``segments``: large records in append-only payload files beside ``data.mdb`` (on from
-  ``DEFAULT_SEGMENT_THRESHOLD_BYTES``), LMDB keeping a pointer.
+  ``DEFAULT_SEGMENT_THRESHOLD_BYTES``), LMDB keeping a pointer; ``segment_files``: a segment
+  file's life (who holds it, deleting dead ones, reclaiming what a crash left).
 - ``timer``: the periodic housekeeping thread (stale readers, access-time flushes).
 """
 

@@ -3,7 +3,7 @@
 Why: space returns by whole segment (``segments``): a file is deleted only once its last live record
 goes, so one live 256 KiB record can keep a 256 MiB file, and disk usage can stay far above the
 tier's capacity. Compaction moves the live records of mostly-dead *closed* segments into this
-writer's active segment; each source, once empty, is deleted (``segments.remove_dead``) as soon as no
+writer's active segment; each source, once empty, is deleted (``segment_files.remove_dead``) as soon as no
 read transaction of any process is older than the commit that emptied it (LMDB's reader table says
 which snapshots are open): a read that took the old pointer just before the move still finds its
 file, so moving a live record never turns a hit into a miss.
@@ -56,7 +56,8 @@ from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence, Se
 
 import lmdb
 
-from .segments import LIVE, segment_files
+from .segment_files import segment_files
+from .segments import LIVE
 
 __all__ = [
     "SegmentUsage",

@@ -45,7 +45,8 @@ from .compaction import (
 )
 from .environment import LmdbEnv
 from .reads import ReaderSide
-from .segments import Ledger, SegmentPointer, held_by_writer, is_pointer, remove_dead
+from .segment_files import held_by_writer, remove_dead
+from .segments import Ledger, SegmentPointer, is_pointer
 from .writes import WriterSide
 
 __all__ = ["Compactor"]

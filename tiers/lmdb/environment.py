@@ -31,7 +31,8 @@ from ..lru import ByteLru, make_byte_index
 from ..writer import SharedExclusiveLock
 from .opening import is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
 from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
-from .segments import committed_ends, reclaim_orphans
+from .segment_files import reclaim_orphans
+from .segments import committed_ends
 from .tables import Tables, index_entries, read_sequence
 
 __all__ = ["Counters", "LmdbEnv", "claim_directory", "release_directory"]

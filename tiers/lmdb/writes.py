@@ -37,7 +37,8 @@ from ..writer import Job
 from .environment import LmdbEnv
 from .segment_records import codec_of, release_records
 from .segment_reader import SegmentReader
-from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, remove_dead, stored_size
+from .segment_files import remove_dead
+from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, stored_size
 from .tables import ATIME, bump_sequence, take_segment_number
 
 __all__ = ["WriterSide", "PutJob", "SegmentWatcher"]
