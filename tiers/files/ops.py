@@ -33,7 +33,8 @@ _INLINE_DECODE_BYTES = 256 << 10
 
 
 class FileOps:
-    """The I/O pool and the file operations of one root (see the module docstring)."""
+    """The I/O pool and the file operations of one root (called on the event-loop thread; see the
+    module docstring)."""
 
     def __init__(self, root: Path, io_threads: int) -> None:
         self.root = root

@@ -43,7 +43,7 @@ def _encode_slice(
 
 
 class FileWrites:
-    """The write path of ``FileTier``; see the module docstring."""
+    """The write path of ``FileTier`` (event-loop thread only); see the module docstring."""
 
     def __init__(self, index: FileIndex, ops: FileOps, codec: CodecConfig) -> None:
         self._index = index

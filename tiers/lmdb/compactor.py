@@ -58,7 +58,8 @@ _OFFERED_MAX = 4096
 
 
 class Compactor:
-    """Plans passes and moves their records in writer-thread steps; schedules the automatic ones.
+    """Plans passes and moves their records in writer-thread steps; schedules the automatic ones
+    (which thread calls what: the module docstring).
 
     Wired by ``LmdbTier``: the environment, the writer side (its transactions, segment writer and
     LRU), the reader side (its pool and segment reader) and the writer thread; it is the writer

@@ -84,7 +84,8 @@ class Counters:
 
 
 class LmdbEnv:
-    """One cache directory's LMDB environment and tables (see the module docstring).
+    """One cache directory's LMDB environment and tables (see the module docstring). Any thread:
+    ``read_txn`` on any but the writer, ``reopen`` on the writer only, ``open`` on the opening one.
 
     ``pointers``: the tier may write segment pointers (``tables.open_tables``); ``verify_structure``:
     check the whole file with py-lmdb's offline verifier before the first open maps it."""

@@ -58,8 +58,9 @@ class VerifyReport:
 
 
 class Maintenance:
-    """Blocking tool walks of ``LmdbTier``; see the module docstring. ``writer`` is None when the
-    tier is read-only (nothing is quarantined then)."""
+    """Blocking tool walks of ``LmdbTier``: any thread of the opening process but the writer (see
+    the module docstring). ``writer`` is None when the tier is read-only (nothing is quarantined
+    then)."""
 
     def __init__(self, db: LmdbEnv, writes: WriterSide, reads: ReaderSide, writer: Optional[WriterThread]) -> None:
         self._db = db

@@ -43,7 +43,8 @@ CorruptEntry = Tuple[bytes, int, str]
 
 
 class ReaderSide:
-    """The read pool and what runs on it (see the module docstring)."""
+    """The read pool and what runs on it (see the module docstring). Any thread but the writer;
+    ``get_many_into`` / ``in_pool`` / ``encode`` on the event-loop thread."""
 
     def __init__(self, db: LmdbEnv, segment_reader: SegmentReader, *, read_workers: int, max_raw_bytes: int,
                  on_corrupt: Callable[[List[CorruptEntry]], None]) -> None:
