@@ -53,7 +53,8 @@ class RotatesSegments(Protocol):
     """What ``remove_dead`` needs of this process's segment writer (``segments.SegmentWriter``):
     its active segment, closed (``rotate``) before that file is deleted."""
 
-    active: Optional[str]
+    @property
+    def active(self) -> Optional[str]: ...
 
     def rotate(self) -> None: ...
 
