@@ -1,8 +1,10 @@
-"""The engine's settings: one frozen, typed, validated record, with units in every field name.
+"""The settings: frozen, typed, validated records, with units in every field name.
 
-Primitives: ``EngineConfig`` (the record, its defaults and their reasons, validation) and its loaders
-``EngineConfig.from_dict`` / ``from_toml`` / ``from_env`` / ``load`` (defaults < TOML < environment <
-overrides), plus ``parse_size`` ("256MiB" -> 268435456). Pure and synchronous; safe on any thread.
+Primitives: ``StoreConfig`` (the disk and remote tiers' settings, the record ``DiskStore`` opens
+with), ``EngineConfig`` (a ``StoreConfig`` plus the engine's own settings; its defaults and their
+reasons, validation) and their loaders ``from_dict`` / ``from_toml`` / ``from_env`` / ``load``
+(defaults < TOML < environment < overrides), plus ``parse_size`` ("256MiB" -> 268435456). Pure and
+synchronous; safe on any thread.
 
 Every error is a ``ValueError`` that names the field (or the environment variable / TOML file it came
 from) and the offending value, like ``kvtier.policy``'s constructors: a bad setting is a bad argument.
@@ -19,18 +21,19 @@ import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 from kvtier.tiers.eviction import eviction_policy_names
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
+from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
 logger = logging.getLogger("kvtier.engine")
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.record_format import CodecConfig
 
-__all__ = ["EngineConfig", "parse_size"]
+__all__ = ["EngineConfig", "StoreConfig", "parse_size"]
 
 _KiB = 1 << 10
 _MiB = 1 << 20
@@ -54,9 +57,17 @@ _MAX_SIZE_BYTES = 1 << 62
 _COMPRESSION_LEVEL_RANGE = (1, 22)
 
 
+_C = TypeVar("_C", bound="StoreConfig")
+
+
 @dataclass(frozen=True)
-class EngineConfig:
-    """Settings of one ``OffloadEngine``. Construct directly, or through a loader.
+class StoreConfig:
+    """Settings of the store below a front end's host memory (``kvtier.engine.store.DiskStore``):
+    the LMDB disk tier at ``cache_dir`` and the remote tier chained behind it. The one record of
+    them: ``EngineConfig`` extends it (its flat field names are the TOML/env keys) and opens its
+    store with ``config.store``; the vLLM tier builds one from its own keys. Construct directly,
+    or through a loader (``from_dict`` / ``from_toml`` / ``from_env`` / ``load``, as
+    ``EngineConfig``'s).
 
     Sizes are bytes (``*_bytes``), durations seconds (``*_s``), ratios fractions in [0, 1]
     (``*_fraction``). The defaults below are the single place defaults live; each says why.
@@ -64,16 +75,10 @@ class EngineConfig:
 
     # No disk tier unless asked: a cache directory is a deployment decision (NVMe, not NFS; 0700).
     cache_dir: Optional[str] = None
-    # 256 MiB of slab: enough for a few requests' chunks at 256 KiB - 4 MiB each, small enough to
-    # preallocate and pre-fault at start (~0.25 s at the measured 1.1 GB/s first touch). Split
-    # across groups by the engine.
-    host_capacity_bytes: int = 256 * _MiB
     # The host pools' and the LMDB tier's eviction. LFU with dynamic aging: `kvtier replay` on the
     # Mooncake conversation trace, where most chunks are used once, measured 1.4-1.5x LRU's hit
     # rate at 2% of the unique bytes and never lower at any budget (README, "Eviction policies").
     eviction_policy: str = "lru"
-    # The host pools alone, overriding eviction_policy (None: the same); ARC exists only here.
-    host_eviction_policy: Optional[str] = None
     # None = bounded only by the LMDB map (which grows); set it to share the disk with others.
     disk_capacity_bytes: Optional[int] = None
     # A closed LMDB payload segment whose live bytes fall below this fraction of its size has its
@@ -88,19 +93,6 @@ class EngineConfig:
     # LMDB, below it one LMDB transaction is cheaper (measured in docs/ARCHITECTURE.md). None (or
     # 0; "none" in TOML/env) keeps every record inside LMDB; a cache written either way opens either way.
     lmdb_segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES
-    # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
-    # is not keeping up and waiting would only move the stall into the serving process.
-    store_queue_max_chunks: int = 4096
-    # 64 MiB per LMDB write transaction: measured to reach disk speed (230-310 MB/s) while one
-    # transaction per 256 KiB value reaches only ~130 MB/s.
-    spill_batch_max_bytes: int = 64 * _MiB
-    # Caps a batch of small chunks so one transaction never holds the writer for thousands of puts.
-    spill_batch_max_chunks: int = 256
-    # Write-behind spill on: without it a host slot is the only copy and eviction loses it.
-    spill_enabled: bool = True
-    # 30 s: a 64 MiB batch takes ~0.25 s on the measured disk; 100x that is a broken tier, not a slow
-    # one, and the operation is rolled back as a miss.
-    tier_timeout_s: float = 30.0
     # Level 1: ~650 MB/s, faster than the disk, so compression raises logical spill bandwidth;
     # higher levels cost CPU and gain little on KV bytes.
     compression_level: int = 1
@@ -108,13 +100,6 @@ class EngineConfig:
     # than the bytes save.
     compression_min_savings_fraction: float = 0.10
     compression_enabled: bool = True
-    # Pause at 90% used: leaves room for the allocator's own fragmentation before an OOM.
-    pressure_high_watermark_fraction: float = 0.90
-    # Resume at 80%: a 10-point band so a signal hovering at one watermark does not flap.
-    pressure_low_watermark_fraction: float = 0.80
-    # 1 s: an NVML query is ~12 us, so polling costs nothing, and memory pressure builds over
-    # seconds, not microseconds.
-    pressure_poll_interval_s: float = 1.0
     # LMDB's reader_check() clears slots of dead processes; 30 s bounds how long a crashed reader
     # can pin old pages (and so grow the file).
     reader_check_interval_s: float = 30.0
@@ -122,11 +107,6 @@ class EngineConfig:
     # serving. Set it (e.g. 10 s) when another process writes the same cache directory while this
     # one serves, so its chunks become hits without a restart (one keys-only scan per interval).
     disk_index_refresh_interval_s: Optional[float] = None
-    # vLLM's prefix_cache_retention_interval for kvtier's own store policy (policy/retention.py):
-    # None (the default, unchanged behaviour) stores an SWA window at every alignment boundary; 0
-    # only at the request's final boundary (fewest bytes; multi-turn continuations still hit);
-    # k (a multiple of the layout's alignment_tokens) once every k tokens.
-    store_retention_interval_tokens: Optional[int] = None
     # On: before LMDB maps the cache_dir's file, py-lmdb's offline verifier checks its B-tree (when
     # no other process has it open). LMDB trusts its pages and can crash the whole serving process
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
@@ -137,10 +117,6 @@ class EngineConfig:
     # with a cold cache instead of failing. Off: start() raises CorruptCacheError and leaves the
     # directory alone.
     quarantine_corrupt_cache_dir: bool = True
-    # None (the default): the device of the DeviceKVView's tensors, so a CUDA view always gets a
-    # page-locked host pool (a pageable one turns every async copy synchronous, 5-20x slower).
-    # "cpu"/"cuda" only assert it: start() raises DeviceError when the view is elsewhere.
-    device_kind: Optional[str] = None
     # -- remote tier (Valkey/Redis shared by a fleet), chained behind the LMDB tier ---------------
     # None = no remote tier. "redis://host:port" (one node) or "redis+cluster://h1:p1,h2:p2" (seeds).
     remote_url: Optional[str] = None
@@ -168,10 +144,11 @@ class EngineConfig:
     # On: a chunk loaded from the remote is also written into LMDB (in the background), so the next
     # load of it on this host is local; off keeps LMDB for this host's own spills.
     remote_promote_to_disk: bool = True
-    # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
-    # them would otherwise grow the engine without bound. The oldest are dropped and counted
-    # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
-    events_max: int = 65536
+    # Off: the store writes its tier. On: the LMDB tier opens read-only (a read-only mount of a warmed
+    # cache); nothing is written and a damaged directory is never moved aside (it is not ours).
+    read_only: bool = False
+    # LMDB read (and encode) threads, the reads in flight: tiers/lmdb/tier.py says why 4.
+    read_workers: int = DEFAULT_READ_WORKERS
 
     def __post_init__(self) -> None:
         # A path object is welcome; store its str so the record stays plain and hashable.
@@ -179,7 +156,7 @@ class EngineConfig:
             if isinstance(self.cache_dir, os.PathLike):
                 object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # Ints are fine where floats are expected (TOML `timeout = 30`); store floats.
-        for name in _FLOAT_FIELDS:
+        for name in _FLOAT_FIELDS.intersection(self.field_names()):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -196,16 +173,13 @@ class EngineConfig:
             if "\x00" in self.cache_dir:
                 raise ValueError(f"cache_dir must not contain NUL, got {self.cache_dir!r}")
 
-        for name in sorted(_SIZE_FIELDS):
+        for name in sorted(_SIZE_FIELDS.intersection(self.field_names())):
             value = getattr(self, name)
             if isinstance(value, int) and value > _MAX_SIZE_BYTES:
                 # Larger than any address space: a unit typo, not a plan. Said here, not as a raw
                 # allocator or LMDB error at start.
                 raise ValueError(f"{name} must be at most 2**62 bytes, got {value!r}")
-        _require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
         _require_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
-        if self.host_eviction_policy is not None:
-            _require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
         if self.disk_capacity_bytes is not None:
             _require_int("disk_capacity_bytes", self.disk_capacity_bytes, 1)
             if self.cache_dir is None:
@@ -220,11 +194,6 @@ class EngineConfig:
                 f"lmdb_map_size_bytes must be at most 1 TiB ({_LMDB_MAX_MAP_SIZE_BYTES}, the most the map grows to), "
                 f"got {self.lmdb_map_size_bytes}"
             )
-        _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
-        _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
-        _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
-        _require_bool("spill_enabled", self.spill_enabled)
-        _require_seconds("tier_timeout_s", self.tier_timeout_s)
         lo, hi = _COMPRESSION_LEVEL_RANGE
         _require_int("compression_level", self.compression_level, None)
         if not lo <= self.compression_level <= hi:
@@ -237,27 +206,14 @@ class EngineConfig:
         _require_bool("compression_enabled", self.compression_enabled)
         _require_bool("quarantine_corrupt_cache_dir", self.quarantine_corrupt_cache_dir)
         _require_bool("lmdb_verify_on_open", self.lmdb_verify_on_open)
-        _require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
-        _require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
-        if not self.pressure_low_watermark_fraction < self.pressure_high_watermark_fraction:
-            raise ValueError(
-                "pressure_low_watermark_fraction must be < pressure_high_watermark_fraction "
-                "(the band between them is the hysteresis), got "
-                f"low={self.pressure_low_watermark_fraction!r}, "
-                f"high={self.pressure_high_watermark_fraction!r}"
-            )
-        _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
         _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
         check_segment_threshold(self.lmdb_segment_threshold_bytes, "lmdb_segment_threshold_bytes")
         if self.disk_index_refresh_interval_s is not None:
             _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
-        if self.store_retention_interval_tokens is not None:
-            _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
-        if self.device_kind is not None:
-            _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
-        _require_int("events_max", self.events_max, 1)
         _require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)
+        _require_bool("read_only", self.read_only)
+        _require_int("read_workers", self.read_workers, 1)
         self._validate_remote()
 
     def _validate_remote(self) -> None:
@@ -282,12 +238,8 @@ class EngineConfig:
 
     # -- conversions and loaders ----------------------------------------------------------------
 
-    def host_policy(self) -> str:
-        """The host pools' eviction policy: ``host_eviction_policy``, else ``eviction_policy``."""
-        return self.host_eviction_policy if self.host_eviction_policy is not None else self.eviction_policy
-
     def codec_config(self) -> "CodecConfig":
-        """The record codec these settings ask for, the same for every tier the engine opens."""
+        """The record codec these settings ask for, the same for every tier the store opens."""
         from kvtier.tiers.record_format import CodecConfig
 
         return CodecConfig(
@@ -306,7 +258,7 @@ class EngineConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
+    def from_dict(cls: Type[_C], data: Mapping[str, Any]) -> _C:
         """Build from a mapping of field names to values; missing fields take their defaults.
 
         Strings are coerced: ints (``"4096"``, ``"4_096"``), floats, bools (``true/false``,
@@ -317,14 +269,14 @@ class EngineConfig:
         return cls(**cls._coerce_mapping(data, source=None))
 
     @classmethod
-    def from_toml(cls, path: Union[str, "os.PathLike[str]"]) -> "EngineConfig":
+    def from_toml(cls: Type[_C], path: Union[str, "os.PathLike[str]"]) -> _C:
         """Build from a TOML file whose top-level keys are field names (see ``from_dict``)."""
         return cls.from_dict(_read_toml(path))
 
     @classmethod
     def from_env(
-        cls, environ: Optional[Mapping[str, str]] = None, prefix: str = "KVTIER_"
-    ) -> "EngineConfig":
+        cls: Type[_C], environ: Optional[Mapping[str, str]] = None, prefix: str = "KVTIER_"
+    ) -> _C:
         """Build from ``{prefix}{FIELD_NAME_UPPER}`` variables (``KVTIER_HOST_CAPACITY_BYTES=1GiB``).
 
         ``environ`` defaults to ``os.environ``. Other variables with the prefix do not stop a
@@ -332,18 +284,18 @@ class EngineConfig:
         nearest setting's variable (``KVTIER_CACHEDIR``: did you mean ``KVTIER_CACHE_DIR``?).
         An empty value or ``none`` means ``None`` for an optional setting (``KVTIER_CACHE_DIR``...).
         """
-        settings = _env_settings(environ, prefix)
+        settings = _env_settings(cls, environ, prefix)
         with _naming_variables(settings, prefix):
             return cls(**cls._coerce_mapping(settings, source=_ENV + prefix))
 
     @classmethod
     def load(
-        cls,
+        cls: Type[_C],
         path: Union[str, "os.PathLike[str]", None] = None,
         overrides: Optional[Mapping[str, Any]] = None,
         environ: Optional[Mapping[str, str]] = None,
         prefix: str = "KVTIER_",
-    ) -> "EngineConfig":
+    ) -> _C:
         """Merge, later winning: defaults < TOML file at ``path`` < environment < ``overrides``.
 
         ``environ=None`` reads ``os.environ``; pass ``{}`` to ignore the environment. Each layer is
@@ -353,7 +305,7 @@ class EngineConfig:
         merged: Dict[str, Any] = {}
         if path is not None:
             merged.update(cls._coerce_mapping(_read_toml(path), source=os.fspath(path)))
-        settings = _env_settings(environ, prefix)
+        settings = _env_settings(cls, environ, prefix)
         merged.update(cls._coerce_mapping(settings, source=_ENV + prefix))
         if overrides:
             merged.update(cls._coerce_mapping(overrides, source=None))
@@ -375,6 +327,93 @@ class EngineConfig:
         return {name: _coerce(name, value, source) for name, value in data.items()}
 
 
+@dataclass(frozen=True)
+class EngineConfig(StoreConfig):
+    """Settings of one ``OffloadEngine``: the store's (``StoreConfig``'s fields, first) and the
+    engine's own host, spill, pressure and event settings. Construct directly, or through a loader.
+
+    Sizes are bytes (``*_bytes``), durations seconds (``*_s``), ratios fractions in [0, 1]
+    (``*_fraction``). The defaults below are the single place defaults live; each says why.
+    """
+
+    # 256 MiB of slab: enough for a few requests' chunks at 256 KiB - 4 MiB each, small enough to
+    # preallocate and pre-fault at start (~0.25 s at the measured 1.1 GB/s first touch). Split
+    # across groups by the engine.
+    host_capacity_bytes: int = 256 * _MiB
+    # The host pools alone, overriding eviction_policy (None: the same); ARC exists only here.
+    host_eviction_policy: Optional[str] = None
+    # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
+    # is not keeping up and waiting would only move the stall into the serving process.
+    store_queue_max_chunks: int = 4096
+    # 64 MiB per LMDB write transaction: measured to reach disk speed (230-310 MB/s) while one
+    # transaction per 256 KiB value reaches only ~130 MB/s.
+    spill_batch_max_bytes: int = 64 * _MiB
+    # Caps a batch of small chunks so one transaction never holds the writer for thousands of puts.
+    spill_batch_max_chunks: int = 256
+    # Write-behind spill on: without it a host slot is the only copy and eviction loses it.
+    spill_enabled: bool = True
+    # 30 s: a 64 MiB batch takes ~0.25 s on the measured disk; 100x that is a broken tier, not a slow
+    # one, and the operation is rolled back as a miss.
+    tier_timeout_s: float = 30.0
+    # Pause at 90% used: leaves room for the allocator's own fragmentation before an OOM.
+    pressure_high_watermark_fraction: float = 0.90
+    # Resume at 80%: a 10-point band so a signal hovering at one watermark does not flap.
+    pressure_low_watermark_fraction: float = 0.80
+    # 1 s: an NVML query is ~12 us, so polling costs nothing, and memory pressure builds over
+    # seconds, not microseconds.
+    pressure_poll_interval_s: float = 1.0
+    # vLLM's prefix_cache_retention_interval for kvtier's own store policy (policy/retention.py):
+    # None (the default, unchanged behaviour) stores an SWA window at every alignment boundary; 0
+    # only at the request's final boundary (fewest bytes; multi-turn continuations still hit);
+    # k (a multiple of the layout's alignment_tokens) once every k tokens.
+    store_retention_interval_tokens: Optional[int] = None
+    # None (the default): the device of the DeviceKVView's tensors, so a CUDA view always gets a
+    # page-locked host pool (a pageable one turns every async copy synchronous, 5-20x slower).
+    # "cpu"/"cuda" only assert it: start() raises DeviceError when the view is elsewhere.
+    device_kind: Optional[str] = None
+    # Chunk events kept for take_events(): ~3 per chunk stored, so an embedder that never takes
+    # them would otherwise grow the engine without bound. The oldest are dropped and counted
+    # (kvtier_events_dropped_total); 65536 events are ~6 MiB.
+    events_max: int = 65536
+
+    def _validate(self) -> None:
+        super()._validate()
+        _require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        if self.host_eviction_policy is not None:
+            _require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
+        _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
+        _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
+        _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
+        _require_bool("spill_enabled", self.spill_enabled)
+        if self.read_only and self.spill_enabled:
+            raise ValueError("read_only=True needs spill_enabled=False (a read-only disk tier takes no spills)")
+        _require_seconds("tier_timeout_s", self.tier_timeout_s)
+        _require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
+        _require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
+        if not self.pressure_low_watermark_fraction < self.pressure_high_watermark_fraction:
+            raise ValueError(
+                "pressure_low_watermark_fraction must be < pressure_high_watermark_fraction "
+                "(the band between them is the hysteresis), got "
+                f"low={self.pressure_low_watermark_fraction!r}, "
+                f"high={self.pressure_high_watermark_fraction!r}"
+            )
+        _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
+        if self.store_retention_interval_tokens is not None:
+            _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
+        if self.device_kind is not None:
+            _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        _require_int("events_max", self.events_max, 1)
+
+    def host_policy(self) -> str:
+        """The host pools' eviction policy: ``host_eviction_policy``, else ``eviction_policy``."""
+        return self.host_eviction_policy if self.host_eviction_policy is not None else self.eviction_policy
+
+    @property
+    def store(self) -> StoreConfig:
+        """The store's part of these settings: the record the engine opens its ``DiskStore`` with."""
+        return StoreConfig(**{name: getattr(self, name) for name in StoreConfig.field_names()})
+
+
 # -- field kinds and coercion --------------------------------------------------------------------
 
 _SIZE_FIELDS = frozenset(
@@ -389,7 +428,7 @@ _SIZE_FIELDS = frozenset(
 )
 _INT_FIELDS = frozenset(
     {"store_queue_max_chunks", "spill_batch_max_chunks", "compression_level", "remote_concurrency",
-     "remote_breaker_failures", "store_retention_interval_tokens"}
+     "remote_breaker_failures", "store_retention_interval_tokens", "read_workers"}
 )
 _FLOAT_FIELDS = frozenset(
     {
@@ -409,7 +448,7 @@ _FLOAT_FIELDS = frozenset(
 )
 _BOOL_FIELDS = frozenset(
     {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open",
-     "remote_promote_to_disk"}
+     "remote_promote_to_disk", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
     {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "remote_url", "lmdb_segment_threshold_bytes",
@@ -576,10 +615,10 @@ _OTHER_VARIABLES = frozenset({"FAULT_SEED"})
 _warned_variables: set = set()
 
 
-def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
+def _env_settings(cls: Type[StoreConfig], environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
     env = os.environ if environ is None else environ
     found: Dict[str, str] = {}
-    for name in EngineConfig.field_names():
+    for name in cls.field_names():
         key = prefix + name.upper()
         if key in env:
             found[name] = env[key]
@@ -590,6 +629,7 @@ def _env_settings(environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str
 def _warn_unknown_variables(env: Mapping[str, str], prefix: str) -> None:
     """A typo such as ``KVTIER_CACHEDIR`` would otherwise leave the setting at its default without
     a word: log it once per process, naming the nearest setting's variable."""
+    # Against the engine's names, the widest set: a store-only loader must not warn about them.
     known = [prefix + name.upper() for name in EngineConfig.field_names()]
     for key in env:
         if not key.startswith(prefix) or key in known or key[len(prefix):] in _OTHER_VARIABLES:

@@ -39,7 +39,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 __all__ = [
     "PressureSource",
@@ -148,7 +148,7 @@ class _NvmlDeviceMemorySource:
         return f"nvml_device_memory_source(device_index={self.device_index})"
 
 
-def _nvml_errors(nvml: Any) -> Tuple[type, ...]:
+def _nvml_errors(nvml: Any) -> Tuple[Type[BaseException], ...]:
     # OSError: a driver library that exists but does not load.
     return (getattr(nvml, "NVMLError", OSError), OSError)
 

@@ -20,17 +20,17 @@ __all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult"
 
 @dataclass(eq=False)
 class ChunkEntry:
-    """One chunk with a host slot. ``pins`` counts readers and writers of the slot; a pinned slot
-    is never evicted or released. ``generation`` changes whenever an in-flight operation is
-    abandoned (timeout, close), so its late completion is recognised and discarded. ``state`` moves
-    only through ``lifecycle.move`` (the transition table)."""
+    """One chunk with a host slot. Its pins (readers and writers of the slot; a pinned slot is
+    never evicted or released) are counted by the slot's pool alone (``HostBook.pins``).
+    ``generation`` changes whenever an in-flight operation is abandoned (timeout, close), so its
+    late completion is recognised and discarded. ``state`` moves only through ``lifecycle.move``
+    (the transition table)."""
 
     key: bytes
     group_index: int
     chunk_index: int
     state: HostState
     slot: int
-    pins: int = 0
     generation: int = 0
     dead: bool = False  # removed from the index; the slot is released when the last pin goes
     # Resolves when the in-flight copy ends: None when READY, else the failure reason.
@@ -98,8 +98,9 @@ class StoreHandle:
         """Whether ``wait_durable()`` would answer at once."""
         return self._durable.done()
 
-    # The engine resolves a handle through these two, never by touching its futures; both are
-    # idempotent, so a late or repeated resolution cannot raise on the event loop.
+    # The engine resolves a handle through ``mark_released`` / ``mark_durable`` below, never by
+    # touching its futures; both are idempotent, so a late or repeated resolution cannot raise on
+    # the event loop.
     def _mark_released(self) -> None:
         if not self._released.done():
             self._released.set_result(None)
@@ -115,6 +116,16 @@ class StoreHandle:
 
     def __await__(self):
         return self._wait().__await__()
+
+
+def mark_released(handle: StoreHandle) -> None:
+    """The store's device -> host copy ended: the caller may reuse its device blocks."""
+    handle._mark_released()
+
+
+def mark_durable(handle: StoreHandle, ok: bool) -> None:
+    """Every scheduled chunk of the store reached the disk (``ok``), or some never will."""
+    handle._mark_durable(ok)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Write-behind to the disk tier, and which store handles wait for which chunks to get there.
 
 Primitives: ``SpillPipeline`` (the queue of QUEUED chunks, the loop that writes them in batches,
-``enqueue`` / ``drain`` / ``stop``), ``DurableWatch`` (handle <-> key bookkeeping behind
-``StoreHandle.wait_durable``). Event-loop thread only; the tier does its blocking work on its own
+``enqueue`` / ``drain`` / ``wake``); it resolves the keys of a ``DurableWatch`` (``durable.py``)
+as their puts land. Event-loop thread only; the tier does its blocking work on its own
 threads.
 
-Rules this module keeps (issue 10):
+Rules this module keeps:
 
 - a chunk's host slot becomes evictable only once its chunk is on disk, or once the engine gave up
   writing it (a failed put: the drop is counted, the host copy stays usable until evicted);
@@ -28,78 +28,47 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Set, Tuple
 
+from kvtier.tiers.base import ChunkTier
+
+from .config import EngineConfig
+from .disk_index import DiskIndex
+from .durable import DurableWatch
+from .events import EventLog
+from .host_book import HostBook
 from .lifecycle import HostState, move
-from .records import ChunkEntry, StoreHandle
+from .metrics import EngineMetrics
+from .pressure import LatencyEwma
+from .records import ChunkEntry
 from .tasks import settle
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import OffloadEngine
-
-__all__ = ["SpillPipeline", "DurableWatch", "BATCHES_IN_FLIGHT"]
+__all__ = ["SpillPipeline", "BATCHES_IN_FLIGHT"]
 
 logger = logging.getLogger("kvtier.engine")
 
 BATCHES_IN_FLIGHT = 2
 
 
-class DurableWatch:
-    """Which handles wait for which keys. A handle resolves ``True`` when its last key resolved
-    ``True``, ``False`` as soon as one key resolves ``False``."""
-
-    def __init__(self) -> None:
-        self._by_key: Dict[bytes, List[StoreHandle]] = {}
-        self._waiting: Dict[StoreHandle, Set[bytes]] = {}
-
-    def watch(self, handle: StoreHandle, keys: Iterable[bytes]) -> None:
-        waiting = self._waiting.setdefault(handle, set())
-        for key in keys:
-            if key not in waiting:
-                waiting.add(key)
-                self._by_key.setdefault(key, []).append(handle)
-        if not waiting:
-            self.finish(handle, True)
-
-    def resolve(self, key: bytes, ok: bool) -> None:
-        """``key``'s chunk reached the disk (``ok``) or will not (for now)."""
-        for handle in self._by_key.pop(key, ()):
-            waiting = self._waiting.get(handle)
-            if waiting is None:
-                continue
-            waiting.discard(key)
-            if not ok:
-                self.finish(handle, False)
-            elif not waiting:
-                self.finish(handle, True)
-
-    def finish(self, handle: StoreHandle, ok: bool) -> None:
-        for key in self._waiting.pop(handle, ()):
-            watchers = self._by_key.get(key)
-            if watchers and handle in watchers:
-                watchers.remove(handle)
-                if not watchers:
-                    del self._by_key[key]
-        handle._mark_durable(ok)
-
-    def fail_all(self) -> None:
-        for handle in list(self._waiting):
-            self.finish(handle, False)
-
-    def watched_keys(self) -> Set[bytes]:
-        return set(self._by_key)
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-
 class SpillPipeline:
-    """The spill queue and its loop, for one engine (see the module docstring)."""
+    """The spill queue and its loop, for one engine (see the module docstring): chunks of
+    ``book`` go to ``tier``, land in ``index`` and
+    resolve ``watch``; ``closing()`` tells the loop to return once the queue is drained;
+    ``write_latency`` hears each batch's service time (the pressure monitor's disk signal)."""
 
-    def __init__(self, engine: "OffloadEngine") -> None:
-        self._engine = engine
+    def __init__(self, book: HostBook, tier: ChunkTier, index: DiskIndex, watch: DurableWatch, *,
+                 config: EngineConfig, metrics: EngineMetrics, events: EventLog, write_latency: LatencyEwma,
+                 closing: Callable[[], bool]) -> None:
+        self._book = book
+        self._tier = tier
+        self._index = index
+        self._config = config
+        self._metrics = metrics
+        self._events = events
+        self._write_latency = write_latency
+        self._closing = closing
         self.queue: Deque[ChunkEntry] = deque()
-        self.watch = DurableWatch()
+        self.watch = watch
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -136,7 +105,6 @@ class SpillPipeline:
     async def run(self) -> None:
         """The spill loop (supervised by the engine). Returns once the engine is closing and the
         queue is drained."""
-        engine = self._engine
         in_flight = self._in_flight
         try:
             while True:
@@ -147,7 +115,7 @@ class SpillPipeline:
                     continue
                 if not self.queue and not in_flight:
                     self._idle.set()
-                    if engine.closing:
+                    if self._closing():
                         return
                     await self._wakeup.wait()
                     self._wakeup.clear()
@@ -174,21 +142,20 @@ class SpillPipeline:
         """Take the next batch off the queue: up to ``spill_batch_max_chunks`` chunks and
         ``spill_batch_max_bytes`` bytes (at least one chunk). A queued chunk already on disk (another
         writer put it there) is settled at once as durable."""
-        engine = self._engine
-        config = engine.config
+        config = self._config
+        chunk_nbytes = self._book.chunk_nbytes
         batch: List[ChunkEntry] = []
         batch_bytes = 0
         while self.queue and len(batch) < config.spill_batch_max_chunks:
             entry = self.queue[0]
-            size = engine._chunk_nbytes[entry.group_index]
+            size = chunk_nbytes[entry.group_index]
             if batch and batch_bytes + size > config.spill_batch_max_bytes:
                 break
             self.queue.popleft()
             if entry.dead or entry.state is not HostState.QUEUED:
                 continue
-            if entry.key in engine.disk_index:
-                move(entry, HostState.READY)
-                engine._pools[entry.group_index].mark_evictable(entry.slot, True)
+            if entry.key in self._index:
+                self._book.settle_ready(entry)
                 self.watch.resolve(entry.key, True)
                 continue
             batch.append(entry)
@@ -196,18 +163,18 @@ class SpillPipeline:
         return batch, batch_bytes
 
     async def _write(self, batch: List[ChunkEntry], batch_bytes: int) -> None:
-        engine = self._engine
+        book = self._book
         items = []
         for entry in batch:
             move(entry, HostState.SPILLING)
-            engine._pin(entry)
-            items.append((entry.key, engine._chunk_meta(entry), engine._pools[entry.group_index].buffer(entry.slot)))
+            book.pin(entry)
+            items.append((entry.key, book.chunk_meta(entry), book.buffer(entry)))
         started = time.perf_counter()
         error: Optional[BaseException] = None
         sequence: Optional[int] = None
-        token = engine.disk_index.begin()
+        token = self._index.begin()
         try:
-            answer = await settle(engine.disk_tier.put_many(items))
+            answer = await settle(self._tier.put_many(items))
             if isinstance(answer, int) and not isinstance(answer, bool):
                 sequence = answer
         except asyncio.CancelledError:
@@ -216,7 +183,7 @@ class SpillPipeline:
         except Exception as exc:  # any exception: a third-party tier or codec is no exception
             error = exc
             logger.warning("spill of %d chunks failed: %r", len(batch), exc)
-            engine.metrics.worker_error("spill")
+            self._metrics.worker_error("spill")
         finally:
             finished = time.perf_counter()
             # Batches are pipelined: one may wait for the batch committed before it, so its own
@@ -224,27 +191,25 @@ class SpillPipeline:
             # would double whenever two batches are in flight).
             elapsed = finished - max(started, self._last_done)
             self._last_done = finished
-            engine._write_latency.observe(elapsed)
+            self._write_latency.observe(elapsed)
             self._settle(batch, batch_bytes, token, sequence, error, elapsed)
 
     def _settle(self, batch, batch_bytes: int, token: int, sequence: Optional[int], error, elapsed: float) -> None:
-        engine = self._engine
-        index = engine.disk_index
+        index = self._index
         for entry in batch:
-            engine._unpin(entry)
+            self._book.unpin(entry)
             if not entry.dead:
                 # On disk, or deliberately droppable after a failed spill: either way settled.
-                move(entry, HostState.READY)
-                engine._pools[entry.group_index].mark_evictable(entry.slot, True)
+                self._book.settle_ready(entry)
             # A write the tier already removed again (an eviction that overtook the answer) is not
             # indexed, and its handles are not durable.
             ok = error is None and index.add(entry.key, token, sequence)
             if ok:
-                engine._events.append("stored", entry.key, entry.group_index, "disk")
+                self._events.append("stored", entry.key, entry.group_index, "disk")
             self.watch.resolve(entry.key, ok)
         index.end(token)
         if error is None:
-            engine.metrics.stored("disk", len(batch), batch_bytes)
-            engine.metrics.latency("disk", "put", elapsed)
+            self._metrics.stored("disk", len(batch), batch_bytes)
+            self._metrics.latency("disk", "put", elapsed)
         else:
-            engine.metrics.dropped("tier_error", len(batch))
+            self._metrics.dropped("tier_error", len(batch))

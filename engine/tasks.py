@@ -1,9 +1,9 @@
 """How the engine waits for work it owns, and keeps its background loops alive.
 
-Primitives: ``settle`` (await a future to its end even when the awaiting task is cancelled),
-``wait_all`` (wait for tasks without ever cancelling them), ``Supervised`` (a background loop that
-is restarted when it crashes, and fails the engine loudly when it keeps crashing). Event-loop
-thread only.
+Primitives: ``settle`` (await a future to its end even when the awaiting task is cancelled) and
+``wait_all`` (wait for tasks without ever cancelling them), both from ``kvtier.tiers.owned_tasks``
+(the tiers wait the same way); ``Supervised`` (a background loop that is restarted when it crashes,
+and fails the engine loudly when it keeps crashing). Event-loop thread only.
 
 The rule these serve: a caller's cancellation cancels its own wait, never the engine's work. A copy
 thread or a tier keeps reading or writing a buffer after an ``await`` on it is cancelled, so the
@@ -16,38 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Iterable, Optional, TypeVar
+from typing import Awaitable, Callable, Optional
+
+from kvtier.tiers.owned_tasks import settle, wait_all
 
 __all__ = ["settle", "wait_all", "Supervised"]
 
 logger = logging.getLogger("kvtier.engine")
-
-T = TypeVar("T")
-
-
-async def settle(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` (wrapped in a future) to its end. If the awaiting task is cancelled
-    meanwhile, keep waiting until the work finished, then raise ``CancelledError``."""
-    future = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        if not future.cancelled():
-            future.exception()  # retrieved: the caller learns of the cancel, not of this outcome
-        raise asyncio.CancelledError()
-    return future.result()
-
-
-async def wait_all(tasks: Iterable[asyncio.Future]) -> None:
-    """Wait until every task is done. Cancelling the wait cancels none of them (``asyncio.wait``
-    never does, unlike ``gather``)."""
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        await asyncio.wait(pending)
 
 
 class Supervised:

@@ -33,8 +33,11 @@ __all__ = [
     "check_store_arguments",
     "check_load_arguments",
     "check_load_targets",
+    "check_store_blocks",
+    "check_load_blocks",
     "check_fence_arguments",
     "check_timeout",
+    "check_prefetch_policy",
     "check_engine_settings",
 ]
 
@@ -177,7 +180,7 @@ def check_store_arguments(
         if len(given) == len(row) and len(set(given)) == len(given):
             continue  # the common case: a full table of distinct ids; the mask is not needed
         per_chunk = layout.groups[gi].blocks_per_chunk
-        seen = {}
+        seen: dict = {}
         for chunk in store_chunk_indices(layout, gi, count):
             for logical in range(chunk * per_chunk, (chunk + 1) * per_chunk):
                 if logical >= len(row):
@@ -205,6 +208,59 @@ def check_load_arguments(
         # lookup answers only multiples of it; any other length names no boundary the chunks end at.
         raise ValueError(f"hit_tokens must be a multiple of the layout's hit_granularity_tokens ({granularity}), got {count}")
     return count, _block_table(block_table, layout)
+
+
+def _out_of_range(group_index: int, block: int, limit: int) -> DeviceError:
+    return DeviceError(f"group {group_index}: device block {block} is out of range (the KV cache has {limit} blocks)")
+
+
+def check_device_blocks(group_index: int, blocks: Sequence[int], limit: int) -> None:
+    """Every block within the group's KV cache of ``limit`` blocks (``DeviceError``), checked before
+    anything is scheduled, so a bad table is the caller's typed error, not a copy that fails later
+    on a worker thread."""
+    for block in blocks:
+        if not 0 <= block < limit:
+            raise _out_of_range(group_index, block, limit)
+
+
+def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: Sequence[Optional[int]],
+                       limit: int) -> List[int]:
+    """The device blocks of one chunk a store copies (``row`` normalised by ``check_store_arguments``,
+    which refused a ``None`` among them): the row must reach the chunk's end (``ValueError``) and
+    each block lie in the KV cache (``DeviceError``). Checked only for the chunks a store copies."""
+    first = chunk * per_chunk
+    if len(row) < first + per_chunk:
+        raise ValueError(
+            f"block_table[{group_index}] has {len(row)} blocks; chunk {chunk} needs blocks "
+            f"{first}..{first + per_chunk - 1}"
+        )
+    blocks = [int(b) for b in row[first : first + per_chunk] if b is not None]
+    if len(blocks) != per_chunk:  # check_store_arguments refused these; kept for a direct caller
+        raise ValueError(f"block_table[{group_index}] has no device block for a block of chunk {chunk}")
+    check_device_blocks(group_index, blocks, limit)
+    return blocks
+
+
+def check_load_blocks(group_index: int, row: Sequence[Optional[int]], logical: Sequence[Optional[int]], limit: int,
+                      seen: dict) -> List[Optional[int]]:
+    """The device block of each logical block one chunk of a load restores (``None`` where it
+    restores none): a restored block without a device block (missing, ``None`` or negative) is a
+    ``ValueError``, one past the KV cache's ``limit`` blocks a ``DeviceError``, one given twice
+    (``seen``, as for ``check_load_targets``) a ``ValueError``."""
+    targets: List[Optional[int]] = []
+    for block in logical:
+        if block is None:
+            targets.append(None)
+            continue
+        device_block = row[block] if block < len(row) else None
+        if device_block is None or device_block < 0:
+            raise ValueError(f"block_table[{group_index}] has no device block for logical block {block}")
+        targets.append(int(device_block))
+    for block in targets:  # none is negative: the loop above refused those
+        if block is not None and block >= limit:
+            raise _out_of_range(group_index, block, limit)
+    check_load_targets(group_index, targets, seen, logical)
+    return targets
 
 
 def check_load_targets(group_index: int, targets: Sequence[Optional[int]], seen: dict, logical: Sequence[Optional[int]]) -> None:
@@ -254,6 +310,20 @@ def check_timeout(name: str, value: Any) -> Optional[float]:
     seconds = float(value)
     if not 0.0 < seconds < math.inf:
         raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return seconds
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def check_prefetch_policy(policy: Any, timeout_s: Any) -> Optional[float]:
+    """``prefetch``'s ``policy`` (one of ``PREFETCH_POLICIES``) and ``timeout_s`` (as for
+    ``check_timeout``; ``policy="timeout"`` needs one). Returns the timeout in seconds."""
+    if not isinstance(policy, str) or policy not in PREFETCH_POLICIES:
+        raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
+    seconds = check_timeout("timeout_s", timeout_s)
+    if policy == "timeout" and seconds is None:
+        raise ValueError(f"policy 'timeout' needs a positive timeout_s, got {seconds!r}")
     return seconds
 
 

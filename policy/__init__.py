@@ -13,18 +13,6 @@ from .coverage import (
     sliding_window_size_in_chunks,
     store_spec,
 )
-from kvtier.errors import (  # re-exported: kvtier.policy's names since 0.1
-    ClosedError,
-    CorruptRecordError,
-    DeviceError,
-    ForkedProcessError,
-    KvtierError,
-    KvtierWarning,
-    TierFullError,
-    TierIOError,
-    TierTimeoutError,
-    UnsafeDirectoryError,
-)
 from .geometry import AttentionGroup, ModelLayout, cdiv
 from .hit import ChunkState, longest_hit
 from .keys import KEY_BYTES, KEY_FORMAT_VERSION, KeyChain, chunk_keys, layout_fingerprint
@@ -47,14 +35,4 @@ __all__ = [
     "layout_fingerprint",
     "KEY_BYTES",
     "cdiv",
-    "KvtierError",
-    "KvtierWarning",
-    "ClosedError",
-    "TierIOError",
-    "TierFullError",
-    "TierTimeoutError",
-    "CorruptRecordError",
-    "DeviceError",
-    "UnsafeDirectoryError",
-    "ForkedProcessError",
 ]

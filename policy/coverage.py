@@ -81,10 +81,11 @@ def sliding_window_size_in_chunks(group: AttentionGroup) -> Optional[int]:
     chunk; against the exact interval it over-asks by one chunk only when ``R = 0`` and
     ``W = 1 (mod T)``.
     """
-    if group.sliding_window is None:
+    window, span = group.sliding_window, group.retained_span
+    if window is None or span is None:  # both None exactly for full attention
         return None
     tokens_per_chunk = group.tokens_per_chunk
-    return max(cdiv(group.sliding_window, tokens_per_chunk), cdiv(group.retained_span, tokens_per_chunk))
+    return max(cdiv(window, tokens_per_chunk), cdiv(span, tokens_per_chunk))
 
 
 def load_window_size_in_chunks(group: AttentionGroup, num_tokens: int) -> Optional[int]:
@@ -96,11 +97,12 @@ def load_window_size_in_chunks(group: AttentionGroup, num_tokens: int) -> Option
     """
     _require_tokens("num_tokens", num_tokens)
     window = sliding_window_size_in_chunks(group)
-    if window is None:
+    span = group.retained_span
+    if window is None or span is None:
         return None
     tokens_per_chunk = group.tokens_per_chunk
     rho = (-num_tokens) % tokens_per_chunk
-    return max(window, cdiv(group.retained_span + rho, tokens_per_chunk))
+    return max(window, cdiv(span + rho, tokens_per_chunk))
 
 
 def store_spec(group: AttentionGroup) -> AttentionGroup:

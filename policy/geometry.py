@@ -87,7 +87,7 @@ class AttentionGroup:
         return self.block_size if self.is_eagle else 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ModelLayout:
     """The KV-cache groups of one model, in the serving process's group order.
 
@@ -99,11 +99,16 @@ class ModelLayout:
     """
 
     groups: Tuple[AttentionGroup, ...]
-    alignment_tokens: Optional[int] = None
-    hit_granularity_tokens: Optional[int] = None
+    # Typed as what they hold once built; the constructor below takes None for "derive it".
+    alignment_tokens: int
+    hit_granularity_tokens: int
 
-    def __post_init__(self) -> None:
-        groups = self.groups
+    def __init__(
+        self,
+        groups: Sequence[AttentionGroup],
+        alignment_tokens: Optional[int] = None,
+        hit_granularity_tokens: Optional[int] = None,
+    ) -> None:
         if isinstance(groups, (AttentionGroup, str, bytes)) or not isinstance(groups, Sequence):
             raise ValueError(f"groups must be a sequence of AttentionGroup, got {groups!r}")
         groups = tuple(groups)
@@ -114,21 +119,22 @@ class ModelLayout:
                 raise ValueError(f"groups[{index}] must be an AttentionGroup, got {group!r}")
         object.__setattr__(self, "groups", groups)
 
-        explicit_alignment = self.alignment_tokens is not None
-        explicit_granularity = self.hit_granularity_tokens is not None
-        if self.alignment_tokens is None:
+        explicit_alignment = alignment_tokens is not None
+        explicit_granularity = hit_granularity_tokens is not None
+        if alignment_tokens is None:
             full_chunk_sizes = {g.tokens_per_chunk for g in groups if not g.is_sliding}
             if len(full_chunk_sizes) == 1:
-                alignment = full_chunk_sizes.pop()
+                alignment_tokens = full_chunk_sizes.pop()
             else:
-                alignment = max(g.tokens_per_chunk for g in groups)
-            object.__setattr__(self, "alignment_tokens", alignment)
+                alignment_tokens = max(g.tokens_per_chunk for g in groups)
         else:
-            _require_int("alignment_tokens", self.alignment_tokens, 1)
-        if self.hit_granularity_tokens is None:
-            object.__setattr__(self, "hit_granularity_tokens", min(g.block_size for g in groups))
+            _require_int("alignment_tokens", alignment_tokens, 1)
+        if hit_granularity_tokens is None:
+            hit_granularity_tokens = min(g.block_size for g in groups)
         else:
-            _require_int("hit_granularity_tokens", self.hit_granularity_tokens, 1)
+            _require_int("hit_granularity_tokens", hit_granularity_tokens, 1)
+        object.__setattr__(self, "alignment_tokens", alignment_tokens)
+        object.__setattr__(self, "hit_granularity_tokens", hit_granularity_tokens)
         if (explicit_alignment or explicit_granularity) and self.alignment_tokens % self.hit_granularity_tokens:
             # Producers store for boundaries at multiples of alignment_tokens, consumers ask for hits
             # at multiples of hit_granularity_tokens: a boundary that is no hit length is stored for

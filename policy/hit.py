@@ -57,13 +57,13 @@ def longest_hit(layout: ModelLayout, max_tokens: int, state: StateFn) -> Optiona
         # Every H > 0 needs chunk 0 of each group that keeps its whole prefix (full attention). One
         # read settles a prompt that shares nothing (the common miss) without walking every chunk,
         # and spares the caller the keys of the rest of the prompt.
-        first_states = {}
+        first_states: Dict[int, ChunkState] = {}
         for gi, group in enumerate(groups):
             if group.retained_span is None:
-                first = state(gi, 0)
-                if first is ChunkState.MISSING:
+                first_state = state(gi, 0)
+                if first_state is ChunkState.MISSING:
                     return 0
-                first_states[gi] = first
+                first_states[gi] = first_state
         if first_states:
             state = _remembering(state, first_states)
     # Per group: chunks [known_lo, known_hi] are known acceptable (empty when known_lo > known_hi);

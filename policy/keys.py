@@ -49,6 +49,7 @@ __all__ = [
     "TokenIds",
     "Fingerprint",
     "Salt",
+    "salted_hasher",
 ]
 
 KEY_BYTES = 32
@@ -88,6 +89,13 @@ def _hasher_factory(salt: Salt) -> Callable[..., blake3]:
     return lambda data=b"": blake3(data, key=key)
 
 
+def salted_hasher(salt: Salt) -> Callable[..., blake3]:
+    """The BLAKE3 constructor chunk keys are hashed with: plain without a tenant salt, keyed (key
+    derived from the salt) with one. Front ends that key other names (SGLang's page hashes) use it
+    so a tenant salt separates their keys the same way."""
+    return _hasher_factory(salt)
+
+
 def _uint32_code() -> str:
     for code in ("I", "L"):
         if array(code).itemsize == _TOKEN_BYTES:
@@ -116,7 +124,7 @@ def _bad_token_error(token_ids: Iterable[object]) -> ValueError:
 def _token_array(token_ids: TokenIds) -> array:
     """Tokens as 4 little-endian bytes each; each must lie in ``[0, 2**32)`` (checked in C)."""
     if hasattr(token_ids, "tolist"):  # numpy arrays, torch tensors, array.array: unbox in C
-        token_ids = token_ids.tolist()  # type: ignore[union-attr]
+        token_ids = token_ids.tolist()
     elif iter(token_ids) is token_ids:  # a one-shot iterator: keep it for the error message
         token_ids = list(token_ids)
     try:

@@ -50,8 +50,7 @@ from .base import (
     TierStatistics,
     check_key,
 )
-from .codec_pool import wait_through_cancel
-from .owned_tasks import OwnedTasks
+from .owned_tasks import OwnedTasks, wait_through_cancel
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "read_with_sources", "tier_statistics_dict"]
 

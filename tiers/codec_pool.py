@@ -12,8 +12,6 @@ Primitives (shared by the disk tiers):
   thread that finished last (so a thread-side continuation -- the LMDB writer -- needs no loop).
 - ``wait_threads(future)``: await such a future from the loop under the buffer rule: a cancelled
   caller cancels the slices that have not started and waits for those running, then re-raises.
-- ``wait_through_cancel(awaitable)``: wait for a future even if the waiting task is cancelled
-  again meanwhile; tells the caller whether it was cancelled.
 """
 
 from __future__ import annotations
@@ -21,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["MIN_SLICE_BYTES", "plan_slices", "map_slices", "wait_threads", "wait_through_cancel"]
+from .owned_tasks import wait_through_cancel
+
+__all__ = ["MIN_SLICE_BYTES", "plan_slices", "map_slices", "wait_threads"]
 
 # The smallest slice worth a hop of its own: below it the ~100 us hop costs more than a second core
 # saves (measured on the LMDB put path: a 1 MiB batch of 64 KiB chunks).
@@ -134,21 +134,3 @@ async def wait_threads(future: "concurrent.futures.Future[Any]", *, abandon_unst
                 part.cancel()
         await wait_through_cancel(wrapped)
         raise
-
-
-async def wait_through_cancel(awaitable: "Awaitable[Any]") -> bool:
-    """Wait until ``awaitable`` (a future or task) is done, even if the waiting task is cancelled
-    again meanwhile; its outcome is left to whoever else awaits it. Returns True if the waiter was
-    cancelled while waiting (the caller should then re-raise ``CancelledError``)."""
-    fut = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            if fut.done():
-                break
-            cancelled = True
-        except BaseException:  # noqa: BLE001 - the outcome belongs to the future's owner
-            break
-    return cancelled

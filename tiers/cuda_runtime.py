@@ -32,7 +32,8 @@ _looked_up = False
 
 
 class CudaRuntime:
-    """Thin ctypes bindings of the few runtime calls kvtier needs (see the module docstring)."""
+    """Thin ctypes bindings of the few runtime calls kvtier needs (see the module docstring).
+    Any thread; ``get_last_error`` reports the calling thread's error only."""
 
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
         self.path = path

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import heapq
 from collections import OrderedDict
-from typing import Callable, Dict, Hashable, Iterator, List, Optional, Tuple, Type
+from typing import Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Tuple, Type
 
 __all__ = [
     "EvictionPolicy",
@@ -45,6 +45,9 @@ class EvictionPolicy(abc.ABC):
     ``key`` identifies the *content* (the owner's chunk id), not the slot: a slot is reused for
     other content right after eviction, so only a content key can tell that a chunk came back
     (ARC's ghost hits). Policies without history ignore it.
+
+    Threads: every policy (this class and its subclasses) is called from the host pool's thread,
+    the engine's event loop, only; none takes a lock.
     """
 
     name: str = "policy"
@@ -75,13 +78,17 @@ class EvictionPolicy(abc.ABC):
     def evictable_victims(self, n: int, is_evictable: IsEvictable) -> Optional[List[int]]:
         """Choose and forget ``n`` victims in policy order; ``None`` (no change) if fewer exist."""
 
-    @abc.abstractmethod
+    # The tracked (occupied) slots as the keys of one of the policy's own maps, set by each
+    # policy's constructor, so the size and membership below have one definition.
+    _tracked: Mapping[int, object]
+
     def __len__(self) -> int:
         """Number of tracked (occupied) slots."""
+        return len(self._tracked)
 
-    @abc.abstractmethod
     def __contains__(self, slot: object) -> bool:
         """Whether ``slot`` is tracked."""
+        return slot in self._tracked
 
 
 def _check_count(n: int) -> None:
@@ -99,6 +106,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         # Oldest first; the value is unused (OrderedDict is the O(1) move-to-end list).
         self._order: "OrderedDict[int, None]" = OrderedDict()
+        self._tracked = self._order
 
     def insert(self, slot: int, key: Optional[Hashable] = None, speculative: bool = False) -> None:
         if slot in self._order:
@@ -126,12 +134,6 @@ class LRUPolicy(EvictionPolicy):
         for slot in victims:
             del self._order[slot]
         return victims
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, slot: object) -> bool:
-        return slot in self._order
 
     def order(self) -> List[int]:
         """Tracked slots, coldest first (for tests and self-checks)."""
@@ -163,6 +165,7 @@ class ARCPolicy(EvictionPolicy):
         self._b1: "OrderedDict[Hashable, None]" = OrderedDict()
         self._b2: "OrderedDict[Hashable, None]" = OrderedDict()
         self._keys: Dict[int, Optional[Hashable]] = {}
+        self._tracked = self._keys
         # Target size of T1, in slots; a float because the ARC step |B2|/|B1| is fractional.
         self._p = 0.0
 
@@ -246,12 +249,6 @@ class ARCPolicy(EvictionPolicy):
         while len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * self.capacity:
             (self._b2 or self._b1).popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, slot: object) -> bool:
-        return slot in self._keys
-
     def lists(self) -> Dict[str, list]:
         """Snapshot of T1, T2 (slots) and B1, B2 (keys), coldest first (tests, self-checks)."""
         return {
@@ -298,6 +295,7 @@ class LFUDAPolicy(EvictionPolicy):
         self._heap: List[Tuple[float, int, int]] = []  # (priority, sequence, slot); stale ones skipped
         self._entry: Dict[int, Tuple[float, int, int]] = {}  # slot -> live (priority, sequence, count)
         self._keys: Dict[int, Optional[Hashable]] = {}
+        self._tracked = self._entry
         self._counts: Dict[Hashable, int] = {}
         self._age = 0.0  # L: the priority of the last victim
         self._sequence = 0
@@ -375,12 +373,6 @@ class LFUDAPolicy(EvictionPolicy):
             del self._keys[slot]
         self._age = max(self._age, victims[-1][0])
         return [slot for _, _, slot in victims]
-
-    def __len__(self) -> int:
-        return len(self._entry)
-
-    def __contains__(self, slot: object) -> bool:
-        return slot in self._entry
 
     def order(self) -> List[int]:
         """Tracked slots, first victim first (for tests and self-checks)."""

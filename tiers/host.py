@@ -28,7 +28,7 @@ import torch
 
 from kvtier.errors import ClosedError, SlotStateError
 
-from .device import _PAGE_BYTES, DeviceBackend
+from .device_backend import PAGE_BYTES as _PAGE_BYTES, DeviceBackend
 from .eviction import EvictionPolicy, make_eviction_policy
 
 __all__ = ["HostSlabPool", "Allocation", "SlotStateError", "pools_for_budget", "slot_stride", "PAGE_ALIGNED_SLOT_MIN_BYTES"]
@@ -334,7 +334,7 @@ class HostSlabPool:
 
     def buffer(self, slot: int) -> memoryview:
         """The slot's bytes as a writable ``memoryview`` (no copy), for tiers that take buffers."""
-        return memoryview(self.view(slot).numpy())
+        return self.view(slot).numpy().data
 
     # -- lifecycle and introspection -----------------------------------------------------------
 

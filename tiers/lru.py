@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Container, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 __all__ = ["ByteLru", "ByteLfuda", "make_byte_index", "BYTE_INDEX_NAMES"]
 
 
 class ByteLru:
     """Stored sizes in least-recently-used order. ``choose_victims`` picks what to drop for room;
-    ``reconcile`` compares the index with what a tier finds in storage."""
+    ``reconcile`` compares the index with what a tier finds in storage. One thread only: the
+    owning tier's (module docstring)."""
 
     __slots__ = ("_sizes", "_total")
 
@@ -112,14 +113,15 @@ class ByteLfuda(ByteLru):
     count, its priority is ``L + count`` (``L``: the priority of the last record dropped), the
     lowest goes first, equal ones least recently used first. Counts outlive the records (a chunk
     written again keeps its history), halved every ``history`` accesses (zeros dropped) so at most
-    about that many keys are remembered. A size change by ``put`` is an access like any other."""
+    about that many keys are remembered. A size change by ``put`` is an access like any other.
+    One thread only, as ``ByteLru``."""
 
     __slots__ = ("_rank", "_heap", "_counts", "_age", "_sequence", "_samples", "_history")
 
     def __init__(self, entries: Iterable[Tuple[bytes, int]] = (), history: int = 1 << 20) -> None:
-        self._rank: Dict[Hashable, Tuple[float, int]] = {}
-        self._heap: List[Tuple[float, int, Hashable]] = []
-        self._counts: Dict[Hashable, int] = {}
+        self._rank: Dict[bytes, Tuple[float, int]] = {}
+        self._heap: List[Tuple[float, int, bytes]] = []
+        self._counts: Dict[bytes, int] = {}
         self._age = 0.0
         self._sequence = 0
         self._samples = 0
@@ -130,10 +132,10 @@ class ByteLfuda(ByteLru):
     def age(self) -> float:
         return self._age
 
-    def count(self, key: Hashable) -> int:
+    def count(self, key: bytes) -> int:
         return self._counts.get(key, 0)
 
-    def _access(self, key: Hashable) -> None:
+    def _access(self, key: bytes) -> None:
         count = self._counts.get(key, 0) + 1
         self._counts[key] = count
         self._samples += 1
@@ -153,18 +155,13 @@ class ByteLfuda(ByteLru):
         return iter(sorted(self._rank, key=self._rank.__getitem__))
 
     def put(self, key: bytes, size: int) -> None:
-        old = self._sizes.pop(key, None)
-        if old is not None:
-            self._total -= old
-        self._sizes[key] = size
-        self._total += size
+        super().put(key, size)
         self._access(key)
 
     def pop(self, key: bytes) -> Optional[int]:
         """Drop ``key`` (evicted or removed): ``L`` becomes its priority if that is higher."""
-        size = self._sizes.pop(key, None)
+        size = super().pop(key)
         if size is not None:
-            self._total -= size
             self._age = max(self._age, self._rank.pop(key)[0])
         return size
 
@@ -179,7 +176,7 @@ class ByteLfuda(ByteLru):
         if excess <= 0:
             return victims
         heap, rank, sizes = self._heap, self._rank, self._sizes
-        popped: List[Tuple[float, int, Hashable]] = []
+        popped: List[Tuple[float, int, bytes]] = []
         freed = 0
         try:
             while heap:

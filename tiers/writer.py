@@ -40,7 +40,8 @@ Done = Callable[[Any, Optional[BaseException]], None]
 @dataclass
 class Job:
     """A closure for the writer. ``group``, when set, runs a list of consecutive jobs with an equal
-    ``group`` and must call every job's ``done``; ``weight`` (bytes) bounds how much one group takes."""
+    ``group`` and must call every job's ``done``; ``weight`` (bytes) bounds how much one group takes.
+    Built on any thread; ``run`` runs on the writer thread only."""
 
     fn: Callable[[], Any]
     done: Done
@@ -87,7 +88,8 @@ _STOP = object()
 
 
 class WriterThread:
-    """One thread running ``Job`` closures in submission order."""
+    """One thread running ``Job`` closures in submission order. ``submit`` and ``stop`` from any
+    thread, ``submit_async`` from an event-loop thread, ``call`` from any thread but blocks it."""
 
     def __init__(self, name: str, *, max_group_jobs: int = 256, max_group_weight: int = 64 << 20) -> None:
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -173,7 +175,8 @@ class WriterThread:
 
 
 class SharedExclusiveLock:
-    """A readers-writer lock that prefers the exclusive side (so a remap is never starved)."""
+    """A readers-writer lock that prefers the exclusive side (so a remap is never starved). Any
+    thread may take either side; both block, so never on an event loop."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -190,10 +193,7 @@ class SharedExclusiveLock:
         try:
             yield
         finally:
-            with self._cond:
-                self._shared -= 1
-                if self._shared == 0:
-                    self._cond.notify_all()
+            self._release_shared()
 
     @contextlib.contextmanager
     def shared_nowait(self) -> Iterator[bool]:
@@ -209,10 +209,13 @@ class SharedExclusiveLock:
             yield held
         finally:
             if held:
-                with self._cond:
-                    self._shared -= 1
-                    if self._shared == 0:
-                        self._cond.notify_all()
+                self._release_shared()
+
+    def _release_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            if self._shared == 0:
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

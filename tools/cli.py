@@ -24,8 +24,8 @@ import threading
 from typing import List, Optional, Sequence
 
 from kvtier.errors import CorruptCacheError
-from kvtier.policy import KvtierError
-from kvtier.tools.argtypes import int_option
+from kvtier.errors import KvtierError
+from kvtier.tools._argtypes import int_option
 
 __all__ = ["main", "build_parser", "user_error_message"]
 
@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_demo(args) -> int:
     from tqdm import tqdm
 
-    from .demo import format_summary, run_demo
-    from .valkey import remote_server
+    from ._demo import format_summary, run_demo
+    from .testing.valkey import remote_server
 
     if not 1 <= args.producers <= MAX_DEMO_PRODUCERS:
         raise ValueError(f"--producers must be in [1, {MAX_DEMO_PRODUCERS}], got {args.producers}")
@@ -255,7 +255,7 @@ _extra_retained = int_option(0, MAX_EXTRA_RETAINED_TOKENS)  # --extra-retained-t
 
 
 def _cmd_warmup(args) -> int:
-    from .warmup import run_warmup, vllm_key_coverage, vllm_warm_from_model
+    from ._warmup import run_warmup, vllm_key_coverage, vllm_warm_from_model
 
     if args.key_scheme != "vllm":
         ignored = [name for name, value in (("--cache-salt", args.cache_salt), ("--vllm-layout", args.vllm_layout),
@@ -313,7 +313,7 @@ def _cmd_warmup(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from .maintenance import inspect_cache
+    from ._maintenance import inspect_cache
 
     report = inspect_cache(args.cache_dir)
     if args.json:
@@ -339,7 +339,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .maintenance import verify_cache
+    from ._maintenance import verify_cache
 
     try:
         report = verify_cache(args.cache_dir, quarantine=not args.no_quarantine)
@@ -362,7 +362,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_gc(args) -> int:
-    from .maintenance import gc_cache
+    from ._maintenance import gc_cache
 
     result = gc_cache(args.cache_dir, args.max_bytes)
     if args.json:

@@ -109,7 +109,7 @@ def _timed(fn: Callable[[], None], repeat: int) -> float:
 def _raw_bandwidth() -> Dict[str, float]:
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     nbytes = 256 * MiB
     backend = DeviceBackend("cuda")
@@ -153,7 +153,7 @@ def _view_of(chunk_bytes: int, num_layers: int = 32, per: int = 16, num_blocks: 
 def check_throughput() -> str:
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     if not _BANDWIDTH:
         _BANDWIDTH.update(_raw_bandwidth())
@@ -185,7 +185,7 @@ def check_throughput() -> str:
 def _race_setup(chunk_bytes: int = 1 * MiB):
     import torch
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     view, layers = _view_of(chunk_bytes, num_blocks=256)
     backend = DeviceBackend("cuda")
@@ -202,7 +202,12 @@ def _busy(stream, milliseconds: float = 50.0) -> None:
         torch.cuda._sleep(int(2e6 * milliseconds))
 
 
-def check_order_d2h() -> str:
+def _race_both_ways(host_fill, on_compute, copy, measure):
+    """One copy-ordering race, run "ordered" (the copy waits on the compute stream's event) and as
+    a "control" (it waits on an unrelated stream's, so the race shows): the first 16 blocks of every
+    layer hold 1 (the host buffer ``host_fill`` when given), the compute stream is kept busy and then
+    runs ``on_compute(layers)``, then ``copy(view, blocks, host, ready_event)`` is queued.
+    ``(outcomes, backend, host)``: ``outcomes[mode] = measure(host, what on_compute returned)``."""
     import torch
 
     view, layers, backend, host, compute = _race_setup()
@@ -211,14 +216,31 @@ def check_order_d2h() -> str:
     for mode in ("ordered", "control"):
         for layer in layers:
             layer[:16].view(torch.uint8).fill_(1)
+        if host_fill is not None:
+            host.fill_(host_fill)
         torch.cuda.synchronize()
         _busy(compute)
         with torch.cuda.stream(compute):
-            for layer in layers:
-                layer[:16].view(torch.uint8).fill_(7)  # the forward pass writing the KV
+            seen = on_compute(layers)
         ready = backend.ready_event(compute) if mode == "ordered" else backend.ready_event(torch.cuda.Stream())
+        copy(view, blocks, host, ready)
+        outcomes[mode] = measure(host, seen)
+    return outcomes, backend, host
+
+
+def check_order_d2h() -> str:
+    import torch
+
+    def forward_writes(layers):
+        for layer in layers:
+            layer[:16].view(torch.uint8).fill_(7)  # the forward pass writing the KV
+
+    def store(view, blocks, host, ready):
         view.gather_many_groups([(0, blocks, host)], ready_event=ready)
-        outcomes[mode] = (int((host == 7).sum()), int((host == 1).sum()))
+
+    outcomes, backend, host = _race_both_ways(
+        None, forward_writes, store, lambda host, _: (int((host == 7).sum()), int((host == 1).sum()))
+    )
     _require(outcomes["ordered"][0] == host.numel(), f"ordered store read stale KV: {outcomes}")
     _require(outcomes["control"][1] > 0, f"control (unordered) saw no race, the check proves nothing: {outcomes}")
     backend.release_host_buffer(host)
@@ -228,21 +250,16 @@ def check_order_d2h() -> str:
 def check_order_h2d() -> str:
     import torch
 
-    view, layers, backend, host, compute = _race_setup()
-    blocks = list(range(16))
-    outcomes = {}
-    for mode in ("ordered", "control"):
-        for layer in layers:
-            layer[:16].view(torch.uint8).fill_(1)
-        host.fill_(9)
-        torch.cuda.synchronize()
-        _busy(compute)
-        with torch.cuda.stream(compute):
-            seen = [layer[:16].clone() for layer in layers]  # the forward pass still reading old KV
-        ready = backend.ready_event(compute) if mode == "ordered" else backend.ready_event(torch.cuda.Stream())
+    def forward_reads(layers):
+        return [layer[:16].clone() for layer in layers]  # the forward pass still reading old KV
+
+    def load(view, blocks, host, ready):
         view.scatter_many_groups([(0, host, blocks)], ready_event=ready)
         torch.cuda.synchronize()
-        outcomes[mode] = sum(int((s.view(torch.uint8) == 9).sum()) for s in seen)
+
+    outcomes, backend, host = _race_both_ways(
+        9, forward_reads, load, lambda host, seen: sum(int((s.view(torch.uint8) == 9).sum()) for s in seen)
+    )
     _require(outcomes["ordered"] == 0, f"ordered load overwrote blocks still being read: {outcomes}")
     _require(outcomes["control"] > 0, f"control (unordered) saw no race, the check proves nothing: {outcomes}")
     backend.release_host_buffer(host)
@@ -358,9 +375,9 @@ def check_own_streams() -> str:
 def check_register_error() -> str:
     import torch
 
-    from kvtier.policy import DeviceError
+    from kvtier.errors import DeviceError
     from kvtier.tiers.cuda_runtime import cuda_runtime
-    from kvtier.tiers.device import DeviceBackend, register_host_range
+    from kvtier.tiers.device_backend import DeviceBackend, register_host_range
 
     runtime = cuda_runtime()
     _require(runtime is not None, "libcudart not found in this process")
@@ -387,7 +404,7 @@ def check_register_error() -> str:
 
 
 def check_register_4gib() -> str:
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     backend = DeviceBackend("cuda")
     started = time.perf_counter()
@@ -404,7 +421,7 @@ def check_nvml() -> str:
 
     import pynvml
 
-    from kvtier.tiers.device import DeviceBackend
+    from kvtier.tiers.device_backend import DeviceBackend
 
     backend = DeviceBackend("cuda")
     uuid = backend.device_uuid()
@@ -462,7 +479,7 @@ def check_engine(cache_dir: Path) -> str:
 
     async def run() -> Tuple[int, bool]:
         async with OffloadEngine(layout, DeviceKVView(layout, caches), config, fingerprint=b"gpu-check") as engine:
-            pinned = all(pool.pinned for pool in engine._pools)
+            pinned = all(pool.pinned for pool in engine.host.pools)
             scenario = OffloadScenario(engine)
             prompt = scenario.tokens(33)
             await scenario.produce(prompt, expect_stored={0: {0, 1}, 1: {1, 2, 3, 5, 6, 7}})

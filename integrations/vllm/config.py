@@ -11,15 +11,20 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
+from kvtier.engine.config import StoreConfig
 from kvtier.errors import KvtierError
-from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, check_live_fraction
-from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
-from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
+from kvtier.tiers.lmdb.compaction import check_live_fraction
+from kvtier.tiers.lmdb.segments import check_segment_threshold
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
 
 __all__ = ["VllmTierConfig", "VllmTierConfigError"]
+
+
+def compression_settings(compression: int) -> Dict[str, Any]:
+    """The store's codec settings of a ``compression`` key: 0 is raw records, else the zstd level."""
+    return dict(compression_level=compression or _STORE.compression_level, compression_enabled=compression != 0)
 
 
 class VllmTierConfigError(KvtierError, ValueError):
@@ -28,6 +33,8 @@ class VllmTierConfigError(KvtierError, ValueError):
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# The store's defaults, the engine's: a key left out means what it means for an OffloadEngine.
+_STORE = StoreConfig()
 
 
 @dataclass(frozen=True)
@@ -57,26 +64,31 @@ class VllmTierConfig:
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
     ``CorruptCacheError``, and leaves the directory alone). ``eviction_policy``: the LMDB tier's
     capacity eviction, as ``EngineConfig``'s (``lfuda`` or ``lru``).
+
+    The store's keys default to ``StoreConfig``'s (the engine's) defaults, and ``store_config``
+    turns them into the ``StoreConfig`` the tier opens its ``DiskStore`` with; every store setting
+    this dict has no key for is the engine's default too.
     """
 
     cache_dir: str
-    disk_capacity_bytes: Optional[int] = None
-    compression: int = 1
-    remote_url: Optional[str] = None
+    disk_capacity_bytes: Optional[int] = _STORE.disk_capacity_bytes
+    compression: int = _STORE.compression_level
+    remote_url: Optional[str] = _STORE.remote_url
+    # Not the engine's "default": a vLLM fleet's records stay apart from embedders' on one server.
     remote_namespace: str = "vllm"
     weights_version: str = ""
     hash_algorithm: Optional[str] = None
     max_inflight_jobs: int = 1024
-    read_workers: int = DEFAULT_READ_WORKERS
+    read_workers: int = _STORE.read_workers
     op_timeout_s: float = 30.0
     enable_kv_events: bool = False
     locality: Optional[str] = None
-    lmdb_segment_threshold_bytes: Optional[int] = DEFAULT_SEGMENT_THRESHOLD_BYTES
-    lmdb_segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION
-    lmdb_verify_on_open: bool = True
-    quarantine_corrupt_cache_dir: bool = True
-    eviction_policy: str = "lru"
-    read_only: bool = False
+    lmdb_segment_threshold_bytes: Optional[int] = _STORE.lmdb_segment_threshold_bytes
+    lmdb_segment_compaction_live_fraction: float = _STORE.lmdb_segment_compaction_live_fraction
+    lmdb_verify_on_open: bool = _STORE.lmdb_verify_on_open
+    quarantine_corrupt_cache_dir: bool = _STORE.quarantine_corrupt_cache_dir
+    eviction_policy: str = _STORE.eviction_policy
+    read_only: bool = _STORE.read_only
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> VllmTierConfigError:
@@ -119,6 +131,29 @@ class VllmTierConfig:
             raise bad("eviction_policy", f"one of {', '.join(BYTE_INDEX_NAMES)}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
             raise bad("locality", "LOCAL, REMOTE or null")
+        try:
+            self.store_config()  # what the keys above do not say alone (the remote URL's form)
+        except ValueError as exc:
+            raise VllmTierConfigError(f"KvtierTier {exc}") from None
+
+    def store_config(self, read_only: Optional[bool] = None) -> StoreConfig:
+        """The store's settings these keys give (``read_only`` overrides the key: the tier also
+        chooses it for a ``cache_dir`` it cannot write). ``compression`` 0 is raw records, else
+        the zstd level; every other store setting keeps ``StoreConfig``'s default."""
+        return StoreConfig(
+            cache_dir=self.cache_dir,
+            disk_capacity_bytes=self.disk_capacity_bytes,
+            **compression_settings(self.compression),
+            remote_url=self.remote_url,
+            remote_namespace=self.remote_namespace,
+            read_workers=self.read_workers,
+            lmdb_segment_threshold_bytes=self.lmdb_segment_threshold_bytes,
+            lmdb_segment_compaction_live_fraction=self.lmdb_segment_compaction_live_fraction,
+            lmdb_verify_on_open=self.lmdb_verify_on_open,
+            quarantine_corrupt_cache_dir=self.quarantine_corrupt_cache_dir,
+            eviction_policy=self.eviction_policy,
+            read_only=self.read_only if read_only is None else read_only,
+        )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "VllmTierConfig":

@@ -4,7 +4,9 @@ vLLM calls a secondary tier from its scheduler thread (and sometimes its tier-po
 the tiering manager's lock, and every call must return at once. kvtier's tiers are asyncio: they
 live on this loop; the scheduler side only *posts* work (``post``: one ``call_soon_threadsafe``,
 a few microseconds, never waits) and reads completions from a queue. ``run`` blocks and is used
-only at construction and shutdown, never from a scheduler step.
+only at construction and shutdown, never from a scheduler step. The tasks ``post`` starts are
+owned (``OwnedTasks``): the loop keeps a reference to each until it ends (asyncio itself keeps only
+a weak one, so an unowned task can vanish mid-flight), and ``idle`` waits for all of them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import concurrent.futures
 import logging
 import threading
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+
+from kvtier.tiers.owned_tasks import OwnedTasks
 
 __all__ = ["LoopThread"]
 
@@ -27,6 +31,7 @@ class LoopThread:
 
     def __init__(self, name: str = "kvtier-vllm-loop") -> None:
         self.loop = asyncio.new_event_loop()
+        self._tasks = OwnedTasks(on_error=self._task_failed)  # touched on the loop thread only
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -53,12 +58,18 @@ class LoopThread:
             raise TimeoutError(f"kvtier loop did not finish within {timeout_s} s") from None
 
     def post(self, make: Callable[[], Awaitable[Any]]) -> None:
-        """Start ``make()`` as a task on the loop without waiting; its errors must be handled inside."""
+        """Start ``make()`` as a task the loop owns, without waiting; any thread. Its errors belong
+        inside it: one that escapes is logged."""
+        self.loop.call_soon_threadsafe(lambda: self._tasks.spawn(make()))
 
-        def start() -> None:
-            self.loop.create_task(make())  # type: ignore[arg-type]
+    async def idle(self) -> None:
+        """On the loop: return once no posted task is left (tasks posted meanwhile included).
+        Cancelling it stops only this wait."""
+        await self._tasks.wait_all()
 
-        self.loop.call_soon_threadsafe(start)
+    @staticmethod
+    def _task_failed(exc: BaseException) -> None:
+        logger.error("kvtier: a task on the vLLM tier's loop failed: %r", exc, exc_info=exc)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop without waiting (a plain call, not a task); nothing once

@@ -1,7 +1,7 @@
 """Offline warmup from a transformers model: vLLM's CPU primary rows built from the model's own K/V.
 
 ``warm_from_kv`` takes a ``capture`` callable that runs a local causal LM over one prompt (the
-``kvtier warmup`` hook passes ``tools.hf_model.capture_kv``: every layer's post-RoPE K/V, what an
+``kvtier warmup`` hook passes ``kvtier.integrations.transformers.capture_kv``: every layer's post-RoPE K/V, what an
 attention kernel caches; imports flow tools -> integrations, so the model is loaded there) and writes, under the keys a vLLM server
 with ``KvtierTier`` computes (``warmup.vllm_chunk_keys``: vLLM's hasher, NONE_HASH, cache_salt),
 records byte-identical to the ones that server's tier would write: one primary row per chunk,
@@ -197,7 +197,7 @@ def warm_from_kv(capture: Callable[[List[int]], Sequence[Tuple[torch.Tensor, tor
     chunk it would have stored for ``prompts``. ``capture(prompt)``: per model layer ``(K, V)``,
     each ``[num_kv_heads, len(prompt), head_dim]``; ``layer_shapes`` / ``layer_types`` /
     ``sliding_window``: the model's per-layer KV shape and attention type
-    (``tools.hf_model.layer_kv_shapes`` / ``layer_types_from_config``). ``retention_interval``: the
+    (``integrations.transformers.layer_kv_shapes`` / ``layer_types_from_config``). ``retention_interval``: the
     server's ``prefix_cache_retention_interval``; ``compression``: its ``KvtierTier`` compression."""
     rows = VllmRowLayout.build(layout, layer_shapes, kv_cache_layout)
     store_layout = _store_layout(layout, layer_types, sliding_window, extra_retained_tokens)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvtier.engine.config import StoreConfig
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record_format import CodecConfig
 
+from .config import compression_settings
 from .keys import VllmLayout
 
 __all__ = ["ROW_DTYPE", "record_meta", "codec_for"]
@@ -31,6 +33,6 @@ def record_meta(layout: VllmLayout, group_id: int, end_token: Optional[int], row
 
 
 def codec_for(compression: int) -> CodecConfig:
-    """The record codec of the tier's ``compression`` setting (0: raw records, else the zstd level),
-    shared by the tier and the offline warmup so both write what the other reads."""
-    return CodecConfig(compress=False) if compression == 0 else CodecConfig(level=compression)
+    """The record codec of the tier's ``compression`` setting (0: raw records, else the zstd level):
+    the codec of the tier's store settings, so the offline warmup writes what the tier reads."""
+    return StoreConfig(**compression_settings(compression)).codec_config()

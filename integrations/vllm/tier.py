@@ -14,19 +14,25 @@ Threads:
   (one keyed BLAKE3 per key) and never waits for I/O or for the loop.
 - kvtier's loop thread (``LoopThread``): the tiers' async methods; puts and gets end by putting
   one completion record on the queue. The tiers' own threads (LMDB writer, read pool) do the I/O.
-- blocking (never from a scheduler step): the constructor (opens the tiers, lists their keys),
-  ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit).
+- blocking (never from a scheduler step): the constructor (opens the store, lists its keys),
+  ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit), ``settle`` (tools, tests).
 
 Keys: vLLM builds this tier before it seeds NONE_HASH, so the key scheme (hash algorithm and
 NONE_HASH, read from vLLM) is bound at the first lookup or submit (``_bound_layout``), which also
 leaves the layout file; before that, lookups miss.
 
+Store: the tier stands on a ``DiskStore`` (``kvtier.engine.store``) as the engine does: the same
+verified open, damaged directory moved aside, remote chain, removal subscription and ordered
+``DiskIndex``, from the ``StoreConfig`` its keys give (``VllmTierConfig.store_config``).
+
 Index: the kvtier keys readable now = keys listed at start + stores that completed - records
-the disk tier removed (eviction, quarantine) - loads that missed. ``lookup`` answers RETRY while a
-store of the key is in flight, HIT only for an indexed key, MISS otherwise or when the tier is
-closed. A record can still vanish between the HIT and the load (eviction, corruption): the load
-then reports the key failed, vLLM recomputes it, and the key leaves the index; no byte of a failed
-key is ever reported loaded.
+the disk tier removed (eviction, quarantine) - loads that missed, ordered by the tier's mutation
+sequence (a removal reported after a newer record of the key landed does not take it out). The
+loop thread changes it; the caller's thread only reads it (``in``, ``len``). ``lookup`` answers
+RETRY while a store of the key is in flight, HIT only for an indexed key, MISS otherwise or when
+the tier is closed. A record can still vanish between the HIT and the load (eviction,
+corruption): the load then reports the key failed, vLLM recomputes it, and the key leaves the
+index; no byte of a failed key is ever reported loaded.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 from typing_extensions import override
 
@@ -57,16 +63,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogramMetadata, OffloadingMetricMetadata
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier.engine.store import DiskStore
 from kvtier.errors import KvtierError
-from kvtier.tiers.base import ChunkMeta, ChunkTier, Removal
-from kvtier.tiers.chain import read_with_sources, tier_statistics_dict
-from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
-from kvtier.tiers.record_format import CodecConfig
+from kvtier.tiers.base import ChunkMeta, ChunkTier
+from kvtier.tiers.chain import read_with_sources
 
 from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
 from .keys import GroupLayout, VllmLayout, split_offload_key
 from .loop import LoopThread
-from .records import codec_for, record_meta
+from .records import record_meta
 
 __all__ = ["KvtierTier", "CacheDirInUseError", "layout_from_spec", "vllm_key_scheme"]
 
@@ -221,7 +226,6 @@ class KvtierTier(SecondaryTierManager):
         if note is not None:
             logger.warning(note)
 
-        self._index: set = set()
         self._storing: Counter = Counter()
         self._jobs: Dict[int, _Job] = {}
         # completions a lookup drained (to keep the index fresh), handed out by get_finished_jobs
@@ -245,18 +249,28 @@ class KvtierTier(SecondaryTierManager):
         if not self.read_only:  # before the open: a second writer never touches the directory
             self._take_writer_lock()
         self._loop = LoopThread()
+        store: Optional[DiskStore] = None
         try:
-            self.chunk_tier, self.disk_tier, listed = self._loop.run(self._open(), self.config.op_timeout_s)
+            store = self._loop.run(DiskStore.open(
+                self.config.store_config(read_only=self.read_only), fingerprint=self.layout.fingerprint,
+                max_raw_bytes=max(self._row_bytes, 1 << 20), on_removed=self._left_index,
+            ), self.config.op_timeout_s)
+            self.quarantined_cache_dir = store.quarantined_cache_dir
             if self._writer_lock is not None and self.quarantined_cache_dir is not None:
                 self._release_writer_lock()  # the lock file moved aside with the damaged directory
                 self._take_writer_lock()
         except BaseException:
-            if getattr(self, "chunk_tier", None) is not None:
-                self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
+            if store is not None:
+                self._loop.run(store.close(), self.config.op_timeout_s)
             self._release_writer_lock()
             self._loop.stop(self.config.op_timeout_s)
             raise
-        self._index.update(listed)
+        self.store = store
+        self._index = store.index  # changed on the loop thread only; read here with `in` and len()
+        # The tiers jobs read and write (the chain of LMDB and the remote, or LMDB alone), and LMDB:
+        # never None, a vLLM store always has its cache_dir.
+        self.chunk_tier = cast(ChunkTier, store.tier)
+        self.disk_tier = cast(ChunkTier, store.local_tier)
 
     # ------------------------------------------------------------------------------ construction
 
@@ -316,66 +330,10 @@ class KvtierTier(SecondaryTierManager):
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
 
-    async def _open(self) -> Tuple[ChunkTier, LmdbTier, List[bytes]]:
-        codec = codec_for(self.config.compression)
-        disk, aside = await open_replacing_damaged(
-            self.config.cache_dir,
-            lambda: LmdbTier.open(
-                self.config.cache_dir,
-                readonly=self.read_only,
-                capacity_bytes=self.config.disk_capacity_bytes,
-                segment_threshold_bytes=self.config.lmdb_segment_threshold_bytes,
-                segment_compaction_live_fraction=self.config.lmdb_segment_compaction_live_fraction,
-                eviction_policy=self.config.eviction_policy,
-                codec=codec,
-                read_workers=self.config.read_workers,
-                max_raw_bytes=max(self._row_bytes, 1 << 20),
-                verify_structure=self.config.lmdb_verify_on_open,
-            ),
-            quarantine=self.config.quarantine_corrupt_cache_dir and not self.read_only,
-        )
-        if aside is not None:
-            self.quarantined_cache_dir = str(aside)
-        tier: ChunkTier = disk
-        try:
-            if self.config.remote_url is not None:
-                tier = await self._chain_remote(disk, codec)
-            keys = await tier.list_keys()
-        except BaseException:
-            await disk.close()
-            raise
-        self._subscribe_removals(tier)
-        return tier, disk, keys
-
-    async def _chain_remote(self, disk: LmdbTier, codec: CodecConfig) -> ChunkTier:
-        """The seam for the fleet tier: LMDB first, the Valkey/Redis tier written through behind it."""
-        from kvtier.tiers.chain import ChainedTier
-        from kvtier.tiers.remote import RemoteTier
-
-        remote = await RemoteTier.open(
-            self.config.remote_url, namespace=self.config.remote_namespace,
-            fingerprint=self.layout.fingerprint, codec=codec, require_connection=False,
-        )
-        return ChainedTier([disk, remote])
-
-    def _subscribe_removals(self, tier: ChunkTier) -> None:
-        """Removals the tier reports (eviction, quarantine) are re-checked before they touch the
-        index: a quarantine can report a key after a newer, good record of it landed, and only
-        ``contains_many`` on the loop, after that report, says which is true now."""
-
-        def removed(items: Sequence[Removal]) -> None:
-            # A tier calls on the loop that subscribed, or on its own thread: hop to the loop either way.
-            keys = [bytes(item.key) for item in items]
-            self._loop.post(lambda: self._recheck(keys))
-
-        tier.subscribe_removals(removed)
-
-    async def _recheck(self, keys: List[bytes]) -> None:
-        try:
-            present = await self.chunk_tier.contains_many(keys)
-        except Exception:  # cannot tell: treat as gone (a lost hit, never a wrong one)
-            present = [False] * len(keys)
-        self._completions.put(("removed", [k for k, here in zip(keys, present) if not here]))
+    def _left_index(self, chunk_key: bytes) -> None:
+        """Loop thread: a key left the index (the disk removed its record, or a load found it
+        unreadable). Its removed event, if announced, follows the completions queued before it."""
+        self._completions.put(("removed", [chunk_key]))
 
     def _bound_layout(self, log_unknown: bool = True) -> Optional[VllmLayout]:
         """The layout with vLLM's key scheme, bound once, at the first call that needs a key (or
@@ -459,13 +417,10 @@ class KvtierTier(SecondaryTierManager):
                 self._apply(item)
                 done.append(item)
             else:
-                # a store in flight for one of these keys lands later and re-adds it
-                self._forget(item[1])
+                self._announce_removed(item[1])
 
-    def _forget(self, chunk_keys: Iterable[bytes]) -> None:
-        """Chunks that left this tier: out of the index, and a removed event for the announced."""
-        chunk_keys = list(chunk_keys)
-        self._index.difference_update(chunk_keys)
+    def _announce_removed(self, chunk_keys: Iterable[bytes]) -> None:
+        """Chunks that left the index: a removed event for those a stored event announced."""
         if self._events is None:
             return
         gone = [self._announced.pop(k) for k in chunk_keys if k in self._announced]
@@ -484,18 +439,14 @@ class KvtierTier(SecondaryTierManager):
         job = self._jobs.get(done.job_id)
         if job is None:
             return
-        if job.kind == "store":
+        if job.kind == "store":  # the loop indexed the keys a successful store wrote
             for key in job.written:
                 self._storing[key] -= 1
                 if self._storing[key] <= 0:
                     del self._storing[key]
-                    if done.success:
-                        self._index.add(key)
             if done.success:
                 self._announce(job)
-        else:
-            ok = done.ok_chunk_keys or frozenset()
-            self._forget(key for key in job.chunk_keys if key not in ok)
+        else:  # the loop took the keys that did not load out of the index
             self._count_hits(done)
 
     def _count_hits(self, done: _Done) -> None:
@@ -578,13 +529,17 @@ class KvtierTier(SecondaryTierManager):
     async def _store(self, job_id: int, items: List[Any]) -> None:
         start = time.monotonic()
         success = False
+        token = self._index.begin()  # a removal of these keys reported before the put returns wins
         try:
-            await self.chunk_tier.put_many(items)
+            sequence = await self.chunk_tier.put_many(items)
+            for key, _, _ in items:
+                self._index.add(key, token, sequence)
             success = True
         except Exception as exc:  # every failure, kvtier's or foreign: vLLM keeps its CPU copy
             self.counters["store_failures"] += 1
             logger.warning("kvtier store of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
         finally:
+            self._index.end(token)
             self._finish(_Done(job_id, success, None, len(items) * self._row_bytes, time.monotonic() - start))
 
     @override
@@ -628,6 +583,9 @@ class KvtierTier(SecondaryTierManager):
             self.counters["load_failures"] += 1
             logger.warning("kvtier load of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
         finally:
+            for chunk_key, _ in items:
+                if chunk_key not in ok:  # a store of it in flight lands later and indexes it again
+                    self._index.discard(chunk_key)
             by_tier = tuple((name, served[(name, "chunks")], served[(name, "tokens")],
                              served[(name, "chunks")] * self._row_bytes)
                             for name in TIER_NAMES if served[(name, "chunks")])
@@ -711,16 +669,27 @@ class KvtierTier(SecondaryTierManager):
         finally:
             self._closed = True
             try:
-                self._loop.run(self.chunk_tier.close(), self.config.op_timeout_s)
+                self._loop.run(self.store.close(), self.config.op_timeout_s)
             finally:
                 self._release_writer_lock()
                 self._loop.stop(self.config.op_timeout_s)
+
+    def settle(self) -> None:
+        """Block until the jobs submitted so far finished, their writes landed and the removals the
+        disk reported by then reached the index (between requests, as a server's idle moment:
+        tools and tests, never from a scheduler step)."""
+        self.drain_jobs()
+        self._loop.run(self._settled(), self.config.op_timeout_s)
+
+    async def _settled(self) -> None:
+        await self._loop.idle()
+        await self.store.settle()
 
     def statistics(self) -> Dict[str, float]:
         """This tier's counters plus the chunk tier's (records, bytes, corrupt, evictions, ...)."""
         stats = {f"vllm_{k}": float(v) for k, v in self.counters.items()}
         stats.update({f"vllm_{k}": float(v) for k, v in self.tier_hits.items()})
-        stats.update(tier_statistics_dict(self.chunk_tier))
+        stats.update(self.store.statistics())
         stats["indexed_chunks"] = float(len(self._index))
         return stats
 

@@ -1,6 +1,6 @@
 """Checks shared by the segment tests (test_lmdb_segments.py, test_lmdb_compaction.py): what the
 ``chunks`` pointers, the ``segments`` table and the files on disk say, and bitwise read-backs of
-``fault_child`` chunks. They read the tier's tables directly, on purpose."""
+``children`` chunks (the fault suite's). They read the tier's tables directly, on purpose."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Dict, List, Tuple
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.lmdb.segments import LIVE, SegmentPointer, is_pointer
-from kvtier.tools.testing.fault_child import chunk_content
+from kvtier.tools.testing.children import chunk_content
 
 Item = Tuple[bytes, ChunkMeta, memoryview]
 

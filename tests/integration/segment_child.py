@@ -19,7 +19,7 @@ from typing import Dict
 
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tools.testing.fault_child import chunk_content, make_batch
+from kvtier.tools.testing.children import chunk_content, make_batch
 
 
 async def _serve(path: str, kwargs: Dict[str, object]) -> None:

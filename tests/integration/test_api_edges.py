@@ -1,4 +1,4 @@
-"""The public API on bad input (issue 11): each mistake is a typed error naming the argument and the
+"""The public API on bad input: each mistake is a typed error naming the argument and the
 value, raised before anything is scheduled; integer-like values that are exact (numpy and torch
 integer scalars and arrays) work; settings that can never work are refused where they are known,
 and drops that follow from tight settings are logged (rate-limited) and counted."""
@@ -17,7 +17,8 @@ import torch
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.drop_log import DropLog
 from kvtier.errors import EngineUsageError
-from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.device import DeviceKVView
 from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device

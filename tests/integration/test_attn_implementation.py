@@ -15,8 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvtier.tools.hf_model import capture_kv, full_logits, layout_from_config, next_token_logits, tiny_hybrid_config  # noqa: E402
-from kvtier.tools.warmup import model_fingerprint  # noqa: E402
+from kvtier.integrations.transformers import capture_kv, full_logits, layout_from_config, next_token_logits, tiny_hybrid_config  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint  # noqa: E402
 
 PREFIX = 96
 # (dtype, bound on max |KV eager - KV sdpa| / max |KV|): float32 rounding; bfloat16 ~8 ulps (2^-7 each)

@@ -10,8 +10,8 @@ after the ack); the end-of-trial check holds the directory to the journals: noth
 lost unless a reported removal explains it by sequence, no read of bytes no put wrote (in any
 process, throughout), no lookup finding a key after its delete returned, no key present after its
 removal was reported, the writer's descriptors and the disk bytes held (deleted-but-open files from
-``/proc/<pid>/fd`` included) within stated bounds. This is what README's "Errors, exit codes and
-limits" promises about tools beside a live writer.
+``/proc/<pid>/fd`` included) within stated bounds. This is what docs/cli.md's "Errors, exit codes
+and limits" promises about tools beside a live writer.
 
 ``KVTIER_FAULT_SEED`` replays a run; ``tests/stress/test_cache_dir_stress.py`` runs longer trials.
 """
@@ -31,7 +31,7 @@ from kvtier.tiers.base import IOHook
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.cache_dir_child import read_journal
 from kvtier.tools.testing.cache_dir_trial import run_trial
-from kvtier.tools.testing.fault_child import make_batch
+from kvtier.tools.testing.children import make_batch
 
 SEED = int(os.environ.get("KVTIER_FAULT_SEED", "20240607"))
 ROUNDS = 12

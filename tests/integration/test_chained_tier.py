@@ -209,7 +209,7 @@ async def test_engine_config_builds_the_chain_and_starts_degraded_without_the_re
 async def test_primary_killed_during_write_behind_leaves_no_half_visible_request(tmp_path, valkey_factory):
     from kvtier.engine import OffloadEngine
     from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
-    from kvtier.tools.valkey import restart_node
+    from kvtier.tools.testing.valkey import restart_node
 
     cluster = valkey_factory.cluster(3)
     by_port = {n.port: i for i, n in enumerate(cluster.nodes)}

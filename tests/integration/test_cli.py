@@ -127,7 +127,7 @@ def test_verify_reports_missing_and_short_segments_and_inspect_counts_them(tmp_p
 
     from kvtier.tiers.lmdb import LmdbTier
     from kvtier.tiers.record_format import CodecConfig
-    from kvtier.tools.testing.fault_child import make_batch
+    from kvtier.tools.testing.children import make_batch
 
     cache = tmp_path / "c"
     batches = [make_batch(9, b, [200_000, 300_000]) for b in range(2)]

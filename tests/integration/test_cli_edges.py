@@ -1,4 +1,4 @@
-"""The `kvtier` command at its edges (issue 11): every user mistake and environment problem is one
+"""The `kvtier` command at its edges: every user mistake and environment problem is one
 line ``kvtier: error: ...`` naming the file or option, exit 2; an interrupted command exits 130; a
 closed stdout exits 141 without a word; a demo on a warm directory verifies; warmup fails when its
 chunks never reached the disk.
@@ -38,7 +38,7 @@ def inputs(tmp_path_factory):
     """A tiny saved model, a model directory whose weights are garbage, and prompt files."""
     import torch
 
-    from kvtier.tools.hf_model import tiny_hybrid_config
+    from kvtier.integrations.transformers import tiny_hybrid_config
 
     root = tmp_path_factory.mktemp("cli-edges")
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.tools.testing.pressure import FakeNvml, ScriptedSource
-from kvtier.policy import AttentionGroup, ClosedError, ModelLayout
+from kvtier.errors import ClosedError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.faults import FaultyTier
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
@@ -179,7 +180,7 @@ async def test_close_during_a_load_raises_closed_and_leaks_nothing(tmp_path):
     with pytest.raises(ClosedError, match="closed during the load"):
         await task
     engine.check()
-    for pool in engine._pools:
+    for pool in engine.host.pools:
         assert pool.statistics()["pinned_slots"] == 0
     with pytest.raises(ClosedError, match="closed"):
         engine.lookup(prompt)
@@ -385,7 +386,7 @@ async def test_close_during_a_store_rolls_it_back(tmp_path):
 
 @pytest.mark.asyncio
 async def test_out_of_range_device_blocks_are_a_typed_error_before_anything_runs(kvtier_engine_factory):
-    from kvtier.policy import DeviceError
+    from kvtier.errors import DeviceError
 
     engine = await kvtier_engine_factory(layout=LAYOUT)
     with pytest.raises(DeviceError, match="group 1: device block 999 is out of range"):

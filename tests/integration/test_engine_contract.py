@@ -1,5 +1,5 @@
-"""The engine keeps its promises on every path (issue 10): one plain regression test per defect
-found from the outside, and one per suspicion, settled.
+"""The engine keeps its promises on every path: one plain regression test per bug found from the
+outside, and one per suspicion, settled.
 
 Each test drives a real engine over a real LMDB tier (or FileTier), with a ``SeamTier`` in front of
 it where a test needs a tier call to fail with a foreign exception, to be held, or to stall.
@@ -108,7 +108,7 @@ async def cancel_soon(coro, *, ticks: int = 3):
     return task
 
 
-# ---------------------------------------------------------------------------------- defect 1
+# -------------------------------------------------------- a cancel cancels only its own wait
 
 
 @pytest.mark.asyncio
@@ -153,7 +153,7 @@ async def test_cancelling_close_lets_a_load_finish_into_its_own_blocks(tmp_path)
     r.scenario._check_bytes(r.engine.request_keys(prompt), table, {0: {0, 1}})
     await asyncio.wait_for(r.engine.close(), 5)  # the second close finishes
     assert r.engine.closed
-    assert all(p.closed for p in r.engine._pools)
+    assert all(p.closed for p in r.engine.host.pools)
     await r.seam.inner.close()
 
 
@@ -175,7 +175,7 @@ async def test_cancelling_a_load_never_lets_a_late_copy_write_into_reused_blocks
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 2
+# -------------------------------------------------------- any exception at a worker boundary
 
 
 @pytest.mark.asyncio
@@ -199,7 +199,7 @@ async def test_a_spill_failing_with_a_foreign_exception_is_not_durable(tmp_path,
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 3
+# -------------------------------------------------------------------- a tier's own evictions
 
 
 @pytest.mark.asyncio
@@ -215,13 +215,13 @@ async def test_file_tier_evictions_leave_the_engine_index(tmp_path):
     for prompt in prompts:
         keys = r.engine.request_keys(prompt + [1])
         hit = r.engine.lookup(keys)
-        if keys.keys[0][0] in r.engine._entries:
+        if keys.keys[0][0] in r.engine.host.entries:
             continue
         assert (hit == 16) == (keys.keys[0][0] in on_disk)
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 4
+# ------------------------------------------------------------ hits larger than the host pool
 
 
 @pytest.mark.asyncio
@@ -258,7 +258,7 @@ async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path
     engine = OffloadEngine(layout, device, config(tmp_path, host_capacity_bytes=1), fingerprint=FINGERPRINT,
                            disk_tier=seam, pressure_sources={"host_memory": ScriptedSource([0.0])})
     await engine.start()
-    assert engine._pools[0].num_slots == 4
+    assert engine.host.pools[0].num_slots == 4
     layer = device._groups[0].layers[0]
     prompt = list(range(131073))
     keys = engine.request_keys(prompt)
@@ -280,7 +280,7 @@ async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path
     await inner.close()
 
 
-# ---------------------------------------------------------------------------------- defect 5
+# ----------------------------------------------------------- index refresh and queued spills
 
 
 @pytest.mark.asyncio
@@ -296,18 +296,18 @@ async def test_refresh_does_not_drop_a_queued_spill(tmp_path):
     await handle.wait_released()  # queued behind the held batch
     # Another writer puts the same chunk meanwhile, and a refresh tells the engine.
     key = r.engine.request_keys(prompt).keys[0][0]
-    entry = r.engine._entries[key]
-    items = [(key, r.engine._chunk_meta(entry), memoryview(r.engine._pools[0].view(entry.slot).numpy()))]
+    entry = r.engine.host.entries[key]
+    items = [(key, r.engine.host.chunk_meta(entry), memoryview(r.engine.host.pools[0].view(entry.slot).numpy()))]
     await r.seam.inner.put_many(items)
     await r.engine.refresh_disk_index()
     hold.release()
     assert await asyncio.wait_for(handle.wait_durable(), 5) is True
     await r.engine.flush()
-    assert r.engine._pools[0].statistics()["evictable_slots"] == 2
+    assert r.engine.host.pools[0].statistics()["evictable_slots"] == 2
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 6
+# ----------------------------------------------------------------- durable only when on disk
 
 
 @pytest.mark.asyncio
@@ -344,7 +344,7 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 7
+# --------------------------------------------------- removals ordered by the tier's sequence
 
 
 @pytest.mark.asyncio
@@ -364,7 +364,7 @@ async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_p
     assert await inner.contains_many([key]) == [False]
     hold.release()
     await r.engine.flush()
-    assert r.engine.lookup(first + [1]) == (16 if key in r.engine._entries else 0)
+    assert r.engine.lookup(first + [1]) == (16 if key in r.engine.host.entries else 0)
     assert key not in r.engine.disk_index
     await r.close()
 
@@ -412,14 +412,14 @@ async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path
 
 def _raw_item(engine: OffloadEngine, key: bytes):
     """A record another writer puts straight into the tier (same layout and meta as the engine's)."""
-    nbytes = engine._chunk_nbytes[0]
-    dtype, shape = engine._metas[0]
+    nbytes = engine.host.chunk_nbytes[0]
+    dtype, shape = engine.host.metas[0]
     from kvtier.tiers.base import ChunkMeta
 
     return key, ChunkMeta(engine.fingerprint, 0, 0, dtype, shape), memoryview(bytearray(os.urandom(nbytes)))
 
 
-# ---------------------------------------------------------------------------------- defect 8, 9
+# ------------------------------------------------------------------ failed and stalled reads
 
 
 @pytest.mark.asyncio
@@ -464,13 +464,13 @@ async def test_a_timed_out_read_keeps_its_slots_until_the_tier_lets_go(tmp_path)
     # store's (whose host copies the load below checks bitwise).
     nbytes = make_cpu_device(FULL, num_blocks=128).chunk_nbytes(0)
     r = await rig(tmp_path, host_capacity_bytes=8 * nbytes, tier_timeout_s=0.2)
-    pool = r.engine._pools[0]
+    pool = r.engine.host.pools[0]
     prompt = r.scenario.tokens(17 * 4)
     await r.scenario.produce(prompt)
     for _ in range(2):  # eight other chunks push the prompt's host copies out
         await r.scenario.produce(r.scenario.tokens(17 * 4))
     keys = r.engine.request_keys(prompt).keys[0][:4]
-    assert not any(k in r.engine._entries for k in keys)
+    assert not any(k in r.engine.host.entries for k in keys)
     r.seam.stall("get_many_into")
     assert await r.engine.prefetch(prompt) == 4
     await asyncio.sleep(0.4)
@@ -482,12 +482,12 @@ async def test_a_timed_out_read_keeps_its_slots_until_the_tier_lets_go(tmp_path)
     r.seam.heal()
     await r.engine.flush()  # the late read reports; its result is discarded, its slots freed
     assert pool.statistics()["pinned_slots"] == 0
-    assert all(r.engine._entries[k].state.name == "READY" for k in r.engine.request_keys(later).keys[0][:4])
+    assert all(r.engine.host.entries[k].state.name == "READY" for k in r.engine.request_keys(later).keys[0][:4])
     await r.scenario.consume(later + [1], expect_hit=64)  # from the host copies, bitwise
     await r.close()
 
 
-# ---------------------------------------------------------------------------------- defect 10, 12
+# ---------------------------------------------------------- bounded events, exported metrics
 
 
 @pytest.mark.asyncio
@@ -531,17 +531,17 @@ async def test_a_failed_second_group_allocation_evicts_nothing_in_the_first(tmp_
     # with unspilled chunks. D then needs group-0 slots (one free, A's evictable) and group-1
     # slots (none): the store fails, and A's host copy must survive the attempt.
     r = await rig(tmp_path, HYBRID, host_capacity_bytes=1)
-    assert [p.num_slots for p in r.engine._pools] == [4, 4]
+    assert [p.num_slots for p in r.engine.host.pools] == [4, 4]
     a = r.scenario.tokens(16)
     await r.scenario.produce(a)
     r.seam.stall("put_many")
     await r.scenario.produce(r.scenario.tokens(16), wait_durable=False)
     await r.scenario.produce(r.scenario.tokens(16), wait_durable=False)
     a_key = r.engine.request_keys(a).keys[0][0]
-    assert a_key in r.engine._entries
+    assert a_key in r.engine.host.entries
     handle = r.engine.store(r.scenario.tokens(33), r.scenario.allocate(33))
     assert handle.drop_reason == "host_full"
-    assert a_key in r.engine._entries, "nothing may be evicted for an allocation that fails"
+    assert a_key in r.engine.host.entries, "nothing may be evicted for an allocation that fails"
     await r.close()
 
 
@@ -630,7 +630,7 @@ async def test_an_engine_called_from_another_event_loop_refuses_before_schedulin
     thread.start()
     thread.join(5)
     assert len(errors) == 1 and "event loop" in str(errors[0])
-    assert not r.engine._entries
+    assert not r.engine.host.entries
     await r.close()
 
 
@@ -738,7 +738,7 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     raw = CodecConfig(compress=False)
     nbytes = make_cpu_device(FULL, num_blocks=128).chunk_nbytes(0)
     probe = await rig(tmp_path / "probe")
-    dtype, shape = probe.engine._metas[0]
+    dtype, shape = probe.engine.host.metas[0]
     await probe.close()
     record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
     inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
@@ -754,6 +754,6 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     await r.engine.flush()
     keys = {name: set(r.engine.request_keys(p).keys[0][:4]) for name, p in (("hot", hot), ("a", a))}
     assert set(removed) == keys["a"]
-    assert not any(k in r.engine._entries for k in keys["hot"])
+    assert not any(k in r.engine.host.entries for k in keys["hot"])
     assert (await r.scenario.consume(hot + [1], expect_hit=64)).ok  # from the disk, bitwise
     await r.close()

@@ -10,7 +10,8 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.engine.pressure import nvml_device_headroom_source
-from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tools.testing.device import RecordingBackend, TokenEvent
 from kvtier.tools.testing.pressure import FakeNvmlLibrary
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
@@ -62,20 +63,20 @@ async def test_a_copy_failing_partway_frees_slots_and_blocks_only_after_the_queu
 
     def at_sync():
         engine = engine_ref[0]
-        seen.append(([pool.num_free for pool in engine._pools], engine._stores.inflight))
+        seen.append(([pool.num_free for pool in engine.host.pools], engine._stores.inflight))
 
     backend = RecordingBackend(fail_on_copy=3, on_sync=at_sync)
     device = make_cpu_device(LAYOUT, backend=backend)
     async with OffloadEngine(LAYOUT, device, config(), fingerprint=b"fail") as engine:
         engine_ref.append(engine)
-        free_before = [pool.num_free for pool in engine._pools]
+        free_before = [pool.num_free for pool in engine.host.pools]
         scenario = OffloadScenario(engine)
         prompt = scenario.tokens(33)
         record = await scenario.produce(prompt, wait_durable=False)
         # While the failed batch waited for copies 1-2, its six slots were still taken and its
         # chunks still in flight (their blocks fenced); only then did the engine let go.
         assert seen == [([free_before[0] - 2, free_before[1] - 4], 6)]
-        assert [pool.num_free for pool in engine._pools] == free_before
+        assert [pool.num_free for pool in engine.host.pools] == free_before
         assert engine._stores.inflight == 0 and record.stored == STORED  # scheduled, then dropped
         assert engine.lookup(prompt + [5]) == 0
 
@@ -84,8 +85,8 @@ async def test_a_copy_failing_partway_frees_slots_and_blocks_only_after_the_queu
 async def test_the_host_pool_follows_the_views_device():
     device = make_cpu_device(LAYOUT)
     async with OffloadEngine(LAYOUT, device, config(), fingerprint=b"kind") as engine:
-        assert [pool.device_kind for pool in engine._pools] == ["cpu", "cpu"]
-        assert not any(pool.pinned for pool in engine._pools)
+        assert [pool.device_kind for pool in engine.host.pools] == ["cpu", "cpu"]
+        assert not any(pool.pinned for pool in engine.host.pools)
     engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(device_kind="cuda"), fingerprint=b"kind")
     with pytest.raises(DeviceError, match=r"config.device_kind is 'cuda' but the KV tensors are on cpu; leave device_kind unset"):
         await engine.start()

@@ -1,4 +1,4 @@
-"""The stateful, model-based test of the engine (issue 10): ``kvtier.tools.engine_sim`` drives a
+"""The stateful, model-based test of the engine: ``kvtier.tools.engine_sim`` drives a
 real engine over a real LMDB tier (and a FileTier) with random interleavings of every public call,
 cancellations at random awaits, a second writer, capacity eviction and injected faults (kvtier's
 own errors and foreign ones, delays, stalls, failing device copies), checking the model after every

@@ -1,7 +1,7 @@
 """Fault suite, corruption: random byte flips across a copied cache directory (record payloads and
 headers, LMDB leaf, branch and meta pages, free pages), garbage and truncated data files.
 
-The flips run in a child process (``kvtier.tools.testing.fault_child corrupt-trials``), so that a crash --
+The flips run in a child process (``kvtier.tools.testing.corrupt_child corrupt-trials``), so that a crash --
 SIGSEGV, SIGBUS, an LMDB assertion's abort -- fails the test with the trial that caused it instead
 of killing pytest. Per trial: ``kvtier verify`` (library and command line) runs first, read-only;
 then a read-write tier reads every key. Every read returns the original bytes or a miss; the
@@ -28,10 +28,12 @@ from typing import List
 import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine.store import DiskStore
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.lmdb import CorruptCacheError, LmdbTier
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tools.testing.fault_child import flip_bytes, make_batch, read_line, run_child
+from kvtier.tools.testing.children import make_batch, read_line, run_child
+from kvtier.tools.testing.corrupt_child import flip_bytes
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 
 SEED = int(os.environ.get("KVTIER_FAULT_SEED", "20240607"))
@@ -84,6 +86,7 @@ def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_
         ["corrupt-trials", "--src", str(pristine), "--keys", str(tmp_path / "keys"), "--work", str(tmp_path / "work"),
          "--seed", str(SEED), "--trials", str(TRIALS), "--max-flips", str(MAX_FLIPS)],
         tmp_path / "stderr",
+        module="kvtier.tools.testing.corrupt_child",
     )
     lines: List[str] = []
     try:
@@ -146,7 +149,7 @@ def test_random_flips_give_original_bytes_or_a_miss_and_verify_reports_each_bad_
 _OPEN_CHILD = textwrap.dedent(
     """
     import sys
-    from kvtier.policy import KvtierError
+    from kvtier.errors import KvtierError
     from kvtier.tiers.lmdb import LmdbTier
     for path in sys.argv[1:]:
         for readonly in (True, False):
@@ -266,10 +269,10 @@ async def test_a_start_that_fails_after_opening_the_cache_releases_it(tmp_path: 
     # opened itself, or the directory stays "already open in this process" and its threads run on.
     cache = tmp_path / "cache"
 
-    def broken(self) -> None:
+    def broken(self, tier) -> None:
         raise RuntimeError("injected failure after the disk tier opened")
 
-    monkeypatch.setattr(OffloadEngine, "_subscribe_disk_evictions", broken)
+    monkeypatch.setattr(DiskStore, "_subscribe_removals", broken)
     engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=b"q")
     with pytest.raises(RuntimeError, match="injected"):
         async with engine:

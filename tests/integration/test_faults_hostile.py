@@ -15,7 +15,8 @@ import lmdb
 import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
-from kvtier.policy import AttentionGroup, CorruptRecordError, ModelLayout
+from kvtier.errors import CorruptRecordError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier

@@ -5,7 +5,7 @@ acknowledged chunk is there with a valid checksum and its exact bytes, that ever
 nothing, and that the tier's index agrees with its tables.
 
 The child is ``python -m kvtier.tools.testing.fault_child spill|engine-spill``; chunk bytes are a function of
-the key (``kvtier.tools.testing.fault_child.chunk_content``), which spells batch id, index and batch size.
+the key (``kvtier.tools.testing.children.chunk_content``), which spells batch id, index and batch size.
 Iterations come in chains of two on one directory (the second child starts on what the first one's
 death left). ``KVTIER_FAULT_SEED`` replays a run; ``tests/stress/test_kill9_stress.py`` runs more.
 """

@@ -17,17 +17,10 @@ from typing import Dict, List, Set
 
 import pytest
 
-from kvtier.policy import ForkedProcessError
+from kvtier.errors import ForkedProcessError
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.testing.fault_child import (
-    check_cache,
-    chunk_content,
-    make_batch,
-    parse_key,
-    read_line,
-    run_child,
-    spawn_reader,
-)
+from kvtier.tools.testing.children import check_cache, chunk_content, make_batch, parse_key, read_line, run_child
+from kvtier.tools.testing.fault_child import spawn_reader
 from kvtier.tools.testing.faults import corrupt_stored_record
 
 CHUNK = 64 << 10

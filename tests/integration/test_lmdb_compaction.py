@@ -26,7 +26,8 @@ from kvtier.tiers.lmdb.compaction import SegmentUsage, choose_segments, segment_
 from kvtier.tiers.lmdb.segment_reader import SegmentReader
 from kvtier.tiers.lmdb.segments import committed_ends
 from kvtier.tiers.record_format import CodecConfig, decode_record
-from kvtier.tools.testing.fault_child import check_cache, chunk_content, make_batch, run_kill_chains, summarize_kills
+from kvtier.tools.testing.children import check_cache, chunk_content, make_batch
+from kvtier.tools.testing.fault_child import run_kill_chains, summarize_kills
 from kvtier.tools.testing.faults import corrupt_stored_record
 from segment_checks import Item, assert_ledger_matches, assert_served, ledger, pointers, read_items, segment_files
 
@@ -421,7 +422,7 @@ _HOLDER = """
 import asyncio, sys
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
-from kvtier.tools.testing.fault_child import make_batch
+from kvtier.tools.testing.children import make_batch
 async def main():
     # no passes of its own: they would take the parent's mostly-dead segment first
     async with await LmdbTier.open(sys.argv[1], segment_threshold_bytes=16384, codec=CodecConfig(compress=False),
@@ -703,7 +704,7 @@ def test_kill9_during_compaction_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_the_compaction_bench_runs_and_checks_what_it_moved(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from kvtier.tools.bench_compaction import main
+    from kvtier.tools.bench.compaction import main
 
     assert main(["--total-mib", "4", "--record-kib", "256", "--segment-mib", "1", "--latency-puts", "2",
                  "--dir", str(tmp_path)]) == 0

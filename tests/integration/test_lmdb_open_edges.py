@@ -1,4 +1,4 @@
-"""Opening a cache directory at its edges (issue 11): a full disk without ``lock.mdb`` is one line
+"""Opening a cache directory at its edges: a full disk without ``lock.mdb`` is one line
 (TierFullError), not SIGBUS, and leaves the directory as it was; a map another process grew while
 we opened is adopted; quarantine moves only kvtier's files and works on a mount point; another
 program's LMDB is refused, not written into; a read-only inspect writes nothing.
@@ -25,7 +25,7 @@ from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.errors import TierIOError
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.cli import main
-from kvtier.tools.maintenance import gc_cache, verify_cache
+from kvtier.tools._maintenance import gc_cache, verify_cache
 from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT as LAYOUT
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 from mounts import bind_mount, fill_up, tmpfs

@@ -30,7 +30,7 @@ from kvtier.tiers.lmdb.segment_reader import SegmentReader
 from kvtier.tiers.lmdb.segments import SegmentWriter, committed_ends
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.cli import main
-from kvtier.tools.testing.fault_child import make_batch
+from kvtier.tools.testing.children import make_batch
 from segment_checks import assert_ledger_matches, assert_served, pointers, segment_files
 
 THRESHOLD = 16 << 10
@@ -299,7 +299,7 @@ def test_an_empty_or_missing_index_beside_segment_files_is_damage_and_nothing_is
         assert len(err) == 1 and err[0].startswith("kvtier: error: "), err
         assert "data.mdb is empty but 1 payload segment files (seg-*.kvs) lie beside it" in err[0], err
         assert _segments_with_data(path) == before and (path / "data.mdb").stat().st_size == 0
-        if argv[0] == "verify":  # the README's advice
+        if argv[0] == "verify":  # docs/cli.md's advice
             assert "no record was checked, quarantined or deleted" in err[0]
             assert f"move {path}'s data.mdb and seg-*.kvs files aside" in err[0]
     (path / "data.mdb").unlink()

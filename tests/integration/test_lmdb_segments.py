@@ -24,13 +24,8 @@ from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tiers.lmdb import segment_reader, segments
 from kvtier.tiers.lmdb.segments import SegmentPointer, committed_ends
-from kvtier.tools.testing.fault_child import (
-    check_cache,
-    chunk_content,
-    make_batch,
-    run_kill_chains,
-    summarize_kills,
-)
+from kvtier.tools.testing.children import check_cache, chunk_content, make_batch
+from kvtier.tools.testing.fault_child import run_kill_chains, summarize_kills
 from kvtier.tools.testing.faults import corrupt_stored_record
 from segment_checks import assert_ledger_matches as _assert_ledger_matches
 from segment_checks import assert_served as _assert_served
@@ -190,7 +185,7 @@ async def test_a_second_process_reads_segments_by_name_and_appends_its_own(tmp_p
     child = (
         "import asyncio, sys\n"
         "from kvtier.tiers.lmdb import LmdbTier\n"
-        "from kvtier.tools.testing.fault_child import make_batch, chunk_content\n"
+        "from kvtier.tools.testing.children import make_batch, chunk_content\n"
         "async def main():\n"
         "    items = make_batch(5, 0, [65536, 700, 131072])\n"
         "    async with await LmdbTier.open(sys.argv[1], segment_threshold_bytes=16384) as t:\n"

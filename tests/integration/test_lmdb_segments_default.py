@@ -18,7 +18,7 @@ from kvtier.engine import EngineConfig
 from kvtier.tiers.base import Removal
 from kvtier.tiers.lmdb import DEFAULT_SEGMENT_THRESHOLD_BYTES, LmdbTier
 from kvtier.tiers.record_format import CodecConfig, encode_record
-from kvtier.tools.testing.fault_child import chunk_content, make_batch
+from kvtier.tools.testing.children import chunk_content, make_batch
 from segment_checks import Item, assert_ledger_matches, assert_served, pointers
 
 RAW = CodecConfig(compress=False)

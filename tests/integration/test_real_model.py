@@ -22,7 +22,7 @@ from kvtier.engine.config import EngineConfig  # noqa: E402
 from kvtier.engine.engine import OffloadEngine  # noqa: E402
 from kvtier.policy import AttentionGroup, num_skipped_tokens, retained_interval  # noqa: E402
 from kvtier.tiers.device import DeviceKVView  # noqa: E402
-from kvtier.tools.hf_model import (  # noqa: E402
+from kvtier.integrations.transformers import (  # noqa: E402
     allocate_kv_blocks,
     build_cache_from_blocks,
     capture_kv,
@@ -34,7 +34,7 @@ from kvtier.tools.hf_model import (  # noqa: E402
     tiny_hybrid_config,
     write_kv_to_blocks,
 )
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 WINDOW = 32
 BLOCK = 16

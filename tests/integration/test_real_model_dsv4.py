@@ -23,8 +23,8 @@ from kvtier.policy import num_skipped_tokens  # noqa: E402
 from kvtier.policy.compressed import ENTRIES, OVERLAP, SLIDING, GroupRole  # noqa: E402
 from kvtier.policy.plan import load_block_plan  # noqa: E402
 from kvtier.tiers.device import DeviceKVView  # noqa: E402
-from kvtier.tools.hf_model import cache_plan, full_logits, load_model, next_token_logits  # noqa: E402
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.integrations.transformers import cache_plan, full_logits, load_model, next_token_logits  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 WINDOW = 8
 BLOCK = 8
@@ -227,11 +227,11 @@ async def test_past_index_topk_restored_logits_match_the_models_own_cache(tmp_pa
         result = await engine.load(consumer_ids, hit, tables)
     assert hit == 64 and result.ok and hit // CSA_RATE > 4
     restored = next_token_logits(model, plan.build_cache(model, kv_caches, tables, hit), consumer_ids, hit)
-    from kvtier.tools.hf_model import _cache_kwarg  # transformers' name for the cache argument
+    from kvtier.integrations.transformers._common import cache_kwarg  # transformers' name for the cache argument
 
     own = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([consumer_ids[:hit]]), use_cache=True, **{_cache_kwarg(model): own})
+        model(input_ids=torch.tensor([consumer_ids[:hit]]), use_cache=True, **{cache_kwarg(model): own})
     reference = next_token_logits(model, own, consumer_ids, hit)
     diff = (restored - reference).abs().max().item()
     recompute = (full_logits(model, consumer_ids) - reference).abs().max().item()

@@ -24,8 +24,8 @@ from kvtier.engine.engine import OffloadEngine  # noqa: E402
 from kvtier.policy import num_skipped_tokens  # noqa: E402
 from kvtier.policy.plan import load_block_plan  # noqa: E402
 from kvtier.tiers.device import DeviceKVView  # noqa: E402
-from kvtier.tools.hf_model import cache_plan, full_logits, layer_kv_shapes, load_model, next_token_logits  # noqa: E402
-from kvtier.tools.warmup import model_fingerprint, run_warmup  # noqa: E402
+from kvtier.integrations.transformers import cache_plan, full_logits, layer_kv_shapes, load_model, next_token_logits  # noqa: E402
+from kvtier.tools._warmup import model_fingerprint, run_warmup  # noqa: E402
 
 BLOCK = 8
 WINDOW = 16
@@ -182,13 +182,13 @@ def test_gemma4_without_shared_layers_is_accepted_with_per_group_shapes():
     assert plan.layer_groups == [[1, 3], [0, 2]]
     assert [tuple(t[0].shape[1:]) for t in plan.allocate(1, torch.float32)] == [(2, BLOCK, 2, 32), (2, BLOCK, 1, 16)]
     with pytest.raises(ValueError, match=r"differ per layer"):  # never transformers' AmbiguousGlobal... error
-        from kvtier.tools.hf_model import kv_head_shape
+        from kvtier.integrations.transformers import kv_head_shape
 
         kv_head_shape(config)
 
 
 def test_a_cache_shape_the_config_misreads_is_refused():
-    from kvtier.tools.hf_model import check_captured_shapes
+    from kvtier.integrations.transformers import check_captured_shapes
 
     config = mimo_config()
     kv = [(torch.zeros(2, 3, 24), torch.zeros(2, 3, 16))] * 4  # sliding layers really hold 4 heads
@@ -200,7 +200,7 @@ def test_a_cache_shape_the_config_misreads_is_refused():
 async def test_a_warmup_cancelled_before_storing_leaves_no_cache_dir(tmp_path):
     import asyncio
 
-    from kvtier.tools.hf_model import tiny_hybrid_config
+    from kvtier.integrations.transformers import tiny_hybrid_config
 
     model_dir = tmp_path / "model"
     transformers.AutoModelForCausalLM.from_config(tiny_hybrid_config()).save_pretrained(model_dir)
@@ -220,7 +220,7 @@ async def test_a_warmup_cancelled_before_storing_leaves_no_cache_dir(tmp_path):
 
 
 def test_refusals_name_the_model_not_kvtier_internals():
-    from kvtier.tools.hf_model import layer_types_from_config
+    from kvtier.integrations.transformers import layer_types_from_config
 
     for value in ("all",):  # (True, Gemma-3's embedders: test_real_model.py)
         with pytest.raises(ValueError, match=rf"^unsupported model config \(gemma4_text\): use_bidirectional_attention={value!r} "

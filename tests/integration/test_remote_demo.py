@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvtier.tools.cli import main
-from kvtier.tools.demo import run_demo
+from kvtier.tools._demo import run_demo
 
 
 def test_demo_with_an_embedded_valkey_verifies_every_byte(capsys, tmp_path):

@@ -407,7 +407,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
 
 @pytest.mark.asyncio
 async def test_primary_killed_mid_batch_leaves_no_half_visible_batch(valkey_factory):
-    from kvtier.tools.valkey import restart_node
+    from kvtier.tools.testing.valkey import restart_node
 
     cluster = valkey_factory.cluster(3)
     tier = await RemoteTier.open(cluster.url, namespace=namespace(), fingerprint=FP, concurrency=1,

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvtier.integrations.vllm.testing import VllmCpuRig
 from kvtier.tools.cli import main
-from kvtier.tools.hf_model import tiny_hybrid_config
+from kvtier.integrations.transformers import tiny_hybrid_config
 
 BLOCK = 16
 WINDOW = 16

@@ -31,7 +31,7 @@ from kvtier.integrations.vllm.testing import VllmCpuRig
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import retention_store_chunk_indices
-from kvtier.tools.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
+from kvtier.tools.testing.faults import FaultyTier, corrupt_stored_record, inject_io_faults, remove_io_faults
 
 PROMPT = [(i * 7) % 900 + 3 for i in range(33)]
 CONSUMER = PROMPT + [5]
@@ -220,6 +220,26 @@ def test_io_error_on_store_and_disk_full_keep_serving(tmp_path):
         assert full.run(CONSUMER).external_hit_tokens == 0
     finally:
         full.shutdown()
+
+
+def test_the_tier_opens_its_store_with_the_engines_store_settings(tmp_path):
+    """The settings the running tier opened its store with are the engine's for the same
+    directory (README: the safety switches are on by default, under vLLM as in the engine), and
+    its index is the store's ordered one."""
+    from kvtier.engine.config import EngineConfig
+
+    rig = make_rig(tmp_path)
+    try:
+        tier = rig.secondary_tiers[0]
+        engine = EngineConfig(cache_dir=str(tmp_path / "kv"), remote_namespace="vllm").store
+        assert tier.store.config == engine
+        assert tier.store.config.lmdb_verify_on_open and tier.store.config.quarantine_corrupt_cache_dir
+        assert tier.chunk_tier is tier.store.tier and tier.disk_tier is tier.store.local_tier
+        rig.run(PROMPT)
+        assert tier.store.index.keys() == set(tier.run_on_loop(tier.disk_tier.list_keys()))
+        assert tier.run_on_loop(tier.store.problems()) == []
+    finally:
+        rig.shutdown()
 
 
 STEP_BOUND_S = 0.5

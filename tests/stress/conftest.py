@@ -72,6 +72,3 @@ def sim_seeds(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def sim_steps(request: pytest.FixtureRequest) -> int:
     return int(request.config.getoption("--sim-steps"))
-
-
-from kvtier.tools.testing.valkey import valkey_cluster, valkey_factory, valkey_node  # noqa: F401,E402

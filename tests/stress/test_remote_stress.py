@@ -19,8 +19,7 @@ from redis.crc import key_slot
 
 from kvtier.errors import TierIOError
 from kvtier.tiers.remote import RemoteTier
-from kvtier.tools.valkey import restart_node
-from kvtier.tools.testing.valkey import TEST_FINGERPRINT, make_items, read_back
+from kvtier.tools.testing.valkey import TEST_FINGERPRINT, make_items, read_back, restart_node
 
 pytestmark = pytest.mark.stress
 

@@ -23,8 +23,8 @@ from kvtier.tools.bench import (
     measure_longest_hit,
     run_bench,
 )
-from kvtier.tools.bench.figures import _brute_force_minimal
-from kvtier.tools.bench_engine import measure_bookkeeping
+from kvtier.tools.bench._figures import _brute_force_minimal
+from kvtier.tools.bench.engine import measure_bookkeeping
 
 ROW_KEYS = {"name", "value", "unit", "ratio", "ratio_to"}
 MACHINE_KEYS = {
@@ -123,7 +123,7 @@ def test_compression_and_bookkeeping():
 
 
 def test_keys_bench_before_and_after_agree():
-    from kvtier.tools.bench_keys import measure_keys
+    from kvtier.tools.bench.keys import measure_keys
 
     result = asyncio.run(measure_keys(tokens=2048, repeat=1, grow_steps=4))
     cases = result["cases"]

@@ -11,9 +11,11 @@ from typing import List, Sequence, Tuple
 import pytest
 import torch
 
-from kvtier.policy import AttentionGroup, DeviceError, ModelLayout
+from kvtier.errors import DeviceError
+from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.errors import InjectedFault
-from kvtier.tiers.device import CopyHandle, DeviceBackend, DeviceKVView, register_host_range
+from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device_backend import CopyHandle, DeviceBackend, register_host_range
 from kvtier.tiers.host import HostSlabPool
 from kvtier.tools.testing.device import RecordingBackend, TokenEvent
 

@@ -1,4 +1,4 @@
-"""The engine's ordered disk index (issue 10, defect 7): an add never overtakes a removal that
+"""The engine's ordered disk index: an add never overtakes a removal that
 happened after the write, by the tier's sequence (tier contract) or, without one, by the engine's
 own clock on the loop."""
 

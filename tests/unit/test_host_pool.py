@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvtier.policy import ClosedError, DeviceError
+from kvtier.errors import ClosedError, DeviceError
 from kvtier.tiers.eviction import (
     ARCPolicy,
     LRUPolicy,

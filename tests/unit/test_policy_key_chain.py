@@ -1,4 +1,4 @@
-"""Key format v2 (issue 14): golden vectors, the brute-force definition, laziness in any read order,
+"""Key format v2 (docs/ARCHITECTURE.md, "Chunk keys"): golden vectors, the brute-force definition, laziness in any read order,
 and incremental growth (``KeyChain.extended``) equal to hashing from scratch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chunk keys (issue 2, section 3): one per complete chunk, chained, bound to fingerprint, salt and
+"""Chunk keys (DESIGN.md, "Keys"): one per complete chunk, chained, bound to fingerprint, salt and
 group, stable across processes and hash seeds."""
 
 from __future__ import annotations

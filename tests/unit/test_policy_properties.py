@@ -1,6 +1,6 @@
 """Property tests of kvtier.policy against a brute-force oracle written here from the contract text.
 
-The oracle reads only the contract (DESIGN.md "The coverage contract", issue 2 section 2) and the
+The oracle reads only the contract (DESIGN.md, "The coverage contract") and the
 dataclasses' fields; it never calls the module's helpers, so a shared mistake cannot hide:
 
 - retained interval: SWA ``[max(0, H - (W - 1 + R)), H)``, FA ``[0, H)``; EAGLE: end ``+ b``.
@@ -59,7 +59,7 @@ def o_interval(g: AttentionGroup, boundary: int) -> Tuple[int, int]:
 
 
 def o_store_interval(g: AttentionGroup, boundary: int) -> Tuple[int, int]:
-    """The interval of the store spec: window ``W + R``, no extra tokens (issue 2, section 2)."""
+    """The interval of the store spec: window ``W + R``, no extra tokens (MTP widens what is stored)."""
     end = boundary + (g.block_size if g.is_eagle else 0)
     if g.sliding_window is None:
         return 0, end
@@ -106,7 +106,7 @@ def o_longest_hit(groups, max_tokens: int, state: Callable[[int, int], ChunkStat
 
 
 def o_reachable_boundaries(groups, group_index: int, num_tokens: int) -> List[int]:
-    """The boundaries that count for the store mask of one group (issue 2's rule, verbatim)."""
+    """The boundaries that count for the store mask of one group (the contract's rule, verbatim)."""
     g = groups[group_index]
     tokens = o_chunk_tokens(g)
     alignment = o_alignment(groups)

@@ -1,4 +1,4 @@
-"""The worked numbers of DESIGN.md ("Worked numbers") and issue 2, section 4, one by one.
+"""The worked numbers of DESIGN.md ("Worked numbers"), one by one.
 
 Each test narrates one small scenario with exact sets and values; if any of these moves, lookup,
 load, allocation and store pruning have drifted apart.

@@ -22,9 +22,9 @@ def test_engine_public_names_import():
 
 
 PUBLIC_PACKAGES = ("kvtier.errors", "kvtier.policy", "kvtier.tiers", "kvtier.engine", "kvtier.tools.testing")
-# Names a package re-exports from another for compatibility (kvtier.policy held the error family
-# before kvtier.errors did; kvtier.engine exported EngineInvariantError before it moved).
-COMPAT = {"kvtier.policy": "kvtier.errors", "kvtier.engine": "kvtier.errors"}
+# Names a package re-exports from another for compatibility (kvtier.engine exported
+# EngineInvariantError before it moved).
+COMPAT = {"kvtier.engine": "kvtier.errors"}
 
 
 @pytest.mark.parametrize("package", PUBLIC_PACKAGES)
@@ -103,26 +103,28 @@ def test_no_pickle_or_torch_load_in_kvtier():
 
 
 @pytest.mark.parametrize(
-    "old, new, names",
-    [
-        ("kvtier.tiers.lmdb_tier", "kvtier.tiers.lmdb", ["LmdbTier", "CorruptCacheError", "quarantine_cache_dir"]),
-        ("kvtier.policy.errors", "kvtier.errors", ["KvtierError", "TierIOError", "TierTimeoutError"]),
-    ],
+    "old",
+    ["kvtier.tiers.lmdb_tier", "kvtier.tiers.record", "kvtier.policy.errors", "kvtier.tools.faults",
+     "kvtier.tools.scenario", "kvtier.tools.fault_child"],
 )
-def test_old_import_paths_warn_and_reexport(old, new, names, monkeypatch):
-    """Kept for one release: the same objects, and a KvtierDeprecationWarning naming the new path."""
-    from kvtier.errors import KvtierDeprecationWarning
-
+def test_old_import_paths_are_gone(old, monkeypatch):
+    """No release ever shipped the old module paths, so none is kept: each name has the one home."""
     monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(KvtierDeprecationWarning, match=f"import .*{new.replace('.', '[.]')}"):
-        module = importlib.import_module(old)
-    modern = importlib.import_module(new)
-    for name in names:
-        assert getattr(module, name) is getattr(modern, name), name
+    with pytest.raises(ModuleNotFoundError, match=f"No module named '{old.replace('.', '[.]')}'"):
+        importlib.import_module(old)
+
+
+def test_policy_exports_no_error_class():
+    """The error family is imported from kvtier.errors; kvtier.policy exports only its own math."""
+    import kvtier.errors
+    import kvtier.policy
+
+    assert set(kvtier.policy.__all__) & set(kvtier.errors.__all__) == set()
+    assert not hasattr(kvtier.policy, "KvtierError")
 
 
 def test_error_family_has_one_home():
-    """Every kvtier exception class is defined in kvtier.errors; the old homes re-export it."""
+    """Every kvtier exception class is defined in kvtier.errors; the modules that raise it re-export it."""
     import kvtier.errors
     import kvtier.tiers.host
     import kvtier.tiers.record_format

@@ -64,6 +64,8 @@ def test_prompt_jsonl_and_azure_csv(tmp_path):
 
 @pytest.mark.parametrize("lines, message", [
     (['{"input_length": 10, "hash_ids": [1]}\n', "{not json\n"], r"t\.jsonl:2: not JSON"),
+    # json raises a plain ValueError (no position) for an integer past Python's digit limit.
+    (['{"input_length": 1' + "0" * 5000 + ', "hash_ids": [1]}\n'], r"t\.jsonl:1: not JSON \(Exceeds the limit"),
     (['[1, 2]\n'], r"t\.jsonl:1: expected a JSON object, got list"),
     (['{"input_length": 10}\n'], r"t\.jsonl:1: a line needs 'hash_ids' \(Mooncake\) or 'token_ids'"),
     (['{"input_length": 10, "hash_ids": [1]}\n', '{"input_length": 600, "hash_ids": [1]}\n'],

@@ -60,9 +60,8 @@ from ..base import (
     TierStatistics,
     check_key,
 )
-from ..codec_pool import wait_through_cancel
 from ..lru import ByteLru
-from ..owned_tasks import OwnedTasks
+from ..owned_tasks import OwnedTasks, wait_through_cancel
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
 from ..record_format import (
     CodecConfig,

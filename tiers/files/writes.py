@@ -19,7 +19,8 @@ from typing import Any, List, Sequence, Tuple
 from kvtier.errors import TierFullError, TierIOError
 
 from ..base import ChunkMeta
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
+from ..codec_pool import MIN_SLICE_BYTES, map_slices
+from ..owned_tasks import wait_through_cancel
 from ..record_format import CodecConfig, encode_record
 from .index import FileIndex
 from .layout import key_location

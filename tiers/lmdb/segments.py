@@ -1,4 +1,4 @@
-"""Large records out of LMDB: append-only payload segment files beside ``data.mdb`` (issue 14).
+"""Large records out of LMDB: append-only payload segment files beside ``data.mdb``.
 
 Why: LMDB writes every dirty page through the page cache and syncs twice per commit; large records
 written that way run at 0.14-0.31x of the disk's O_DIRECT limit (docs/ARCHITECTURE.md). A record
@@ -115,7 +115,7 @@ RUN_BYTES = 4 << 20
 _RUN_RECORDS = max(1, (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024) // 3)
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
-# vLLM tier): measured (`python -m kvtier.tools.bench_segments --sizes-kib 16,64,128,256`, five runs,
+# vLLM tier): measured (`python -m kvtier.tools.bench.segments --sizes-kib 16,64,128,256`, five runs,
 # docs/ARCHITECTURE.md), segments write 1.06-1.55x the inline tier at 128 KiB and 1.54-2.13x at
 # 256 KiB, but 0.62-0.84x at 64 KiB and 0.38-0.53x at 16 KiB (one LMDB transaction beats an extra
 # aligned file write and its fdatasync for small records).

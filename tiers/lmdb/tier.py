@@ -68,7 +68,8 @@ from ..base import (
     TierStatistics,
     check_key,
 )
-from ..codec_pool import wait_through_cancel, wait_threads
+from ..codec_pool import wait_threads
+from ..owned_tasks import wait_through_cancel
 from ..lru import make_byte_index
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
 from ..record_format import CodecConfig

@@ -20,7 +20,8 @@ HALF_OPEN = "half-open"
 
 
 class CircuitBreaker:
-    """``allow()`` before a call (False: refuse it), then ``success()`` or ``failure()``."""
+    """``allow()`` before a call (False: refuse it), then ``success()`` or ``failure()``. Event-loop
+    thread only (no lock)."""
 
     def __init__(self, failure_threshold: int, reset_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if failure_threshold < 1:

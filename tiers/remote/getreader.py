@@ -37,7 +37,8 @@ _DIRECT_MIN_BYTES = 16 << 10
 
 class DirectValue:
     """A ``GET`` value whose record payload sits in the caller's buffer; ``head`` is the record's
-    prefix and header (exactly), for ``check_payload_in_place`` / ``decode_split``."""
+    prefix and header (exactly), for ``check_payload_in_place`` / ``decode_split``. Made on the
+    event-loop thread, read by the codec threads after the read finished."""
 
     __slots__ = ("head",)
 
@@ -50,7 +51,8 @@ Reply = Union[None, bytearray, DirectValue, BaseException]
 
 class LiveReads:
     """The connections reading one batch's values into its buffers, and whether the batch was
-    abandoned (its caller cancelled): ``abandon`` aborts those reading and bars any later one."""
+    abandoned (its caller cancelled): ``abandon`` aborts those reading and bars any later one.
+    Event-loop thread only."""
 
     __slots__ = ("connections", "abandoned")
 
@@ -65,7 +67,7 @@ class LiveReads:
             self.connections.pop().abort()
 
 
-def decode_into(rkey: bytes, data: Union[bytearray, DirectValue], buf: memoryview) -> ChunkMeta:
+def decode_into(rkey: bytes, data: Union[bytes, bytearray, DirectValue], buf: memoryview) -> ChunkMeta:
     """Check and decode one fetched value into ``buf``: a whole record (``decode_record``), or a
     ``DirectValue`` whose payload the reader already placed in ``buf`` (checked in place when raw;
     another codec whose stored size happens to match is decoded from a copy)."""
@@ -77,13 +79,14 @@ def decode_into(rkey: bytes, data: Union[bytearray, DirectValue], buf: memoryvie
         return decode_split(rkey, data.head, bytes(buf), buf)[0]
 
 
-def fetched_size(data: Union[bytearray, DirectValue], buf: memoryview) -> int:
+def fetched_size(data: Union[bytes, bytearray, DirectValue], buf: memoryview) -> int:
     """The record's length of a fetched value."""
     return len(data.head) + buf.nbytes if isinstance(data, DirectValue) else len(data)
 
 
 class GetConnection(asyncio.BufferedProtocol):
-    """One connection reading pipelined ``GET`` replies. One pipeline at a time (``get``)."""
+    """One connection reading pipelined ``GET`` replies. One pipeline at a time (``get``), on the
+    event-loop thread only (asyncio calls its protocol methods there)."""
 
     def __init__(self) -> None:
         self.transport: Optional[asyncio.Transport] = None
@@ -129,7 +132,7 @@ class GetConnection(asyncio.BufferedProtocol):
         try:
             if self._direct:
                 self._pos += nbytes
-                if self._pos == self._cur.nbytes:
+                if self._pos == self._cur.nbytes:  # type: ignore[union-attr]  # set whenever _direct is
                     self._next_stage()
                 return
             self._lpos += nbytes

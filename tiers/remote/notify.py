@@ -31,13 +31,14 @@ class EvictionListener:
     """Keeps one subscription per primary of ``router``; ``on_keys(names)`` gets the evicted key
     names (raw server names; the owner filters its namespace), ``on_gap()`` is called after a
     subscription was re-established. ``configure``: add ``Ee`` to each primary's
-    ``notify-keyspace-events`` (keeping its other flags)."""
+    ``notify-keyspace-events`` (keeping its other flags). Its timeouts are the router's. Event-loop
+    thread only; ``on_keys`` and ``on_gap`` are called there."""
 
-    def __init__(self, router: NodeRouter, *, timeout_s: float, connect_timeout_s: float, configure: bool,
+    def __init__(self, router: NodeRouter, *, configure: bool,
                  on_keys: Callable[[List[bytes]], None], on_gap: Callable[[], None]) -> None:
         self._router = router
-        self._timeout_s = timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        self._timeout_s = router.timeout_s
+        self._connect_timeout_s = router.connect_timeout_s
         self._configure = configure
         self._on_keys = on_keys
         self._on_gap = on_gap
@@ -94,7 +95,8 @@ class EvictionListener:
         first = True
         while not self._closed:
             client = aioredis.Redis(host=host, port=port, socket_connect_timeout=self._connect_timeout_s,
-                                    socket_timeout=None, retry=None, decode_responses=False)
+                                    socket_timeout=None, retry=None,  # type: ignore[arg-type]  # no retries
+                                    decode_responses=False)
             pubsub = client.pubsub()
             try:
                 await asyncio.wait_for(pubsub.subscribe(*EVICTION_CHANNELS), self._timeout_s)

@@ -57,7 +57,7 @@ def _no_retry() -> Retry:
 
 
 class RemoteNode:
-    """One primary: ``name`` is ``host:port``."""
+    """One primary: ``name`` is ``host:port``. Event-loop thread only (the loop the tier opened on)."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float, connect_timeout_s: float,
                  concurrency: int, breaker_failures: int, breaker_reset_s: float) -> None:
@@ -130,17 +130,35 @@ class RemoteNode:
                 # A second bound over the socket timeout: a connect that hangs in the pool, or a
                 # server that trickles bytes, still ends within about two timeouts.
                 results = await asyncio.wait_for(pipe.execute(raise_on_error=False), 2 * self.timeout_s)
-            except (RedisTimeoutError, asyncio.TimeoutError) as exc:
-                self.timeouts += 1
-                self.breaker.trip()
-                raise TierTimeoutError(
-                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
-                ) from exc
-            except (RedisError, OSError) as exc:
-                self.breaker.failure()
-                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                raise self._failed(exc) from exc
         self.breaker.success()
         return list(results)
+
+    def _failed(self, exc: BaseException) -> TierIOError:
+        """The typed error of a pipeline that failed underneath, the breaker told: a timeout trips
+        it at once (``TierTimeoutError``), any other failure counts one (``TierIOError``)."""
+        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+            self.timeouts += 1
+            self.breaker.trip()
+            return TierTimeoutError(f"remote tier: node {self.name} did not answer within {self.timeout_s} s")
+        self.breaker.failure()
+        return TierIOError(f"remote tier: node {self.name} failed: {exc}")
+
+    async def problem(self, cluster: bool) -> Optional[str]:
+        """What is wrong with the node now, ``None`` when it answers (``PING``; in a cluster,
+        ``CLUSTER INFO`` must say the state is ok). A half-open breaker is probed by this, and
+        healed if the node answers."""
+        command: Tuple[Any, ...] = ("CLUSTER", "INFO") if cluster else ("PING",)
+        try:
+            reply = (await self.call([command]))[0]
+        except TierIOError as exc:
+            return f"node {self.name}: {exc}"
+        if isinstance(reply, BaseException):
+            return f"node {self.name}: {reply}"
+        if cluster and b"cluster_state:ok" not in bytes(reply):
+            return f"node {self.name}: cluster state not ok"
+        return None
 
     async def get_into(self, rkeys: Sequence[bytes], targets: Sequence[memoryview],
                        live: LiveReads) -> List[Reply]:
@@ -165,16 +183,11 @@ class RemoteNode:
                 live.connections.add(conn)
                 replies = await asyncio.wait_for(conn.get(rkeys, targets), 2 * self.timeout_s)
             except (RedisTimeoutError, asyncio.TimeoutError) as exc:
-                self.timeouts += 1
-                self.breaker.trip()
-                raise TierTimeoutError(
-                    f"remote tier: node {self.name} did not answer within {self.timeout_s} s"
-                ) from exc
+                raise self._failed(exc) from exc
             except (RedisError, OSError, _Abandoned) as exc:
                 if live.abandoned:  # aborted for the caller: not the node's fault
                     raise TierIOError(f"remote tier: read from {self.name} abandoned") from exc
-                self.breaker.failure()
-                raise TierIOError(f"remote tier: node {self.name} failed: {exc}") from exc
+                raise self._failed(exc) from exc
             finally:
                 if conn is not None:
                     live.connections.discard(conn)
@@ -213,11 +226,14 @@ class RemoteNode:
 
 
 class NodeRouter:
-    """Slot map and primaries of one remote address (one node, or a cluster)."""
+    """Slot map and primaries of one remote address (one node, or a cluster). Event-loop thread
+    only. ``timeout_s`` bounds each node call, ``connect_timeout_s`` each connect."""
 
     def __init__(self, address: RemoteAddress, *, timeout_s: float, connect_timeout_s: float,
                  concurrency: int, breaker_failures: int, breaker_reset_s: float) -> None:
         self.address = address
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._node_kwargs = dict(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, concurrency=concurrency,
             breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
@@ -358,6 +374,20 @@ class NodeRouter:
             else:
                 per.setdefault(node.name, []).append(i)
         return per, orphans
+
+    async def max_value_bytes(self, default: int) -> int:
+        """The largest value every primary accepts (``proto-max-bulk-len``; ``default`` where CONFIG
+        is forbidden or the node is down): a bigger one gets the connection reset, not an error,
+        which would look like a dead node to the breaker."""
+        limits = []
+        for node in self.primaries():
+            try:
+                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
+                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
+                limits.append(int(value))  # type: ignore[arg-type]  # None or junk: TypeError, skipped
+            except Exception:  # CONFIG forbidden or node down: keep the server default
+                continue
+        return min(limits) if limits else default
 
     def primaries(self) -> List[RemoteNode]:
         return [self.nodes[n] for n in dict.fromkeys(self._owners) if n]

@@ -40,19 +40,11 @@ import asyncio
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import xxhash
 from redis.exceptions import OutOfMemoryError
 
-from kvtier.errors import (
-    ClosedError,
-    CorruptRecordError,
-    TierFullError,
-    TierIOError,
-    TierTimeoutError,
-)
+from kvtier.errors import ClosedError, CorruptRecordError, TierFullError, TierIOError, TierTimeoutError
 
 from ..base import (
     ChunkMeta,
@@ -62,24 +54,21 @@ from ..base import (
     PutAbortedError,
     PutItem,
     Removal,
-    RemovalFeed,
     StartedPut,
     TierStatistics,
     check_key,
     wait_for_gate,
 )
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_through_cancel
-from ..key_counts import KeyCounts
-from ..owned_tasks import OwnedTasks
-from ..record_format import (
-    CodecConfig,
-    RecordMetaMismatchError,
-    RecordSizeMismatchError,
-    encode_record,
-)
-from .getreader import DirectValue, LiveReads, decode_into, fetched_size
+from ..owned_tasks import OwnedTasks, wait_through_cancel
+from ..record_format import CodecConfig
+from .coding import CodecThreads, Mismatch, decode_records, encode_records
+from .counters import RemoteCounters
+from .fanout import Fanout
+from .getreader import DirectValue, LiveReads, fetched_size
+from .keyspace import Keyspace
+from .listing import Listing
 from .notify import EvictionListener
-from .router import NodeRouter, NodeUnavailableError, RemoteNode, is_moved
+from .router import NodeRouter, RemoteNode
 from .url import RemoteAddress, parse_remote_url
 
 __all__ = ["RemoteTier", "PutAbortedError"]
@@ -89,40 +78,18 @@ logger = logging.getLogger("kvtier.tiers.remote")
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
-_SCAN_COUNT = 1000
-
-
-
-class _Mismatch:
-    __slots__ = ("reason", "foreign")
-
-    def __init__(self, reason: str, foreign: bool) -> None:
-        self.reason = reason
-        self.foreign = foreign  # another fingerprint: never ours, delete it
-
-
-def _pipelines(indexes: Sequence[int], sizes: Sequence[int], cap: int) -> List[List[int]]:
-    """Cut one node's items into pipelines of at most ``cap`` bytes (at least one item each): the
-    transport copies a whole pipeline into one buffer, so a huge one costs memory and speed."""
-    out: List[List[int]] = []
-    cur: List[int] = []
-    acc = 0
-    for i in indexes:
-        if cur and acc + sizes[i] > cap:
-            out.append(cur)
-            cur, acc = [], 0
-        cur.append(i)
-        acc += sizes[i]
-    if cur:
-        out.append(cur)
-    return out
 
 
 class RemoteTier(ChunkTier):
     """Chunk records on a Valkey/Redis node or cluster; see the module docstring.
 
     Build with ``await RemoteTier.open("redis://127.0.0.1:6379", namespace=..., fingerprint=...)``
-    or ``"redis+cluster://h1:p1,h2:p2"``; use from one event loop.
+    or ``"redis+cluster://h1:p1,h2:p2"``. Event-loop thread only: every method is called on the
+    loop it was opened on. It wires its parts (each event-loop only): ``Keyspace`` (names, known
+    keys, sequence, removals), ``NodeRouter`` and ``Fanout`` (nodes, per-node pipelines),
+    ``RemoteCounters`` (counters, statistics),
+    ``EvictionListener`` and ``Listing`` (removals seen on the server), ``CodecThreads`` (the
+    record codec's own threads).
     """
 
     name = "remote"
@@ -133,50 +100,31 @@ class RemoteTier(ChunkTier):
                  listing_interval_s: Optional[float], configure_notifications: bool,
                  io_threads: int, direct_get: bool = True) -> None:
         self.address = address
-        self._direct_get = direct_get
         self.namespace = namespace
+        self._direct_get = direct_get
         self._fingerprint = fingerprint
-        tag = xxhash.xxh3_64_hexdigest(fingerprint) if fingerprint is not None else "any"
-        self._prefix = f"kvtier:{namespace}:{tag}:".encode()
         self._codec = codec
-        self._timeout_s = timeout_s
-        self._pipeline_max_bytes = pipeline_max_bytes
-        self._listing_interval_s = listing_interval_s
+        self._keys = Keyspace(namespace, fingerprint)
         self._router = NodeRouter(
             address, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             concurrency=concurrency, breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s,
         )
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-remote")
-        self._io_threads = io_threads
+        self._coding = CodecThreads(io_threads)
         self._loop = asyncio.get_running_loop()
-        self._sequence = 0
-        # key -> (sequence at which this instance last saw it written or present, record bytes or 0)
-        self._known: Dict[bytes, Tuple[int, int]] = {}
-        self._known_bytes = 0
-        self._removal_feed = RemovalFeed()
         self._tasks = OwnedTasks()
-        self._listing_task: Optional["asyncio.Task[None]"] = None
-        self._listing_wakeup = asyncio.Event()
-        self._listener = EvictionListener(
-            self._router, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-            configure=configure_notifications, on_keys=self._on_evicted, on_gap=self._listing_wakeup.set,
-        )
         self._closed = False
         self._write_failed = False  # a put failed underneath; cleared by the next put that lands
-        # Keys with a put in flight, and those of them the server evicted meanwhile: a notification
-        # can overtake the put's own reply (another connection), and must not be lost.
-        self._writing = KeyCounts()
-        self._evicted_while_writing: Set[bytes] = set()
         self._max_value_bytes = _DEFAULT_MAX_VALUE_BYTES
-        self._stats: Dict[str, int] = dict(
-            puts=0, put_batches=0, gets=0, hits=0, misses=0, corrupt=0, mismatched=0,
-            quarantined=0, evictions=0, deletes=0, errors=0,
+        self._counters = RemoteCounters()
+        self._stats, self._extra = self._counters.stats, self._counters.extra
+        self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
+        wakeup = asyncio.Event()
+        self._listener = EvictionListener(
+            self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
         )
-        self._extra: Dict[str, float] = dict(
-            put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
-            get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
-            evictions_notified=0, removals_listed=0, listings=0,
-            rollbacks=0, moved=0, get_direct=0,
+        self._listing = Listing(
+            self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s,
+            wakeup=wakeup, closed=lambda: self._closed,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -254,34 +202,19 @@ class RemoteTier(ChunkTier):
                 logger.warning("remote tier %s unreachable at start, running degraded: %s", address.url, exc)
                 self._router.start_unreachable()
             await self._listener.sync()
-            await self._read_value_limit()
+            self._max_value_bytes = await self._router.max_value_bytes(_DEFAULT_MAX_VALUE_BYTES)
         except BaseException:
             await self._shutdown()
             raise
-        if listing_interval_s is not None:
-            self._listing_task = self._loop.create_task(self._listing_loop(), name="kvtier-remote-listing")
+        self._listing.start()
         return self
-
-    async def _read_value_limit(self) -> None:
-        """The largest value the primaries accept (``proto-max-bulk-len``): a bigger one gets the
-        connection reset, not an error, which would look like a dead node to the breaker."""
-        limits = []
-        for node in self._router.primaries():
-            try:
-                reply = (await node.call([("CONFIG", "GET", "proto-max-bulk-len")]))[0]
-                value = reply.get(b"proto-max-bulk-len") if isinstance(reply, dict) else reply[1]
-                limits.append(int(value))
-            except Exception:  # CONFIG forbidden or node down: keep the server default
-                continue
-        if limits:
-            self._max_value_bytes = min(limits)
 
     # --------------------------------------------------------------------------------- helpers
 
     def rkey(self, key: bytes) -> bytes:
         """The server-side name of ``key``'s record (tests plant and inspect with it)."""
         self._check_key(key)
-        return self._prefix + key.hex().encode()
+        return self._keys.rkey(key)
 
     def set_call_hook(self, hook: Optional[Callable[[RemoteNode, Sequence[Tuple[Any, ...]]], None]]) -> None:
         """Fault injection: ``hook(node, commands)`` runs right before each pipeline is sent to
@@ -290,113 +223,18 @@ class RemoteTier(ChunkTier):
         that pipeline's connection failing."""
         self._router.set_hook(hook)
 
-    def _chunk_key(self, rkey: bytes) -> Optional[bytes]:
-        if not rkey.startswith(self._prefix):
-            return None
-        try:
-            return bytes.fromhex(rkey[len(self._prefix):].decode("ascii"))
-        except ValueError:
-            return None
-
     _check_key = staticmethod(check_key)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"remote tier at {self.address.url} is closed")
 
-    def _next_sequence(self) -> int:
-        self._sequence += 1
-        return self._sequence
-
-    def _forget(self, key: bytes) -> bool:
-        entry = self._known.pop(key, None)
-        if entry is None:
-            return False
-        self._known_bytes -= entry[1]
-        return True
-
-    def _remember(self, key: bytes, seq: int, size: int) -> None:
-        old = self._known.get(key)
-        if old is not None:
-            self._known_bytes -= old[1]
-            size = size or old[1]
-        self._known[key] = (seq, size)
-        self._known_bytes += size
-
-    def _report(self, removals: List[Removal]) -> None:
-        self._removal_feed.publish(removals)
-
-    def _removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
-        """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
-        out: List[Removal] = []
-        for key in keys:
-            if self._forget(key):
-                out.append(Removal(key, self._next_sequence(), reason))
-        return out
-
-    async def _run_codec(self, fn: Callable[[Sequence[Any]], List[Any]], jobs: Sequence[Any],
-                         sizes: Sequence[int], inline_below: int) -> List[Any]:
-        if not jobs:
-            return []
-        if sum(sizes) < inline_below:
-            return fn(jobs)
-        # One shared slicing rule (tiers.codec_pool): at most one slice per I/O thread, >= 1 MiB each.
-        coding = map_slices(self._io, fn, jobs, sizes, workers=self._io_threads, min_slice_bytes=MIN_SLICE_BYTES)
-        return await asyncio.wrap_future(coding)
-
-    async def _node_calls(self, rkeys: Sequence[bytes], sizes: Sequence[int],
-                          make: Callable[[int], Tuple[Any, ...]],
-                          send: Optional[Callable[[RemoteNode, List[int]], Awaitable[List[Any]]]] = None,
-                          ) -> Tuple[List[Any], List[BaseException]]:
-        """Run one command per key, grouped per node into size-capped pipelines, all concurrently
-        (``send(node, indexes)`` runs one pipeline; by default ``node.call`` of ``make(i)`` each).
-
-        Returns the per-key replies (an exception object where that key's command or its node
-        failed) and the node-level failures. Every pipeline is waited for before returning."""
-        replies: List[Any] = [None] * len(rkeys)
-        per, orphans = self._router.group(rkeys)
-        failures: List[BaseException] = []
-        for i in orphans:
-            replies[i] = TierIOError("remote tier: no node serves this key's slot")
-        if orphans:
-            failures.append(replies[orphans[0]])
-            self._router.refresh_soon()
-        jobs: List[Tuple[RemoteNode, List[int]]] = []
-        for name, indexes in per.items():
-            node = self._router.nodes[name]
-            for part in _pipelines(indexes, sizes, self._pipeline_max_bytes):
-                jobs.append((node, part))
-        if send is None:
-            send = lambda node, part: node.call([make(i) for i in part])  # noqa: E731
-        outcomes = await asyncio.gather(*(send(node, part) for node, part in jobs), return_exceptions=True)
-        moved = False
-        for (node, part), outcome in zip(jobs, outcomes):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                failures.append(outcome)
-                if isinstance(outcome, NodeUnavailableError):
-                    self._extra["breaker_rejected"] += len(part)
-                elif isinstance(outcome, TierTimeoutError):
-                    self._extra["timeouts"] += 1
-                for i in part:
-                    replies[i] = outcome
-                continue
-            for i, reply in zip(part, outcome):
-                replies[i] = reply
-                if is_moved(reply):
-                    moved = True
-        if moved:
-            self._extra["moved"] += 1
-            self._router.refresh_soon()
-        return replies, failures
-
     # ---------------------------------------------------------------------------- public, sync
 
     @property
     def sequence(self) -> int:
         """The last mutation sequence this instance assigned (puts, deletes, removals seen)."""
-        return self._sequence
+        return self._keys.sequence
 
     @property
     def degraded(self) -> bool:
@@ -415,7 +253,7 @@ class RemoteTier(ChunkTier):
         (corrupt or foreign value found by a read), ``external`` (found gone by the listing). It
         runs on the loop that was running when this was called (handed over with
         ``call_soon_threadsafe``)."""
-        self._removal_feed.subscribe(callback)
+        self._keys.feed.subscribe(callback)
 
     def statistics(self) -> TierStatistics:
         """Counters of this instance (items, not batches, unless named so). ``records`` / ``bytes``
@@ -426,22 +264,7 @@ class RemoteTier(ChunkTier):
         breaker_open (primaries whose breaker is not closed), breaker_opens, evictions_notified,
         removals_listed, listings, listener_restarts, rollbacks, moved, nodes, get_direct (values
         whose payload the reader placed straight in the caller's buffer)."""
-        extra = dict(self._extra)
-        primaries = self._router.primaries()
-        extra["nodes"] = float(len(primaries))
-        extra["breaker_open"] = float(sum(1 for n in primaries if n.breaker.state != "closed"))
-        extra["breaker_opens"] = float(sum(n.breaker.opens for n in self._router.nodes.values()))
-        extra["notifications_on"] = float(sum(1 for v in self._listener.enabled.values() if v))
-        extra["listener_restarts"] = float(self._listener.restarts)
-        extra["sequence"] = float(self._sequence)
-        s = self._stats
-        return TierStatistics(
-            records=len(self._known), bytes=self._known_bytes, capacity_bytes=None,
-            puts=s["puts"], put_batches=s["put_batches"], gets=s["gets"], hits=s["hits"],
-            misses=s["misses"], corrupt=s["corrupt"], mismatched=s["mismatched"],
-            quarantined=s["quarantined"], evictions=s["evictions"], deletes=s["deletes"],
-            errors=s["errors"], degraded=self.degraded, extra=extra,
-        )
+        return self._counters.statistics(self._keys, self._router, self._listener, self.degraded)
 
     # ---------------------------------------------------------------------------------- puts
 
@@ -460,7 +283,7 @@ class RemoteTier(ChunkTier):
         """
         if not items:
             self._check_open()
-            return self._sequence
+            return self._keys.sequence
         encoded, task = self.start_put(items)
         try:
             return await asyncio.shield(task)
@@ -489,24 +312,21 @@ class RemoteTier(ChunkTier):
         if not batch:
             encoded.set_result(None)
         keys = list(batch)
-        self._writing.add(keys)
+        self._keys.start_writing(keys)
         task = self._tasks.spawn(self._put_batch(list(batch.values()), encoded, after))
-        task.add_done_callback(lambda _: self._done_writing(keys))
+        task.add_done_callback(lambda _: self._keys.done_writing(keys))
         return encoded, task
-
-    def _done_writing(self, keys: List[bytes]) -> None:
-        self._evicted_while_writing.difference_update(self._writing.discard(keys))
 
     async def _put_batch(self, batch: List[Tuple[bytes, ChunkMeta, memoryview]],
                          encoded: "asyncio.Future[None]", after: Optional["asyncio.Future[Any]"] = None) -> int:
         if not batch:
-            return self._sequence
+            return self._keys.sequence
         started = time.perf_counter()
-        rkeys = [self._prefix + key.hex().encode() for key, _, _ in batch]
+        rkeys = self._keys.rkeys(key for key, _, _ in batch)
         codec = self._codec
         try:
-            records: List[bytes] = await self._run_codec(
-                lambda part: [encode_record(rk, meta, raw, codec) for rk, (_, meta, raw) in part],
+            records: List[bytes] = await self._coding.run(
+                lambda part: encode_records(part, codec),
                 list(zip(rkeys, batch)), [raw.nbytes for _, _, raw in batch], 0,
             )
         finally:
@@ -521,7 +341,7 @@ class RemoteTier(ChunkTier):
                 f"remote tier: a record of {max(sizes)} bytes exceeds the server's proto-max-bulk-len "
                 f"of {self._max_value_bytes} bytes; nothing of the batch was sent"
             )
-        replies, failures = await self._node_calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
+        replies, failures = await self._fanout.calls(rkeys, sizes, lambda i: ("SET", rkeys[i], records[i]))
         stored = [i for i, r in enumerate(replies) if r is True or r == b"OK"]
         if len(stored) != len(batch):
             full = any(isinstance(r, OutOfMemoryError) for r in replies)
@@ -542,21 +362,17 @@ class RemoteTier(ChunkTier):
                                   f"{type(bad).__name__}: {bad}") from bad
             raise type(first)(f"remote tier: store of {len(batch)} records failed: {first}") from first
         self._write_failed = False
-        seq = self._next_sequence()
+        seq = self._keys.next_sequence()
         for (key, _, _), size in zip(batch, sizes):
-            self._remember(key, seq, size)
+            self._keys.remember(key, seq, size)
         # Evicted while the put was in flight: maybe this batch's copy, maybe an older one. Report
         # it after the put's sequence - at worst a lost hit, never a promise of a missing chunk.
-        late = [key for key, _, _ in batch if key in self._evicted_while_writing]
+        late = self._keys.evicted_during(key for key, _, _ in batch)
         if late:
-            self._evicted_while_writing.difference_update(late)
-            self._count_evictions(self._removed(late, "evicted"))
-        elapsed = time.perf_counter() - started
+            self._count_evictions(self._keys.removed(late, "evicted"))
         self._stats["puts"] += len(batch)
         self._stats["put_batches"] += 1
-        self._extra["put_bytes"] += sum(sizes)
-        self._extra["put_seconds"] += elapsed
-        self._extra["put_seconds_max"] = max(self._extra["put_seconds_max"], elapsed)
+        self._counters.batch_done("put", sum(sizes), started)
         return seq
 
     async def _rollback(self, rkeys: List[bytes], keys: List[bytes]) -> None:
@@ -564,12 +380,12 @@ class RemoteTier(ChunkTier):
         if not rkeys:
             return
         self._extra["rollbacks"] += 1
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        _, failures = await self._fanout.each("DEL", rkeys)
         if failures:
             self._stats["errors"] += 1
             logger.warning("remote tier: rollback of %d records incomplete: %s", len(rkeys), failures[0])
         # A key this instance knew before the batch held an older copy, now deleted.
-        self._report(self._removed(keys, "deleted"))
+        self._keys.report(self._keys.removed(keys, "deleted"))
 
     # ---------------------------------------------------------------------------------- gets
 
@@ -614,12 +430,12 @@ class RemoteTier(ChunkTier):
         started = time.perf_counter()
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
         try:
-            rkeys = [self._prefix + key.hex().encode() for key, _ in checked]
+            rkeys = self._keys.rkeys(key for key, _ in checked)
             send = None
             if self._direct_get:
                 send = lambda node, part: node.get_into(  # noqa: E731
                     [rkeys[i] for i in part], [checked[i][1] for i in part], state["live"])
-            replies, failures = await self._node_calls(
+            replies, failures = await self._fanout.calls(
                 rkeys, [buf.nbytes for _, buf in checked], lambda i: ("GET", rkeys[i]), send
             )
             if state["phase"] == "abandoned":
@@ -633,27 +449,8 @@ class RemoteTier(ChunkTier):
             jobs = [(rkeys[i], data, checked[i][1]) for i, data in found]
             fingerprint = self._fingerprint
 
-            def decode(part: Sequence[Tuple[bytes, Any, memoryview]]) -> List[Any]:
-                out: List[Any] = []
-                for rkey, data, buf in part:
-                    try:
-                        meta = decode_into(rkey, data, buf)
-                    except RecordSizeMismatchError as exc:
-                        out.append(_Mismatch(str(exc), False))
-                        continue
-                    except RecordMetaMismatchError as exc:
-                        out.append(_Mismatch(str(exc), True))
-                        continue
-                    except CorruptRecordError as exc:
-                        out.append(exc)
-                        continue
-                    if fingerprint is not None and meta.fingerprint != fingerprint:
-                        out.append(_Mismatch("record of another fingerprint", True))
-                        continue
-                    out.append(meta)
-                return out
-
-            outcomes = await self._run_codec(decode, jobs, [b.nbytes for _, _, b in jobs], _INLINE_DECODE_BYTES)
+            outcomes = await self._coding.run(lambda part: decode_records(part, fingerprint), jobs,
+                                              [b.nbytes for _, _, b in jobs], _INLINE_DECODE_BYTES)
         finally:
             if not decoded.done():
                 decoded.set_result(None)
@@ -666,7 +463,7 @@ class RemoteTier(ChunkTier):
                 self._stats["corrupt"] += 1
                 bad.append(rkeys[i])
                 bad_keys.append(key)
-            elif isinstance(outcome, _Mismatch):
+            elif isinstance(outcome, Mismatch):
                 self._stats["mismatched"] += 1
                 if outcome.foreign:
                     bad.append(rkeys[i])
@@ -675,31 +472,25 @@ class RemoteTier(ChunkTier):
                 size = fetched_size(data, checked[i][1])
                 results[i] = outcome
                 got += size
-                if key not in self._known:
-                    self._remember(key, self._sequence, size)
+                self._keys.remember_new([key], self._keys.sequence, size)
         if bad:
             await self._quarantine(list(dict.fromkeys(bad)), list(dict.fromkeys(bad_keys)))
         hits = sum(1 for r in results if r is not None)
         self._stats["hits"] += hits
         self._stats["misses"] += len(checked) - hits
-        elapsed = time.perf_counter() - started
-        self._extra["get_bytes"] += got
         self._extra["get_batches"] += 1
-        self._extra["get_seconds"] += elapsed
-        self._extra["get_seconds_max"] = max(self._extra["get_seconds_max"], elapsed)
+        self._counters.batch_done("get", got, started)
         return results
 
     async def _quarantine(self, rkeys: List[bytes], keys: List[bytes]) -> None:
         """Delete values that must never be served again. Nothing to move them to on a shared
         server: kvtier keeps no copy of another host's bad bytes."""
-        _, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        _, failures = await self._fanout.each("DEL", rkeys)
         if failures:
             self._stats["errors"] += 1
         self._stats["quarantined"] += len(keys)
-        # Reported even if unknown before: a reader's index may hold it from a listing elsewhere.
-        for key in keys:
-            self._known.setdefault(key, (self._sequence, 0))
-        self._report(self._removed(keys, "quarantined"))
+        self._keys.know(keys)  # reported even if unknown before (``Keyspace.know``)
+        self._keys.report(self._keys.removed(keys, "quarantined"))
 
     # ------------------------------------------------------------------------- other requests
 
@@ -716,13 +507,11 @@ class RemoteTier(ChunkTier):
         return await asyncio.shield(self._tasks.spawn(self._delete(unique)))
 
     async def _delete(self, keys: List[bytes]) -> int:
-        rkeys = [self._prefix + key.hex().encode() for key in keys]
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("DEL", rkeys[i]))
+        replies, failures = await self._fanout.each("DEL", self._keys.rkeys(keys))
         gone = [keys[i] for i, r in enumerate(replies) if r == 1]
         self._stats["deletes"] += len(gone)
-        for key in gone:
-            self._known.setdefault(key, (self._sequence, 0))
-        self._report(self._removed(gone, "deleted"))
+        self._keys.know(gone)
+        self._keys.report(self._keys.removed(gone, "deleted"))
         if failures:
             self._stats["errors"] += 1
             raise TierIOError(f"remote tier: delete failed on a node: {failures[0]}") from failures[0]
@@ -736,57 +525,23 @@ class RemoteTier(ChunkTier):
             self._check_key(key)
         if not keys:
             return []
-        rkeys = [self._prefix + key.hex().encode() for key in keys]
-        replies, failures = await self._node_calls(rkeys, [len(k) for k in rkeys], lambda i: ("EXISTS", rkeys[i]))
+        replies, failures = await self._fanout.each("EXISTS", self._keys.rkeys(keys))
         if failures:
             self._stats["errors"] += 1
         return [r == 1 for r in replies]
-
-    async def _scan(self) -> Tuple[Set[bytes], Set[str]]:
-        """Keys of this namespace on every primary reachable now, and the primaries that failed."""
-        found: Set[bytes] = set()
-        failed: Set[str] = set()
-
-        async def scan_node(node: RemoteNode) -> None:
-            cursor: Any = 0
-            pattern = self._prefix + b"*"
-            while True:
-                reply = (await node.call([("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)]))[0]
-                if isinstance(reply, BaseException):
-                    raise TierIOError(f"remote tier: SCAN on {node.name} failed: {reply}")
-                cursor, names = reply
-                for rk in names:
-                    key = self._chunk_key(bytes(rk))
-                    if key is not None:
-                        found.add(key)
-                if int(cursor) == 0:
-                    return
-
-        nodes = self._router.primaries()
-        outcomes = await asyncio.gather(*(scan_node(n) for n in nodes), return_exceptions=True)
-        for node, outcome in zip(nodes, outcomes):
-            if isinstance(outcome, asyncio.CancelledError):
-                raise outcome
-            if isinstance(outcome, BaseException):
-                failed.add(node.name)
-                self._stats["errors"] += 1
-        return found, failed
 
     async def list_keys(self) -> List[bytes]:
         """Every key of this namespace on the primaries reachable now (``SCAN``; a node that fails
         is skipped and counted in ``errors``: its records are unreadable anyway). Cancelling it:
         no effect beyond the listing stopping."""
         self._check_open()
-        found, _ = await self._scan()
-        seq = self._sequence
-        for key in found:
-            if key not in self._known:
-                self._remember(key, seq, 0)
+        found, _ = await self._listing.scan()
+        self._keys.remember_new(found, self._keys.sequence)
         return list(found)
 
     async def snapshot_keys(self) -> KeySnapshot:
         """Keys and the sequence they reflect (every removal reported up to it)."""
-        seq = self._sequence
+        seq = self._keys.sequence
         return KeySnapshot(frozenset(await self.list_keys()), seq)
 
     async def flush(self) -> None:
@@ -800,17 +555,9 @@ class RemoteTier(ChunkTier):
         self._check_open()
         problems: List[str] = []
         for node in self._router.primaries():
-            # A half-open breaker is probed by this call (and healed if the node answers).
-            command: Tuple[Any, ...] = ("CLUSTER", "INFO") if self.address.cluster else ("PING",)
-            try:
-                reply = (await node.call([command]))[0]
-            except TierIOError as exc:
-                problems.append(f"node {node.name}: {exc}")
-                continue
-            if isinstance(reply, BaseException):
-                problems.append(f"node {node.name}: {reply}")
-            elif self.address.cluster and b"cluster_state:ok" not in bytes(reply):
-                problems.append(f"node {node.name}: cluster state not ok")
+            problem = await node.problem(self.address.cluster)
+            if problem is not None:
+                problems.append(problem)
             if not self._listener.enabled.get(node.name, False):
                 problems.append(f"node {node.name}: eviction notifications off (listing only)")
         return problems
@@ -825,69 +572,27 @@ class RemoteTier(ChunkTier):
 
     async def _shutdown(self) -> None:
         self._closed = True
-        if self._listing_task is not None:
-            self._listing_task.cancel()
-            await asyncio.gather(self._listing_task, return_exceptions=True)
+        await self._listing.close()
         await self._listener.close()
         await self._router.close()
-        self._io.shutdown(wait=False)
+        self._coding.shutdown()
 
     # --------------------------------------------------------------- evictions: notifications
 
     def _on_evicted(self, names: List[bytes]) -> None:
-        keys = [k for k in (self._chunk_key(name) for name in names) if k is not None]
-        self._evicted_while_writing.update(k for k in keys if k in self._writing)
-        self._count_evictions(self._removed(keys, "evicted"))
+        self._count_evictions(self._keys.removed(self._keys.evicted(names), "evicted"))
 
     def _count_evictions(self, removals: List[Removal]) -> None:
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
-        self._report(removals)
+        self._keys.report(removals)
 
     # ----------------------------------------------------------------- evictions: the listing
 
-    async def _listing_loop(self) -> None:
-        interval = self._listing_interval_s
-        assert interval is not None
-        while not self._closed:
-            try:
-                await asyncio.wait_for(self._listing_wakeup.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
-            self._listing_wakeup.clear()
-            if self._closed:
-                return
-            try:
-                await self.reconcile()
-            except ClosedError:
-                return
-            except Exception as exc:  # keep the backstop alive; the next round tries again
-                self._stats["errors"] += 1
-                logger.warning("remote tier: listing failed: %s", exc)
-
     async def reconcile(self) -> int:
-        """One round of the backstop: refresh the slot map, (re)start listeners for new primaries,
-        list every primary, and report each known key that is gone (``external``) - but only keys
-        last seen before the listing began, on primaries that listed fine. Returns how many were
-        reported. Cancelling it: nothing is reported."""
+        """One round of the backstop listing (``Listing.reconcile``): refresh the slot map,
+        (re)start listeners for new primaries, list every primary, and report each known key that
+        is gone (``external``) - but only keys last seen before the listing began, on primaries
+        that listed fine. Returns how many were reported. Cancelling it: nothing is reported."""
         self._check_open()
-        self._extra["listings"] += 1
-        await self._router.refresh()
-        await self._listener.sync()
-        start_seq = self._sequence
-        found, failed = await self._scan()
-        gone: List[bytes] = []
-        for key, (seq, _) in list(self._known.items()):
-            if seq > start_seq or key in found:
-                continue
-            node = self._router.owner(self._prefix + key.hex().encode())
-            if node is None or node.name in failed:
-                continue
-            gone.append(key)
-        removals = self._removed(gone, "external")
-        self._extra["removals_listed"] += len(removals)
-        self._report(removals)
-        for key in found:
-            if key not in self._known:
-                self._remember(key, start_seq, 0)
-        return len(removals)
+        return await self._listing.reconcile()

@@ -18,7 +18,8 @@ _SCHEMES = ("redis://", "redis+cluster://")
 
 @dataclass(frozen=True)
 class RemoteAddress:
-    """Where the remote tier connects: ``cluster`` mode or one node, and the seed endpoints."""
+    """Where the remote tier connects: ``cluster`` mode or one node, and the seed endpoints.
+    Immutable: any thread."""
 
     cluster: bool
     seeds: Tuple[Tuple[str, int], ...]

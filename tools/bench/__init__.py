@@ -26,7 +26,7 @@ machines are shared and noisy (absolute speeds drift by 2x within minutes). Per 
   end to end through ``OffloadEngine`` (store until every chunk is durable; after a restart and a
   dropped page cache, lookup + load of every request into device blocks). Restored bytes are
   checked against the originals; a mismatch fails the run.
-- Engine bookkeeping per chunk (``tools.bench_engine``); ``longest_hit`` on a 131072-token request.
+- Engine bookkeeping per chunk (``tools.bench.engine``); ``longest_hit`` on a 131072-token request.
 - Coverage: SWA store bytes on a DeepSeek-V4-like layout at 100K tokens against storing every
   chunk and against a brute-force minimal set (they must be equal: exit code 1 otherwise).
 - Compression: zstd byte planes on real bf16 KV of a tiny random-init Gemma3 (built from a
@@ -37,26 +37,31 @@ exponent) compress like real KV's, their low bytes barely do. Before measuring, 
 and frees as much memory as it will use, so first-touch costs of a fresh VM (lazily backed guest
 memory: ~0.2 GB/s here) land on no measurement in particular.
 
-Modules: ``settings`` (sizes, budgets, targets), ``report`` (rows and the table), ``machine``
-(filesystem, page-cache drops, first-touch memory), ``kv`` (the KV bytes and paged layout, copy
-limits), ``subjects`` (what the disk figures time, and the ``TIER_SUBJECTS`` registry where a new
-subject goes), ``rounds`` (paired rounds), ``figures`` (policy and compression), ``run``.
+Inner modules (this package's names are their surface): ``_settings`` (sizes, budgets, targets),
+``_report`` (rows and the table), ``_machine`` (filesystem, page-cache drops, first-touch memory),
+``_kv`` (the KV bytes and paged layout, copy limits), ``_subjects`` (what the disk figures time, and
+the ``TIER_SUBJECTS`` registry where a new subject goes), ``_rounds`` (paired rounds), ``_figures``
+(policy and compression), ``_compressed``, ``_release``, ``_remote``, ``_peers``, ``_run``.
+The standalone probes, each ``python -m kvtier.tools.bench.NAME``: ``engine`` (bookkeeping per
+chunk), ``keys`` (chunk keys on a long prompt), ``longest_hit`` (the policy's hot functions),
+``segments`` (the disk write path), ``compaction`` (what segment compaction costs), ``metasync``
+(LMDB metadata sync modes).
 """
 
-from .figures import (
+from ._figures import (
     deepseek_v4_like_layout,
     gemma3_kv_bytes,
     measure_compression,
     measure_coverage,
     measure_longest_hit,
 )
-from .kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
-from .machine import drop_page_cache
-from .report import BenchReport, BenchRow, format_report
-from .rounds import PairedTimes, run_paired
-from .run import run_bench, run_bench_command
-from .settings import SIZES
-from .subjects import TIER_SUBJECTS, DiskSubject, EngineSubject, FilePerChunk, RawFile, RowContext, SubjectSpec, TierSubject
+from ._kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
+from ._machine import drop_page_cache
+from ._report import BenchReport, BenchRow, format_report
+from ._rounds import PairedTimes, run_paired
+from ._run import run_bench, run_bench_command
+from ._settings import SIZES
+from ._subjects import TIER_SUBJECTS, DiskSubject, EngineSubject, FilePerChunk, RawFile, RowContext, SubjectSpec, TierSubject
 
 __all__ = [
     "BenchRow",

@@ -15,12 +15,12 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
-from ..argtypes import int_option
+from .._argtypes import int_option
 from .layouts import PRESETS, ReplayLayout, resolve_layout
-from .report import format_report, plot_sweep, summarize
+from .report import JsonObject, format_report, plot_sweep, summarize
 from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
 from .trace import Trace, read_trace
-from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
+from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes, scaled_layout
 
 __all__ = ["add_arguments", "run", "run_replay", "parse_budget"]
 
@@ -139,9 +139,12 @@ class Budgets:
         self.chunk_bytes = true_chunks
         self.unique_bytes = work.unique_bytes(true_chunks)
         host_size, host_share = parse_budget(args.host_bytes, "--host-bytes")
-        if host_size is None and host_share is None:
+        if host_share is not None:
+            self.host_bytes = max(1, int(host_share * self.unique_bytes))
+        elif host_size is not None:
+            self.host_bytes = host_size
+        else:
             raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
-        self.host_bytes = host_size if host_share is None else max(1, int(host_share * self.unique_bytes))
         self.host_slots = host_slots(self.host_bytes, true_chunks)
         disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
         self.has_disk = not (disk_size == 0 and disk_share is None)
@@ -160,7 +163,7 @@ class Budgets:
             self.reference_capacity = max([int(s * self.unique_bytes) for s in shares] + sizes + [1])
 
 
-def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
+def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
     """One replay (engine mode, or the fast mode with ``args.simulate``) and its references."""
     started = time.perf_counter()
     work = Workload.prepare(trace, layout)
@@ -175,7 +178,7 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
                                has_disk=budgets.has_disk, spill_chunk_bytes=layout.all_chunk_bytes,
                                policy=args.policy, progress=progress)
 
-    result: Dict[str, object] = {
+    result: JsonObject = {
         "trace": trace.path, "trace_format": trace.format, "prefix_sharing": trace.prefix_sharing,
         "requests": len(trace), "input_tokens": trace.input_tokens, "layout": layout.describe(),
         "layout_name": layout.name, "bytes_scale": layout.scale, "host_bytes": budgets.host_bytes,
@@ -194,10 +197,10 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
     else:
         from .engine_mode import replay_engine
 
-        temporary = args.cache_dir is None and budgets.has_disk
-        cache_dir = tempfile.mkdtemp(prefix="kvtier-replay-") if temporary else (args.cache_dir if budgets.has_disk else None)
+        temporary = tempfile.mkdtemp(prefix="kvtier-replay-") if args.cache_dir is None and budgets.has_disk else None
+        cache_dir = temporary if temporary is not None else (args.cache_dir if budgets.has_disk else None)
         try:
-            from kvtier.tools.valkey import remote_server
+            from kvtier.tools.testing.valkey import remote_server
 
             with remote_server(args.remote) as remote_url, _progress(len(trace), progress_off, "kvtier replay") as bar:
                 begun = time.perf_counter()
@@ -207,8 +210,8 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> Dict[str, object]:
                     remote_url=remote_url, progress=bar.update))
                 wall = time.perf_counter() - begun
         finally:
-            if temporary:
-                shutil.rmtree(cache_dir, ignore_errors=True)
+            if temporary is not None:
+                shutil.rmtree(temporary, ignore_errors=True)
         result["main"] = summarize(main, warmup_fraction=warm, wall_s=wall)
         model = fast()
         result["simulate"] = summarize(model, warmup_fraction=warm)
@@ -245,8 +248,8 @@ def run(args) -> int:
         return _run_comparison(args, trace)
     if args.sweep:
         return _run_sweep(args, trace)
-    layout = resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
-                            extra_retained_tokens=args.extra_retained_tokens, bytes_scale=args.bytes_scale)
+    layout = scaled_layout(resolve_layout(args.layout, model_config=args.model_config, vllm_layout=args.vllm_layout,
+                                          extra_retained_tokens=args.extra_retained_tokens), args.bytes_scale)
     from .engine_mode import EngineReplayError
 
     try:
@@ -282,6 +285,7 @@ def _run_through_vllm(args) -> int:
                          "trace's blocks): not with --layout, --model-config, --vllm-layout or -R")
     trace = read_trace(args.trace, format=args.format).limited(args.limit or VLLM_LIMIT,
                                                                args.max_input_tokens or VLLM_MAX_INPUT_TOKENS)
+    result: JsonObject
     try:
         with _progress(2 * len(trace), args.no_progress or args.json, "kvtier replay --through-vllm") as bar:
             result = replay_through_vllm(trace, total_chunks=args.vllm_chunks, cpu_chunks=args.vllm_cpu_chunks,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .layouts import preset
-from .report import paired_bootstrap
+from .report import JsonObject, paired_bootstrap
 from .sim import simulate_belady, simulate_engine
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
@@ -27,10 +27,10 @@ COMPARE_BUDGETS = (0.02, 0.05, 0.10)
 
 def run_comparison(trace: Trace, *, policies: Sequence[str], layouts: Sequence[str], r_values: Sequence[int] = (0, 3),
                    budgets: Sequence[float] = COMPARE_BUDGETS, bootstrap: int = 1000,
-                   progress: Optional[Callable[[int], None]] = None) -> List[Dict[str, object]]:
+                   progress: Optional[Callable[[int], None]] = None) -> List[JsonObject]:
     """One row per (layout, R, budget): each policy's hit rate, its ratio to and difference from
     ``lru`` (95% interval), and the Belady bound's hit rate."""
-    rows: List[Dict[str, object]] = []
+    rows: List[JsonObject] = []
     names = ["lru"] + [p for p in policies if p != "lru"]
     for name in layouts:
         base = preset(name, 0)
@@ -42,7 +42,7 @@ def run_comparison(trace: Trace, *, policies: Sequence[str], layouts: Sequence[s
             plans = Plans(preset(name, r), None)
             for budget in budgets:
                 capacity = int(budget * unique)
-                row: Dict[str, object] = {"layout": name, "R": r, "budget": budget}
+                row: JsonObject = {"layout": name, "R": r, "budget": budget}
                 outcomes = {}
                 for policy in names:
                     outcomes[policy] = simulate_engine(
@@ -63,7 +63,7 @@ def run_comparison(trace: Trace, *, policies: Sequence[str], layouts: Sequence[s
     return rows
 
 
-def format_comparison(rows: Sequence[Dict[str, object]], policies: Sequence[str]) -> str:
+def format_comparison(rows: Sequence[JsonObject], policies: Sequence[str]) -> str:
     """Markdown: layout, R, budget, LRU, each other policy (hit rate, x LRU, points with the 95%
     interval), the Belady bound."""
     others = [p for p in policies if p != "lru"]

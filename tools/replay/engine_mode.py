@@ -18,9 +18,8 @@ arrives on the host during a load was promoted from disk; the rest of the load c
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import blake3
 import numpy as np
@@ -51,26 +50,26 @@ def chunk_bytes_of_key(key: bytes, nbytes: int) -> np.ndarray:
     return np.frombuffer(blake3.blake3(key).digest(length=nbytes), dtype=np.uint8)
 
 
-class _SizedPoolsEngine(OffloadEngine):
-    """The engine with host pools of given slot counts: those the true (unscaled) chunk sizes
-    give for the host budget (``tiers.host.pools_for_budget``), so that ``--bytes-scale`` shrinks
-    the slots' bytes without changing how many chunks the host holds (page padding of large
-    slots, which the split counts, would otherwise change with the scale)."""
+def _sized_pools(host_slots: List[int]) -> Callable[..., List[HostSlabPool]]:
+    """An ``OffloadEngine(host_pools=...)`` factory of pools holding ``host_slots[g]`` chunks: those
+    the true (unscaled) chunk sizes give for the host budget (``tiers.host.pools_for_budget``), so
+    that ``--bytes-scale`` shrinks the slots' bytes without changing how many chunks the host holds
+    (page padding of large slots, which the split counts, would otherwise change with the scale)."""
+    slots = list(host_slots)
 
-    def __init__(self, *args, host_slots: List[int], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._replay_slots = list(host_slots)
+    def make(chunk_bytes: List[int], *, device_kind: str, eviction: str) -> List[HostSlabPool]:
+        return [HostSlabPool(nbytes, count, device_kind=device_kind, eviction=eviction)
+                for nbytes, count in zip(chunk_bytes, slots)]
 
-    def _make_pools(self) -> List[HostSlabPool]:
-        # the view's own device, as the engine's pools (the config's device_kind may be None: follow it)
-        return [HostSlabPool(self.device.chunk_nbytes(g), slots, device_kind=str(self.device.device),
-                             eviction=self.config.host_policy()) for g, slots in enumerate(self._replay_slots)]
+    return make
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:
     request = trace.requests[index]
     if request.token_ids is not None:
         return request.token_ids.tolist()
+    if request.block_ids is None:
+        raise ValueError(f"request {request.index} has neither block_ids nor token_ids")
     return block_tokens(request.block_ids, request.input_length, trace.block_tokens).tolist()
 
 
@@ -104,7 +103,7 @@ async def replay_engine(
     fingerprint = layout_fingerprint(model, model=f"kvtier-replay:{layout.name}", dtype="uint8",
                                      shapes=[(b,) for b in layout.block_bytes], weights_version="replay-1")
     host_bytes = sum(n * size for n, size in zip(host_slots, chunk_bytes))
-    options: Dict[str, object] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
+    options: Dict[str, Any] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
                                       eviction_policy=policy if policy in EVICTION_POLICIES else "lru",
                                       host_eviction_policy=policy, events_max=1 << 20)
     if cache_dir is not None:
@@ -155,10 +154,12 @@ async def replay_engine(
     def remote_hits(engine: OffloadEngine) -> float:
         from kvtier.tiers.chain import tier_statistics_dict
 
-        return float(tier_statistics_dict(engine.disk_tier).get("hits.remote", 0.0))
+        tier = engine.disk_tier
+        return float(tier_statistics_dict(tier).get("hits.remote", 0.0)) if tier is not None else 0.0
 
     seen_remote = [0.0]
-    async with _SizedPoolsEngine(model, device, config, fingerprint=fingerprint, host_slots=host_slots) as engine:
+    async with OffloadEngine(model, device, config, fingerprint=fingerprint,
+                             host_pools=_sized_pools(host_slots)) as engine:
         # The LMDB tier applies a load's uses (disk reads, and host hits it also holds) to its LRU
         # at its next write or on a timer; applying them after every load makes the moment they
         # land a function of the trace, as in the fast mode (each use touches at once).
@@ -200,7 +201,7 @@ async def replay_engine(
                     for g in range(num_groups):
                         bb = layout.block_bytes[g]
                         for c, block_list in plans[g]:
-                            expected = chunk_bytes_of_key(keys.key(g, c), chunk_bytes[g]).reshape(-1, bb)
+                            expected = chunk_bytes_of_key(keys.keys[g][c], chunk_bytes[g]).reshape(-1, bb)
                             for j, block in enumerate(block_list):
                                 if block is not None and not np.array_equal(arrays[g][block], expected[j]):
                                     wrong = int(np.count_nonzero(arrays[g][block] != expected[j]))
@@ -220,7 +221,7 @@ async def replay_engine(
                 per_chunk, bb = group.blocks_per_chunk, layout.block_bytes[g]
                 for c in range(n // group.tokens_per_chunk):
                     arrays[g][c * per_chunk:(c + 1) * per_chunk] = chunk_bytes_of_key(
-                        keys.key(g, c), chunk_bytes[g]).reshape(per_chunk, bb)
+                        keys.keys[g][c], chunk_bytes[g]).reshape(per_chunk, bb)
             handle = engine.store(keys, table)
             ops += 1
             await handle.wait_released()

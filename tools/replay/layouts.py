@@ -198,10 +198,15 @@ def _dtype_bytes(config) -> int:
 def layout_from_model_config(path: str, *, extra_retained_tokens: int = 0, block_size: int = 16,
                              full_blocks_per_chunk: int = 32, sliding_blocks_per_chunk: int = 1) -> ReplayLayout:
     """The layout of a transformers ``config.json``: groups as ``warmup`` builds them
-    (``tools/hf_model.layout_from_config``; DeepSeek-V4 through ``DeepseekV4CachePlan``), block
+    (``integrations.transformers.layout_from_config``; DeepSeek-V4 through ``DeepseekV4CachePlan``), block
     bytes from each layer's KV heads and head dims in the config's dtype."""
-    from kvtier.tools.hf_deepseek_v4 import DeepseekV4CachePlan, is_compressed_attention
-    from kvtier.tools.hf_model import layer_kv_shapes, layout_from_config, text_config
+    from kvtier.integrations.transformers import (
+        DeepseekV4CachePlan,
+        is_compressed_attention,
+        layer_kv_shapes,
+        layout_from_config,
+        text_config,
+    )
 
     config = _read_config(path)
     name = f"model-config:{getattr(text_config(config), 'model_type', None) or os.path.basename(path)}"
@@ -213,8 +218,8 @@ def layout_from_model_config(path: str, *, extra_retained_tokens: int = 0, block
         for g, (layers, shape, dtype) in enumerate(zip(plan.layer_groups, plan.item_shapes(), plan.group_dtypes(torch.bfloat16))):
             item = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             block_bytes.append(len(layers) * plan.items_per_block(g) * item)
-        names = tuple(r.kind + (f"-{r.rate}" if r.rate else "") for r in plan.roles)
-        return ReplayLayout(name, plan.layout, tuple(block_bytes), names)
+        roles = tuple(r.kind + (f"-{r.rate}" if r.rate else "") for r in plan.roles)
+        return ReplayLayout(name, plan.layout, tuple(block_bytes), roles)
     layout, layer_groups = layout_from_config(config, block_size=block_size, blocks_per_chunk=1,
                                               extra_retained_tokens=extra_retained_tokens)
     shapes = layer_kv_shapes(config)
@@ -255,9 +260,10 @@ def layout_from_vllm_file(path: str, *, extra_retained_tokens: int = 0, sliding_
 
 
 def resolve_layout(name: Optional[str], *, model_config: Optional[str] = None, vllm_layout: Optional[str] = None,
-                   extra_retained_tokens: int = 0, bytes_scale: float = 1.0) -> ReplayLayout:
+                   extra_retained_tokens: int = 0) -> ReplayLayout:
     """What ``--layout`` / ``--model-config`` / ``--vllm-layout`` name (one of them; default the
-    ``full-attention`` preset), scaled by ``--bytes-scale``."""
+    ``full-attention`` preset). ``--bytes-scale`` is ``workload.scaled_layout``'s: scaling needs
+    the record sizes the workload measures."""
     given = [n for n, v in (("--layout", name), ("--model-config", model_config), ("--vllm-layout", vllm_layout)) if v]
     if len(given) > 1:
         raise ValueError(f"give one of --layout, --model-config, --vllm-layout, not {' and '.join(given)}")
@@ -267,10 +273,5 @@ def resolve_layout(name: Optional[str], *, model_config: Optional[str] = None, v
         layout = layout_from_vllm_file(vllm_layout, extra_retained_tokens=extra_retained_tokens)
     else:
         layout = preset(name or "full-attention", extra_retained_tokens)
-    if bytes_scale == 1:
-        return layout
-    from .workload import REPLAY_FINGERPRINT, record_bytes
-
-    overhead = [size - layout.chunk_bytes(g) for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
-    return layout.scaled(bytes_scale, overhead)
+    return layout
 

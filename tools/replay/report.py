@@ -11,11 +11,15 @@ split in proportion to the bytes each tier served it, so the tiers add up to the
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .sim import Outcome
+
+# A result or a sweep row: the JSON object `kvtier replay --json` prints. Its values are of many
+# kinds (counts, rates, nested tables), read back by key, so they are typed Any.
+JsonObject = Dict[str, Any]
 
 __all__ = ["summarize", "format_report", "paired_bootstrap", "plot_sweep", "tier_hit_tokens"]
 
@@ -36,13 +40,13 @@ def _rates(outcome: Outcome, start: int) -> Tuple[float, Dict[str, float]]:
     return float(outcome.hit_tokens[start:].sum()) / tokens, by_tier
 
 
-def summarize(outcome: Outcome, *, warmup_fraction: float = 0.1, wall_s: Optional[float] = None) -> Dict[str, object]:
+def summarize(outcome: Outcome, *, warmup_fraction: float = 0.1, wall_s: Optional[float] = None) -> JsonObject:
     """The figures of one run; ``hit_rate`` is a fraction of input tokens."""
     n = len(outcome.hit_tokens)
     start = int(n * warmup_fraction)
     total, by_tier = _rates(outcome, 0)
     warm, warm_by_tier = _rates(outcome, start)
-    out: Dict[str, object] = {
+    out: JsonObject = {
         "mode": outcome.mode,
         "requests": n,
         "input_tokens": int(outcome.input_tokens.sum()),
@@ -68,7 +72,7 @@ def _mib(value: float) -> str:
     return f"{value / (1 << 20):,.1f} MiB"
 
 
-def format_report(result: Dict[str, object]) -> str:
+def format_report(result: JsonObject) -> str:
     """The readable table of ``run_replay``'s result."""
     lines = [f"kvtier replay: {result['trace']} ({result['trace_format']}), {result['requests']} requests, "
              f"{result['input_tokens']:,} input tokens"]
@@ -81,7 +85,7 @@ def format_report(result: Dict[str, object]) -> str:
                  + f"; unique bytes {_mib(result['unique_bytes'])}; retention {result['retention']}, policy {result['policy']}")
     header = f"  {'run':<16}{'hit rate':>9}{'host':>8}{'disk':>8}{'remote':>8}   {'after warm-up':>13}"
     lines += ["", header]
-    runs: List[Dict[str, object]] = [result["main"]] + [r for r in (result.get("simulate"), *result.get("references", {}).values()) if r]
+    runs: List[JsonObject] = [result["main"]] + [r for r in (result.get("simulate"), *result.get("references", {}).values()) if r]
     for run in runs:
         tiers = run["hit_rate_by_tier"]
         cell = lambda t: f"{tiers[t]:>8.1%}" if t in tiers else f"{'-':>8}"  # noqa: E731
@@ -126,7 +130,7 @@ def paired_bootstrap(hits_a: np.ndarray, hits_b: np.ndarray, tokens: np.ndarray,
     return point, float(low), float(high)
 
 
-def plot_sweep(rows: Sequence[Dict[str, object]], path: str) -> None:
+def plot_sweep(rows: Sequence[JsonObject], path: str) -> None:
     """Hit rate against budget, one line per (layout, R, retention), to ``path`` (PNG)."""
     try:
         import matplotlib

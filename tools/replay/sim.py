@@ -29,11 +29,11 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 
-from kvtier.policy import ChunkState, longest_hit
+from kvtier.policy import ChunkState, ModelLayout, longest_hit
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
 
@@ -44,6 +44,19 @@ __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate
 
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
+
+
+
+def _hit_tokens(layout: ModelLayout, ids: Sequence[Any], n: int, held: Callable[[int, Any], bool]) -> int:
+    """The longest hit of a request of ``n`` tokens whose chunk keys are ``ids[g]`` per group;
+    ``held(g, key)`` says whether the simulated cache holds that chunk. The last token is never a
+    hit (it must be computed to produce the next one)."""
+
+    def state(g: int, c: int) -> ChunkState:
+        group_ids = ids[g]
+        return _READY if c < len(group_ids) and held(g, group_ids[c]) else _MISSING
+
+    return longest_hit(layout, max(0, n - 1), state) or 0
 
 
 @dataclass
@@ -58,6 +71,11 @@ class TierCounts:
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
 
+    def evicted(self, size: int) -> None:
+        """Count one chunk of ``size`` bytes evicted."""
+        self.evicted_chunks += 1
+        self.evicted_bytes += size
+
 
 @dataclass
 class Outcome:
@@ -70,7 +88,7 @@ class Outcome:
     stored_bytes: np.ndarray  # bytes newly stored per request (first tier)
     tiers: Dict[str, TierCounts] = field(default_factory=dict)
     dropped_stores: Dict[str, int] = field(default_factory=dict)
-    extra: Dict[str, object] = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -142,9 +160,10 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     disk = make_byte_index(disk_policy if disk_policy is not None else
                            (policy if policy in BYTE_INDEX_NAMES else "lru"))
     disk_capacity_bytes = disk_capacity
-    disk_group: Dict[int, int] = {}
+    disk_group: Dict[Hashable, int] = {}  # chunk id -> group, for what the byte index holds
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
-    hcount, dcount = tiers["host"], tiers.get("disk")
+    # Without a disk tier nothing is written or promoted, so its counts stay zero and unreported.
+    hcount, dcount = tiers["host"], tiers["disk"] if has_disk else TierCounts()
     dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
     failed_loads = 0
     caps = [max(1, s // 2) for s in host_slots]
@@ -157,8 +176,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
 
     def evict_host(g: int, count: int, exclude) -> None:
         for key in host[g].victims(count, exclude):
-            hcount.evicted_chunks += 1
-            hcount.evicted_bytes += chunk_bytes[g]
+            hcount.evicted(chunk_bytes[g])
 
     def write(batch: List[tuple]) -> None:
         batch_bytes = sum(disk_record_bytes[g] for g, _ in batch)
@@ -169,10 +187,11 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         if cap is not None:
             excess = disk.total_bytes + batch_bytes - cap
             # The batch fits the capacity, so every other record together frees enough.
-            for key, _ in disk.choose_victims(excess, {key for _, key in batch}):
+            victims = disk.choose_victims(excess, {key for _, key in batch})
+            assert victims is not None, "a batch within the capacity always finds its victims"
+            for key, _ in victims:
                 disk.pop(key)
-                dcount.evicted_bytes += chunk_bytes[disk_group.pop(key)]
-                dcount.evicted_chunks += 1
+                dcount.evicted(chunk_bytes[disk_group.pop(key)])
         for g, key in batch:
             disk.put(key, disk_record_bytes[g])
             disk_group[key] = g
@@ -183,14 +202,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            if c >= len(group_ids):
-                return _MISSING
-            key = group_ids[c]
-            return _READY if key in host[g] or key in disk else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in host[g] or key in disk)
         hits[r] = hit
         if hit:
             jobs = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.load(g, hit))]
@@ -206,8 +218,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 counts[job[0]] += 1
             windows.append(current)
             for window in windows:
-                pinned = [set() for _ in range(num_groups)]
-                promote = [[] for _ in range(num_groups)]
+                pinned: List[Set[int]] = [set() for _ in range(num_groups)]
+                promote: List[List[int]] = [[] for _ in range(num_groups)]
                 for g, key in window:
                     (pinned[g].add(key) if key in host[g] else promote[g].append(key))
                 if any(key not in disk for g in range(num_groups) for key in promote[g]):
@@ -290,6 +302,14 @@ def _single_tier(work: Workload, plans: Plans):
             np.zeros(n_req, dtype=np.int64), TierCounts())
 
 
+def _single_tier_outcome(mode: str, work: Workload, hits: np.ndarray, read: np.ndarray, stored: np.ndarray,
+                         counts: TierCounts) -> Outcome:
+    """The ``Outcome`` of a one-cache run (the tier is named ``cache``), its byte totals counted."""
+    counts.read_bytes = int(read.sum())
+    counts.stored_bytes = int(stored.sum())
+    return Outcome(mode, hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored, {"cache": counts})
+
+
 def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
     """The reference: one LRU cache of ``capacity`` payload bytes over the chunks the store plan
     stores; a hit touches the chunks it reads, then the new chunks go in and the oldest go out."""
@@ -300,11 +320,7 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         ids = work.ids[r]
         n = work.tokens[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
@@ -320,18 +336,15 @@ def simulate_lru(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], ca
         while capacity is not None and total > capacity:
             _, size = cache.popitem(last=False)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("reference-lru", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("reference-lru", work, hits, read, stored, counts)
 
 
 def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
-    """Per request, the chunk ids it may read -> the index of the next request that may read
-    them (``len(work) + 1``: never again). A request may read every complete chunk of a full-attention
-    group and, of a sliding group, the chunks its dense store plan holds (every alignment
+    """Per request, the chunk ids it holds -> the index of the next request that may read them
+    (``len(work) + 1``: never again). A request may read the chunks of a full-attention group that
+    end before its last token (a hit never covers the last token; the chunk holding it is still
+    stored) and, of a sliding group, the chunks its dense store plan holds (every alignment
     boundary's window): a hit at another boundary is not foreseen, so the bound errs low there."""
     dense = Plans(work.layout, None)
     never = len(work) + 1
@@ -341,16 +354,18 @@ def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
     for r in range(len(work) - 1, -1, -1):
         n = work.tokens[r]
         mine = out[r]
-        keys: List[int] = []
+        readable: List[int] = []
         for g, group in enumerate(groups):
             ids = work.ids[r][g]
             if group.sliding_window is None:
-                keys.extend(ids.take(range(len(ids))))
+                held = ids.take(range(len(ids)))
+                readable.extend(held[: max(0, n - 1) // group.tokens_per_chunk])
             else:
-                keys.extend(ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n)))))
-        for key in keys:
-            mine[key] = following.get(key, never)
-        for key in keys:
+                held = ids.take(sorted(set(dense.store(g, n)) | set(plans.store(g, n))))
+                readable.extend(held)
+            for key in held:
+                mine[key] = following.get(key, never)
+        for key in readable:
             following[key] = r
     return out
 
@@ -358,11 +373,14 @@ def _next_uses(work: Workload, plans: Plans) -> List[Dict[int, int]]:
 def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int], capacity: Optional[int]) -> Outcome:
     """The offline bound over the same chunks and costs: after each request, while over
     ``capacity``, evict the chunk whose next use is farthest (a new chunk not used again goes first:
-    the bound may decline to keep it)."""
+    the bound may decline to keep it); at equal next use the deeper chunk goes first. A chunk is
+    never used later than its parent (every request holding it holds the parent), so with that
+    tie-break the cache stays closed under parents and every chunk it keeps can count in a hit."""
     layout, num_groups, n_req, hits, read, stored, counts = _single_tier(work, plans)
     nexts = _next_uses(work, plans)
     cache: Dict[int, int] = {}  # key -> next use
     size_of: Dict[int, int] = {}
+    depth_of: Dict[int, int] = {}  # key -> its chunk index in the requests that hold it
     heap: List[tuple] = []
     total = 0
     for r in range(n_req):
@@ -370,11 +388,7 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         n = work.tokens[r]
         upcoming = nexts[r]
 
-        def state(g: int, c: int, ids=ids) -> ChunkState:
-            group_ids = ids[g]
-            return _READY if c < len(group_ids) and group_ids[c] in cache else _MISSING
-
-        hit = longest_hit(layout, max(0, n - 1), state) or 0
+        hit = _hit_tokens(layout, ids, n, lambda g, key: key in cache)
         hits[r] = hit
         if hit:
             for g in range(num_groups):
@@ -382,26 +396,25 @@ def simulate_belady(work: Workload, plans: Plans, *, chunk_bytes: Sequence[int],
         for key in cache.keys() & upcoming.keys() if len(cache) < len(upcoming) else upcoming.keys() & cache.keys():
             when = upcoming[key]
             cache[key] = when
-            heapq.heappush(heap, (-when, key))
+            heapq.heappush(heap, (-when, -depth_of[key], key))
         for g in range(num_groups):
-            for key in ids[g].take(plans.store(g, n)):
+            positions = plans.store(g, n)
+            for depth, key in zip(positions, ids[g].take(positions)):
                 if key not in cache:
                     when = upcoming[key]
                     cache[key] = when
                     size_of[key] = chunk_bytes[g]
+                    depth_of[key] = int(depth)
                     total += chunk_bytes[g]
                     stored[r] += chunk_bytes[g]
-                    heapq.heappush(heap, (-when, key))
+                    heapq.heappush(heap, (-when, -int(depth), key))
         while capacity is not None and total > capacity:
-            negative, key = heapq.heappop(heap)
+            negative, _, key = heapq.heappop(heap)
             if cache.get(key) != -negative:
                 continue  # a stale entry: the key was used again (or evicted) since
             del cache[key]
+            del depth_of[key]
             size = size_of.pop(key)
             total -= size
-            counts.evicted_chunks += 1
-            counts.evicted_bytes += size
-    counts.read_bytes = int(read.sum())
-    counts.stored_bytes = int(stored.sum())
-    return Outcome("belady", hits, np.asarray(work.tokens, dtype=np.int64), {"cache": read}, stored,
-                   {"cache": counts})
+            counts.evicted(size)
+    return _single_tier_outcome("belady", work, hits, read, stored, counts)

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .layouts import preset
-from .report import paired_bootstrap
+from .report import JsonObject, paired_bootstrap
 from .sim import simulate_engine, simulate_lru
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
@@ -33,11 +33,11 @@ SWEEP_LAYOUTS = ("gpt-oss-120b", "gemma-3-27b", "deepseek-v4")
 def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: Sequence[float] = SWEEP_BUDGETS,
               r_values: Sequence[int] = SWEEP_R, retentions: Sequence[Optional[int]] = SWEEP_RETENTIONS,
               bootstrap: int = 1000,
-              progress: Optional[Callable[[int], None]] = None) -> List[Dict[str, object]]:
+              progress: Optional[Callable[[int], None]] = None) -> List[JsonObject]:
     """One row per (layout, retention, budget, R): hit rate (the engine model, and ``lru_``: one
     plain LRU cache of the budget over the same chunks), bytes stored per request, and the deltas
     against ``R = r_values[0]`` with their 95% intervals."""
-    rows: List[Dict[str, object]] = []
+    rows: List[JsonObject] = []
     for name in layouts:
         base = preset(name, 0)  # nothing moves: the model's true bytes
         work = Workload.prepare(trace, base)
@@ -59,7 +59,7 @@ def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: 
                     # apart from how the engine splits its host pools.
                     lru = simulate_lru(work, Plans(layout, retention), chunk_bytes=chunk_bytes, capacity=capacity)
                     lrus[r] = lru
-                    row: Dict[str, object] = {
+                    row: JsonObject = {
                         "layout": name, "R": r, "retention": "dense" if retention is None else retention,
                         "budget": budget, "hit_rate": outcome.hit_rate, "lru_hit_rate": lru.hit_rate,
                         "bytes_stored_per_request": float(outcome.stored_bytes.mean()),
@@ -82,12 +82,12 @@ def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: 
     return rows
 
 
-def format_sweep(rows: Sequence[Dict[str, object]]) -> str:
+def format_sweep(rows: Sequence[JsonObject]) -> str:
     """The sweep as a Markdown table: one line per (layout, retention, budget), the first ``R``'s
     hit rate (kvtier's engine model and a plain LRU of the budget) and bytes stored per request,
     each other ``R``'s differences (95% interval) and bytes against it, and the chunks whose stores
     were dropped (host pools too small for one request)."""
-    groups: Dict[tuple, List[Dict[str, object]]] = {}
+    groups: Dict[tuple, List[JsonObject]] = {}
     for row in rows:
         groups.setdefault((row["layout"], row["retention"], row["budget"]), []).append(row)
     others = sorted({int(r["R"]) for r in rows})[1:]

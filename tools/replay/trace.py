@@ -41,7 +41,8 @@ class TraceFormatError(KvtierError, ValueError):
 @dataclass(frozen=True)
 class Request:
     """One request of a trace. ``block_ids`` (prefix-hash ids of ``block_tokens``-token blocks)
-    or ``token_ids`` says what the prompt holds; a request with neither shares nothing."""
+    or ``token_ids`` says what the prompt holds; every reader gives a request one of them (an
+    Azure request, which shares nothing, gets block ids of its own)."""
 
     index: int
     timestamp_ms: float
@@ -140,8 +141,10 @@ def _read_jsonl(path: str, format: Optional[str]) -> Trace:
                 continue
             try:
                 record = json.loads(text)
-            except ValueError as exc:
+            except json.JSONDecodeError as exc:
                 raise _fail(path, number, f"not JSON ({exc.msg} at column {exc.colno})") from None
+            except ValueError as exc:  # no position: an integer past Python's digit limit
+                raise _fail(path, number, f"not JSON ({exc})") from None
             if not isinstance(record, dict):
                 raise _fail(path, number, f"expected a JSON object, got {type(record).__name__}")
             kind = "mooncake" if "hash_ids" in record else "prompts" if "token_ids" in record else None

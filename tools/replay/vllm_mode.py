@@ -123,7 +123,11 @@ def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max
             for tensor in rig.kv.values():
                 tensor.zero_()
             if kvtier is not None:
-                kvtier.run_on_loop(_settle(kvtier))
+                # Between two requests (a server's idle moment, never inside a scheduler step):
+                # kvtier's index catches up with the records its disk evicted, as the engine's
+                # does at once; without it the next request can be answered HIT for a record
+                # already gone, and vLLM recomputes that chunk (kvtier_failed_promotions).
+                kvtier.settle()
             if progress is not None:
                 progress(1)
         stats = kvtier.statistics() if kvtier is not None else {}
@@ -140,22 +144,6 @@ def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max
             "served_tokens": served, "blocks_verified": verified, "wrong_bytes": 0,
             "wall_s": time.perf_counter() - started, "per_request_hits": hits.tolist(),
             "kvtier_failed_promotions": int(stats.get("vllm_promotions_failed", 0)), "kvtier_stats": stats}
-
-
-async def _settle(tier) -> None:
-    """Between two requests (a server's idle moment, never inside a scheduler step): let kvtier's
-    index catch up with the records its disk evicted, as the engine's index does at once. The
-    LMDB writer reports removals and the tier re-checks them on its loop (``_recheck`` tasks);
-    without this wait the next request can be answered HIT for a record already gone, and vLLM
-    recomputes that chunk (counted in ``kvtier_failed_promotions``)."""
-    await tier.chunk_tier.flush()
-    me = asyncio.current_task()
-    for _ in range(1000):
-        await asyncio.sleep(0)
-        pending = [t for t in asyncio.all_tasks() if t is not me and "_recheck" in t.get_coro().__qualname__]
-        if not pending:
-            return
-        await asyncio.wait(pending, timeout=1.0)
 
 
 def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,

@@ -26,7 +26,7 @@ from kvtier.policy.retention import check_retention_interval, retention_speculat
 from .layouts import ReplayLayout
 from .trace import Trace
 
-__all__ = ["Workload", "Plans", "host_slots", "record_bytes", "REPLAY_FINGERPRINT"]
+__all__ = ["Workload", "Plans", "host_slots", "record_bytes", "scaled_layout", "REPLAY_FINGERPRINT"]
 
 # What engine mode's records are bound to is a 32-byte layout fingerprint; only its length matters
 # for the record header's size.
@@ -45,6 +45,15 @@ def host_slots(capacity_bytes: int, chunk_bytes: Sequence[int]) -> List[int]:
         stride = nbytes if nbytes < _PAGE_ALIGNED_SLOT_MIN_BYTES else -(-nbytes // _PAGE) * _PAGE
         slots.append(max(4, capacity_bytes * nbytes // total // stride))
     return slots
+
+
+def scaled_layout(layout: ReplayLayout, bytes_scale: float) -> ReplayLayout:
+    """``layout`` with every chunk's payload scaled by ``bytes_scale`` (``--bytes-scale``), each
+    record's header kept at its measured size."""
+    if bytes_scale == 1:
+        return layout
+    overhead = [size - layout.chunk_bytes(g) for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
+    return layout.scaled(bytes_scale, overhead)
 
 
 def record_bytes(layout: ReplayLayout, fingerprint: bytes) -> List[int]:
@@ -203,16 +212,18 @@ class Workload:
                     per_group.append(ChunkIds(canon, size, block, num_groups, g, n // size))
                     ends_in_block[g].append((np.asarray(canon, dtype=np.int64), his // size - starts // size))
                 ids.append(per_group)
-            else:
+            elif request.token_ids is not None:
                 chain = KeyChain(layout.layout, request.token_ids.tolist(), fingerprint=b"kvtier-replay")
                 ids.append([KeyIds(keyed.setdefault(k, len(keyed)) for k in chain.keys[g]) for g in range(num_groups)])
+            else:
+                raise ValueError(f"request {request.index} has neither block_ids nor token_ids")
         unique = []
         for g in range(num_groups):
             count = len({i for request in ids if isinstance(request[g], KeyIds) for i in request[g]})
             if ends_in_block[g]:
                 most = np.zeros(len(chains), dtype=np.int64)
-                for canon, counts in ends_in_block[g]:
-                    np.maximum.at(most, canon, counts)
+                for chain_ids, counts in ends_in_block[g]:
+                    np.maximum.at(most, chain_ids, counts)
                 count += int(most.sum())
             unique.append(count)
         work = cls(trace, layout, ids, tokens, unique)

@@ -15,11 +15,17 @@
 - ``tier_seam``: ``SeamTier`` (fail a tier call with any exception, hold it before or after the
   inner tier did the work, stall it) -- the seam of the engine's contract tests.
 - ``engine_sim``: ``simulate`` (the seeded, model-based simulation of the engine: random
-  interleavings, cancellations and faults, checked against a model after every step).
-- ``valkey``: pytest fixtures for real Valkey servers on 127.0.0.1 (``valkey_node``,
-  ``valkey_cluster``, ``valkey_factory``; ``shared_node()``) and remote-tier test helpers.
+  interleavings, cancellations and faults, checked against a model after every step; the model,
+  device blocks and the tier's history, is ``engine_sim_model``).
+- ``valkey``: real Valkey servers on 127.0.0.1 (``start_node``, ``start_cluster``, ``restart_node``,
+  ``ValkeyFactory``, ``shared_node()``; the demo and the bench start theirs here too) and remote-tier
+  test helpers; the plugin's ``valkey_node`` / ``valkey_cluster`` / ``valkey_factory`` fixtures.
+- ``children``: what the fault suite's children and parents share (deterministic chunks whose
+  bytes are a function of the key, ``check_cache``, ``run_child``, ``read_line``).
 - ``fault_child``: the child process of the kill -9 and multi-process tests
-  (``python -m kvtier.tools.testing.fault_child COMMAND ...``).
+  (``python -m kvtier.tools.testing.fault_child COMMAND ...``) and the parent side that kills it.
+- ``corrupt_child``: the corruption trials' child (byte flips, then every read, the verifier and
+  ``kvtier verify``).
 - ``cache_dir_child`` / ``cache_dir_trial``: journaled children sharing one cache directory (a
   writer, a gc, a read-only reader, a reopen loop) and ``run_trial``, which runs them beside
   ``kvtier verify``/``gc``/``inspect`` and an engine with kill -9 and injected I/O errors and

@@ -3,12 +3,12 @@
 Run as ``python -m kvtier.tools.testing.cache_dir_child COMMAND ...``. Commands:
 
 - ``writer``: an ``LmdbTier`` writer (a serving process's disk tier, or a warmup) that stores
-  batches of fault-suite chunks (``fault_child.make_batch``: bytes are a function of the key, and
+  batches of fault-suite chunks (``children.make_batch``: bytes are a function of the key, and
   keys spell the writer's seed, so no two writers and no two lives of one writer share a key) and
   deletes the batch ``--window`` batches back (reading it back first), for ``--duration-s`` seconds
   or until killed. A reader coroutine reads acknowledged chunks back all the time. ``--fail-at N``
   fails the Nth commit of the tier with an injected I/O error (``faults.IOFaultPlan``).
-- ``gc``: ``tools.maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
+- ``gc``: ``tools._maintenance.gc_cache`` (what ``kvtier gc`` runs: LRU eviction down to
   ``--max-bytes``, then compaction), with every record it evicts journaled.
 - ``reopen``: open the directory writable and close it again, in a loop for ``--duration-s`` (a
   server restarting over and over; every writable open reclaims what crashed writers left).
@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
 
-from kvtier.policy import KvtierError
+from kvtier.errors import KvtierError
 
-from .fault_child import chunk_content, make_batch, parse_key
+from .children import chunk_content, make_batch, parse_key, run_command
 
 __all__ = ["Journal", "JournalEntries", "read_journal", "main"]
 
@@ -238,7 +238,7 @@ async def _writer(args: argparse.Namespace) -> None:
 
 
 def _gc(args: argparse.Namespace) -> None:
-    from kvtier.tools.maintenance import gc_cache
+    from kvtier.tools._maintenance import gc_cache
 
     journal = Journal(args.journal)
     report = gc_cache(args.dir, args.max_bytes, on_removed=_journal_removals(journal))
@@ -306,16 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "writer":
-        asyncio.run(_writer(args))
-    elif args.command == "gc":
-        _gc(args)
-    elif args.command == "reopen":
-        _reopen(args)
-    elif args.command == "read-check":
-        asyncio.run(_read_check(args))
-    return 0
+    commands = {"writer": _writer, "gc": _gc, "reopen": _reopen, "read-check": _read_check}
+    return run_command(commands, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

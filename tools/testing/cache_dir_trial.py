@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cache_dir_child import JournalEntries, read_journal
-from .fault_child import chunk_content, kill_during_spill, parse_key, read_line
+from .children import chunk_content, parse_key, read_line
+from .fault_child import kill_during_spill
 
 __all__ = ["TrialReport", "run_trial", "HELD_DELETED_SLACK_BYTES", "DISK_BOUND_BYTES", "FD_SLACK"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tupl
 import torch
 
 from kvtier.errors import InjectedFault
-from kvtier.tiers.device import DeviceBackend
+from kvtier.tiers.device_backend import DeviceBackend
 
 __all__ = ["RecordingBackend", "TokenEvent"]
 

@@ -1,7 +1,8 @@
 """A seeded, model-based simulation of the engine: random interleavings, cancellations and faults.
 
 Primitives: ``simulate(tmp_dir, seed=..., steps=..., tier="lmdb"|"files")`` -> ``SimReport``;
-``SimViolation`` (an invariant broke: the message says which, with the seed to replay it).
+``SimViolation`` (an invariant broke: the message says which, with the seed to replay it). The
+model it checks against (device blocks, the tier's history) is ``engine_sim_model``'s.
 Runs on the caller's event loop; the engine under test is real (real LMDB or file tier, real host
 pools, real copy threads over CPU tensors); faults enter through ``SeamTier`` (the tier seam) and
 through the device view's two batch-copy methods.
@@ -51,12 +52,11 @@ The model kept by the simulation, and what it checks (after every step, and at t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -68,13 +68,13 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tools.testing.pressure import ScriptedSource
 
+from .engine_sim_model import History, Moment, Promise, SimDevice, SimViolation
 from .scenario import make_cpu_device
 from .tier_seam import SeamTier
 
 __all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]
 
 SIM_LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
-SENTINEL = 0xA5
 FOREIGN_ERRORS: Tuple[Callable[[], BaseException], ...] = (
     lambda: TierIOError("sim: injected I/O error"),
     lambda: ValueError("sim: codec does not know this dtype"),
@@ -92,10 +92,6 @@ ACTORS = ("store", "load", "prefetch", "fence", "flush", "refresh", "second_writ
 CAPACITY_REASONS = {"host_full", "timeout"}
 # Host states whose slot holds the chunk's bytes.
 VALID_BYTES = (HostState.QUEUED, HostState.SPILLING, HostState.READY)
-
-
-class SimViolation(AssertionError):
-    """An invariant of the engine's contract broke during a simulation."""
 
 
 @dataclass
@@ -128,191 +124,6 @@ class SimReport:
         )
 
 
-class _Device:
-    """The simulated serving process's device blocks: a free list per group, sentinel-filled."""
-
-    def __init__(self, engine: OffloadEngine, rng: random.Random) -> None:
-        self.engine = engine
-        self.layout = engine.layout
-        self.layers = [list(engine.device._groups[g].layers) for g in range(len(self.layout.groups))]
-        self.free: List[List[int]] = []
-        for g in range(len(self.layout.groups)):
-            blocks = list(range(1, engine.device.num_blocks(g)))
-            rng.shuffle(blocks)
-            self.free.append(blocks)
-            for layer in self.layers[g]:
-                layer.view(torch.uint8).fill_(SENTINEL)
-        self._content: Dict[Tuple[bytes, int, int], torch.Tensor] = {}
-
-    def allocate(self, num_tokens: int) -> Optional[List[List[int]]]:
-        table = []
-        for g, group in enumerate(self.layout.groups):
-            count = -(-num_tokens // group.block_size)
-            if len(self.free[g]) < count:
-                for taken, blocks in enumerate(table):
-                    self.free[taken].extend(blocks)
-                return None
-            table.append([self.free[g].pop() for _ in range(count)])
-        return table
-
-    def release(self, table: Sequence[Sequence[int]]) -> None:
-        for g, blocks in enumerate(table):
-            for block in blocks:
-                for layer in self.layers[g]:
-                    layer[block].view(torch.uint8).fill_(SENTINEL)
-                self.free[g].append(block)
-
-    def content(self, key: bytes, offset: int, layer: int, g: int) -> torch.Tensor:
-        """The bytes every writer of chunk ``key`` puts in block ``offset`` of it, layer ``layer``."""
-        cached = self._content.get((key, offset, layer))
-        if cached is None:
-            nbytes = self.layers[g][layer][0].numel() * self.layers[g][layer].element_size()
-            seed = int.from_bytes(hashlib.blake2b(key + bytes([offset, layer]), digest_size=8).digest(), "little")
-            data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-            cached = torch.from_numpy(data)
-            self._content[(key, offset, layer)] = cached
-        return cached
-
-    def chunk_bytes(self, key: bytes, g: int) -> torch.Tensor:
-        """Chunk ``key``'s bytes as a host slot holds them: layer-major, then block of the chunk."""
-        per_chunk = self.layout.groups[g].blocks_per_chunk
-        return torch.cat([self.content(key, off, li, g) for li in range(len(self.layers[g]))
-                          for off in range(per_chunk)])
-
-    def fill(self, keys, table, num_tokens: int) -> None:
-        """Write each complete chunk's content into its blocks (what the model's forward would)."""
-        for g, group in enumerate(self.layout.groups):
-            per_chunk = group.blocks_per_chunk
-            for chunk, key in enumerate(keys.keys[g]):
-                for offset in range(per_chunk):
-                    block = chunk * per_chunk + offset
-                    if block >= len(table[g]):
-                        break
-                    for li, layer in enumerate(self.layers[g]):
-                        layer[table[g][block]].view(torch.uint8).view(-1).copy_(self.content(key, offset, li, g))
-
-    def expect(self, keys, table, loaded, seed: int) -> int:
-        checked = 0
-        for g, block in loaded:
-            per_chunk = self.layout.groups[g].blocks_per_chunk
-            chunk, offset = divmod(block, per_chunk)
-            key = keys.keys[g][chunk]
-            for li, layer in enumerate(self.layers[g]):
-                got = layer[table[g][block]].view(torch.uint8).reshape(-1)
-                if not torch.equal(got, self.content(key, offset, li, g)):
-                    raise SimViolation(
-                        f"seed {seed}: group {g} logical block {block} (device block {table[g][block]}) "
-                        f"layer {li} holds bytes that are not its chunk's"
-                    )
-                checked += 1
-        return checked
-
-    def check_free(self, seed: int) -> None:
-        for g, blocks in enumerate(self.free):
-            for block in blocks:
-                for li, layer in enumerate(self.layers[g]):
-                    data = layer[block].view(torch.uint8)
-                    if int(data.min()) != SENTINEL or int(data.max()) != SENTINEL:
-                        raise SimViolation(
-                            f"seed {seed}: free device block {block} of group {g} (layer {li}) was written "
-                            "after the simulation released it"
-                        )
-
-
-@dataclass
-class _Moment:
-    """A point in the history: its clock, and the last put sequence of each key of interest."""
-
-    clock: int
-    last_put: Dict[bytes, Optional[int]]
-
-
-@dataclass
-class _Promise:
-    """When a store's handle promised each chunk durable: at the store, or at the engine's next
-    settling of the key (``waiting``: key -> how many settlings of it came before the store)."""
-
-    at_store: _Moment
-    waiting: Dict[bytes, int]
-
-
-class _History:
-    """What the tier did, as the engine hears of it (see the module docstring). Event-loop thread."""
-
-    def __init__(self) -> None:
-        self.clock = 0  # ticks at every recorded event
-        self.last_put: Dict[bytes, int] = {}  # key -> the greatest sequence of a put that landed
-        self.removals: Dict[bytes, List[Tuple[int, Optional[int]]]] = {}  # key -> (clock, sequence)
-        self.evictions: Dict[bytes, List[int]] = {}  # key -> clocks of its host evictions
-        self.resolutions: Dict[bytes, List[_Moment]] = {}  # key -> the engine settling its spill
-        self.unsure: Set[bytes] = set()  # keys with a put whose outcome the tier never told
-
-    def landed(self, keys: Sequence[bytes], sequence: Any) -> None:
-        if not isinstance(sequence, int) or isinstance(sequence, bool):
-            return  # a tier without sequences: its puts order nothing
-        self.clock += 1
-        for key in keys:
-            self.last_put[key] = max(sequence, self.last_put.get(key, sequence))
-
-    def unknown(self, keys: Sequence[bytes]) -> None:
-        """A put of ``keys`` ended without an answer (cancelled, failed): it may have landed."""
-        self.unsure.update(keys)
-
-    def gone(self, key: bytes) -> bool:
-        """The history says ``key`` is not readable: a removal at or after its last put."""
-        if key in self.unsure:
-            return False
-        put = self.last_put.get(key)
-        return any(sequence is not None and (put is None or sequence >= put)
-                   for _, sequence in self.removals.get(key, ()))
-
-    def removed(self, removals) -> None:
-        self.clock += 1
-        for r in removals:
-            if isinstance(r, (bytes, bytearray)):
-                self.removals.setdefault(bytes(r), []).append((self.clock, None))
-            else:
-                self.removals.setdefault(bytes(r.key), []).append((self.clock, r.sequence))
-
-    def host_evicted(self, keys: Sequence[bytes]) -> None:
-        self.clock += 1
-        for key in keys:
-            self.evictions.setdefault(key, []).append(self.clock)
-
-    def now(self, keys: Sequence[bytes]) -> _Moment:
-        return _Moment(self.clock, {k: self.last_put.get(k) for k in keys})
-
-    def resolved(self, key: bytes) -> None:
-        """The engine settled ``key``'s spill for the handles waiting for it (durable or not)."""
-        self.resolutions.setdefault(key, []).append(self.now([key]))
-
-    def promise(self, waiting: Set[bytes], keys: Sequence[bytes]) -> "_Promise":
-        """Right after ``store`` returned ``handle``: its chunks found on disk were promised now;
-        those it waits for (``waiting``) are promised when the engine next settles their key."""
-        return _Promise(self.now(keys), {k: len(self.resolutions.get(k, ())) for k in waiting})
-
-    def promised_at(self, key: bytes, promise: "_Promise") -> _Moment:
-        index = promise.waiting.get(key)
-        if index is None:
-            return promise.at_store
-        return self.resolutions[key][index]
-
-    def removed_since(self, key: bytes, moment: _Moment) -> bool:
-        """A removal of ``key`` reported after ``moment``, of a record newer than its last put then."""
-        put = None if key in self.unsure else moment.last_put.get(key)
-        return any(
-            clock > moment.clock and (sequence is None or put is None or sequence > put)
-            for clock, sequence in self.removals.get(key, ())
-        )
-
-    def host_evicted_since(self, key: bytes, moment: _Moment) -> bool:
-        return any(clock > moment.clock for clock in self.evictions.get(key, ()))
-
-    def describe(self, key: bytes, moment: _Moment) -> str:
-        return (f"promised at clock {moment.clock} with last put {moment.last_put.get(key)}; removals "
-                f"(clock, sequence) {self.removals.get(key, [])}; last put now {self.last_put.get(key)}")
-
-
 class _Sim:
     def __init__(self, engine: OffloadEngine, seam: SeamTier, inner, seed: int, tier: str, settle_s: float) -> None:
         self.engine = engine
@@ -321,7 +132,7 @@ class _Sim:
         self.seed = seed
         self.rng = random.Random(seed)
         self.report = SimReport(seed, tier)
-        self.device = _Device(engine, self.rng)
+        self.device = SimDevice(engine, self.rng)
         self.settle_s = settle_s
         self.actors: Set[asyncio.Task] = set()
         self.reapers: Set[asyncio.Task] = set()
@@ -329,7 +140,7 @@ class _Sim:
         self.copy_faults: List[BaseException] = []
         self.copy_faults_fired = 0  # counted on the copy threads
         self.prompts: List[List[int]] = []
-        self.history = _History()
+        self.history = History()
         self.broken: List[str] = []  # promises found broken inside the engine's calls
         self.reads_in_flight: List[List[Tuple[Optional[Tuple[int, int]], bytes]]] = []  # (group, slot), key
         self._started = 0
@@ -355,13 +166,13 @@ class _Sim:
             return sequence
 
         inner.put_many = recorded_put
-        evicted = engine._evicted
+        evicted = engine.host.evicted
 
         def recorded_eviction(group_index, victims):
             history.host_evicted([entry.key for _, entry in victims if entry is not None])
             return evicted(group_index, victims)
 
-        engine._evicted = recorded_eviction
+        engine.host.evicted = recorded_eviction
         watch = engine._spill.watch
         resolve = watch.resolve
 
@@ -379,7 +190,7 @@ class _Sim:
 
         watch.resolve = recorded_resolve
         slots = {pool._views[slot].data_ptr(): (g, slot)
-                 for g, pool in enumerate(engine._pools) for slot in range(pool.num_slots)}
+                 for g, pool in enumerate(engine.host.pools) for slot in range(pool.num_slots)}
         get_many_into = self.seam.get_many_into
 
         async def watched_read(items):
@@ -477,7 +288,7 @@ class _Sim:
             if await handle.wait_durable():
                 await self.check_durable(wanted, promise)
 
-    async def check_durable(self, wanted: List[bytes], promise: "_Promise") -> None:
+    async def check_durable(self, wanted: List[bytes], promise: Promise) -> None:
         """Every chunk of a durable handle is on the tier, or a removal reported after the chunk was
         promised (with a sequence past the chunk's last put then) explains its absence."""
         present = await self.inner.contains_many(wanted)
@@ -500,7 +311,7 @@ class _Sim:
         await self.inner.flush()
         await asyncio.sleep(0.01)
 
-    async def _missing_explained(self, keys, moment: "_Moment") -> bool:
+    async def _missing_explained(self, keys, moment: Moment) -> bool:
         """A load failed ``missing``: a chunk of the request left the host, or the tier, after the
         lookup (see the module docstring)."""
         await self._reports_arrive()
@@ -508,12 +319,16 @@ class _Sim:
         return any(self.history.host_evicted_since(k, moment) or self.history.removed_since(k, moment)
                    for k in wanted)
 
+    def _look_up(self, prompt: List[int]) -> Tuple[Any, Moment, Any]:
+        """The prompt's keys, the history's moment just before the lookup, and the hit it admits."""
+        keys = self.engine.request_keys(prompt)
+        moment = self.history.now([k for group in keys.keys for k in group])
+        return keys, moment, self.engine.lookup(keys)
+
     async def act_load(self) -> None:
         prompt = self.rng.choice(self.prompts) if self.prompts else self.prompt()
-        keys = self.engine.request_keys(prompt)
         faults = self._faults_fired()
-        moment = self.history.now([k for group in keys.keys for k in group])
-        hit = self.engine.lookup(keys)
+        keys, moment, hit = self._look_up(prompt)
         if not hit:
             return
         table = self.device.allocate(len(prompt))
@@ -572,7 +387,7 @@ class _Sim:
             per_chunk = group.blocks_per_chunk
             for chunk, key in enumerate(keys.keys[g][: len(prompt) // (group.block_size * per_chunk)]):
                 raw = self.device.chunk_bytes(key, g).numpy().tobytes()
-                dtype, shape = self.engine._metas[g]
+                dtype, shape = self.engine.host.metas[g]
                 items.append((key, ChunkMeta(self.engine.fingerprint, g, chunk, dtype, shape), memoryview(bytearray(raw))))
         if items:
             await self.inner.put_many(items[: 8])
@@ -641,7 +456,7 @@ class _Sim:
                 if where is None:
                     continue  # not a host slot of the engine's
                 g, slot = where
-                pool = self.engine._pools[g]
+                pool = self.engine.host.pools[g]
                 owner = pool._owners[slot]
                 if not pool._allocated[slot] or not pool._pins[slot] or getattr(owner, "key", None) != key:
                     raise SimViolation(
@@ -653,10 +468,10 @@ class _Sim:
     def check_host_copies(self) -> None:
         """Every host slot whose bytes the engine calls valid holds its chunk's bytes (a late read
         or copy into a slot given to another chunk is caught here)."""
-        for key, entry in list(self.engine._entries.items()):
+        for key, entry in list(self.engine.host.entries.items()):
             if entry.dead or entry.state not in VALID_BYTES:
                 continue
-            got = self.engine._pools[entry.group_index].view(entry.slot)
+            got = self.engine.host.pools[entry.group_index].view(entry.slot)
             if not torch.equal(got, self.device.chunk_bytes(key, entry.group_index)):
                 raise SimViolation(
                     f"seed {self.seed}: the host copy of chunk {key.hex()[:12]} (group {entry.group_index}, "
@@ -705,7 +520,7 @@ class _Sim:
         self.device.check_free(self.seed)
         if self.engine._tasks and any(not t.done() for t in self.engine._tasks):
             raise SimViolation(f"seed {self.seed}: engine tasks still running after close")
-        if not all(pool.closed for pool in self.engine._pools):
+        if not all(pool.closed for pool in self.engine.host.pools):
             raise SimViolation(f"seed {self.seed}: close() left a host pool open")
 
     async def finish(self) -> None:
@@ -728,9 +543,7 @@ class _Sim:
         self.device.check_free(self.seed)
         # Every prompt the engine still answers for loads the right bytes.
         for prompt in self.prompts[:16]:
-            keys = self.engine.request_keys(prompt)
-            moment = self.history.now([k for group in keys.keys for k in group])
-            hit = self.engine.lookup(keys)
+            keys, moment, hit = self._look_up(prompt)
             if not hit:
                 continue
             table = self.device.allocate(len(prompt))
@@ -747,7 +560,7 @@ class _Sim:
             self.device.release(table)
         await self.engine.flush()
         self.engine.check()
-        for gi, pool in enumerate(self.engine._pools):
+        for gi, pool in enumerate(self.engine.host.pools):
             if pool.statistics()["pinned_slots"]:
                 raise SimViolation(f"seed {self.seed}: group {gi} has pinned slots once idle")
 

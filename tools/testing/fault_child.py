@@ -1,4 +1,4 @@
-"""Child processes of the fault suite, and the deterministic chunks they share with the parent.
+"""Child processes of the fault suite, and the parent side that kills them.
 
 Run as ``python -m kvtier.tools.testing.fault_child COMMAND ...`` (or, for ``spawn_reader``, as a
 ``multiprocessing`` spawn target). Commands:
@@ -15,60 +15,36 @@ Run as ``python -m kvtier.tools.testing.fault_child COMMAND ...`` (or, for ``spa
   it (a reader slot pinning a snapshot), print ``holding``, sleep. For kill -9 of a reader.
 - ``warmup-writer``: write batches for ``--duration-s`` seconds, deleting batches older than
   ``--window`` (a warmup process that recycles space): ``ack <batch> <keys>`` / ``del <batch>``.
-- ``corrupt-trials``: copy a pristine cache directory, flip bytes (in ``data.mdb``, and in its
-  segment files when it has some), and check what every read, the verifier and ``kvtier verify``
-  say; one JSON line per trial (a crash names its trial).
+
+The corruption trials, which drive ``kvtier verify``, are a child of their own (``corrupt_child``);
+the deterministic chunks, ``check_cache``, ``run_child`` and ``read_line`` are ``children``'s.
 
 Parent side: ``kill_during_spill`` runs one kill -9 iteration (start a ``spill`` or
 ``engine-spill`` child, SIGKILL it after a delay, reopen and check: ``check_cache`` /
-``check_engine_requests``); ``run_child`` starts any command with its stderr in a file.
-
-Chunk content is a function of the key alone (``chunk_content``): the key spells seed, batch, index
-in batch, batch size and length, so any record found on disk can be checked without a manifest, and
-"every batch present is complete" can be checked from the keys. Output lines are written with one
-``os.write`` each (atomic for a pipe below PIPE_BUF), so a SIGKILL never leaves a half line that
-parses.
+``check_engine_requests``); ``run_kill_chains`` and ``summarize_kills`` run and report many.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import hashlib
-import io
 import json
 import os
 import random
-import shutil
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+from kvtier.errors import KvtierError
 
-from kvtier.policy import KvtierError
-from kvtier.tiers.base import ChunkMeta
+from .children import CacheCheck, check_cache, chunk_content, emit, make_batch, parse_key, read_line, run_child, run_command
 
 if TYPE_CHECKING:
-    import subprocess
-
     from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = [
-    "KeyInfo",
-    "chunk_key",
-    "parse_key",
-    "chunk_content",
-    "chunk_meta",
-    "make_batch",
-    "check_cache",
-    "CacheCheck",
-    "lmdb_page_kinds",
-    "flip_bytes",
     "spawn_reader",
     "engine_request",
     "ENGINE_FINGERPRINT",
@@ -77,156 +53,9 @@ __all__ = [
     "run_kill_chains",
     "summarize_kills",
     "check_engine_requests",
-    "run_child",
-    "read_line",
 ]
 
-_KEY_MAGIC = b"KVFT"
-_KEY = struct.Struct("<4sIIHHI")  # magic, seed, batch, index, batch size, length: 20 bytes
-_KEY_BYTES = 32
-FINGERPRINT = b"kvtier-fault-suite"
 ENGINE_FINGERPRINT = b"kvtier-fault-suite-engine"
-
-
-@dataclass(frozen=True)
-class KeyInfo:
-    seed: int
-    batch: int
-    index: int
-    batch_size: int
-    nbytes: int
-
-
-def chunk_key(seed: int, batch: int, index: int, batch_size: int, nbytes: int) -> bytes:
-    """A 32-byte key that spells the chunk's identity; the last 12 bytes are a hash of the first 20
-    (so a key with a flipped byte is recognisably not one of ours)."""
-    head = _KEY.pack(_KEY_MAGIC, seed, batch, index, batch_size, nbytes)
-    return head + hashlib.blake2b(head, digest_size=_KEY_BYTES - _KEY.size).digest()
-
-
-def parse_key(key: bytes) -> Optional[KeyInfo]:
-    """The identity a key spells, or ``None`` for a key that is not a well-formed fault-suite key."""
-    if len(key) != _KEY_BYTES:
-        return None
-    head = bytes(key[: _KEY.size])
-    if hashlib.blake2b(head, digest_size=_KEY_BYTES - _KEY.size).digest() != bytes(key[_KEY.size :]):
-        return None
-    magic, seed, batch, index, batch_size, nbytes = _KEY.unpack(head)
-    if magic != _KEY_MAGIC or not index < batch_size:
-        return None
-    return KeyInfo(seed, batch, index, batch_size, nbytes)
-
-
-def chunk_content(key: bytes) -> bytes:
-    """The bytes stored under ``key``: its identity (batch id first), then seeded noise; even
-    indices are low-entropy (the zstd byte-plane codec keeps them), odd ones incompressible (raw)."""
-    info = parse_key(key)
-    if info is None:
-        raise ValueError(f"not a fault-suite key: {bytes(key).hex()}")
-    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-    noise = np.random.default_rng(seed).integers(0, 256, size=info.nbytes, dtype=np.uint8)
-    if info.index % 2 == 0:
-        noise &= 0x0F
-    out = bytearray(noise.tobytes())
-    ident = _KEY.pack(_KEY_MAGIC, info.seed, info.batch, info.index, info.batch_size, info.nbytes)
-    n = min(len(ident), len(out))
-    out[:n] = ident[:n]
-    return bytes(out)
-
-
-def chunk_meta(key: bytes) -> ChunkMeta:
-    info = parse_key(key)
-    assert info is not None
-    return ChunkMeta(FINGERPRINT, 0, info.batch * 65536 + info.index, "uint8", (info.nbytes,))
-
-
-def make_batch(seed: int, batch: int, sizes: Sequence[int]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
-    """The put items of one batch: ``len(sizes)`` chunks of the given lengths."""
-    items = []
-    for index, nbytes in enumerate(sizes):
-        key = chunk_key(seed, batch, index, len(sizes), nbytes)
-        items.append((key, chunk_meta(key), memoryview(chunk_content(key))))
-    return items
-
-
-def _emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
-
-
-# ------------------------------------------------------------------------------------ checks
-
-
-@dataclass
-class CacheCheck:
-    """What ``check_cache`` found in a cache directory."""
-
-    records: int = 0
-    intact: int = 0
-    batches: int = 0
-    complete_batches: int = 0
-    foreign_keys: int = 0
-    problems: List[str] = field(default_factory=list)
-    keys: Set[bytes] = field(default_factory=set)
-
-
-def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = False) -> CacheCheck:
-    """Open the LMDB tier at ``path`` (blocking) and check: the tier verifies clean, its index
-    agrees with its tables, every record decodes to ``chunk_content(key)``, every batch present is
-    complete, and every key in ``acked`` is present. Problems are listed, not raised."""
-    from kvtier.tiers.lmdb import LmdbTier
-
-    out = CacheCheck()
-    # verify_structure: the LMDB file itself must be sound after whatever happened to its writer.
-    with LmdbTier(path, readonly=readonly, map_size_bytes=1 << 20, verify_structure=True) as tier:
-        report = tier.verify(quarantine=False)
-        for key, reason in report.corrupt:
-            out.problems.append(f"verify: corrupt record {key.hex()}: {reason}")
-        keys = [info.key for info in tier.iter_records()]
-        out.records = len(keys)
-        out.keys = set(keys)
-        ours = []
-        for key in keys:
-            if parse_key(key) is None:
-                out.foreign_keys += 1
-                out.problems.append(f"a key no writer wrote: {key.hex()}")
-            else:
-                ours.append(key)
-
-        async def read_all() -> List[Tuple[bytes, Optional[ChunkMeta], bytearray]]:
-            if not readonly:  # the tier's LRU index agrees with its tables
-                out.problems.extend(f"index: {p}" for p in await tier.check())
-            found = []
-            for i in range(0, len(ours), 64):
-                part = ours[i : i + 64]
-                bufs = [bytearray(parse_key(k).nbytes) for k in part]  # type: ignore[union-attr]
-                metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(part, bufs)])
-                found.extend(zip(part, metas, bufs))
-            return found
-
-        by_batch: Dict[Tuple[int, int], Set[int]] = {}
-        sizes: Dict[Tuple[int, int], int] = {}
-        for key, meta, buf in asyncio.run(read_all()):
-            info = parse_key(key)
-            assert info is not None
-            if meta is None:
-                out.problems.append(f"record {key.hex()} listed but unreadable")
-            elif bytes(buf) != chunk_content(key) or meta != chunk_meta(key):
-                out.problems.append(f"record {key.hex()} holds wrong bytes")
-            else:
-                out.intact += 1
-            bid = (info.seed, info.batch)
-            by_batch.setdefault(bid, set()).add(info.index)
-            sizes[bid] = info.batch_size
-        out.batches = len(by_batch)
-        for bid, present in by_batch.items():
-            if len(present) == sizes[bid]:
-                out.complete_batches += 1
-            else:
-                out.problems.append(f"batch {bid} half visible: {len(present)} of {sizes[bid]} chunks")
-    for key in acked:
-        if key not in out.keys:
-            out.problems.append(f"acknowledged chunk {key.hex()} lost")
-    return out
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -239,7 +68,7 @@ async def _open_ready(args: argparse.Namespace, **options: object) -> "LmdbTier"
 
     tier = await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, access_flush_interval_s=0.05,
                                reader_check_interval_s=0.2, **options)
-    _emit("ready")
+    emit("ready")
     return tier
 
 
@@ -255,7 +84,7 @@ async def _spill(args: argparse.Namespace) -> None:
             sizes = [rng.choice((700, 4096, 30000, 65536, 131072)) for _ in range(rng.randint(1, args.max_batch))]
             items = make_batch(args.seed, batch, sizes)
             await tier.put_many(items)
-            _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
+            emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
             acked.extend(k for k, _, _ in items)
 
     async def reader() -> None:  # reads make access-time writes: more writer work to interrupt
@@ -268,7 +97,7 @@ async def _spill(args: argparse.Namespace) -> None:
             metas = await tier.get_many_into([(k, memoryview(b)) for k, b in zip(keys, bufs)])
             for k, m, b in zip(keys, metas, bufs):
                 if m is None or bytes(b) != chunk_content(k):
-                    _emit(f"BAD {k.hex()}")
+                    emit(f"BAD {k.hex()}")
 
     await asyncio.gather(*(writer() for _ in range(args.writers)), reader())
 
@@ -281,14 +110,14 @@ async def _compact_churn(args: argparse.Namespace) -> None:
         sizes = [rng.choice((30000, 65536, 131072)) for _ in range(rng.randint(1, 4))]
         keep, trash = make_batch(args.seed, batch, sizes), make_batch(args.seed, batch + 1, sizes)
         await tier.put_many(keep + trash)  # interleaved in one segment: deleting trash leaves it partly live
-        _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in keep))
+        emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in keep))
         scratch.append([k for k, _, _ in trash])
         if len(scratch) > 2:
             await tier.delete_many(scratch.pop(0))  # a whole batch: check_cache sees it complete or absent
         if batch % 4 == 0:
             report = await tier.compact_segments()
             if report.records:
-                _emit(f"compacted {report.records}")
+                emit(f"compacted {report.records}")
 
 
 def engine_request(seed: int, index: int) -> Tuple[List[int], int]:
@@ -332,7 +161,7 @@ async def _engine_spill(args: argparse.Namespace) -> None:
         spill_batch_max_chunks=16,
     )
     async with OffloadEngine(layout, device, config, fingerprint=ENGINE_FINGERPRINT, pressure_sources={}) as engine:
-        _emit("ready")
+        emit("ready")
         counter = iter(range(1 << 30))
 
         async def producer(lane: int) -> None:
@@ -345,7 +174,7 @@ async def _engine_spill(args: argparse.Namespace) -> None:
                 handle = engine.store(tokens, [table])
                 result = await handle
                 if result.durable and not result.dropped:
-                    _emit(f"ack {index}")
+                    emit(f"ack {index}")
                 await asyncio.sleep(args.pause_s)
 
         await asyncio.gather(*(producer(lane) for lane in range(args.writers)))
@@ -358,7 +187,7 @@ def _hold_reader(args: argparse.Namespace) -> None:
     txn = env.begin()
     chunks = env.open_db(b"chunks", txn=txn, create=False)
     n = txn.stat(chunks)["entries"]
-    _emit(f"holding {os.getpid()} {n}")
+    emit(f"holding {os.getpid()} {n}")
     time.sleep(3600)
 
 
@@ -369,7 +198,7 @@ async def _warmup_writer(args: argparse.Namespace) -> None:
     async with await LmdbTier.open(args.dir, map_size_bytes=args.map_size_bytes, reader_check_interval_s=0.2,
                                    segment_threshold_bytes=args.segment_threshold_bytes,
                                    segment_max_bytes=args.segment_max_bytes) as tier:
-        _emit("ready")
+        emit("ready")
         deadline = time.monotonic() + args.duration_s
         batch = 0
         written = 0
@@ -380,159 +209,16 @@ async def _warmup_writer(args: argparse.Namespace) -> None:
             await tier.put_many(items)
             written += sum(sizes)
             live[batch] = [k for k, _, _ in items]
-            _emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
+            emit(f"ack {batch} " + " ".join(k.hex() for k, _, _ in items))
             old = batch - args.window
             if old in live:
                 await tier.delete_many(live.pop(old))
-                _emit(f"del {old}")
+                emit(f"del {old}")
             batch += 1
             await asyncio.sleep(args.pause_s)
         stats = tier.statistics()
-        _emit("done " + json.dumps({"batches": batch, "written_bytes": written, "errors": stats.errors,
+        emit("done " + json.dumps({"batches": batch, "written_bytes": written, "errors": stats.errors,
                                      "map_growths": stats.extra["map_growths"]}))
-
-
-
-# ------------------------------------------------------------------------------- corruption
-
-
-def lmdb_page_kinds(data: bytes, psize: int = 4096) -> List[str]:
-    """Per page of a ``data.mdb`` image: "meta", "branch", "leaf", "overflow" (every page of a
-    large value) or "free" (anything else: freed or never written)."""
-    npages = len(data) // psize
-    kinds = ["free"] * npages
-    i = 0
-    while i < npages:
-        off = i * psize
-        pgno, _pad, flags = struct.unpack_from("<QHH", data, off)
-        if pgno == i and flags & 0x04:  # P_OVERFLOW: its page count follows the flags
-            (count,) = struct.unpack_from("<I", data, off + 12)
-            for j in range(i, min(npages, i + max(1, count))):
-                kinds[j] = "overflow"
-            i += max(1, count)
-            continue
-        if pgno == i and flags & 0x08:
-            kinds[i] = "meta"
-        elif pgno == i and flags & 0x01:
-            kinds[i] = "branch"
-        elif pgno == i and flags & 0x02:
-            kinds[i] = "leaf"
-        i += 1
-    return kinds
-
-
-def flip_bytes(path: Path, rng: random.Random, count: int, where: str, psize: int = 4096) -> List[int]:
-    """XOR ``count`` bytes of the file with random non-zero masks; ``where`` picks the pages:
-    "records" (overflow and leaf pages), "structure" (meta, branch and leaf pages) or "anywhere".
-    Returns the offsets flipped."""
-    data = bytearray(path.read_bytes())
-    kinds = lmdb_page_kinds(bytes(data), psize)
-    wanted = {"records": {"overflow", "leaf"}, "structure": {"meta", "branch", "leaf"}}.get(where)
-    pages = [i for i, k in enumerate(kinds) if wanted is None or k in wanted] or list(range(len(kinds)))
-    offsets = []
-    for _ in range(count):
-        page = rng.choice(pages)
-        off = page * psize + rng.randrange(psize)
-        data[off] ^= rng.randrange(1, 256)
-        offsets.append(off)
-    path.write_bytes(bytes(data))
-    return offsets
-
-
-async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, object]:
-    """Open read-write (reads quarantine what they find corrupt, as in a serving process) and read
-    every original key and every listed one, one key per call so that a typed failure is local."""
-    from kvtier.tiers.lmdb import LmdbTier
-
-    out: Dict[str, object] = {"open": "ok", "hits": 0, "misses": 0, "wrong": [], "typed_read_errors": 0,
-                              "missed_keys": [], "listed": 0}
-    try:
-        tier = await LmdbTier.open(path, map_size_bytes=1 << 20, verify_structure=True)
-    except KvtierError as exc:
-        out["open"] = f"{type(exc).__name__}: {exc}"
-        return out
-    async with tier:
-        try:
-            # Both listings: list_keys (the engine's index) and the records themselves.
-            listed = list(dict.fromkeys(await tier.list_keys() + [i.key for i in tier.iter_records()]))
-        except KvtierError:
-            listed = []
-            out["typed_read_errors"] = 1
-        out["listed"] = len(listed)
-        candidates = list(dict.fromkeys(list(originals) + listed))
-        for key in candidates:
-            info = parse_key(key)
-            size = info.nbytes if info is not None else None
-            if size is None:
-                # Not one of ours (a flipped key byte): size the buffer from its header if it parses.
-                try:
-                    [rec] = [i for i in tier.iter_records() if i.key == key] or [None]
-                except KvtierError:
-                    rec = None
-                size = rec.header.raw_length if rec is not None and rec.header is not None else 16
-                size = min(size, 1 << 24)
-            buf = bytearray(size)
-            try:
-                [meta] = await tier.get_many_into([(key, memoryview(buf))])
-            except KvtierError:
-                out["typed_read_errors"] += 1  # type: ignore[operator]
-                continue
-            if meta is None:
-                out["misses"] += 1  # type: ignore[operator]
-                if key in listed:
-                    out["missed_keys"].append(key.hex())  # type: ignore[union-attr]
-                continue
-            if info is None or bytes(buf) != chunk_content(key) or meta != chunk_meta(key):
-                out["wrong"].append(key.hex())  # type: ignore[union-attr]
-            else:
-                out["hits"] += 1  # type: ignore[operator]
-    return out
-
-
-def _corrupt_trials(args: argparse.Namespace) -> None:
-    from kvtier.tools import cli
-    from kvtier.tools.maintenance import verify_cache
-
-    src = Path(args.src)
-    originals = [bytes.fromhex(k) for k in Path(args.keys).read_text().split()]
-    work = Path(args.work)
-    # the cache's files but LMDB's lock file (a fresh one per trial): data.mdb and any segments
-    files = sorted(p.name for p in src.iterdir() if p.is_file() and p.name != "lock.mdb")
-    segment_files = [name for name in files if name.startswith("seg-") and name.endswith(".kvs")]
-    wheres = ("records", "structure", "anywhere") + (("segments",) if segment_files else ())
-    for trial in range(args.first, args.first + args.trials):
-        rng = random.Random(args.seed * 100_003 + trial)
-        where = wheres[trial % len(wheres)]
-        count = rng.randint(1, args.max_flips)
-        d = work / f"trial-{trial}"
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(mode=0o700, parents=True)
-        for name in files:
-            shutil.copyfile(src / name, d / name)
-            os.chmod(d / name, 0o600)
-        if where == "segments":  # anywhere in one segment file: payloads, headers, padding
-            target = d / rng.choice(segment_files)
-            offsets = flip_bytes(target, rng, count, "anywhere")
-        else:
-            offsets = flip_bytes(d / "data.mdb", rng, count, where)
-        _emit(f"start {trial} {where} {count}")
-        result: Dict[str, object] = {"trial": trial, "where": where, "flips": count, "offsets": offsets}
-        # 1. The verifier, read-only, before any read moves records.
-        try:
-            report = verify_cache(str(d), quarantine=False)
-            result["verify"] = {"checked": report.checked, "ok": report.ok,
-                                "bad": sorted(k.hex() for k, _ in report.corrupt)}
-        except KvtierError as exc:
-            result["verify"] = f"{type(exc).__name__}: {exc}"
-        # 2. The command line says the same.
-        stdout, stderr = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            rc = cli.main(["verify", "--cache-dir", str(d), "--no-quarantine", "--json"])
-        result["cli"] = {"rc": rc, "out": stdout.getvalue().strip(), "err": stderr.getvalue().strip()}
-        # 3. Every read: the original bytes or a miss.
-        result["reads"] = asyncio.run(_read_every_key(str(d), originals))
-        _emit("result " + json.dumps(result))
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ spawn
@@ -561,33 +247,6 @@ def spawn_reader(path: str, keys_hex: Sequence[str], readonly: bool = True) -> N
 
 
 # ------------------------------------------------------------------------------- parent side
-
-
-def run_child(args: Sequence[str], stderr_path: Path) -> "subprocess.Popen[bytes]":
-    """Start ``python -m kvtier.tools.testing.fault_child ARGS`` with stdout piped and stderr to a file."""
-    import subprocess
-
-    with open(stderr_path, "wb") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvtier.tools.testing.fault_child", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-        )
-
-
-def read_line(proc: "subprocess.Popen[bytes]", timeout_s: float) -> str:
-    """The child's next stdout line; ``TimeoutError`` after ``timeout_s``, ``EOFError`` at its end."""
-    import select
-
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not ready:
-        raise TimeoutError(f"no line from the child within {timeout_s} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise EOFError("the child closed its stdout")
-    return line.decode().rstrip("\n")
 
 
 @dataclass
@@ -760,60 +419,38 @@ async def check_engine_requests(directory: str, seed: int, indices: Sequence[int
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvtier.tools.testing.fault_child")
     sub = parser.add_subparsers(dest="command", required=True)
-    spill = sub.add_parser("spill")
-    spill.add_argument("--dir", required=True)
-    spill.add_argument("--seed", type=int, required=True)
+
+    def writer(name: str) -> argparse.ArgumentParser:
+        """A command that writes chunks into ``--dir`` (seeded by ``--seed``, LMDB map ``--map-size-bytes``)."""
+        command = sub.add_parser(name)
+        command.add_argument("--dir", required=True)
+        command.add_argument("--seed", type=int, required=True)
+        command.add_argument("--map-size-bytes", type=int, default=1 << 20)
+        return command
+
+    spill = writer("spill")
     spill.add_argument("--writers", type=int, default=3)
     spill.add_argument("--max-batch", type=int, default=6)
-    spill.add_argument("--map-size-bytes", type=int, default=1 << 20)
     spill.add_argument("--segment-threshold-bytes", type=int, default=0, help="0: every record inline")
-    engine = sub.add_parser("engine-spill")
-    engine.add_argument("--dir", required=True)
-    engine.add_argument("--seed", type=int, required=True)
+    engine = writer("engine-spill")
     engine.add_argument("--writers", type=int, default=2)
     engine.add_argument("--pause-s", type=float, default=0.01)
-    engine.add_argument("--map-size-bytes", type=int, default=1 << 20)
-    churn = sub.add_parser("compact-churn")
-    churn.add_argument("--dir", required=True)
-    churn.add_argument("--seed", type=int, required=True)
-    churn.add_argument("--map-size-bytes", type=int, default=1 << 20)
+    writer("compact-churn")
     hold = sub.add_parser("hold-reader")
     hold.add_argument("--dir", required=True)
-    warm = sub.add_parser("warmup-writer")
-    warm.add_argument("--dir", required=True)
-    warm.add_argument("--seed", type=int, required=True)
+    warm = writer("warmup-writer")
     warm.add_argument("--duration-s", type=float, default=3.0)
     warm.add_argument("--window", type=int, default=8)
     warm.add_argument("--pause-s", type=float, default=0.0)
-    warm.add_argument("--map-size-bytes", type=int, default=1 << 20)
     warm.add_argument("--segment-threshold-bytes", type=int, default=0, help="0: every record inline")
     warm.add_argument("--segment-max-bytes", type=int, default=1 << 20)
-    trials = sub.add_parser("corrupt-trials")
-    trials.add_argument("--src", required=True)
-    trials.add_argument("--keys", required=True, help="file of the pristine keys, hex, whitespace-separated")
-    trials.add_argument("--work", required=True)
-    trials.add_argument("--seed", type=int, required=True)
-    trials.add_argument("--first", type=int, default=0)
-    trials.add_argument("--trials", type=int, default=30)
-    trials.add_argument("--max-flips", type=int, default=24)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "spill":
-        asyncio.run(_spill(args))
-    elif args.command == "engine-spill":
-        asyncio.run(_engine_spill(args))
-    elif args.command == "compact-churn":
-        asyncio.run(_compact_churn(args))
-    elif args.command == "hold-reader":
-        _hold_reader(args)
-    elif args.command == "warmup-writer":
-        asyncio.run(_warmup_writer(args))
-    elif args.command == "corrupt-trials":
-        _corrupt_trials(args)
-    return 0
+    commands = {"spill": _spill, "engine-spill": _engine_spill, "compact-churn": _compact_churn,
+                "hold-reader": _hold_reader, "warmup-writer": _warmup_writer}
+    return run_command(commands, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

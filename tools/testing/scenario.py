@@ -19,7 +19,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tiers.device import DeviceBackend, DeviceKVView
+from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.device_backend import DeviceBackend
 
 __all__ = ["OffloadScenario", "ProducerRecord", "ConsumerRecord", "make_cpu_device", "DEFAULT_TEST_LAYOUT"]
 

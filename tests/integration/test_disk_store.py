@@ -1,0 +1,154 @@
+"""DiskStore: the store layer the engine and the vLLM tier stand on, on real LMDB and real files."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from kvtier.engine.config import StoreConfig
+from kvtier.engine.store import DiskStore
+from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.lmdb import LmdbTier
+
+FP = b"store-test"
+CHUNK = 4096
+
+
+def items(names: List[str]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
+    out = []
+    for i, name in enumerate(names):
+        key = hashlib.blake2b(name.encode(), digest_size=32).digest()
+        out.append((key, ChunkMeta(FP, 0, i, "uint8", (CHUNK,)), memoryview(key * (CHUNK // 32))))
+    return out
+
+
+def keys(names: List[str]) -> set:
+    return {key for key, _, _ in items(names)}
+
+
+@pytest.mark.asyncio
+async def test_open_lists_what_the_directory_holds_and_close_releases_it(tmp_path: Path):
+    config = StoreConfig(cache_dir=str(tmp_path / "kv"), compression_enabled=False)
+    store = await DiskStore.open(config, fingerprint=FP)
+    try:
+        assert store.index.keys() == set() and store.owns_tier and store.local_tier is store.tier
+        sequence = await store.tier.put_many(items(["a", "b", "c"]))
+        assert sequence > 0
+    finally:
+        await store.close()
+    assert store.tier.closed
+    again = await DiskStore.open(config, fingerprint=FP)
+    try:
+        assert again.index.keys() == keys(["a", "b", "c"])
+        assert await again.problems() == []
+        assert again.quarantined_cache_dir is None
+    finally:
+        await again.close()
+    await again.close()  # twice is fine
+
+
+@pytest.mark.asyncio
+async def test_capacity_evictions_leave_the_index_through_the_removal_subscription(tmp_path: Path):
+    left: List[bytes] = []
+    evicted: List[int] = []
+    config = StoreConfig(cache_dir=str(tmp_path / "kv"), disk_capacity_bytes=3 * CHUNK + 1024,
+                         compression_enabled=False, lmdb_segment_threshold_bytes=None)
+    store = await DiskStore.open(config, fingerprint=FP, on_removed=left.append, on_evicted=evicted.append)
+    try:
+        for name in ["a", "b", "c", "d", "e"]:
+            token = store.index.begin()
+            batch = items([name])
+            sequence = await store.tier.put_many(batch)
+            assert store.index.add(batch[0][0], token, sequence)
+            store.index.end(token)
+        await store.settle()
+        on_disk = set(await store.tier.list_keys())
+        assert store.index.keys() == on_disk and len(on_disk) < 5
+        gone = keys(["a", "b", "c", "d", "e"]) - on_disk
+        assert set(left) == gone and len(left) == len(gone)  # each key left once, through the hook
+        assert sum(evicted) == len(gone)
+        assert await store.problems() == []
+    finally:
+        await store.close()
+
+
+class _ListingWaits(LmdbTier):
+    """A real LMDB tier whose listing, once taken, waits for ``gate`` before it answers: a removal
+    can then reach the store while the listing is on its way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.listed = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def snapshot_keys(self):
+        taken = await super().snapshot_keys()
+        self.listed.set()
+        await self.gate.wait()
+        return taken
+
+
+@pytest.mark.asyncio
+async def test_a_removal_during_the_start_up_listing_keeps_its_key_out(tmp_path: Path):
+    tier = _ListingWaits(tmp_path / "kv")
+    try:
+        await tier.put_many(items(["a", "b"]))
+        store = DiskStore(StoreConfig(), fingerprint=FP, tier=tier)
+        start = asyncio.ensure_future(store.start())
+        await tier.listed.wait()  # the listing holds a and b ...
+        assert await tier.delete_many([items(["a"])[0][0]]) == 1  # ... and a is deleted meanwhile
+        for _ in range(3):
+            await asyncio.sleep(0)  # the removal report reaches the loop before the listing does
+        tier.gate.set()
+        await start
+        # Without the ordering the listing would put a back: a hit whose record is gone.
+        assert store.index.keys() == keys(["b"])
+        assert await store.problems() == []
+        await store.close()
+        assert not tier.closed  # a tier passed in is the caller's to close
+    finally:
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_refresh_sees_another_writer_and_an_empty_store_finds_nothing(tmp_path: Path):
+    config = StoreConfig(cache_dir=str(tmp_path / "kv"))
+    store = await DiskStore.open(config, fingerprint=FP)
+    try:
+        await store.tier.put_many(items(["x", "y"]))  # written around the index, as another process would
+        assert store.index.keys() == set()
+        assert await store.refresh() == (2, 0)
+        assert store.index.keys() == keys(["x", "y"])
+        await store.tier.delete_many([items(["x"])[0][0]])
+        await store.settle()
+        assert store.index.keys() == keys(["y"])  # the delete's removal report, not a refresh
+        assert await store.refresh() == (0, 0)
+    finally:
+        await store.close()
+    empty = await DiskStore.open(StoreConfig(), fingerprint=FP)
+    assert empty.tier is None and await empty.refresh() == (0, 0) and await empty.problems() == []
+    await empty.settle()
+    await empty.close()
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_directory_is_moved_aside_unless_read_only(tmp_path: Path):
+    cache = tmp_path / "kv"
+    cache.mkdir(mode=0o700)
+    (cache / "data.mdb").write_bytes(b"not an LMDB file" * 512)
+    store = await DiskStore.open(StoreConfig(cache_dir=str(cache)), fingerprint=FP)
+    try:
+        assert store.quarantined_cache_dir is not None and Path(store.quarantined_cache_dir).exists()
+        assert store.index.keys() == set() and await store.problems() == []
+    finally:
+        await store.close()
+    from kvtier.tiers.lmdb import CorruptCacheError
+
+    (cache / "data.mdb").write_bytes(b"not an LMDB file" * 512)
+    with pytest.raises(CorruptCacheError):
+        await DiskStore.open(StoreConfig(cache_dir=str(cache), read_only=True), fingerprint=FP)
+    assert (cache / "data.mdb").read_bytes().startswith(b"not an LMDB file")  # left alone

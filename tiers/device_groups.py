@@ -1,0 +1,217 @@
+"""One group of the serving process's KV tensors, and the checks on what a copy is handed.
+
+Primitives: ``GroupTensors`` (a group's layer tensors and shared geometry), ``validate_group``
+(the checks on a group's layer tensors), ``block_runs`` (one chunk's block ids checked and
+coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``host_array`` (a host
+slot checked, seen as the chunk's dtype and shape, or as a numpy array of same-size integers).
+Every failure is a ``DeviceError`` that names the group, and the layer, block or item at fault.
+Plain functions of their arguments, safe on any thread; ``DeviceKVView`` (``tiers.device``) calls
+them to validate a whole batch before it queues any copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from math import prod
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kvtier.errors import DeviceError
+
+__all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array"]
+
+# (position in the chunk, first device block, number of consecutive blocks)
+Run = Tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class GroupTensors:
+    """One group's layer tensors and the geometry every layer shares (made by ``validate_group``).
+    Immutable: any thread."""
+
+    layers: Tuple[torch.Tensor, ...]
+    dtype: torch.dtype
+    block_shape: Tuple[int, ...]
+    num_blocks: int
+    blocks_per_chunk: int
+    block_nbytes: int  # bytes of one block of one layer
+
+    @property
+    def chunk_shape(self) -> Tuple[int, ...]:
+        return (len(self.layers), self.blocks_per_chunk, *self.block_shape)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return len(self.layers) * self.blocks_per_chunk * self.block_nbytes
+
+
+def validate_group(
+    gi: int, blocks_per_chunk: int, layers: Sequence[torch.Tensor], block_size: int = 0
+) -> GroupTensors:
+    """Check group ``gi``'s layer tensors (same dtype, per-block shape, block count and device; the
+    block index first; at least one chunk of blocks) and describe them; ``DeviceError`` names the
+    layer at fault."""
+    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+        raise DeviceError(
+            f"group {gi}: expected a sequence of layer tensors, got {type(layers).__name__}"
+        )
+    if len(layers) == 0:
+        raise DeviceError(f"group {gi}: no layer tensors")
+    first = layers[0]
+    for li, layer in enumerate(layers):
+        if not isinstance(layer, torch.Tensor):
+            raise DeviceError(f"group {gi}, layer {li}: not a tensor ({type(layer).__name__})")
+        if layer.dim() < 2:
+            raise DeviceError(
+                f"group {gi}, layer {li}: shape {tuple(layer.shape)} has no per-block "
+                "dimensions (expected [num_blocks, *block_shape])"
+            )
+        if li == 0:
+            continue
+        if layer.dtype != first.dtype:
+            raise DeviceError(
+                f"group {gi}, layer {li}: dtype {layer.dtype} differs from layer 0's "
+                f"{first.dtype}"
+            )
+        if tuple(layer.shape[1:]) != tuple(first.shape[1:]):
+            raise DeviceError(
+                f"group {gi}, layer {li}: per-block shape {tuple(layer.shape[1:])} differs "
+                f"from layer 0's {tuple(first.shape[1:])}"
+            )
+        if layer.shape[0] != first.shape[0]:
+            raise DeviceError(
+                f"group {gi}, layer {li}: {layer.shape[0]} blocks but layer 0 has "
+                f"{first.shape[0]}"
+            )
+        if layer.device != first.device:
+            raise DeviceError(
+                f"group {gi}, layer {li}: on {layer.device} but layer 0 is on {first.device}"
+            )
+    # bool and complex tensors are not a KV cache: their bytes would be stored and restored
+    # faithfully, but only because something upstream handed kvtier the wrong tensor.
+    if first.dtype == torch.bool or first.dtype.is_complex:
+        raise DeviceError(f"group {gi}, layer 0: dtype {first.dtype} is not a KV-cache dtype")
+    if first.shape[0] < blocks_per_chunk:
+        raise DeviceError(
+            f"group {gi}, layer 0: {first.shape[0]} blocks in the first (block index) dimension, "
+            f"fewer than one chunk ({blocks_per_chunk} blocks); is the block index the first dimension?"
+        )
+    shape = tuple(first.shape)
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] > 2 and shape[2] == block_size:
+        # vLLM's FlashAttention layout, [2 (K, V), num_blocks, block_size, ...]: read as 2 blocks of
+        # [num_blocks, block_size, ...] every copy would move whole caches' halves.
+        raise DeviceError(
+            f"group {gi}, layer 0: shape {shape} has K and V first ([2, num_blocks, block_size, ...]); "
+            "the block index must be the first dimension: pass layer[0] and layer[1] as two layers"
+        )
+    block_shape = tuple(int(d) for d in first.shape[1:])
+    block_nbytes = prod(block_shape) * first.element_size()
+    if block_nbytes == 0:
+        raise DeviceError(f"group {gi}, layer 0: per-block shape {block_shape} holds no bytes")
+    return GroupTensors(
+        layers=tuple(layers),
+        dtype=first.dtype,
+        block_shape=block_shape,
+        num_blocks=int(first.shape[0]),
+        blocks_per_chunk=blocks_per_chunk,
+        block_nbytes=block_nbytes,
+    )
+
+
+def block_runs(
+    gi: int,
+    group: GroupTensors,
+    block_ids: Sequence[Optional[int]],
+    allow_none: bool,
+    seen: Dict[int, int],
+) -> List[Run]:
+    """Validate one chunk's block ids and coalesce consecutive ones into runs (one copy per run
+    per layer instead of one per block: block tables are often consecutive)."""
+    if isinstance(block_ids, (str, bytes, torch.Tensor)) or not isinstance(block_ids, Sequence):
+        raise DeviceError(
+            f"group {gi}: block ids must be a sequence of ints, got {type(block_ids).__name__}"
+        )
+    if len(block_ids) != group.blocks_per_chunk:
+        raise DeviceError(
+            f"group {gi}: a chunk has {group.blocks_per_chunk} block(s), got "
+            f"{len(block_ids)} block id(s)"
+        )
+    runs: List[Run] = []
+    for pos, raw in enumerate(block_ids):
+        if raw is None:
+            if not allow_none:
+                raise DeviceError(
+                    f"group {gi}: block_ids[{pos}] is None; gather needs every block"
+                )
+            continue
+        try:
+            if isinstance(raw, bool):
+                raise TypeError
+            block = operator.index(raw)
+        except TypeError:
+            raise DeviceError(
+                f"group {gi}: block_ids[{pos}] = {raw!r} is not an int"
+            ) from None
+        if not 0 <= block < group.num_blocks:
+            raise DeviceError(
+                f"group {gi}: block id {block} (block_ids[{pos}]) out of range "
+                f"[0, {group.num_blocks})"
+            )
+        if block in seen:
+            raise DeviceError(
+                f"group {gi}: block id {block} (block_ids[{pos}]) appears twice in one "
+                "chunk or batch"
+            )
+        seen[block] = pos
+        if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == block:
+            start_pos, start_block, length = runs[-1]
+            runs[-1] = (start_pos, start_block, length + 1)
+        else:
+            runs.append((pos, block, 1))
+    return runs
+
+
+def host_array(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> np.ndarray:
+    """CPU fast path: the host slot as a numpy array of the chunk's shape, in same-size integers
+    (a view, no copy), ``bits`` the numpy dtype of the group's layers. Checks exactly what
+    ``typed_slot`` checks, with the same errors."""
+    check_slot(gi, group, slot, what)
+    if slot.data_ptr() % bits.itemsize:
+        raise DeviceError(f"group {gi}: {what} cannot be viewed as {group.dtype} (misaligned start?)")
+    # uint8 tensors never require grad, so numpy() always hands out the view.
+    return slot.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
+
+
+def typed_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> torch.Tensor:
+    """The host slot seen as the chunk's dtype and shape (a view, no copy)."""
+    check_slot(gi, group, slot, what)
+    try:
+        return slot.reshape(-1).view(group.dtype).view(group.chunk_shape)
+    except RuntimeError as exc:
+        # A byte view as a wider dtype needs the start aligned to the element size.
+        raise DeviceError(
+            f"group {gi}: {what} cannot be viewed as {group.dtype} (misaligned start?)"
+        ) from exc
+
+
+def check_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> None:
+    """A host slot for one chunk of the group: a contiguous ``uint8`` CPU tensor of exactly
+    ``chunk_nbytes``; ``DeviceError`` naming ``what`` otherwise."""
+    if not isinstance(slot, torch.Tensor):
+        raise DeviceError(f"group {gi}: {what} must be a tensor, got {type(slot).__name__}")
+    if slot.dtype != torch.uint8:
+        raise DeviceError(f"group {gi}: {what} must have dtype torch.uint8, got {slot.dtype}")
+    if slot.device.type != "cpu":
+        raise DeviceError(
+            f"group {gi}: {what} must be in host memory, got device {slot.device}"
+        )
+    if slot.numel() != group.chunk_nbytes:
+        raise DeviceError(
+            f"group {gi}: {what} holds {slot.numel()} bytes but a chunk is "
+            f"{group.chunk_nbytes} bytes"
+        )
+    if not slot.is_contiguous():
+        raise DeviceError(f"group {gi}: {what} must be contiguous")

@@ -1,0 +1,50 @@
+"""The bench's sizes, budgets and targets, in one place (units in the names)."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+SIZES: Tuple[int, ...] = (256 * KiB, 1 * MiB, 4 * MiB)
+QUICK_TOTAL_BYTES = 64 * MiB
+FULL_TOTAL_BYTES = 1 * GiB
+# What the engine's spill puts in one LMDB transaction (EngineConfig defaults).
+BATCH_BYTES = 64 * MiB
+BATCH_MAX_CHUNKS = 256
+# The staging geometry: bf16, 16-token blocks, 4 layers, K and V stacked, 128-wide heads.
+LAYERS = 4
+BLOCK_TOKENS = 16
+HEAD_DIM = 128
+BLOCK_UNIT = LAYERS * 2 * BLOCK_TOKENS * HEAD_DIM * 2  # bytes of one head of one block, all layers
+# The targets README's benchmark tables list (ratios).
+TARGET_SPILL_VS_RAW = 0.9
+TARGET_SMALL_SPILL_VS_BASELINE = 2.0
+TARGET_RESTORE_VS_RAW = 0.8
+TARGET_STAGING_VS_MEMCPY = 0.9
+TARGET_RELEASE_VS_STAGING = 0.8  # engine store until released vs the bare staging copy
+TARGET_BOOKKEEPING_US = 20.0
+TARGET_LONGEST_HIT_MS = 2.0
+# Coverage figures count bytes at this many KV bytes per token and group (ratios do not depend on it).
+COVERAGE_TOKEN_BYTES = 1024
+COVERAGE_TOKENS = 100_000
+LONGEST_HIT_TOKENS = 131072
+BASELINE_FILES_IN_FLIGHT = 256
+# The engine's spill keeps two batches in flight (engine._SPILL_BATCHES_IN_FLIGHT); the tier figures
+# drive the tiers the same way.
+SPILL_BATCHES_IN_FLIGHT = 2
+# Paired rounds per chunk size (see run_paired).
+ROUNDS = 4
+
+
+def label_of(nbytes: int) -> str:
+    if nbytes % MiB == 0:
+        return f"{nbytes // MiB}MiB"
+    if nbytes % KiB == 0:
+        return f"{nbytes // KiB}KiB"
+    return f"{nbytes}B"
+
+
+def mb_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6 if seconds > 0 else float("inf")
