@@ -3,8 +3,8 @@
 Primitives: ``StoreConfig`` (the disk and remote tiers' settings, the record ``DiskStore`` opens
 with), ``EngineConfig`` (a ``StoreConfig`` plus the engine's own settings; its defaults and their
 reasons, validation) and their loaders ``from_dict`` / ``from_toml`` / ``from_env`` / ``load``
-(defaults < TOML < environment < overrides), plus ``parse_size`` ("256MiB" -> 268435456). Pure and
-synchronous; safe on any thread.
+(defaults < TOML < environment < overrides); how a value is read (``"256MiB"``, ``"true"``, a
+variable) is ``config_values.py``'s. Pure and synchronous; safe on any thread.
 
 Every error is a ``ValueError`` that names the field (or the environment variable / TOML file it came
 from) and the offending value, like ``kvtier.policy``'s constructors: a bad setting is a bad argument.
@@ -12,15 +12,11 @@ from) and the offending value, like ``kvtier.policy``'s constructors: a bad sett
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 from kvtier.tiers.eviction import eviction_policy_names
@@ -28,12 +24,15 @@ from kvtier.tiers.lru import BYTE_INDEX_NAMES
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
+from .config_values import (ENV, FieldKinds, coerce, env_settings, naming_variables, read_toml, require_bool,
+                            require_choice, require_fraction, require_int, require_seconds)
+
 logger = logging.getLogger("kvtier.engine")
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.record_format import CodecConfig
 
-__all__ = ["EngineConfig", "StoreConfig", "parse_size"]
+__all__ = ["EngineConfig", "StoreConfig"]
 
 _KiB = 1 << 10
 _MiB = 1 << 20
@@ -179,41 +178,41 @@ class StoreConfig:
                 # Larger than any address space: a unit typo, not a plan. Said here, not as a raw
                 # allocator or LMDB error at start.
                 raise ValueError(f"{name} must be at most 2**62 bytes, got {value!r}")
-        _require_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        require_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.disk_capacity_bytes is not None:
-            _require_int("disk_capacity_bytes", self.disk_capacity_bytes, 1)
+            require_int("disk_capacity_bytes", self.disk_capacity_bytes, 1)
             if self.cache_dir is None:
                 # A capacity for a disk tier that does not exist is a mistake, not a no-op.
                 raise ValueError(
                     f"disk_capacity_bytes={self.disk_capacity_bytes!r} needs cache_dir "
                     "(no cache_dir means no disk tier)"
                 )
-        _require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, _LMDB_MIN_MAP_SIZE_BYTES)
+        require_int("lmdb_map_size_bytes", self.lmdb_map_size_bytes, _LMDB_MIN_MAP_SIZE_BYTES)
         if self.lmdb_map_size_bytes > _LMDB_MAX_MAP_SIZE_BYTES:
             raise ValueError(
                 f"lmdb_map_size_bytes must be at most 1 TiB ({_LMDB_MAX_MAP_SIZE_BYTES}, the most the map grows to), "
                 f"got {self.lmdb_map_size_bytes}"
             )
         lo, hi = _COMPRESSION_LEVEL_RANGE
-        _require_int("compression_level", self.compression_level, None)
+        require_int("compression_level", self.compression_level, None)
         if not lo <= self.compression_level <= hi:
             raise ValueError(
                 f"compression_level must be in [{lo}, {hi}], got {self.compression_level!r}"
             )
-        _require_fraction(
+        require_fraction(
             "compression_min_savings_fraction", self.compression_min_savings_fraction, upper_open=True
         )
-        _require_bool("compression_enabled", self.compression_enabled)
-        _require_bool("quarantine_corrupt_cache_dir", self.quarantine_corrupt_cache_dir)
-        _require_bool("lmdb_verify_on_open", self.lmdb_verify_on_open)
-        _require_seconds("reader_check_interval_s", self.reader_check_interval_s)
+        require_bool("compression_enabled", self.compression_enabled)
+        require_bool("quarantine_corrupt_cache_dir", self.quarantine_corrupt_cache_dir)
+        require_bool("lmdb_verify_on_open", self.lmdb_verify_on_open)
+        require_seconds("reader_check_interval_s", self.reader_check_interval_s)
         check_segment_threshold(self.lmdb_segment_threshold_bytes, "lmdb_segment_threshold_bytes")
         if self.disk_index_refresh_interval_s is not None:
-            _require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
-        _require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
+            require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
+        require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)
-        _require_bool("read_only", self.read_only)
-        _require_int("read_workers", self.read_workers, 1)
+        require_bool("read_only", self.read_only)
+        require_int("read_workers", self.read_workers, 1)
         self._validate_remote()
 
     def _validate_remote(self) -> None:
@@ -226,15 +225,15 @@ class StoreConfig:
                 raise ValueError(f"remote_url is invalid: {exc}") from None
         if not isinstance(self.remote_namespace, str) or not re.match(r"^[A-Za-z0-9._-]{1,64}$", self.remote_namespace):
             raise ValueError(f"remote_namespace must match [A-Za-z0-9._-]{{1,64}}, got {self.remote_namespace!r}")
-        _require_seconds("remote_timeout_s", self.remote_timeout_s)
-        _require_seconds("remote_connect_timeout_s", self.remote_connect_timeout_s)
-        _require_int("remote_concurrency", self.remote_concurrency, 1)
-        _require_int("remote_pipeline_max_bytes", self.remote_pipeline_max_bytes, 1)
-        _require_choice("remote_write_policy", self.remote_write_policy, REMOTE_WRITE_POLICIES)
-        _require_int("remote_breaker_failures", self.remote_breaker_failures, 1)
-        _require_seconds("remote_breaker_reset_s", self.remote_breaker_reset_s)
-        _require_seconds("remote_listing_interval_s", self.remote_listing_interval_s)
-        _require_bool("remote_promote_to_disk", self.remote_promote_to_disk)
+        require_seconds("remote_timeout_s", self.remote_timeout_s)
+        require_seconds("remote_connect_timeout_s", self.remote_connect_timeout_s)
+        require_int("remote_concurrency", self.remote_concurrency, 1)
+        require_int("remote_pipeline_max_bytes", self.remote_pipeline_max_bytes, 1)
+        require_choice("remote_write_policy", self.remote_write_policy, REMOTE_WRITE_POLICIES)
+        require_int("remote_breaker_failures", self.remote_breaker_failures, 1)
+        require_seconds("remote_breaker_reset_s", self.remote_breaker_reset_s)
+        require_seconds("remote_listing_interval_s", self.remote_listing_interval_s)
+        require_bool("remote_promote_to_disk", self.remote_promote_to_disk)
 
     # -- conversions and loaders ----------------------------------------------------------------
 
@@ -271,7 +270,7 @@ class StoreConfig:
     @classmethod
     def from_toml(cls: Type[_C], path: Union[str, "os.PathLike[str]"]) -> _C:
         """Build from a TOML file whose top-level keys are field names (see ``from_dict``)."""
-        return cls.from_dict(_read_toml(path))
+        return cls.from_dict(read_toml(path))
 
     @classmethod
     def from_env(
@@ -284,9 +283,9 @@ class StoreConfig:
         nearest setting's variable (``KVTIER_CACHEDIR``: did you mean ``KVTIER_CACHE_DIR``?).
         An empty value or ``none`` means ``None`` for an optional setting (``KVTIER_CACHE_DIR``...).
         """
-        settings = _env_settings(cls, environ, prefix)
-        with _naming_variables(settings, prefix):
-            return cls(**cls._coerce_mapping(settings, source=_ENV + prefix))
+        settings = env_settings(cls.field_names(), EngineConfig.field_names(), environ, prefix)
+        with naming_variables(settings, prefix):
+            return cls(**cls._coerce_mapping(settings, source=ENV + prefix))
 
     @classmethod
     def load(
@@ -304,13 +303,13 @@ class StoreConfig:
         """
         merged: Dict[str, Any] = {}
         if path is not None:
-            merged.update(cls._coerce_mapping(_read_toml(path), source=os.fspath(path)))
-        settings = _env_settings(cls, environ, prefix)
-        merged.update(cls._coerce_mapping(settings, source=_ENV + prefix))
+            merged.update(cls._coerce_mapping(read_toml(path), source=os.fspath(path)))
+        settings = env_settings(cls.field_names(), EngineConfig.field_names(), environ, prefix)
+        merged.update(cls._coerce_mapping(settings, source=ENV + prefix))
         if overrides:
             merged.update(cls._coerce_mapping(overrides, source=None))
             settings = {k: v for k, v in settings.items() if k not in overrides}
-        with _naming_variables(settings, prefix):
+        with naming_variables(settings, prefix):
             return cls(**merged)
 
     @classmethod
@@ -324,7 +323,7 @@ class StoreConfig:
             raise ValueError(
                 f"unknown setting(s){where}: {', '.join(unknown)}; valid: {', '.join(valid)}"
             )
-        return {name: _coerce(name, value, source) for name, value in data.items()}
+        return {name: coerce(name, value, source, _KINDS) for name, value in data.items()}
 
 
 @dataclass(frozen=True)
@@ -378,18 +377,18 @@ class EngineConfig(StoreConfig):
 
     def _validate(self) -> None:
         super()._validate()
-        _require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
         if self.host_eviction_policy is not None:
-            _require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
-        _require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
-        _require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
-        _require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
-        _require_bool("spill_enabled", self.spill_enabled)
+            require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
+        require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
+        require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
+        require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
+        require_bool("spill_enabled", self.spill_enabled)
         if self.read_only and self.spill_enabled:
             raise ValueError("read_only=True needs spill_enabled=False (a read-only disk tier takes no spills)")
-        _require_seconds("tier_timeout_s", self.tier_timeout_s)
-        _require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
-        _require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
+        require_seconds("tier_timeout_s", self.tier_timeout_s)
+        require_fraction("pressure_high_watermark_fraction", self.pressure_high_watermark_fraction)
+        require_fraction("pressure_low_watermark_fraction", self.pressure_low_watermark_fraction)
         if not self.pressure_low_watermark_fraction < self.pressure_high_watermark_fraction:
             raise ValueError(
                 "pressure_low_watermark_fraction must be < pressure_high_watermark_fraction "
@@ -397,12 +396,12 @@ class EngineConfig(StoreConfig):
                 f"low={self.pressure_low_watermark_fraction!r}, "
                 f"high={self.pressure_high_watermark_fraction!r}"
             )
-        _require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
+        require_seconds("pressure_poll_interval_s", self.pressure_poll_interval_s)
         if self.store_retention_interval_tokens is not None:
-            _require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
+            require_int("store_retention_interval_tokens", self.store_retention_interval_tokens, 0)
         if self.device_kind is not None:
-            _require_choice("device_kind", self.device_kind, DEVICE_KINDS)
-        _require_int("events_max", self.events_max, 1)
+            require_choice("device_kind", self.device_kind, DEVICE_KINDS)
+        require_int("events_max", self.events_max, 1)
 
     def host_policy(self) -> str:
         """The host pools' eviction policy: ``host_eviction_policy``, else ``eviction_policy``."""
@@ -455,210 +454,4 @@ _OPTIONAL_FIELDS = frozenset(
      "store_retention_interval_tokens", "host_eviction_policy"}
 )
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-# Binary units are what memory and slabs are sized in; decimal ones are accepted because disk
-# vendors and `df -H` speak them, and silently reading "64MB" as MiB would be a 5% surprise.
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": _KiB,
-    "kib": _KiB,
-    "m": _MiB,
-    "mib": _MiB,
-    "g": _GiB,
-    "gib": _GiB,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: Union[str, int], name: str = "size") -> int:
-    """Bytes from an int or a string: ``"4096"``, ``"256MiB"``, ``"1.5GiB"``, ``"64 MB"``.
-
-    Binary suffixes (``KiB``/``MiB``/``GiB``/``TiB``, or bare ``K``/``M``/``G``/``T``) are powers of
-    1024; ``kB``/``MB``/``GB``/``TB`` are powers of 1000. Case-insensitive. The result must be a whole,
-    non-negative number of bytes.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    if not isinstance(text, str):
-        raise ValueError(f"{name} must be an int or a size string like '256MiB', got {text!r}")
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"{name} must be a size like 268435456, '256MiB', '1GiB' or '64MB', got {text!r}"
-        )
-    number = Fraction(match.group(1).replace("_", "").rstrip(".") or "0")
-    total = number * _SIZE_UNITS[unit]
-    if total.denominator != 1:
-        raise ValueError(f"{name} must be a whole number of bytes, got {text!r} = {float(total)}")
-    return int(total)
-
-
-def _coerce(name: str, value: Any, source: Optional[str]) -> Any:
-    """Turn a loader's value (often a string) into the field's type; validation comes later."""
-    if source is None:
-        label = name
-    elif source.startswith(_ENV):
-        label = f"{name} (from {source[len(_ENV):]}{name.upper()})"
-    else:
-        label = f"{name} (from {source})"
-    if value is None:
-        return None
-    if name in _OPTIONAL_FIELDS and isinstance(value, str) and value.strip().lower() in ("", "none"):
-        # One meaning in every loader and for every optional setting: unset. (A directory really
-        # named "none" is spelled "./none".)
-        return None
-    if name in _SIZE_FIELDS:
-        return parse_size(value, label)
-    if name in _INT_FIELDS:
-        if isinstance(value, str):
-            try:
-                return int(value.strip(), 10)
-            except ValueError:
-                raise ValueError(f"{label} must be an int, got {value!r}") from None
-        return value
-    if name in _FLOAT_FIELDS:
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise ValueError(f"{label} must be a number, got {value!r}") from None
-        return value
-    if name in _BOOL_FIELDS:
-        if isinstance(value, str):
-            word = value.strip().lower()
-            if word in _TRUE:
-                return True
-            if word in _FALSE:
-                return False
-            raise ValueError(
-                f"{label} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}"
-            )
-        return value
-    return value
-
-
-# -- field checks (ValueError naming field and value) --------------------------------------------
-
-
-def _require_int(name: str, value: object, minimum: Optional[int]) -> None:
-    # bool is an int subclass; `True` bytes is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        bound = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-
-
-def _require_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-
-
-def _require_float(name: str, value: object) -> float:
-    if not isinstance(value, float) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return value
-
-
-def _require_seconds(name: str, value: object) -> None:
-    seconds = _require_float(name, value)
-    if not (0.0 < seconds < math.inf):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-
-
-def _require_fraction(name: str, value: object, upper_open: bool = False) -> None:
-    fraction = _require_float(name, value)
-    if upper_open:
-        if not 0.0 <= fraction < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    elif not 0.0 < fraction <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-
-
-def _require_choice(name: str, value: object, choices: Tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-# -- sources -------------------------------------------------------------------------------------
-
-
-_ENV = "env:"  # source tag of settings read from the environment: "env:" + the variable prefix
-
-
-@contextlib.contextmanager
-def _naming_variables(settings: Mapping[str, Any], prefix: str):
-    """A validation error about a setting that came from the environment names its variable:
-    ``host_capacity_bytes must be positive, got 0 (from KVTIER_HOST_CAPACITY_BYTES)``."""
-    try:
-        yield
-    except ValueError as exc:
-        message = str(exc)
-        for name in sorted(settings, key=len, reverse=True):
-            if message.startswith(name + " ") or message.startswith(name + "="):
-                raise ValueError(f"{message} (from {prefix}{name.upper()})") from None
-        raise
-
-
-# Variables with the prefix that are not settings but are read elsewhere (the fault tests' seed).
-_OTHER_VARIABLES = frozenset({"FAULT_SEED"})
-_warned_variables: set = set()
-
-
-def _env_settings(cls: Type[StoreConfig], environ: Optional[Mapping[str, str]], prefix: str) -> Dict[str, str]:
-    env = os.environ if environ is None else environ
-    found: Dict[str, str] = {}
-    for name in cls.field_names():
-        key = prefix + name.upper()
-        if key in env:
-            found[name] = env[key]
-    _warn_unknown_variables(env, prefix)
-    return found
-
-
-def _warn_unknown_variables(env: Mapping[str, str], prefix: str) -> None:
-    """A typo such as ``KVTIER_CACHEDIR`` would otherwise leave the setting at its default without
-    a word: log it once per process, naming the nearest setting's variable."""
-    # Against the engine's names, the widest set: a store-only loader must not warn about them.
-    known = [prefix + name.upper() for name in EngineConfig.field_names()]
-    for key in env:
-        if not key.startswith(prefix) or key in known or key[len(prefix):] in _OTHER_VARIABLES:
-            continue
-        if key in _warned_variables:
-            continue
-        _warned_variables.add(key)
-        nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hint = f"did you mean {nearest[0]}?" if nearest else f"the settings are {prefix}<FIELD_NAME>, e.g. {known[0]}"
-        logger.warning("environment variable %s is not a kvtier setting and is ignored; %s", key, hint)
-
-
-def _read_toml(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
-    try:
-        import tomllib  # Python >= 3.11
-    except ModuleNotFoundError:  # pragma: no cover - only on 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise ValueError(
-                f"cannot read {os.fspath(path)!r}: TOML needs Python >= 3.11 (tomllib) or the "
-                "'tomli' package on Python 3.10"
-            ) from None
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: {exc}") from exc
-    except UnicodeDecodeError as exc:  # tomllib decodes first: a binary file fails here
-        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: not UTF-8 text ({exc.reason})") from None
-    except IsADirectoryError:
-        raise ValueError(f"{os.fspath(path)!r} is not valid TOML: it is a directory") from None
+_KINDS = FieldKinds(_SIZE_FIELDS, _INT_FIELDS, _FLOAT_FIELDS, _BOOL_FIELDS, _OPTIONAL_FIELDS)

@@ -272,7 +272,7 @@ class HostSlabPool:
         if key is None:
             try:
                 hash(tag)
-                key = tag  # type: ignore[assignment]
+                key = tag
             except TypeError:
                 key = None
         if self._owners[slot] is tag and self._keys[slot] == key:

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -123,13 +123,12 @@ async def run_demo(
         layout, num_blocks=640, num_layers=_LAYERS, kv_heads=_KV_HEADS, head_dim=_HEAD_DIM, dtype=torch.bfloat16
     )
     fingerprint = layout_fingerprint(layout, model="kvtier-demo", dtype="bfloat16", weights_version=_DEMO_WEIGHTS_VERSION)
-    remote = {}
+    config = EngineConfig(cache_dir=cache_dir, host_capacity_bytes=96 << 20, lmdb_map_size_bytes=256 << 20)
     if remote_url is not None:
         # A fresh namespace per run: the demo proves its own bytes, not a previous run's.
         # A fleet member refreshes its index so other hosts' chunks become hits without a restart.
-        remote = dict(remote_url=remote_url, remote_namespace=f"demo-{os.getpid()}-{time.time_ns()}",
-                      disk_index_refresh_interval_s=10.0)
-    config = EngineConfig(cache_dir=cache_dir, host_capacity_bytes=96 << 20, lmdb_map_size_bytes=256 << 20, **remote)
+        config = dataclasses.replace(config, remote_url=remote_url, remote_namespace=f"demo-{os.getpid()}-{time.time_ns()}",
+                                     disk_index_refresh_interval_s=10.0)
     tick = progress or (lambda n: None)
     failures: List[str] = []
     started = time.perf_counter()
@@ -146,10 +145,10 @@ async def run_demo(
     # every complete SWA chunk of every prompt: shared prefixes are held once and the store mask
     # skips what no boundary needs. The same figure on a cold or a warm directory.
     swa_every = sum(len(p) // layout.groups[swa_group].tokens_per_chunk for p in prompts) * swa_chunk_bytes
-    swa_keys = set()
+    swa_keys: Set[bytes] = set()
     restored: List[int] = []  # blocks stored again per consumer whose load found a corrupt chunk
-    stored_keys = set()
-    warm_keys = set()
+    stored_keys: Set[bytes] = set()
+    warm_keys: Set[bytes] = set()
     hit_tokens = 0
     prompt_tokens = 0
     loaded_host = loaded_disk = 0

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Type, Union
 
 import aiofiles
 import torch
@@ -209,6 +209,7 @@ async def read_prompts(path: PathLike, tokenizer_dir: Optional[PathLike] = None)
         if ids is _TEXT_PROMPT:
             if not isinstance(text, str):
                 raise ValueError(f"{where}: 'text' must be a string")
+            assert tokenizer is not None, "loaded above whenever an entry is a text prompt"
             ids = tokenizer(text)["input_ids"]
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
@@ -275,6 +276,7 @@ def _already_complete(engine: OffloadEngine, keys, layout: ModelLayout, num_toke
     state, _ = _ideal_state(layout, num_tokens)
     for boundary in _reachable_boundaries(layout, num_tokens):
         expected = longest_hit(layout, boundary, state)
+        assert expected is not None, "the ideal state holds READY and MISSING chunks only, none in flight"
         actual = engine.lookup(keys, max_tokens=boundary)
         if actual is None or actual < expected:
             return False
@@ -291,11 +293,11 @@ def _host_capacity_for(view: DeviceKVView, layout: ModelLayout, max_tokens: int)
     return 2 * chunks * sum(view.chunk_nbytes(g) for g in range(len(layout.groups)))
 
 
-def _checkpoint_errors() -> Tuple[type, ...]:
+def _checkpoint_errors() -> Tuple[Type[BaseException], ...]:
     """What a damaged or foreign checkpoint raises while loading: safetensors' own error (a
     garbage ``model.safetensors``), OSError (missing or unreadable files), ValueError / KeyError
     (a config that does not parse) and RuntimeError (weights of the wrong shape)."""
-    errors: Tuple[type, ...] = (OSError, ValueError, KeyError, RuntimeError)
+    errors: Tuple[Type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)
     try:
         from safetensors import SafetensorError
     except ImportError:  # pragma: no cover - transformers requires safetensors

@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import List, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from kvtier.errors import CorruptCacheError
 from kvtier.errors import KvtierError
@@ -48,12 +48,12 @@ _SIGNED_VALUE_OPTIONS = ("--max-bytes",)
 class _Parser(argparse.ArgumentParser):
     """argparse with kvtier's one-line error: ``kvtier: error: <what>  (see kvtier gc --help)``."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER_ERROR, f"kvtier: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _size(text: str) -> int:
-    from kvtier.engine.config import parse_size
+    from kvtier.engine.config_values import parse_size
 
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,7 +40,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from kvtier.engine import EngineConfig
 
 EXIT_NO_GPU = 3
 MiB, GiB = 1 << 20, 1 << 30
@@ -93,7 +97,7 @@ def check_headroom() -> str:
 # -- CUDA checks ------------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], None], repeat: int) -> float:
+def _timed(fn: Callable[[], object], repeat: int) -> float:
     """Seconds per call of ``fn`` (which queues GPU work), after one warm-up call."""
     import torch
 
@@ -277,14 +281,12 @@ def _engine_parts(num_layers: int = 8):
     return layout, layers, DeviceKVView(layout, [layers])
 
 
-def _engine_config(cache_dir: Optional[Path] = None, **overrides):
+def _engine_config(cache_dir: Optional[Path] = None, **overrides: Any) -> EngineConfig:
     from kvtier.engine import EngineConfig
 
-    values = dict(host_capacity_bytes=256 * MiB, pressure_poll_interval_s=3600.0)
-    if cache_dir is not None:
-        values["cache_dir"] = str(cache_dir)
-    values.update(overrides)
-    return EngineConfig(**values)
+    config = EngineConfig(host_capacity_bytes=256 * MiB, pressure_poll_interval_s=3600.0,
+                          cache_dir=None if cache_dir is None else str(cache_dir))
+    return dataclasses.replace(config, **overrides)
 
 
 def check_other_thread() -> str:
@@ -380,7 +382,8 @@ def check_register_error() -> str:
     from kvtier.tiers.device_backend import DeviceBackend, register_host_range
 
     runtime = cuda_runtime()
-    _require(runtime is not None, "libcudart not found in this process")
+    if runtime is None:
+        raise CheckFailed("libcudart not found in this process")
     backend = DeviceBackend("cuda")
     buffer = backend.host_buffer(4 * MiB)  # registered: registering it again fails
     cudart = torch.cuda.cudart()
@@ -498,6 +501,7 @@ def check_engine(cache_dir: Path) -> str:
 
 def check_vllm(cache_dir: Path) -> str:
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from kvtier.integrations.vllm.testing import write_model_config
 
@@ -513,7 +517,8 @@ def check_vllm(cache_dir: Path) -> str:
                                           "secondary_tiers": [tier]},
         },
     )
-    prompt = {"prompt_token_ids": [(i * 37) % 900 + 5 for i in range(300)]}
+    # vLLM marks TokensPrompt's other keys typing.NotRequired (3.11+), which a check at 3.10 cannot read.
+    prompt = TokensPrompt(prompt_token_ids=[(i * 37) % 900 + 5 for i in range(300)])  # type: ignore[typeddict-item]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     first = llm.generate([prompt], params)[0]
     if not llm.reset_prefix_cache(reset_connector=True):

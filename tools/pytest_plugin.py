@@ -29,8 +29,12 @@ project that leaves pytest-asyncio's ``asyncio_default_fixture_loop_scope`` unse
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Optional
+
 import pytest
 
+pytest_asyncio: Optional[ModuleType]  # None where pytest-asyncio is not installed
 try:
     import pytest_asyncio
 except ImportError:  # pragma: no cover - the plugin must not break pytest runs without it

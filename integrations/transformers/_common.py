@@ -6,7 +6,7 @@ the cache argument's name. Plain functions; call them from the model's thread.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, TypeGuard
 
 import torch
 
@@ -87,5 +87,6 @@ def token_tensor(token_ids: Sequence[int], device) -> torch.Tensor:
 
 
 
-def valid_block(block: Optional[int]) -> bool:
+def valid_block(block: Optional[int]) -> TypeGuard[int]:
+    """Whether ``block`` names a device block: not ``None`` and not negative."""
     return block is not None and int(block) >= 0

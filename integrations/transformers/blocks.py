@@ -114,12 +114,18 @@ def write_kv_to_blocks(
         num_blocks = cdiv(num_tokens, block_size)
         if len(table) < num_blocks:
             raise ValueError(f"block_tables[{g}] has {len(table)} blocks, {num_tokens} tokens need {num_blocks}")
-        logical = [i for i in range(num_blocks) if valid_block(table[i])]
+        logical: List[int] = []
+        device_blocks: List[int] = []
+        for i in range(num_blocks):
+            block = table[i]
+            if valid_block(block):
+                logical.append(i)
+                device_blocks.append(int(block))
         if not logical:
             continue
         device = tensors[0].device
         src_index = torch.tensor(logical, dtype=torch.long, device=device)
-        dst_index = torch.tensor([int(table[i]) for i in logical], dtype=torch.long, device=device)
+        dst_index = torch.tensor(device_blocks, dtype=torch.long, device=device)
         for tensor, layer in zip(tensors, layers):
             keys, values = kv[layer]
             if keys.shape[1] < num_tokens:
@@ -155,8 +161,9 @@ def read_kv_from_blocks(
         for tensor, layer in zip(tensors, layers):
             out = torch.full((num_blocks, *tensor.shape[1:]), missing, dtype=tensor.dtype, device=tensor.device)
             for i in range(num_blocks):
-                if valid_block(table[i]):
-                    out[i] = tensor[int(table[i])]
+                block = table[i]
+                if valid_block(block):
+                    out[i] = tensor[int(block)]
             if tensor.dim() == 5:
                 heads, head_dim = tensor.shape[3], tensor.shape[4]
                 # [blocks, 2, b, heads, dim] -> [2, heads, positions, dim]
@@ -200,8 +207,9 @@ def build_cache_from_blocks(
     num_layers = text_config(model_config).num_hidden_layers
     shapes = layer_kv_shapes(model_config)
     k_head_dims = [shapes[layers[0]][1] if layers else None for layers in layer_groups]
-    restored = read_kv_from_blocks(kv_caches, layer_groups, block_tables, hit_tokens, k_head_dims=k_head_dims)
-    if len(restored) != num_layers or any(item is None for item in restored):
+    per_layer = read_kv_from_blocks(kv_caches, layer_groups, block_tables, hit_tokens, k_head_dims=k_head_dims)
+    restored = [item for item in per_layer if item is not None]
+    if len(per_layer) != num_layers or len(restored) != num_layers:
         raise ValueError(f"layer_groups must cover all {num_layers} model layers exactly once")
     for g, (group, table) in enumerate(zip(layout.groups, block_tables)):
         start, _ = retained_interval(group, hit_tokens)

@@ -149,6 +149,8 @@ def layer_kv_shapes(config: Any) -> List[Tuple[int, int, int]]:
     num_layers = positive_int(config, "num_hidden_layers")
     layer_types = list(getattr(config, "layer_types", None) or [FULL_ATTENTION] * num_layers)
     per_layer = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
+    model_type = getattr(config, "model_type", None)
+    sliding_factor = _SLIDING_KV_HEAD_FACTOR.get(model_type, 1) if isinstance(model_type, str) else 1
     shapes = []
     for index in range(num_layers):
         layer = per_layer[index] if per_layer is not None else config
@@ -162,7 +164,7 @@ def layer_kv_shapes(config: Any) -> List[Tuple[int, int, int]]:
             k_dim = getattr(layer, "head_dim", None) or positive_int(layer, "hidden_size") // num_heads
             v_dim = getattr(layer, "v_head_dim", None) or k_dim
         if layer_types[index] == SLIDING_ATTENTION:
-            num_kv_heads *= _SLIDING_KV_HEAD_FACTOR.get(getattr(config, "model_type", None), 1)
+            num_kv_heads *= sliding_factor
         shapes.append((int(num_kv_heads), int(k_dim), int(v_dim)))
     return shapes
 

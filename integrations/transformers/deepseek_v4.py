@@ -39,6 +39,13 @@ HCA = "heavily_compressed_attention"
 _SLIDING = "sliding_attention"
 
 
+def _rate(role: GroupRole) -> int:
+    """The compression rate of an entries or overlap group; only a sliding group has none."""
+    if role.rate is None:
+        raise ValueError(f"an {role.kind!r} group without a compression rate")
+    return role.rate
+
+
 def is_compressed_attention(config: Any) -> bool:
     """Whether ``config`` is a compressed-attention model this module handles (DeepSeek-V4)."""
     config = text_config(config)
@@ -78,8 +85,9 @@ def _rows_to_blocks(rows: torch.Tensor, tensor: torch.Tensor, table: Sequence[Op
     staged[:count] = rows[:count]
     staged = staged.view(num_blocks, per_block, *rows.shape[1:])
     for logical in range(num_blocks):
-        if valid_block(table[logical]):
-            tensor[int(table[logical])] = staged[logical]
+        block = table[logical]
+        if valid_block(block):
+            tensor[int(block)] = staged[logical]
 
 
 def _blocks_to_rows(tensor: torch.Tensor, table: Sequence[Optional[int]], start: int, end: int) -> torch.Tensor:
@@ -88,11 +96,12 @@ def _blocks_to_rows(tensor: torch.Tensor, table: Sequence[Optional[int]], start:
     per_block = tensor.shape[1]
     parts = []
     for logical in range(start // per_block, cdiv(end, per_block)):
-        if logical >= len(table) or not valid_block(table[logical]):
+        block = table[logical] if logical < len(table) else None
+        if not valid_block(block):
             raise ValueError(f"logical block {logical} holds rows of [{start}, {end}) but has no device block")
         lo = max(start, logical * per_block) - logical * per_block
         hi = min(end, (logical + 1) * per_block) - logical * per_block
-        parts.append(tensor[int(table[logical]), lo:hi])
+        parts.append(tensor[int(block), lo:hi])
     return torch.cat(parts, dim=0)
 
 
@@ -160,7 +169,7 @@ class DeepseekV4CachePlan:
             if role.kind == SLIDING:
                 shapes.append((self.num_kv_heads, self.head_dim))
             elif role.kind == ENTRIES:
-                shapes.append((self.head_dim + (self.index_head_dim if self._is_csa_rate(role.rate) else 0),))
+                shapes.append((self.head_dim + (self.index_head_dim if self._is_csa_rate(_rate(role)) else 0),))
             else:
                 shapes.append((2 * self.head_dim + 2 * self.index_head_dim,))
         return shapes
@@ -174,7 +183,7 @@ class DeepseekV4CachePlan:
 
     def items_per_block(self, group_index: int) -> int:
         role, group = self.roles[group_index], self.layout.groups[group_index]
-        return group.block_size // role.rate if role.kind == ENTRIES else group.block_size
+        return group.block_size // _rate(role) if role.kind == ENTRIES else group.block_size
 
     def fingerprint_shapes(self) -> List[Tuple[int, ...]]:
         """Per group ``(layers, role code, rate, *item shape)``: what a group's bytes mean."""
@@ -293,7 +302,7 @@ class DeepseekV4CachePlan:
                 if role.kind == SLIDING:
                     _rows_to_blocks(captured.sliding[layer], tensor, table, num_tokens)
                 elif role.kind == ENTRIES:
-                    _rows_to_blocks(captured.entries[layer], tensor, table, num_tokens // role.rate)
+                    _rows_to_blocks(captured.entries[layer], tensor, table, num_tokens // _rate(role))
                 else:
                     _rows_to_blocks(captured.overlap[layer], tensor, table, num_tokens)
 

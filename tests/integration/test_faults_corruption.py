@@ -162,9 +162,28 @@ _OPEN_CHILD = textwrap.dedent(
 )
 
 
+def _reached_page_missing(directory: Path) -> bool:
+    """py-lmdb's offline verifier (the oracle here): does some tree reach a page past the end?"""
+    from lmdb import verify as lmdb_verify
+
+    return any("beyond EOF" in problem for problem in lmdb_verify.verify(str(directory)))
+
+
 def damaged_copies(pristine: Path, root: Path) -> List[Path]:
-    """Copies of ``pristine`` with a garbage, an empty-headed, and several truncated data files."""
+    """Copies of ``pristine`` with a garbage, an empty-headed, and several truncated data files,
+    each cutting off a page some tree reaches. The cut nearest the end that does is found by the
+    offline verifier: the pages after it are free (allocated once, never reached again)."""
+    needs_offline_verifier()
     data = (pristine / "data.mdb").read_bytes()
+    probe = root / "probe"
+    probe.mkdir(mode=0o700)
+    cut = len(data)
+    while True:
+        cut -= 4096
+        (probe / "data.mdb").write_bytes(data[:cut])
+        if _reached_page_missing(probe):
+            break
+    shutil.rmtree(probe)
     variants = {
         "garbage": random.Random(1).randbytes(len(data)),
         "zeros": bytes(len(data)),
@@ -172,7 +191,8 @@ def damaged_copies(pristine: Path, root: Path) -> List[Path]:
         "one-meta": data[:5000],
         "two-pages": data[:8192],
         "half": data[: len(data) // 2],
-        "all-but-a-page": data[:-4096],
+        "short-of-a-reached-page": data[:cut],
+        "mid-page": data[: cut + 4096 - 100],
     }
     out = []
     for name, content in variants.items():
@@ -195,6 +215,32 @@ def test_garbage_or_truncated_data_file_is_a_typed_error_not_a_crash(tmp_path: P
     assert len(outcomes) == 2 * len(copies)
     for path, outcome in outcomes:
         assert outcome == "CorruptCacheError", f"{Path(path).name}: {outcome}"
+
+
+def test_a_data_file_ending_before_its_last_allocated_page_opens_when_no_tree_reaches_past_the_end(
+        tmp_path: Path) -> None:
+    # A commit may allocate pages and free them unwritten; what kvtier gc leaves often ends so.
+    # Such a file is healthy: refusing it moved a good cache aside at the next start.
+    pristine = tmp_path / "pristine"
+    keys = asyncio.run(build_pristine(pristine))
+    data = (pristine / "data.mdb").read_bytes()
+    cut = tmp_path / "cut"
+    cut.mkdir(mode=0o700)
+    free_tail = 0
+    while True:  # the free pages at the end, by the verifier
+        (cut / "data.mdb").write_bytes(data[: len(data) - 4096 * (free_tail + 1)])
+        if _reached_page_missing(cut):
+            break
+        free_tail += 1
+    assert free_tail > 0, "the pristine cache should end in a free page (it deletes records)"
+    (cut / "data.mdb").write_bytes(data[: len(data) - 4096 * free_tail])
+    os.chmod(cut / "data.mdb", 0o600)
+
+    async def read_back() -> List[bytes]:
+        async with await LmdbTier.open(cut, verify_structure=False) as tier:
+            return sorted((await tier.snapshot_keys()).keys)
+
+    assert asyncio.run(read_back()) == sorted(keys)
 
 
 def structurally_damaged(pristine: Path, root: Path) -> Path:

@@ -26,11 +26,19 @@ import pytest
 
 from kvtier.engine import EngineConfig, OffloadEngine
 from kvtier.policy import AttentionGroup, ModelLayout
-from kvtier.tiers.base import ChunkTier
+from kvtier.tiers.base import NO_IO_HOOK, ChunkTier
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
-from kvtier.tools.testing.faults import FILE_IO_OPS, LMDB_IO_OPS, FaultyTier, IOFaultPlan, inject_io_faults
+from kvtier.tools.testing.faults import (
+    FILE_IO_OPS,
+    LMDB_IO_OPS,
+    FaultyTier,
+    IOFaultPlan,
+    inject_io_faults,
+    remove_io_faults,
+)
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+from kvtier.tools.testing.tier_seam import SeamTier
 
 LAYOUT = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))  # R = 0
 FINGERPRINT = b"fault-suite-io"
@@ -284,3 +292,19 @@ async def test_io_error_at_every_call(sweep_root: Path, kind: str, mode: str) ->
     assert expected <= seen, f"never failed: {expected - seen}; ops known: {ops}"
     if kind == "files" and mode == "forever":
         assert result.faults_by_op.get("remove", 0) > 0  # rollbacks were failed too
+
+
+@pytest.mark.asyncio
+async def test_remove_io_faults_refuses_a_tier_it_cannot_see_through(tmp_path: Path) -> None:
+    """Removing faults through a wrapper other than ``FaultyTier`` is a TypeError, as injecting is:
+    it must not leave the plan installed under the wrapper while seeming to have removed it."""
+    tier = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=1 << 20)
+    try:
+        plan = inject_io_faults(tier, fail_from=1, ops=("put",))
+        with pytest.raises(TypeError, match="^cannot remove I/O faults under SeamTier$"):
+            remove_io_faults(SeamTier(tier))
+        assert tier._io_hook is plan
+        remove_io_faults(FaultyTier(tier))  # looked through
+        assert tier._io_hook is NO_IO_HOOK
+    finally:
+        await tier.close()

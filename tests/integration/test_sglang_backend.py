@@ -162,6 +162,9 @@ def test_bytes_round_trip_bitwise_through_v0_v1_v2_and_the_cli_tools(tmp_path):
     verified = verify_cache(str(tmp_path))
     assert (verified.checked, verified.ok) == (16, 16)
     assert gc_cache(str(tmp_path), max_bytes=0)["evicted_records"] == 16
+    # The directory gc leaves opens again as the healthy, empty cache it is (its last allocated
+    # page lies past the end of data.mdb: allocated, freed, never written).
+    assert inspect_cache(str(tmp_path)).records == 0
 
 
 def test_keys_bind_model_rank_salt_and_pool_layout(tmp_path):

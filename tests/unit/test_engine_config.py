@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from kvtier.engine.config import EngineConfig, parse_size
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.config_values import parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30

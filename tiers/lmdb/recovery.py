@@ -23,7 +23,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, Optional, Tuple, TypeVar, Union
+from typing import Awaitable, Callable, List, Optional, Tuple, TypeVar, Union
 
 import lmdb
 
@@ -47,6 +47,9 @@ _MDB_DATA_VERSION = 1
 _META_MAGIC = struct.Struct("<II")  # at 16
 _META_PSIZE = struct.Struct("<I")  # at 40
 _META_TAIL = struct.Struct("<QQ")  # last_pg, txnid at 136
+_META_ROOTS = ((struct.Struct("<Q"), 80), (struct.Struct("<Q"), 128))  # md_root of the free and main DBs
+_P_INVALID = (1 << 64) - 1  # an empty tree's root
+_META_MAPSIZE = struct.Struct("<Q")  # the map size at the meta page's commit, at 32
 # LMDB errors that mean "these bytes are not a sound LMDB environment", as opposed to a busy lock,
 # a permission or a full disk: they make the directory a candidate for quarantine.
 CORRUPT_LMDB_ERRORS = (
@@ -96,21 +99,40 @@ def check_data_file(directory: Path) -> None:
     metas = [head[:160]]
     if len(meta1) == 160:
         metas.append(meta1)
-    newest: Optional[Tuple[int, int]] = None  # (txnid, last_pg)
+    newest: Optional[Tuple[int, int, int, int]] = None  # (txnid, last_pg, highest root, map size)
     for meta in metas:
         magic, version = _META_MAGIC.unpack_from(meta, 16)
         if magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
             continue
         last_pg, txnid = _META_TAIL.unpack_from(meta, 136)
+        roots = [root for field, at in _META_ROOTS if (root := field.unpack_from(meta, at)[0]) != _P_INVALID]
         if newest is None or txnid > newest[0]:
-            newest = (txnid, last_pg)
+            newest = (txnid, last_pg, max(roots, default=1), _META_MAPSIZE.unpack_from(meta, 32)[0])
     assert newest is not None  # meta page 0 passed the same check above
-    needed = max(2, newest[1] + 1) * psize
+    _, last_pg, highest_root, map_size = newest
+    # last_pg is the last page allocated, not the last one written: a commit can allocate a page
+    # and free it again without writing it, so a healthy file may end before it (LMDB never reads
+    # a free page; reusing one, it writes it whole). The trees' roots must be in the file, and
+    # last_pg inside the map of its commit (past that the meta page is damaged, and LMDB would map
+    # that many pages: ENOMEM, or a map far past the file). A file that ends before last_pg is
+    # then walked by the offline verifier: refused only if a page some tree reaches is missing.
+    needed = max(2, highest_root + 1) * psize
     if size < needed:
         raise CorruptCacheError(
-            f"{path} is truncated: {size} bytes, but its meta page uses {needed} "
-            f"(last page {newest[1]}, page size {psize})"
+            f"{path} is truncated: {size} bytes, but its meta page roots a tree at page {highest_root} "
+            f"(needs {needed}, page size {psize})"
         )
+    if (last_pg + 1) * psize > max(map_size, size):
+        raise CorruptCacheError(
+            f"{path} has a corrupt meta page: last page {last_pg} lies past its map of {map_size} bytes "
+            f"(page size {psize})"
+        )
+    if size < (last_pg + 1) * psize:
+        # Not walked when another process has the environment open: its writer grows the file
+        # and writes every page a meta page reaches before that meta page.
+        missing = [p for p in _problems_at_rest(directory, create_lock=False) or [] if "beyond EOF" in p]
+        if missing:
+            raise CorruptCacheError(f"{path} is truncated: {size} bytes, and {'; '.join(missing[:3])}")
 
 
 def _refuse_lost_index(directory: Path, what: str) -> None:
@@ -143,14 +165,26 @@ def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> No
     ``create_lock=False`` (a read-only open) never creates ``lock.mdb``: without one no process has
     the environment open, so the file is checked without taking the lock.
     """
+    problems = _problems_at_rest(directory, create_lock=create_lock)
+    if problems:
+        shown = "; ".join(problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CorruptCacheError(f"the LMDB file {directory / 'data.mdb'} is damaged: {shown}{more}")
+
+
+def _problems_at_rest(directory: Path, *, create_lock: bool) -> Optional[List[str]]:
+    """What py-lmdb's offline verifier finds in ``data.mdb`` (``[]``: nothing), or ``None`` when it
+    was not run: no file, the environment open in another process (see ``verify_structure_at_rest``),
+    no verifier in this py-lmdb, a file it cannot even begin on (``lmdb.open`` names that), or an
+    OS error taking the lock."""
     data = directory / "data.mdb"
     if not data.exists():
-        return
+        return None
     try:
         from lmdb import verify as lmdb_verify
     except ImportError:  # py-lmdb before 3.0: no offline verifier
         log.debug("kvtier lmdb: lmdb.verify unavailable, %s opened unverified", directory)
-        return
+        return None
     fd = -1
     try:
         if create_lock or (directory / "lock.mdb").exists():
@@ -158,23 +192,19 @@ def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> No
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
             except OSError:
-                return  # open in another process: see the docstring
+                return None  # open in another process: see verify_structure_at_rest
         try:
-            problems = lmdb_verify.verify(str(directory))
+            return list(lmdb_verify.verify(str(directory)))
         except lmdb_verify.VerifyError:
-            return  # cannot even begin (not an LMDB file...): lmdb.open names it
+            return None
         except (OSError, ValueError, struct.error, IndexError) as exc:
-            problems = [f"the verifier stopped: {exc!r}"]
+            return [f"the verifier stopped: {exc!r}"]
     except OSError as exc:
         log.debug("kvtier lmdb: cannot verify %s at rest (%s)", directory, exc)
-        return
+        return None
     finally:
         if fd >= 0:
             os.close(fd)
-    if problems:
-        shown = "; ".join(problems[:5])
-        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise CorruptCacheError(f"the LMDB file {data} is damaged: {shown}{more}")
 
 
 def quarantine_cache_dir(path: PathLike) -> Path:

@@ -9,16 +9,26 @@ state in float32, as transformers keeps them.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List, TypedDict
 
 from ._settings import COVERAGE_TOKENS
 
-__all__ = ["deepseek_v4_store_figures"]
+__all__ = ["StoreFigure", "deepseek_v4_store_figures"]
+
+
+class StoreFigure(TypedDict):
+    """One group's figure: bytes stored against every complete chunk, hits every ``alignment`` tokens."""
+
+    group: str
+    layers: int
+    stored: int
+    every: int
+    alignment: int
 
 
 def deepseek_v4_store_figures(
     extra_retained_tokens: int, blocks_per_chunk: int = 1, block_size: int = 64, num_tokens: int = COVERAGE_TOKENS
-) -> List[Dict[str, object]]:
+) -> List[StoreFigure]:
     """``[{"group": "sliding" | "entries r=4" | ..., "layers", "stored", "every"}]``, bytes."""
     import transformers
 

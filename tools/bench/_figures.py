@@ -82,6 +82,8 @@ def _brute_force_minimal(layout: ModelLayout, group_index: int, num_tokens: int,
     counts only if every chunk it touches is complete. ``cross_group``: H must also be servable by
     every other group (all of their chunks it needs complete), the stricter reading."""
     group = layout.groups[group_index]
+    if group.sliding_window is None:
+        raise ValueError(f"group {group_index} is full attention: only a sliding-window group has a minimal set")
     span = group.sliding_window - 1 + group.extra_retained_tokens
     tpc = group.tokens_per_chunk
     boundaries = set(range(layout.alignment_tokens, num_tokens + 1, layout.alignment_tokens))
@@ -126,9 +128,9 @@ async def measure_coverage(extra_retained_tokens: int, num_tokens: int = COVERAG
         await handle.wait_released()
         if handle.dropped:
             raise RuntimeError(f"coverage bench: the engine dropped {len(handle.dropped)} chunks ({handle.drop_reason})")
-        scheduled = [set() for _ in layout.groups]
-        for g, c in handle.scheduled:
-            scheduled[g].add(c)
+        scheduled: List[Set[int]] = [set() for _ in layout.groups]
+        for group_index, chunk in handle.scheduled:
+            scheduled[group_index].add(chunk)
     out: Dict[str, Any] = {"stored": 0, "every": 0, "minimal": 0, "cross_group": 0, "equal": True, "diff": []}
     for gi, group in enumerate(layout.groups):
         if group.sliding_window is None:
@@ -189,7 +191,7 @@ def measure_compression(kv_u8: torch.Tensor, chunk_bytes: int, repeats: int = 3)
     n = kv_u8.numel() // chunk_bytes
     if n == 0:
         raise ValueError("not enough KV bytes for one chunk")
-    chunks = [memoryview(kv_u8[i * chunk_bytes : (i + 1) * chunk_bytes].numpy()) for i in range(n)]
+    chunks = [kv_u8[i * chunk_bytes : (i + 1) * chunk_bytes].numpy().data for i in range(n)]
     meta = ChunkMeta(b"kvtier-bench", 0, 0, "bfloat16", (chunk_bytes // 2,))
     codec = CodecConfig()
     key = b"k" * 32

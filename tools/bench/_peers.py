@@ -25,6 +25,7 @@ it (same thread), so their durability matches kvtier's acknowledged writes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import mmap
 import os
 import time
@@ -225,10 +226,14 @@ class LmcacheDisk(DiskSubject):
         done = loop.create_future()
         left = [len(indices)]
 
+        def finish() -> None:  # on the loop
+            if not done.done():
+                done.set_result(None)
+
         def completed(_key: Any) -> None:  # on LMCache's worker threads
             left[0] -= 1
             if left[0] == 0:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                loop.call_soon_threadsafe(finish)
 
         started = time.perf_counter()
         self.backend.batched_submit_put_task([self.keys[i] for i in indices], [self.write_objs[i] for i in indices],
@@ -385,7 +390,7 @@ def peer_specs(directory_probe: Optional[Path] = None, *, peers: bool = True) ->
         if _importable(peer, probe):
             for fsync in (False, True):
                 specs.append(SubjectSpec(f"{prefix}{'-fsync' if fsync else ''}",
-                                         lambda d, c, o, cls=cls, fsync=fsync: cls(d, c, o, fsync=fsync),
+                                         functools.partial(cls, fsync=fsync),
                                          _peer_rows(prefix)))
     return specs
 

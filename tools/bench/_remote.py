@@ -155,8 +155,8 @@ async def measure_remote(report: Any, sizes: Sequence[int], total_bytes: int, ro
             say(f"remote {label}: {n} chunks")
             src = kv.view(torch.uint8)[: n * size]
             dst = torch.ones(n * size, dtype=torch.uint8)  # pre-faulted
-            chunks = [memoryview(src[i * size : (i + 1) * size].numpy()) for i in range(n)]
-            outs = [memoryview(dst[i * size : (i + 1) * size].numpy()) for i in range(n)]
+            chunks = [src[i * size : (i + 1) * size].numpy().data for i in range(n)]
+            outs = [dst[i * size : (i + 1) * size].numpy().data for i in range(n)]
             meta = ChunkMeta(b"kvtier-bench-remote", 0, 0, "bfloat16", (size // 2,))
             lmdb = await LmdbTier.open(work / f"lmdb-{label}", codec=raw_codec)
             node = await RemoteTier.open(servers.node.url, namespace="bench", fingerprint=meta.fingerprint,
@@ -250,7 +250,7 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
     geometry = KVGeometry.for_chunk(size)
     view = geometry.device_view(kv, n)
     device_bytes = kv.view(torch.uint8)[: n * size]
-    digest = xxhash.xxh3_128_digest(device_bytes.numpy())
+    digest = xxhash.xxh3_128_digest(device_bytes.numpy().data)
     rng = random.Random(size)
     per_request = max(1, 16 * MiB // size)
     requests = []
@@ -281,10 +281,12 @@ async def _engine_load_from_remote(report: Any, servers: RemoteBenchServers, kv:
         hits = [engine.lookup(k) for k in keys]
         results = await asyncio.gather(*(engine.load(k, h or 0, table) for k, h, (_, table) in zip(keys, hits, requests)))
         elapsed = time.perf_counter() - started
-        from_remote = engine.disk_tier.statistics().as_dict().get("hits.remote", 0)
-        await engine.disk_tier.flush()
+        disk = engine.disk_tier
+        assert disk is not None, "config() sets a cache_dir, so the engine has a disk tier"
+        from_remote = disk.statistics().as_dict().get("hits.remote", 0)
+        await disk.flush()
     ok = all(r.ok for r in results) and hits == [len(t) for t, _ in requests]
-    if not ok or xxhash.xxh3_128_digest(device_bytes.numpy()) != digest:
+    if not ok or xxhash.xxh3_128_digest(device_bytes.numpy().data) != digest:
         report.failures.append(f"remote {label}: engine load from the remote failed or bytes differ "
                                f"(hits {hits[:4]}..., {[r.reason for r in results if not r.ok][:3]})")
     if from_remote != n:

@@ -319,7 +319,7 @@ class EngineSubject(DiskSubject):
 
     async def setup(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
-        self.digest = xxhash.xxh3_128_digest(self.device_bytes.numpy())
+        self.digest = xxhash.xxh3_128_digest(self.device_bytes.numpy().data)
         await self._open()
 
     async def write(self, indices: range) -> float:
@@ -361,7 +361,7 @@ class EngineSubject(DiskSubject):
         if self.engine is not None:
             self.engine.check()
             await self.engine.close()
-        if xxhash.xxh3_128_digest(self.device_bytes.numpy()) != self.digest:
+        if xxhash.xxh3_128_digest(self.device_bytes.numpy().data) != self.digest:
             self.failures.append("engine: device bytes after the loads differ from those stored")
         return self.failures
 

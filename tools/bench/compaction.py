@@ -62,7 +62,7 @@ async def _run(args: argparse.Namespace, root: Path) -> None:
         alone = await _put_latencies(tier, args.seed + 1, args.latency_puts, record)
         pass_task = asyncio.ensure_future(tier.compact_segments())
         t = time.perf_counter()
-        during = []
+        during: List[float] = []
         while not pass_task.done() and len(during) < 10 * args.latency_puts:
             during += await _put_latencies(tier, args.seed + 2 + len(during), 1, record)
         report = await pass_task

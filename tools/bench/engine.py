@@ -36,7 +36,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -116,8 +116,9 @@ async def measure_bookkeeping(
         # Room for every round's chunks: stores always find free slots, nothing is evicted.
         host_capacity_bytes=(rounds + 1) * requests * chunk_slots * slot_bytes,
         store_queue_max_chunks=max(4096, requests * chunk_slots),
-        **({} if eviction_policy is None else {"eviction_policy": eviction_policy}),
     )
+    if eviction_policy is not None:
+        config = replace(config, eviction_policy=eviction_policy)
     rng = random.Random(seed)
     samples: Dict[str, List[float]] = {"store": [], "lookup": [], "load": [], "keys": []}
 
@@ -149,6 +150,8 @@ async def measure_bookkeeping(
             loaded_chunks = 0
             started = time.perf_counter()
             for keys, hit, table in zip(consumer_keys, hits, consumer_tables):
+                if hit is None:  # load needs a hit length; None says chunks are still in flight
+                    raise RuntimeError("bookkeeping bench: a lookup found chunks still in flight")
                 result = await engine.load(keys, hit, table)
                 if not result.ok:
                     raise RuntimeError(f"bookkeeping bench: load failed ({result.reason})")

@@ -30,7 +30,7 @@ import struct
 import sys
 import time
 from array import array
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypedDict
 
 import torch
 from blake3 import blake3
@@ -40,7 +40,16 @@ from kvtier.policy import AttentionGroup, ModelLayout
 
 from .engine import NoCopyDeviceView
 
-__all__ = ["v1_chunk_keys", "measure_keys", "main"]
+__all__ = ["v1_chunk_keys", "KeysReport", "measure_keys", "main"]
+
+
+class KeysReport(TypedDict):
+    """What ``measure_keys`` returns (JSON as it is)."""
+
+    tokens: int
+    layout: str
+    # case -> {"v1": timing, "v2": timing}; "lookup hit" adds "hit_tokens"
+    cases: Dict[str, Dict[str, Any]]
 
 
 def v1_chunk_keys(layout: ModelLayout, token_ids: Sequence[int], *, fingerprint: bytes) -> List[List[bytes]]:
@@ -95,7 +104,7 @@ def _best_ms(fn: Callable[[], object], repeat: int) -> Dict[str, float]:
     return {"best_ms": round(min(samples), 3), "median_ms": round(statistics.median(samples), 3)}
 
 
-async def measure_keys(*, tokens: int = 131072, repeat: int = 7, grow_steps: int = 32, seed: int = 0) -> Dict[str, object]:
+async def measure_keys(*, tokens: int = 131072, repeat: int = 7, grow_steps: int = 32, seed: int = 0) -> KeysReport:
     """Time the cases of the module docstring; returns {case: {"v1": timing, "v2": timing}}."""
     layout = deepseek_v4_like_layout()
     fingerprint = b"kvtier-bench-keys"
@@ -114,7 +123,7 @@ async def measure_keys(*, tokens: int = 131072, repeat: int = 7, grow_steps: int
         keys = v1_chunk_keys(layout, token_ids, fingerprint=fingerprint)
         return RequestKeys(tuple(tuple(k) for k in keys), len(token_ids))
 
-    cases: Dict[str, Dict[str, object]] = {}
+    cases: Dict[str, Dict[str, Any]] = {}
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint, pressure_sources={}) as engine:
         cases["keys"] = {
             "v1": _best_ms(lambda: v1_request_keys(prompt), repeat),

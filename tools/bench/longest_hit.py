@@ -104,8 +104,12 @@ def main(argv: List[str] | None = None) -> int:
     for gi, g in enumerate(layout.groups):
         kind = "FA" if g.sliding_window is None else f"SWA b{g.block_size} W{g.sliding_window}"
         mask = reachable_store_block_mask(layout, gi, num_tokens)
+
+        def group_mask(gi: int = gi) -> object:
+            return reachable_store_block_mask(layout, gi, num_tokens)
+
         cases[f"store mask group {gi} ({kind})"] = dict(
-            time_us(lambda gi=gi: reachable_store_block_mask(layout, gi, num_tokens), args.repeat),
+            time_us(group_mask, args.repeat),
             blocks=len(mask),
             stored=sum(mask),
         )

@@ -85,11 +85,18 @@ class SegmentProbe(PooledSubject):
                 txn.put(b"k%08d" % i, _ENTRY.pack(indices.start, n * stride, size, sums[n]))
         return time.perf_counter() - started
 
+    @staticmethod
+    def _entry(txn: lmdb.Transaction, index: int) -> "bytes | memoryview":
+        raw = txn.get(b"k%08d" % index)
+        if raw is None:
+            raise RuntimeError(f"segment bench: chunk {index} was read before it was written")
+        return raw
+
     async def read(self, indices: range) -> float:
         assert self.env is not None
         started = time.perf_counter()
         with self.env.begin() as txn:
-            entries = {i: _ENTRY.unpack(txn.get(b"k%08d" % i)) for i in indices}
+            entries = {i: _ENTRY.unpack(self._entry(txn, i)) for i in indices}
         bad: List[int] = []
         fds: Dict[int, int] = {}
         try:
@@ -130,15 +137,17 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
     n = total // size
     kv = make_kv_bytes(total)
     pool = HostSlabPool(size, n)
-    slots = [pool.view(s) for s in pool.allocate(n).slots]
+    allocation = pool.allocate(n)
+    assert allocation is not None, "a fresh pool of n slots has n free"
+    slots = [pool.view(s) for s in allocation.slots]
     src = kv.view(torch.uint8)
     for i, slot in enumerate(slots):
         slot.copy_(src[i * size : (i + 1) * size])
     raw = torch.empty(n * size + 4096, dtype=torch.uint8)
     restore = raw[(-raw.data_ptr()) % 4096 :][: n * size]
     restore.fill_(1)
-    chunks = [memoryview(s.numpy()) for s in slots]
-    outs = [memoryview(restore[i * size : (i + 1) * size].numpy()) for i in range(n)]
+    chunks = [s.numpy().data for s in slots]
+    outs = [restore[i * size : (i + 1) * size].numpy().data for i in range(n)]
     label = label_of(size)
     subjects: List[DiskSubject] = [
         RawFile(work / f"raw-{label}", chunks, outs),

@@ -32,7 +32,7 @@ DEFAULT_DISK = "10%"
 def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]]:
     """``(bytes, None)`` for a size (``4GiB``), ``(None, fraction)`` for a share (``5%``),
     ``(None, None)`` for ``unbounded``."""
-    from kvtier.engine.config import parse_size
+    from kvtier.engine.config_values import parse_size
 
     value = text.strip()
     if value.lower() == "unbounded":

@@ -163,7 +163,7 @@ async def replay_engine(
         # The LMDB tier applies a load's uses (disk reads, and host hits it also holds) to its LRU
         # at its next write or on a timer; applying them after every load makes the moment they
         # land a function of the trace, as in the fast mode (each use touches at once).
-        flushable = engine.disk_tier is not None
+        disk_tier = engine.disk_tier
         take_events(engine)  # chunks an earlier run left are on disk, not on the host
         for r in range(n_req):
             n = trace.requests[r].input_length
@@ -181,8 +181,8 @@ async def replay_engine(
                 # Chunks that came to the host during the load were promoted from disk (a chunk
                 # an earlier window of the load evicted comes back that way too).
                 promoted = take_events(engine)
-                if flushable:
-                    await engine.disk_tier.flush()
+                if disk_tier is not None:
+                    await disk_tier.flush()
                 if remote_url is not None and promoted:
                     # The chain counts its hits per tier; the remote's share of this load's reads
                     # moves from the disk column to the remote one (by chunk count).

@@ -95,7 +95,7 @@ def _mix64(values: np.ndarray) -> np.ndarray:
     return z
 
 
-def block_tokens(block_ids: Sequence[int], num_tokens: int, block: int = MOONCAKE_BLOCK_TOKENS) -> np.ndarray:
+def block_tokens(block_ids: Sequence[int] | np.ndarray, num_tokens: int, block: int = MOONCAKE_BLOCK_TOKENS) -> np.ndarray:
     """The ``num_tokens`` token ids of a prompt of Mooncake blocks: token ``j`` of a block with id
     ``h`` is a mix of ``(h, j)``, so equal ids give equal tokens wherever they occur."""
     ids = np.asarray(block_ids, dtype=np.uint64)

@@ -154,7 +154,7 @@ def check_cache(path: str, acked: Iterable[bytes] = (), *, readonly: bool = Fals
         async def read_all() -> List[Tuple[bytes, Optional[ChunkMeta], bytearray]]:
             if not readonly:  # the tier's LRU index agrees with its tables
                 out.problems.extend(f"index: {p}" for p in await tier.check())
-            found = []
+            found: List[Tuple[bytes, Optional[ChunkMeta], bytearray]] = []
             for i in range(0, len(ours), 64):
                 part = ours[i : i + 64]
                 bufs = [bytearray(parse_key(k).nbytes) for k in part]  # type: ignore[union-attr]

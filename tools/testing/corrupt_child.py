@@ -20,11 +20,14 @@ import shutil
 import struct
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from kvtier.errors import KvtierError
 
 from .children import chunk_content, chunk_meta, emit, parse_key
+
+if TYPE_CHECKING:
+    from kvtier.tiers.lmdb import RecordInfo
 
 __all__ = ["lmdb_page_kinds", "flip_bytes", "main"]
 
@@ -77,21 +80,27 @@ async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, ob
     every original key and every listed one, one key per call so that a typed failure is local."""
     from kvtier.tiers.lmdb import LmdbTier
 
-    out: Dict[str, object] = {"open": "ok", "hits": 0, "misses": 0, "wrong": [], "typed_read_errors": 0,
-                              "missed_keys": [], "listed": 0}
+    counts = {"hits": 0, "misses": 0, "typed_read_errors": 0, "listed": 0}
+    wrong: List[str] = []
+    missed_keys: List[str] = []
+
+    def report(opened: str) -> Dict[str, object]:
+        return {"open": opened, "hits": counts["hits"], "misses": counts["misses"], "wrong": wrong,
+                "typed_read_errors": counts["typed_read_errors"], "missed_keys": missed_keys,
+                "listed": counts["listed"]}
+
     try:
         tier = await LmdbTier.open(path, map_size_bytes=1 << 20, verify_structure=True)
     except KvtierError as exc:
-        out["open"] = f"{type(exc).__name__}: {exc}"
-        return out
+        return report(f"{type(exc).__name__}: {exc}")
     async with tier:
         try:
             # Both listings: list_keys (the engine's index) and the records themselves.
             listed = list(dict.fromkeys(await tier.list_keys() + [i.key for i in tier.iter_records()]))
         except KvtierError:
             listed = []
-            out["typed_read_errors"] = 1
-        out["listed"] = len(listed)
+            counts["typed_read_errors"] = 1
+        counts["listed"] = len(listed)
         candidates = list(dict.fromkeys(list(originals) + listed))
         for key in candidates:
             info = parse_key(key)
@@ -99,7 +108,8 @@ async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, ob
             if size is None:
                 # Not one of ours (a flipped key byte): size the buffer from its header if it parses.
                 try:
-                    [rec] = [i for i in tier.iter_records() if i.key == key] or [None]
+                    matches: List[Optional[RecordInfo]] = [i for i in tier.iter_records() if i.key == key]
+                    [rec] = matches or [None]
                 except KvtierError:
                     rec = None
                 size = rec.header.raw_length if rec is not None and rec.header is not None else 16
@@ -108,18 +118,18 @@ async def _read_every_key(path: str, originals: Sequence[bytes]) -> Dict[str, ob
             try:
                 [meta] = await tier.get_many_into([(key, memoryview(buf))])
             except KvtierError:
-                out["typed_read_errors"] += 1  # type: ignore[operator]
+                counts["typed_read_errors"] += 1
                 continue
             if meta is None:
-                out["misses"] += 1  # type: ignore[operator]
+                counts["misses"] += 1
                 if key in listed:
-                    out["missed_keys"].append(key.hex())  # type: ignore[union-attr]
+                    missed_keys.append(key.hex())
                 continue
             if info is None or bytes(buf) != chunk_content(key) or meta != chunk_meta(key):
-                out["wrong"].append(key.hex())  # type: ignore[union-attr]
+                wrong.append(key.hex())
             else:
-                out["hits"] += 1  # type: ignore[operator]
-    return out
+                counts["hits"] += 1
+    return report("ok")
 
 
 def _corrupt_trials(args: argparse.Namespace) -> None:

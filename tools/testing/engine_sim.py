@@ -56,12 +56,12 @@ import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
 
-from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine import EngineConfig, LoadResult, OffloadEngine
 from kvtier.engine.lifecycle import HostState
 from kvtier.errors import KvtierError, TierIOError
 from kvtier.policy import AttentionGroup, ModelLayout
@@ -71,6 +71,9 @@ from kvtier.tools.testing.pressure import ScriptedSource
 from .engine_sim_model import History, Moment, Promise, SimDevice, SimViolation
 from .scenario import make_cpu_device
 from .tier_seam import SeamTier
+
+if TYPE_CHECKING:
+    from kvtier.engine.durable import DurableWatch
 
 __all__ = ["simulate", "SimReport", "SimViolation", "SIM_LAYOUT"]
 
@@ -144,6 +147,7 @@ class _Sim:
         self.broken: List[str] = []  # promises found broken inside the engine's calls
         self.reads_in_flight: List[List[Tuple[Optional[Tuple[int, int]], bytes]]] = []  # (group, slot), key
         self._started = 0
+        self._start_order: Dict[asyncio.Task, int] = {}  # running actors: a seed cancels the same victim
         self._wrap_copies()
         self._watch_tier()
 
@@ -172,8 +176,8 @@ class _Sim:
             history.host_evicted([entry.key for _, entry in victims if entry is not None])
             return evicted(group_index, victims)
 
-        engine.host.evicted = recorded_eviction
-        watch = engine._spill.watch
+        engine.host.evicted = recorded_eviction  # type: ignore[method-assign]  # records the engine's own calls
+        watch = self._spill_watch()
         resolve = watch.resolve
 
         def recorded_resolve(key, ok):
@@ -188,7 +192,7 @@ class _Sim:
             history.resolved(key)
             return resolve(key, ok)
 
-        watch.resolve = recorded_resolve
+        watch.resolve = recorded_resolve  # type: ignore[method-assign]  # checks each promise as it is settled
         slots = {pool._views[slot].data_ptr(): (g, slot)
                  for g, pool in enumerate(engine.host.pools) for slot in range(pool.num_slots)}
         get_many_into = self.seam.get_many_into
@@ -202,7 +206,12 @@ class _Sim:
             finally:
                 self.reads_in_flight.remove(reading)
 
-        self.seam.get_many_into = watched_read
+        self.seam.get_many_into = watched_read  # type: ignore[method-assign]  # tracks reads in flight
+
+    def _spill_watch(self) -> DurableWatch:
+        spill = self.engine._spill
+        assert spill is not None, "the simulated engine has a disk tier, so a spill pipeline"
+        return spill.watch
 
     def _wrap_copies(self) -> None:
         device = self.engine.device
@@ -237,14 +246,18 @@ class _Sim:
 
     # -- actors ----------------------------------------------------------------------------------
 
-    def start(self, name: str, coro) -> None:
+    def start(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         self.report.actors[name] = self.report.actors.get(name, 0) + 1
         task = asyncio.ensure_future(coro)
-        task.sim_name = name  # type: ignore[attr-defined]
+        task.sim_name = name  # type: ignore[attr-defined]  # read back (getattr) in failure messages
         self._started += 1
-        task.sim_order = self._started  # type: ignore[attr-defined]
+        self._start_order[task] = self._started
         self.actors.add(task)
-        task.add_done_callback(self.actors.discard)
+        task.add_done_callback(self._actor_done)
+
+    def _actor_done(self, task: asyncio.Task) -> None:
+        self.actors.discard(task)
+        del self._start_order[task]
 
     def reap(self, table, blocks_done: Callable[[], Any]) -> None:
         """Free ``table`` once ``blocks_done()`` (a fence or wait_released) resolves, uncancelled:
@@ -276,7 +289,7 @@ class _Sim:
         num_tokens = self.rng.choice([len(prompt), self.rng.randrange(0, len(prompt) + 1)])
         handle = self.engine.store(keys, table, num_tokens)
         wanted = [keys.keys[g][c] for g, c in list(handle.scheduled) + list(handle.skipped)]
-        waiting = set() if handle.durable_known else set(self.engine._spill.watch._waiting.get(handle, ()))
+        waiting = set() if handle.durable_known else set(self._spill_watch()._waiting.get(handle, ()))
         promise = self.history.promise(waiting, wanted)
         try:
             await handle.wait_released()
@@ -343,7 +356,7 @@ class _Sim:
             self.report.loads_ok += 1
             self.report.bytes_checked += self.device.expect(keys, table, result.loaded, self.seed)
         else:
-            self.report.loads_failed[result.reason] = self.report.loads_failed.get(result.reason, 0) + 1
+            self._count_failed(result)
             if result.reason == "missing":
                 explained = await self._missing_explained(keys, moment)
             else:
@@ -359,6 +372,12 @@ class _Sim:
         """Changes whenever a fault is injected or a scripted one fires (a fault scripted before a
         lookup may fire at a call made after it)."""
         return self.fault_epoch, self.seam.faults, self.copy_faults_fired
+
+    def _count_failed(self, result: LoadResult) -> None:
+        """Count a failed load under its reason, which a failed load always gives."""
+        if result.reason is None:
+            raise SimViolation(f"seed {self.seed}: a load failed without a reason")
+        self.report.loads_failed[result.reason] = self.report.loads_failed.get(result.reason, 0) + 1
 
     async def act_prefetch(self) -> None:
         if not self.prompts:
@@ -427,7 +446,7 @@ class _Sim:
             self.start(action, getattr(self, f"act_{action}")())
         elif action == "cancel":
             if self.actors:
-                victim = rng.choice(sorted(self.actors, key=lambda t: t.sim_order))
+                victim = rng.choice(sorted(self.actors, key=self._start_order.__getitem__))
                 if not victim.done():
                     victim.cancel()
                     report.cancelled += 1
@@ -555,7 +574,7 @@ class _Sim:
             elif result.reason not in CAPACITY_REASONS and not (
                 result.reason == "missing" and await self._missing_explained(keys, moment)
             ):
-                self.report.loads_failed[result.reason] = self.report.loads_failed.get(result.reason, 0) + 1
+                self._count_failed(result)
                 raise SimViolation(f"seed {self.seed}: after healing, an admitted hit failed with {result.reason!r}")
             self.device.release(table)
         await self.engine.flush()
@@ -587,6 +606,7 @@ async def simulate(
         # of the disk index), a tight one, or a roomy one.
         disk_capacity_records = random.Random(seed ^ 0x5EED).choice([5, 12, 48])
     capacity = disk_capacity_records * record_bytes if disk_capacity_records else None
+    inner: LmdbTier | FileTier
     if tier == "lmdb":
         inner = await LmdbTier.open(directory / "lmdb", map_size_bytes=64 << 20, capacity_bytes=capacity)
     elif tier == "files":

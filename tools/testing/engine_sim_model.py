@@ -44,7 +44,7 @@ class SimDevice:
         self._content: Dict[Tuple[bytes, int, int], torch.Tensor] = {}
 
     def allocate(self, num_tokens: int) -> Optional[List[List[int]]]:
-        table = []
+        table: List[List[int]] = []
         for g, group in enumerate(self.layout.groups):
             count = -(-num_tokens // group.block_size)
             if len(self.free[g]) < count:

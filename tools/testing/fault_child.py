@@ -42,6 +42,8 @@ from kvtier.errors import KvtierError
 from .children import CacheCheck, check_cache, chunk_content, emit, make_batch, parse_key, read_line, run_child, run_command
 
 if TYPE_CHECKING:
+    from kvtier.policy import ModelLayout
+    from kvtier.tiers.device import DeviceKVView
     from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = [
@@ -127,13 +129,17 @@ def engine_request(seed: int, index: int) -> Tuple[List[int], int]:
     return [rng.randrange(32000) for _ in range(n)], rng.randrange(1 << 62)
 
 
-_ENGINE_SHAPE = dict(num_layers=2, kv_heads=2, head_dim=16)  # 4 KiB per block and layer
-
-
 def engine_layout():
     from kvtier.policy import AttentionGroup, ModelLayout
 
     return ModelLayout(groups=(AttentionGroup(16),))
+
+
+def _engine_device(layout: ModelLayout, num_blocks: int) -> DeviceKVView:
+    """The fault suite's CPU device over ``layout`` (``engine_layout()``): 4 KiB per block and layer."""
+    from kvtier.tools.testing.scenario import make_cpu_device
+
+    return make_cpu_device(layout, num_blocks=num_blocks, num_layers=2, kv_heads=2, head_dim=16)
 
 
 def fill_blocks(device, table: Sequence[int], content_seed: int) -> None:
@@ -149,10 +155,9 @@ def fill_blocks(device, table: Sequence[int], content_seed: int) -> None:
 
 async def _engine_spill(args: argparse.Namespace) -> None:
     from kvtier.engine import EngineConfig, OffloadEngine
-    from kvtier.tools.testing.scenario import make_cpu_device
 
     layout = engine_layout()
-    device = make_cpu_device(layout, num_blocks=512, **_ENGINE_SHAPE)
+    device = _engine_device(layout, 512)
     config = EngineConfig(
         cache_dir=args.dir,
         host_capacity_bytes=4 << 20,
@@ -289,7 +294,7 @@ def kill_during_spill(
         time.sleep(delay_s)
     finally:
         proc.kill()
-        out = proc.stdout.read() if proc.stdout is not None else b""  # type: ignore[union-attr]
+        out = proc.stdout.read() if proc.stdout is not None else b""
         proc.wait()
     stderr = err_path.read_text(errors="replace") if err_path.exists() else ""
     err_path.unlink(missing_ok=True)
@@ -380,11 +385,10 @@ async def check_engine_requests(directory: str, seed: int, indices: Sequence[int
     ``engine-spill`` child with that seed: a full hit whose blocks equal the bytes the child put on
     its device. Returns the problems found (empty: nothing acknowledged was lost or changed)."""
     from kvtier.engine import EngineConfig, OffloadEngine
-    from kvtier.tools.testing.scenario import make_cpu_device
 
     layout = engine_layout()
-    device = make_cpu_device(layout, num_blocks=8, **_ENGINE_SHAPE)
-    expected_device = make_cpu_device(layout, num_blocks=8, **_ENGINE_SHAPE)
+    device = _engine_device(layout, 8)
+    expected_device = _engine_device(layout, 8)
     config = EngineConfig(cache_dir=directory, host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0,
                           quarantine_corrupt_cache_dir=False)
     problems: List[str] = []

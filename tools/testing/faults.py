@@ -37,6 +37,7 @@ from kvtier.tiers.base import (
 from .forwarding import ForwardingTier
 
 if TYPE_CHECKING:
+    from kvtier.tiers.files import FileTier
     from kvtier.tiers.lmdb import LmdbTier
 
 __all__ = [
@@ -280,23 +281,33 @@ def _unwrap(tier: ChunkTier) -> ChunkTier:
     return tier
 
 
+def _hooked_tier(tier: ChunkTier, doing: str) -> LmdbTier | FileTier:
+    """The LMDB or file tier under ``tier`` (a ``FaultyTier`` is looked through): the tiers that
+    call an I/O hook. Any other tier is a ``TypeError`` (``doing``: what the caller was doing)."""
+    from kvtier.tiers.files import FileTier
+    from kvtier.tiers.lmdb import LmdbTier
+
+    inner = _unwrap(tier)
+    if not isinstance(inner, (LmdbTier, FileTier)):
+        raise TypeError(f"cannot {doing} I/O faults under {type(inner).__name__}")
+    return inner
+
+
 def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan_kw) -> IOFaultPlan:
     """Install ``plan`` (or ``IOFaultPlan(**plan_kw)``) under an LMDB or file tier (a ``FaultyTier``
     is looked through) and return it. Replaces any plan installed before."""
-    from kvtier.tiers.files import FileTier
     from kvtier.tiers.lmdb import LmdbTier
 
     if plan is None:
         plan = IOFaultPlan(**plan_kw)
     elif plan_kw:
         raise TypeError("pass a plan or plan arguments, not both")
-    inner = _unwrap(tier)
+    inner = _hooked_tier(tier, "inject")
+    known: Tuple[str, ...]
     if isinstance(inner, LmdbTier):
         known, plan.flavour = LMDB_IO_OPS, "lmdb"
-    elif isinstance(inner, FileTier):
-        known, plan.flavour = FILE_IO_OPS, "os"
     else:
-        raise TypeError(f"cannot inject I/O faults under {type(inner).__name__}")
+        known, plan.flavour = FILE_IO_OPS, "os"
     if plan.ops is not None and not plan.ops <= set(known):
         raise ValueError(f"{type(inner).__name__} has the operations {known}, got {sorted(plan.ops)}")
     inner._io_hook = plan
@@ -304,5 +315,5 @@ def inject_io_faults(tier: ChunkTier, plan: Optional[IOFaultPlan] = None, **plan
 
 
 def remove_io_faults(tier: ChunkTier) -> None:
-    """Put back the tier's no-op hook."""
-    _unwrap(tier)._io_hook = NO_IO_HOOK
+    """Put back the tier's no-op hook (under an LMDB or file tier, as ``inject_io_faults``)."""
+    _hooked_tier(tier, "remove")._io_hook = NO_IO_HOOK

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -52,7 +52,7 @@ def make_cpu_device(
     return DeviceKVView(layout, caches, backend=backend)
 
 
-def _as_sets(expected: Optional[Mapping[int, Sequence[int]]], num_groups: int) -> Optional[GroupBlocks]:
+def _as_sets(expected: Optional[Mapping[int, Iterable[int]]], num_groups: int) -> Optional[GroupBlocks]:
     if expected is None:
         return None
     return {g: set(expected.get(g, ())) for g in range(num_groups)}
@@ -98,7 +98,7 @@ class OffloadScenario:
         # What producers stored, by chunk key: per block of the chunk, every layer's bytes. Hand it to
         # the scenario of a restarted engine (``later.producer_bytes = earlier.producer_bytes``) so its
         # consumers are checked against the bytes written before the restart.
-        self.producer_bytes: Dict[bytes, List[torch.Tensor]] = {}
+        self.producer_bytes: Dict[bytes, List[List[torch.Tensor]]] = {}
 
     # ---------------------------------------------------------------- helpers
 
@@ -146,7 +146,7 @@ class OffloadScenario:
         *,
         num_tokens: Optional[int] = None,
         salt=None,
-        expect_stored: Optional[Mapping[int, Sequence[int]]] = None,
+        expect_stored: Optional[Mapping[int, Iterable[int]]] = None,
         wait_durable: bool = True,
         drop_device_blocks: bool = True,
     ) -> ProducerRecord:
@@ -199,7 +199,7 @@ class OffloadScenario:
         salt=None,
         max_tokens: Optional[int] = None,
         expect_hit: Optional[int] = -1,
-        expect_loaded: Optional[Mapping[int, Sequence[int]]] = None,
+        expect_loaded: Optional[Mapping[int, Iterable[int]]] = None,
         free_after: bool = True,
         allow_failed_load: bool = False,
     ) -> ConsumerRecord:

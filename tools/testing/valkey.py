@@ -78,10 +78,12 @@ def _free_port_pair() -> int:
 def _command(port: int, *args: Any, timeout_s: float = 5.0) -> Any:
     """One command over a short-lived plain connection (no retries)."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     client = redis.Redis(
         host="127.0.0.1", port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=None, decode_responses=False,
+        retry=Retry(NoBackoff(), 0), decode_responses=False,
     )
     try:
         return client.execute_command(*args)
