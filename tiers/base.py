@@ -278,7 +278,7 @@ class Forwarded(Generic[T]):
     def __get__(self, obj: object, objtype: Optional[type] = None) -> "Union[T, Forwarded[T]]":
         if obj is None:
             return self
-        return getattr(getattr(obj, self._part), self._name)  # type: ignore[no-any-return]
+        return getattr(getattr(obj, self._part), self._name)
 
     def __set__(self, obj: object, value: T) -> None:
         if not self._settable:

@@ -221,8 +221,8 @@ class FileTier(ChunkTier):
 
     # The last mutation of this instance (a put landing, a removal); whether a write failed
     # underneath since the last that succeeded; the fault-injection point of every file operation.
-    sequence: Forwarded[int] = Forwarded("_index", "sequence")  # type: ignore[assignment]
-    degraded: Forwarded[bool] = Forwarded("_index", "degraded")  # type: ignore[assignment]
+    sequence: Forwarded[int] = Forwarded("_index", "sequence")
+    degraded: Forwarded[bool] = Forwarded("_index", "degraded")
     _io_hook: Forwarded[IOHook] = Forwarded("_files", "io_hook", settable=True)
 
     def path_for(self, key: bytes) -> Path:

@@ -243,8 +243,8 @@ class LmdbTier(ChunkTier):
 
     # The environment's sequence as of this tier's last commit or snapshot, and ``degraded``: both
     # the writer side's. The fault-injection point is the environment's (puts, commits, reads).
-    sequence: Forwarded[int] = Forwarded("_writes", "sequence")  # type: ignore[assignment]
-    degraded: Forwarded[bool] = Forwarded("_writes", "degraded")  # type: ignore[assignment]
+    sequence: Forwarded[int] = Forwarded("_writes", "sequence")
+    degraded: Forwarded[bool] = Forwarded("_writes", "degraded")
     _io_hook: Forwarded[IOHook] = Forwarded("_db", "io_hook", settable=True)
 
     # ------------------------------------------------------------------------------- guards, utils
