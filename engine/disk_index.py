@@ -161,5 +161,5 @@ def keys_of(removals: Iterable[object]) -> List[Tuple[bytes, Optional[int]]]:
         if isinstance(item, (bytes, bytearray, memoryview)):
             out.append((bytes(item), None))
         else:
-            out.append((bytes(item.key), getattr(item, "sequence", None)))
+            out.append((bytes(item.key), item.sequence))  # type: ignore[attr-defined]
     return out

@@ -316,7 +316,7 @@ class LoadPath:
 def _bad_reads(tier) -> int:
     """Records the tier counted bad on reads so far (checksum or parse failures, wrong sizes)."""
     stats = tier.statistics()
-    return int(getattr(stats, "corrupt", 0)) + int(getattr(stats, "mismatched", 0))
+    return stats.corrupt + stats.mismatched
 
 
 # The disk tier's own records, and a chain's lower (remote) tiers, as metric labels.

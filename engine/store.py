@@ -184,7 +184,7 @@ class DiskStore:
             self.index.remove(key, sequence)
         if self._on_evicted is not None:
             # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
-            self._on_evicted(sum(1 for r in removals if getattr(r, "reason", "evicted") != "deleted"))
+            self._on_evicted(sum(1 for r in removals if r.reason != "deleted"))
 
     async def _list_into_index(self, tier: ChunkTier) -> None:
         # Ordered like a refresh: a removal reported while the listing runs keeps its key out.
@@ -263,9 +263,7 @@ class DiskStore:
         ghosts = [k for k in before if k in self.index and k not in listed]
         if ghosts:
             problems.append(f"{len(ghosts)} indexed keys are not on the disk tier (first {ghosts[0].hex()[:12]})")
-        tier_check = getattr(self._tier, "check", None)
-        if tier_check is not None:
-            problems.extend(f"disk tier: {p}" for p in await tier_check())
+        problems.extend(f"disk tier: {p}" for p in await self._tier.check())
         return problems
 
     def statistics(self) -> Dict[str, float]:

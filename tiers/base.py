@@ -4,7 +4,9 @@ Primitives: ``ChunkTier`` (the async facade the engine drives), ``ChunkMeta`` (w
 about its chunk), ``Removal`` / ``KeySnapshot`` (what the engine orders its index by),
 ``TierStatistics`` (one typed record, the same field names for every tier), ``check_key`` (the one
 key rule), ``RemovalFeed`` (hands removal reports to subscribers' loops), ``IOHook`` (the
-fault-injection point under a tier's low-level operations).
+fault-injection point under a tier's low-level operations); for implementations, ``Forwarded``
+(a facade's attribute read from the part that owns it) and ``wait_for_gate`` (the wait of a
+two-phase put).
 
 Methods are called from the event-loop thread; implementations do their blocking work on their own
 threads and hand results back with ``loop.call_soon_threadsafe``. A new tier is correct when it
@@ -18,7 +20,24 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
+
+from kvtier.errors import TierIOError
 
 if TYPE_CHECKING:
     from .lru import ByteLru
@@ -26,10 +45,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ChunkMeta",
     "ChunkTier",
+    "PutAbortedError",
+    "StartedPut",
     "PutItem",
     "GetItem",
     "IOHook",
     "NO_IO_HOOK",
+    "Forwarded",
+    "wait_for_gate",
     "Removal",
     "RemovalCallback",
     "RemovalFeed",
@@ -232,12 +255,61 @@ class IOHook:
 
 NO_IO_HOOK = IOHook()
 
+T = TypeVar("T")
+
+
+class Forwarded(Generic[T]):
+    """A tier facade's attribute that is ``name`` of the part the facade holds in ``part``: read
+    through (and, with ``settable``, written through), so the value has one owner. Any thread the
+    part allows."""
+
+    def __init__(self, part: str, name: str, *, settable: bool = False, doc: Optional[str] = None) -> None:
+        self._part = part
+        self._name = name
+        self._settable = settable
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, objtype: Optional[type] = None) -> "Forwarded[T]": ...
+
+    @overload
+    def __get__(self, obj: object, objtype: Optional[type] = None) -> T: ...
+
+    def __get__(self, obj: object, objtype: Optional[type] = None) -> "Union[T, Forwarded[T]]":
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self._part), self._name)
+
+    def __set__(self, obj: object, value: T) -> None:
+        if not self._settable:
+            raise AttributeError(f"{self._name} is read-only")
+        setattr(getattr(obj, self._part), self._name, value)
+
+
+async def wait_for_gate(after: "Optional[asyncio.Future[Any]]", what: str) -> None:
+    """The wait of a two-phase put (``ChunkTier.start_put``): return once ``after`` (if any) has
+    succeeded; raise ``PutAbortedError`` naming ``what`` was dropped if it failed or was
+    cancelled. Cancelling the wait cancels only the wait (``after`` is shielded)."""
+    if after is None:
+        return
+    try:
+        await asyncio.shield(after)
+    except BaseException as exc:  # the write this one follows failed: store nothing
+        raise PutAbortedError(f"{what} dropped: the write it follows failed ({exc!r})") from exc
+
+
+class PutAbortedError(TierIOError):
+    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
+
 
 # (key, meta, raw bytes of the chunk): the tier encodes and writes; the caller keeps the buffer
 # unchanged until put_many has ended (see the buffer rule in ChunkTier).
 PutItem = Tuple[bytes, ChunkMeta, memoryview]
 # (key, writable buffer of exactly the chunk's raw size): the tier decodes straight into it.
 GetItem = Tuple[bytes, memoryview]
+# What ``ChunkTier.start_put`` returns: a future done once the caller's buffers are no longer read,
+# and the task that lands the batch (its result the sequence, its exception the failure).
+StartedPut = Tuple["asyncio.Future[Any]", "asyncio.Future[int]"]
 
 
 class ChunkTier(abc.ABC):
@@ -269,9 +341,11 @@ class ChunkTier(abc.ABC):
     """
 
     name: str = "tier"
-    # What the default ``degraded`` / ``capacity_bytes`` report; a tier sets them in ``__init__``.
+    # What the default ``degraded`` / ``capacity_bytes`` / ``closed`` report; a tier sets them in
+    # ``__init__`` (and ``_closed`` when it closes).
     _degraded: bool = False
     _capacity: Optional[int] = None
+    _closed: bool = False
 
     # --------------------------------------------------------------------------------- required
 
@@ -353,4 +427,30 @@ class ChunkTier(abc.ABC):
     def capacity_bytes(self) -> Optional[int]:
         """The bound on stored bytes (``None``: none but the medium). Default: ``self._capacity``."""
         return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` has begun (every later call but ``close`` raises ``ClosedError``).
+        Default: ``self._closed`` (False)."""
+        return self._closed
+
+    def start_put(self, items: Sequence[PutItem], *, after: "Optional[asyncio.Future[Any]]" = None) -> StartedPut:
+        """The two phases of ``put_many`` apart, for a tier written behind another (the chained
+        tier): returns ``(buffers_read, landed)`` at once (see ``StartedPut``). With ``after``,
+        nothing lands before that future has succeeded; if it fails or is cancelled, the batch is
+        dropped (``landed`` raises ``PutAbortedError``). Event-loop thread; arguments are checked
+        before anything starts; the caller owns ``landed`` (the tier does not cancel it).
+
+        Default: a task that waits for ``after`` and then runs ``put_many`` (the buffers are read
+        until it ends, so ``buffers_read`` is that task). A tier that can read the buffers first
+        (encode) and write later overrides it: the remote tier encodes while the first tier writes."""
+        batch = list(items)
+        for key, _, _ in batch:
+            check_key(key)
+        landed = asyncio.ensure_future(self._put_after(batch, after))
+        return landed, landed
+
+    async def _put_after(self, items: List[PutItem], after: "Optional[asyncio.Future[Any]]") -> int:
+        await wait_for_gate(after, f"{self.name}: store of {len(items)} records")
+        return await self.put_many(items)
 

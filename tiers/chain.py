@@ -38,9 +38,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvtier.errors import ClosedError
 
-from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, RemovalFeed, TierStatistics, check_key
+from .base import (
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    KeySnapshot,
+    PutAbortedError,
+    PutItem,
+    Removal,
+    RemovalFeed,
+    TierStatistics,
+    check_key,
+)
 from .owned_tasks import OwnedTasks, wait_through_cancel
-from .remote.tier import PutAbortedError
 
 __all__ = ["ChainedTier", "WRITE_POLICIES", "read_with_sources", "tier_statistics_dict"]
 
@@ -64,11 +74,8 @@ def _settle(gate: "asyncio.Future[None]", primary: "asyncio.Future[Any]") -> Non
 
 
 def tier_statistics_dict(tier: ChunkTier) -> Dict[str, float]:
-    """A tier's statistics as flat floats, whether it returns ``TierStatistics`` or a dict."""
-    stats = tier.statistics()
-    if hasattr(stats, "as_dict"):
-        return dict(stats.as_dict())  # type: ignore[union-attr]
-    return {k: float(v) for k, v in dict(stats).items() if isinstance(v, (int, float, bool))}
+    """A tier's statistics (``TierStatistics``) as flat floats."""
+    return dict(tier.statistics().as_dict())
 
 
 async def read_with_sources(tier: ChunkTier, items: Sequence[GetItem]) -> Tuple[List[Optional[ChunkMeta]], List[Optional[int]]]:
@@ -98,7 +105,7 @@ class ChainedTier(ChunkTier):
         if not 0.0 < writeback_fill_fraction <= 1.0:
             raise ValueError(f"writeback_fill_fraction must be in (0, 1], got {writeback_fill_fraction!r}")
         self.tiers: Tuple[ChunkTier, ...] = tuple(tiers)
-        self.name = "+".join(getattr(t, "name", "tier") for t in self.tiers)
+        self.name = "+".join(t.name for t in self.tiers)
         self.write_policy = write_policy
         self.promote = promote
         self._fill = writeback_fill_fraction
@@ -122,9 +129,7 @@ class ChainedTier(ChunkTier):
         )
         self._hits_per_tier = [0] * len(self.tiers)
         for index, tier in enumerate(self.tiers):
-            subscribe = getattr(tier, "subscribe_removals", None)
-            if subscribe is not None:
-                subscribe(self._removal_callback(index))
+            tier.subscribe_removals(self._removal_callback(index))
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -148,14 +153,14 @@ class ChainedTier(ChunkTier):
         if not task.cancelled() and task.exception() is not None:
             logger.warning("chained tier background task failed: %r", task.exception())
 
-    def _removal_callback(self, index: int) -> Callable[[Any], None]:
+    def _removal_callback(self, index: int) -> Callable[[Sequence[Removal]], None]:
         loop = self._loop
 
-        def on_removed(removed: Any) -> None:
-            # Contract tiers call on the loop with Removal records; older ones called from their
-            # writer thread with keys. Hop to the loop either way.
-            keys = [r.key if isinstance(r, Removal) or hasattr(r, "key") else bytes(r) for r in removed]
-            reasons = [getattr(r, "reason", "evicted") for r in removed]
+        def on_removed(removed: Sequence[Removal]) -> None:
+            # A tier calls on the loop that subscribed, or (subscribed outside a loop) on its own
+            # thread: hop to the chain's loop either way.
+            keys = [r.key for r in removed]
+            reasons = [r.reason for r in removed]
             try:
                 loop.call_soon_threadsafe(self._on_tier_removed, index, keys, reasons)
             except RuntimeError:
@@ -200,11 +205,11 @@ class ChainedTier(ChunkTier):
 
     @property
     def degraded(self) -> bool:
-        return any(bool(getattr(t, "degraded", False)) for t in self.tiers)
+        return any(t.degraded for t in self.tiers)
 
     @property
     def capacity_bytes(self) -> Optional[int]:
-        return getattr(self.tiers[0], "capacity_bytes", None)
+        return self.tiers[0].capacity_bytes
 
     def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
         """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
@@ -249,14 +254,8 @@ class ChainedTier(ChunkTier):
         # failed put is then visible in no tier (all or nothing for the chain too).
         gate: "asyncio.Future[None]" = self._loop.create_future()
         lower_started: List["asyncio.Future[Any]"] = []
-        generic: List[ChunkTier] = []
         if self.write_policy == "write_through":
-            for tier in self.tiers[1:]:
-                started = self._write_behind(tier, items, gate)
-                if started is None:
-                    generic.append(tier)
-                else:
-                    lower_started.append(started)
+            lower_started = [self._write_behind(tier, items, gate) for tier in self.tiers[1:]]
         primary = asyncio.ensure_future(first.put_many(items))
         primary.add_done_callback(lambda p: _settle(gate, p))
         try:
@@ -266,28 +265,20 @@ class ChainedTier(ChunkTier):
             cancelled = await wait_through_cancel(primary)
             for fut in lower_started:
                 cancelled = await wait_through_cancel(fut) or cancelled
-            if generic and not primary.cancelled() and primary.exception() is None:
-                for tier in generic:  # no encode/send split: copied whole before returning
-                    task = asyncio.ensure_future(tier.put_many(items))
-                    self._track_lower_put(task, len(items))
-                    cancelled = await wait_through_cancel(task) or cancelled
             if cancelled:
                 raise asyncio.CancelledError
 
     def _write_behind(self, tier: ChunkTier, items: List[PutItem], gate: "asyncio.Future[None]"
-                      ) -> Optional["asyncio.Future[Any]"]:
-        """Start a lower tier's store that sends once ``gate`` succeeded; returns a future done
-        once the caller's buffers are no longer read, or ``None`` for a tier without ``start_put``
-        (the caller then copies to it after the first tier's success)."""
-        start = getattr(tier, "start_put", None)
-        if start is None:
-            return None
+                      ) -> "asyncio.Future[Any]":
+        """Start a lower tier's store that lands once ``gate`` succeeded (``ChunkTier.start_put``:
+        the remote tier encodes meanwhile; a tier without its own split runs its whole put after the
+        gate); returns a future done once the caller's buffers are no longer read."""
         if len(self._background) >= _MAX_BACKGROUND:
             self._extra["writebehind_skipped"] += 1
             done: "asyncio.Future[Any]" = self._loop.create_future()
             done.set_result(None)
             return done
-        encoded, task = start(items, after=gate)
+        encoded, task = tier.start_put(items, after=gate)
         self._track_lower_put(task, len(items))
         return encoded
 
@@ -311,7 +302,7 @@ class ChainedTier(ChunkTier):
         if self._writeback_running or not self._dirty:
             return
         first = self.tiers[0]
-        capacity = getattr(first, "capacity_bytes", None)
+        capacity = first.capacity_bytes
         if not capacity:
             return  # an unbounded first tier never evicts: nothing to save
         used = tier_statistics_dict(first).get("bytes", 0.0)
@@ -376,7 +367,7 @@ class ChainedTier(ChunkTier):
                 raise
             except Exception as exc:
                 self._stats["errors"] += 1
-                logger.debug("tier %s read failed (miss): %s", getattr(tier, "name", index), exc)
+                logger.debug("tier %s read failed (miss): %s", tier.name, exc)
                 continue
             found = [(i, m) for i, m in zip(wanted, metas) if m is not None]
             for i, meta in found:
@@ -441,7 +432,7 @@ class ChainedTier(ChunkTier):
                 raise
             except Exception as exc:
                 self._stats["errors"] += 1
-                logger.warning("tier %s cannot list its keys: %s", getattr(tier, "name", "?"), exc)
+                logger.warning("tier %s cannot list its keys: %s", tier.name, exc)
         return list(seen)
 
     async def snapshot_keys(self) -> KeySnapshot:
@@ -480,18 +471,13 @@ class ChainedTier(ChunkTier):
         own flush. Cancelling it stops only this wait: the chain's work runs on."""
         await self._background.wait_all()
         for tier in self.tiers:
-            flush = getattr(tier, "flush", None)
-            if flush is not None:
-                await flush()
+            await tier.flush()
 
     async def check(self) -> List[str]:
         problems: List[str] = []
         for tier in self.tiers:
-            check = getattr(tier, "check", None)
-            if check is None:
-                continue
             try:
-                problems.extend(f"{tier.name}: {p}" for p in await check())
+                problems.extend(f"{tier.name}: {p}" for p in await tier.check())
             except Exception as exc:
                 problems.append(f"{tier.name}: check failed: {exc}")
         return problems
@@ -502,7 +488,7 @@ class ChainedTier(ChunkTier):
         evictions seen...) plus ``hits.<tier name>`` and the write-behind/promotion counters."""
         extra = dict(self._extra)
         for index, tier in enumerate(self.tiers):
-            name = getattr(tier, "name", f"tier{index}")
+            name = tier.name
             extra[f"hits.{name}"] = float(self._hits_per_tier[index])
             for k, v in tier_statistics_dict(tier).items():
                 extra[f"{name}.{k}"] = v

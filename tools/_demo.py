@@ -154,7 +154,7 @@ async def run_demo(
     loaded_host = loaded_disk = 0
 
     async with OffloadEngine(layout, device, config, fingerprint=fingerprint) as engine:
-        if remote_url is not None and getattr(engine.disk_tier, "degraded", False):
+        if remote_url is not None and engine.disk_tier is not None and engine.disk_tier.degraded:
             # Every second-host load would miss: an environment problem, not a verification.
             raise TierIOError(f"--remote {remote_url} is unreachable; start it, fix the URL, or leave --remote out")
         scenario = _KeyedScenario(engine, seed=seed)

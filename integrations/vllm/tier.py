@@ -388,7 +388,7 @@ class KvtierTier(SecondaryTierManager):
         return record_meta(self.layout, group_id, req_context.get_offload_key_position(key), self._row_bytes)
 
     def _usable(self) -> bool:
-        return not self._closed and self._loop.alive and not getattr(self.disk_tier, "closed", False)
+        return not self._closed and self._loop.alive and not (self.disk_tier is not None and self.disk_tier.closed)
 
     def _begin(self) -> None:
         with self._outstanding_cv:

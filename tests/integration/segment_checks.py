@@ -28,21 +28,21 @@ def segment_files(path: Path) -> Dict[str, int]:
 
 
 def _pointers_in(tier: LmdbTier, txn) -> Dict[bytes, SegmentPointer]:
-    cur = txn.cursor(db=tier._tables.chunks)
+    cur = txn.cursor(db=tier._db.tables.chunks)
     return {bytes(k): SegmentPointer.unpack(v) for k, v in cur.iternext(keys=True, values=True) if is_pointer(v)}
 
 
 def _ledger_in(tier: LmdbTier, txn) -> Dict[str, Tuple[int, int, int]]:
-    cur = txn.cursor(db=tier._tables.segments)
+    cur = txn.cursor(db=tier._db.tables.segments)
     return {bytes(k).decode(): LIVE.unpack(v) for k, v in cur.iternext(keys=True, values=True)}
 
 
 def pointers(tier: LmdbTier) -> Dict[bytes, SegmentPointer]:
-    return tier._read_txn(lambda txn: _pointers_in(tier, txn))
+    return tier._db.read_txn(lambda txn: _pointers_in(tier, txn))
 
 
 def ledger(tier: LmdbTier) -> Dict[str, Tuple[int, int, int]]:
-    return tier._read_txn(lambda txn: _ledger_in(tier, txn))
+    return tier._db.read_txn(lambda txn: _ledger_in(tier, txn))
 
 
 async def read_items(tier: LmdbTier, items: List[Item]) -> List[Tuple[object, bytes]]:
@@ -63,7 +63,7 @@ def assert_ledger_matches(tier: LmdbTier, *, live_bytes_exact: bool = True) -> N
     segment's committed end. Both read in one transaction: a background compaction step may commit
     at any time. ``live_bytes_exact=False`` (after a damaged pointer was dropped: its true length
     is unknowable): the record counts exactly, live bytes at most the pointers' sum."""
-    found, table = tier._read_txn(lambda txn: (_pointers_in(tier, txn), _ledger_in(tier, txn)))
+    found, table = tier._db.read_txn(lambda txn: (_pointers_in(tier, txn), _ledger_in(tier, txn)))
     expected: Dict[str, List[int]] = {}
     for p in found.values():
         e = expected.setdefault(p.name, [0, 0])

@@ -43,7 +43,7 @@ def segment_bytes(cache: Path) -> int:
 def reader_pids(tier: LmdbTier) -> Set[int]:
     """Pids in the environment's reader table (``mdb_reader_list``: "pid thread txnid" lines)."""
     pids = set()
-    for line in tier._env.readers().splitlines()[1:]:
+    for line in tier._db.env.readers().splitlines()[1:]:
         parts = line.split()
         if parts and parts[0].isdigit():
             pids.add(int(parts[0]))

@@ -45,9 +45,9 @@ def _record_size(tier: LmdbTier) -> Tuple[int, int]:
 
 def _atimes(tier: LmdbTier) -> Dict[bytes, bytes]:
     def body(txn) -> Dict[bytes, bytes]:
-        return {bytes(k): bytes(v) for k, v in txn.cursor(db=tier._tables.atime).iternext(keys=True, values=True)}
+        return {bytes(k): bytes(v) for k, v in txn.cursor(db=tier._db.tables.atime).iternext(keys=True, values=True)}
 
-    return tier._read_txn(body)
+    return tier._db.read_txn(body)
 
 
 async def _three_segments(root: Path, live: Tuple[int, int, int], name: str = "c") -> Tuple[Path, List[List[Item]]]:
@@ -79,7 +79,7 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         assert before_files == {name: end for name, (_, _, end) in table.items()}  # nothing but committed bytes
         record, extent = _record_size(tier)
         assert sorted(recs for _, recs, _ in table.values()) == [2, 4, 7]
-        lru_before, atimes_before = list(tier._lru), _atimes(tier)
+        lru_before, atimes_before = list(tier._writes.lru), _atimes(tier)
         survivor = next(name for name, (_, recs, _) in table.items() if recs == 7)
 
         report = await tier.compact_segments()
@@ -96,7 +96,7 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         assert {p.name for p in pointers(tier).values()} == {survivor, new}
         assert_ledger_matches(tier)
         # not an access: LRU order and the access-time table are as they were
-        assert list(tier._lru) == lru_before and _atimes(tier) == atimes_before
+        assert list(tier._writes.lru) == lru_before and _atimes(tier) == atimes_before
         await assert_served(tier, [it for its in kept for it in its])
         deleted = [it for b in (make_batch(10, b, [RECORD] * 5) for b in range(6)) for it in b
                    if it[0] not in {i[0] for its in kept for i in its}]
@@ -154,8 +154,8 @@ async def test_a_delete_leaving_a_closed_segment_below_the_fraction_compacts_it_
         assert (stats["compacted_records"], stats["compacted_segments"]) == (2, 1)
         await assert_served(tier, kept[0] + kept[1] + kept[2][:2])
         # a plan that took long delays the next automatic one (PLAN_DUTY): as if it took 15 ms
-        assert tier._next_automatic_at > 0  # set by the first plan
-        tier._next_automatic_at = time.monotonic() + 0.3
+        assert tier._compactor.next_automatic_at > 0  # set by the first plan
+        tier._compactor.next_automatic_at = time.monotonic() + 0.3
         second = pointers(tier)[kept[1][0][0]].name
         await tier.delete_many([k for k, _, _ in kept[1][2:]])
         await asyncio.sleep(0.15)
@@ -223,7 +223,7 @@ async def _churn_at_capacity(path: Path, fraction: float, hot_every: int) -> Tup
             worst = max(worst, segment_disk_bytes(path))
         await tier.flush()
         deadline = time.monotonic() + 20
-        while tier._compaction_scheduled and time.monotonic() < deadline:
+        while tier._compactor.scheduled and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await assert_served(tier, hot)
         assert await tier.check() == []
@@ -250,7 +250,7 @@ async def test_writes_between_plan_and_step_win_and_nothing_stale_is_copied(tmp_
     # automatic passes off: this test runs the steps itself
     async with await LmdbTier.open(path, segment_compaction_live_fraction=0, **SETUP) as tier:
         source = pointers(tier)[a[0]].name
-        plan = await tier._in_pool(lambda: tier._plan_pass(0.5))  # lists a, b, c, d with their pointers
+        plan = await tier._reads.in_pool(lambda: tier._compactor.plan_pass(0.5))  # lists a, b, c, d with their pointers
         assert [k for k, _ in plan.pending] == sorted([a[0], b[0], c[0], d[0]], key=lambda k: pointers(tier)[k].offset)
         other = bytes(reversed(chunk_content(a[0])))
         await tier.put_many([(a[0], a[1], memoryview(other))])  # overwrite: a new pointer
@@ -295,7 +295,7 @@ async def test_cancelling_compact_segments_lets_the_step_in_flight_commit_and_st
     path, kept = await _three_segments(tmp_path, (4, 10, 10))
     async with await LmdbTier.open(path, **SETUP) as tier:
         source = pointers(tier)[kept[0][0][0]].name
-        tier._compaction_step_bytes = 1  # one record per step
+        tier._compactor.step_bytes = 1  # one record per step
         hook = _CancelAtTheFirstCommit(asyncio.get_running_loop())
         tier._io_hook = hook
         hook.task = asyncio.ensure_future(tier.compact_segments())
@@ -317,8 +317,8 @@ async def _run_steps(tier: LmdbTier, plan) -> None:
     """What compact_segments does after planning: the steps, then deleting the retired sources (no
     read transaction is open here)."""
     while not plan.done:
-        await tier._writer.submit_async(lambda: tier._compaction_step(plan))
-    freed = await tier._writer.submit_async(tier._remove_retired)
+        await tier._writer.submit_async(lambda: tier._compactor.step(plan))
+    freed = await tier._writer.submit_async(tier._compactor.remove_retired)
     plan.report.files_freed += freed.files_freed
 
 
@@ -328,8 +328,8 @@ async def test_an_emptied_source_outlives_every_read_that_could_still_hold_its_p
     async with await LmdbTier.open(path, **SETUP) as tier:
         source = pointers(tier)[kept[0][0][0]].name
         # a read transaction from before the move (as a read slice between its get and its pread)
-        old_txn = tier._env.begin(buffers=True)
-        old_value = bytes(old_txn.get(kept[0][0][0], db=tier._tables.chunks))
+        old_txn = tier._db.env.begin(buffers=True)
+        old_value = bytes(old_txn.get(kept[0][0][0], db=tier._db.tables.chunks))
         report = await tier.compact_segments()
         assert (report.records, report.files_freed) == (2, 0)  # moved, but the file must stay
         assert source in segment_files(path) and source not in ledger(tier)
@@ -353,7 +353,7 @@ async def test_reads_racing_the_moves_all_hit_bitwise(tmp_path: Path) -> None:
     path, kept = await _three_segments(tmp_path, (4, 4, 10))
     live = [it for its in kept for it in its]
     async with await LmdbTier.open(path, read_workers=2, **SETUP) as tier:
-        tier._compaction_step_bytes = 1  # one record per step: as many commits and deletions as can be
+        tier._compactor.step_bytes = 1  # one record per step: as many commits and deletions as can be
         stop = asyncio.Event()
         rounds = 0
 
@@ -402,7 +402,7 @@ async def test_another_process_changing_a_key_between_copy_and_commit_wins(tmp_p
     async with await LmdbTier.open(path, **SETUP) as tier:
         hook = _OtherProcessDeletesBeforeTheCommit(path, kept[0][1][0])
         tier._io_hook = hook
-        plan = await tier._in_pool(lambda: tier._plan_pass(0.5))
+        plan = await tier._reads.in_pool(lambda: tier._compactor.plan_pass(0.5))
         hook.armed = True
         await _run_steps(tier, plan)
         assert not hook.armed
@@ -497,14 +497,14 @@ async def test_a_damaged_pointer_in_a_source_is_quarantined_and_the_rest_moves(t
     async with await LmdbTier.open(path, **SETUP) as tier:
         bad = kept[0][1][0]
         source = pointers(tier)[bad].name
-        value = bytearray(tier._read_txn(lambda txn: bytes(txn.get(bad, db=tier._tables.chunks))))
+        value = bytearray(tier._db.read_txn(lambda txn: bytes(txn.get(bad, db=tier._db.tables.chunks))))
         value[-4:] = struct.pack("<I", 0)  # the head length: a split pointer with no head cannot be right
 
         def damage(txn):
-            txn.put(bad, bytes(value), db=tier._tables.chunks)
+            txn.put(bad, bytes(value), db=tier._db.tables.chunks)
             return lambda: None
 
-        await tier._writer.submit_async(lambda: tier._write(damage))
+        await tier._writer.submit_async(lambda: tier._writes.write(damage))
         report = await tier.compact_segments()
         assert (report.records, report.quarantined, report.files_freed) == (2, 1, 1)
         assert source not in segment_files(path) and tier.quarantined_keys() == [bad]
@@ -535,7 +535,7 @@ async def test_a_full_disk_fails_the_pass_and_loses_nothing(tmp_path: Path) -> N
             await assert_served(tier, [it for its in kept for it in its])
             assert_ledger_matches(tier)
         async with await LmdbTier.open(path, **SETUP) as tier:  # the failed copy's bytes: orphans, reclaimed
-            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
             assert segment_files(path) == ends
 
 
@@ -616,7 +616,7 @@ async def test_engine_config_carries_the_fraction_to_its_disk_tier(tmp_path: Pat
     assert config.lmdb_segment_compaction_live_fraction == 0.25
     layout = ModelLayout(groups=(AttentionGroup(16),))
     async with OffloadEngine(layout, make_cpu_device(layout, num_blocks=16), config, fingerprint=b"c") as engine:
-        assert engine._disk._compaction_live_fraction == 0.25
+        assert engine._disk._compactor.live_fraction == 0.25
     with pytest.raises(ValueError, match=r"lmdb_segment_compaction_live_fraction must be in \[0, 1\), got 1.0"):
         EngineConfig(cache_dir=str(tmp_path), lmdb_segment_compaction_live_fraction=1.0)
 
@@ -676,10 +676,10 @@ async def test_random_puts_deletes_evictions_and_compactions_agree_with_a_dict(t
         # below the fraction
         await tier.compact_segments()
         deadline = time.monotonic() + 20
-        while tier._compaction_scheduled and time.monotonic() < deadline:
+        while tier._compactor.scheduled and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await tier.compact_segments()
-        active = tier._segment_writer.active if tier._segment_writer is not None else None
+        active = tier._writes.segment_writer.active if tier._writes.segment_writer is not None else None
         for name, (live, records, end) in ledger(tier).items():
             assert name == active or SegmentUsage(name, live, records, end).live_fraction >= 0.5, (name, live, end)
         assert tier.statistics().extra["compacted_records"] >= 0
@@ -699,7 +699,7 @@ def test_kill9_during_compaction_loses_nothing(tmp_path: Path) -> None:
         assert not check.problems and check.intact == check.records > 0
         with LmdbTier(directory, map_size_bytes=1 << 20) as tier:
             assert_ledger_matches(tier)
-            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
             assert segment_files(directory) == ends  # no orphan file, no orphan tail
 
 

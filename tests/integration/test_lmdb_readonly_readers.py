@@ -170,7 +170,7 @@ async def test_a_read_only_mount_reads_only_bytes_a_put_wrote_while_a_writer_rew
             with bind_mount(source, tmp_path / "ro", read_only=True) as ro:
                 async with await LmdbTier.open(ro, readonly=True, map_size_bytes=64 << 20,
                                                read_workers=len(KEYS)) as reader:
-                    assert reader._lockless  # no reader table for this open
+                    assert reader._db.lockless  # no reader table for this open
                     # the records are where the case says (pointers to segment files, or inline)
                     assert {info.segment is not None for info in reader.iter_records()} == {store == "segments"}
                     # Each transaction stays open a while: its snapshot goes stale, its pages are reused.

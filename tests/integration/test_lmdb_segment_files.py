@@ -135,7 +135,7 @@ def test_a_writable_open_beside_a_live_writer_keeps_every_record_the_writer_ackn
             await assert_served(tier, first + more + newer)
             assert tier.quarantined_keys() == []
             assert_ledger_matches(tier)
-            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
             assert segment_files(path) == ends
 
     asyncio.run(check())
@@ -167,16 +167,16 @@ async def test_a_cache_from_before_the_counter_numbers_new_segments_past_every_o
     async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, codec=RAW) as tier:
         for batch in old:
             await tier.put_many(batch)
-            await asyncio.to_thread(tier._writer.call, tier._segment_writer.rotate)  # a segment each
+            await asyncio.to_thread(tier._writer.call, tier._writes.segment_writer.rotate)  # a segment each
         assert await tier.delete_many([old[2][0][0]]) == 1  # the newest file goes: its number too
         numbers = sorted(int(n.rsplit("-", 1)[1][:-4]) for n in segment_files(path))
         assert numbers == [0, 1]
 
         def forget_counter(txn) -> None:
-            with txn.cursor(db=tier._tables.meta) as cur:
+            with txn.cursor(db=tier._db.tables.meta) as cur:
                 assert cur.set_key(b"segment_counter") and cur.delete()
 
-        await asyncio.to_thread(tier._writer.call, lambda: tier._write(lambda txn: (forget_counter(txn), lambda: None)[1]))
+        await asyncio.to_thread(tier._writer.call, lambda: tier._writes.write(lambda txn: (forget_counter(txn), lambda: None)[1]))
     async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, codec=RAW) as tier:
         await assert_served(tier, old[0] + old[1])
         new = make_batch(10, 3, [65536])

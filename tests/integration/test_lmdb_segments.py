@@ -108,13 +108,13 @@ async def test_overwrite_delete_and_eviction_free_segments(tmp_path: Path) -> No
         live = {p.name for p in _pointers(tier).values()}
         files = set(_segment_files(path))
         # every file is live or this writer's active segment; emptied ones were deleted
-        assert files - live <= {tier._segment_writer.active}
+        assert files - live <= {tier._writes.segment_writer.active}
         assert not (first_segments & files) - live
         served = [it for b in batches for it in b if it[0] in set(_pointers(tier))]
         await _assert_served(tier, served)
         assert tier.gc(0) == len(served)
         assert _pointers(tier) == {} and _ledger(tier) == {}
-        assert set(_segment_files(path)) <= {tier._segment_writer.active}
+        assert set(_segment_files(path)) <= {tier._writes.segment_writer.active}
     async with await LmdbTier.open(path) as tier:
         assert _segment_files(path) == {} or all(size == 0 for size in _segment_files(path).values())
 
@@ -143,8 +143,8 @@ async def test_corrupt_segment_bytes_are_a_miss_quarantined_and_reported(tmp_pat
         other = _items(3, 1, [65536])
         await tier.put_many(other)
         victim = _pointers(tier)[other[0][0]].name
-        tier._segment_writer.rotate()
-        tier._segment_reader.forget([victim])
+        tier._writes.segment_writer.rotate()
+        tier._reads.segment_reader.forget([victim])
         os.unlink(tmp_path / "c" / victim)
         report = tier.verify(quarantine=True)
         assert {k for k, _ in report.corrupt} == {items[1][0], other[0][0]}
@@ -221,7 +221,7 @@ def test_kill9_during_segment_batches_loses_no_acknowledged_chunk(tmp_path: Path
             pointers = _pointers(tier)
             assert pointers, "not vacuous: segment records survived"
             _assert_ledger_matches(tier)
-            ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+            ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
             assert _segment_files(directory) == {n: ends[n] for n in _segment_files(directory)}
             assert set(_segment_files(directory)) == set(ends)
 
@@ -284,7 +284,7 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_synced_writes(
     async def run() -> None:
         async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD) as tier:
             await tier.put_many(items)
-            assert tier._segment_writer.direct is False
+            assert tier._writes.segment_writer.direct is False
             assert len(_pointers(tier)) == 2
             await _assert_served(tier, items)
 
@@ -387,7 +387,7 @@ async def test_first_layout_pointers_are_still_read_and_freed(tmp_path: Path) ->
     items = _items(6, 0, [65536, 70000])
     async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:
         await tier.put_many(items)
-        records = {key: tier._segment_reader.read(p.pack()) for key, p in _pointers(tier).items()}
+        records = {key: tier._reads.segment_reader.read(p.pack()) for key, p in _pointers(tier).items()}
         name = segments.segment_name(os.getpid(), 999)
         old: Dict[bytes, SegmentPointer] = {}
         at = 0
@@ -398,16 +398,16 @@ async def test_first_layout_pointers_are_still_read_and_freed(tmp_path: Path) ->
                 at += -(-len(record) // 4096) * 4096
 
         def body(txn):
-            ledger = segments.Ledger(txn, tier._tables.segments)
+            ledger = segments.Ledger(txn, tier._db.tables.segments)
             for key, pointer in old.items():
-                ledger.drop(txn.get(key, db=tier._tables.chunks))
+                ledger.drop(txn.get(key, db=tier._db.tables.chunks))
                 ledger.add(pointer)
-                txn.put(key, pointer.pack(), db=tier._tables.chunks)
+                txn.put(key, pointer.pack(), db=tier._db.tables.chunks)
             ledger.commit()
-            tier._emptied_segments += ledger.emptied
+            tier._writes.emptied_segments += ledger.emptied
             return lambda: None
 
-        await asyncio.to_thread(tier._writer.call, lambda: tier._write(body))
+        await asyncio.to_thread(tier._writer.call, lambda: tier._writes.write(body))
         assert all(len(p.pack()) == 28 and not p.split for p in _pointers(tier).values())
         assert set(_segment_files(tmp_path / "c")) == {name}  # the split-layout segment was emptied
         await _assert_served(tier, items)
@@ -643,7 +643,7 @@ async def test_adjacent_records_are_read_together_and_a_short_one_fails_alone(tm
             segment_reader._preadv_all = real
         assert calls == [6 * by_offset[0][1].extent]  # the six records in one read
         last_key, last = by_offset[-1]
-        await asyncio.to_thread(tier._writer.call, tier._segment_writer.rotate)
+        await asyncio.to_thread(tier._writer.call, tier._writes.segment_writer.rotate)
         os.truncate(tmp_path / "c" / last.name, last.offset + last.extent // 2)
         outs = [_page_aligned(65536) for _ in items]
         metas = await tier.get_many_into([(it[0], out) for it, out in zip(items, outs)])
@@ -731,10 +731,10 @@ async def test_a_pointer_damaged_off_a_page_boundary_is_a_miss_not_an_io_error(t
         damaged = SegmentPointer(pointer.pid, pointer.counter, pointer.offset + 100, pointer.length, pointer.head)
 
         def body(txn):
-            txn.put(bad, damaged.pack(), db=tier._tables.chunks)
+            txn.put(bad, damaged.pack(), db=tier._db.tables.chunks)
             return lambda: None
 
-        await asyncio.to_thread(tier._writer.call, lambda: tier._write(body))
+        await asyncio.to_thread(tier._writer.call, lambda: tier._writes.write(body))
         outs = [_page_aligned(it[2].nbytes) for it in items]
         assert await tier.get_many_into([(it[0], o) for it, o in zip(items, outs)]) == [items[0][1], None]
         await tier.flush()

@@ -26,9 +26,9 @@ RAW = CodecConfig(compress=False)
 
 def _values(tier: LmdbTier) -> Dict[bytes, bytes]:
     def body(txn) -> Dict[bytes, bytes]:
-        return {bytes(k): bytes(v) for k, v in txn.cursor(db=tier._tables.chunks).iternext(keys=True, values=True)}
+        return {bytes(k): bytes(v) for k, v in txn.cursor(db=tier._db.tables.chunks).iternext(keys=True, values=True)}
 
-    return tier._read_txn(body)
+    return tier._db.read_txn(body)
 
 
 def _encoded(item: Item) -> int:
@@ -37,12 +37,12 @@ def _encoded(item: Item) -> int:
 
 def test_every_opener_defaults_to_the_one_threshold(tmp_path: Path) -> None:
     with LmdbTier(tmp_path / "c", map_size_bytes=1 << 20) as tier:
-        assert tier._segment_threshold == DEFAULT_SEGMENT_THRESHOLD_BYTES == 128 << 10
+        assert tier._writes.segment_threshold == DEFAULT_SEGMENT_THRESHOLD_BYTES == 128 << 10
     assert EngineConfig().lmdb_segment_threshold_bytes == DEFAULT_SEGMENT_THRESHOLD_BYTES
     # None and 0 both mean "every record inside LMDB", from code, TOML and the environment alike
     for value in (None, 0):
         with LmdbTier(tmp_path / f"off-{value}", map_size_bytes=1 << 20, segment_threshold_bytes=value) as tier:
-            assert tier._segment_threshold is None
+            assert tier._writes.segment_threshold is None
     toml = tmp_path / "kvtier.toml"
     toml.write_text('lmdb_segment_threshold_bytes = "none"\n')
     assert EngineConfig.from_toml(toml).lmdb_segment_threshold_bytes is None
@@ -109,7 +109,7 @@ async def test_a_cache_written_inline_opens_with_the_default_and_back(tmp_path: 
         survivors = [it for it in old + new + more + tail if it[0] in _values(tier)]
         assert any(it[0] in pointers(tier) for it in survivors) and any(it[0] not in pointers(tier) for it in survivors)
         await assert_served(tier, survivors)
-        tier._segment_writer.rotate()  # our active segment may go too once empty
+        tier._writes.segment_writer.rotate()  # our active segment may go too once empty
     # ... and back: segments off still reads pointers, and deleting them frees their files
     async with await LmdbTier.open(path, codec=RAW, segment_threshold_bytes=None) as tier:
         await assert_served(tier, survivors)
@@ -147,9 +147,9 @@ async def test_a_damaged_pointer_is_a_miss_quarantined_not_a_huge_allocation(tmp
         value[field] ^= 0xFF
 
         def damage(txn) -> None:
-            txn.put(bad, bytes(value), db=tier._tables.chunks)
+            txn.put(bad, bytes(value), db=tier._db.tables.chunks)
 
-        tier._writer.call(lambda: tier._write(lambda txn: (damage(txn), lambda: None)[1]))
+        tier._writer.call(lambda: tier._writes.write(lambda txn: (damage(txn), lambda: None)[1]))
         assert {info.key: info.error is not None for info in tier.iter_records()} == {bad: True, items[1][0]: False}
         report = tier.verify(quarantine=False)
         assert [k for k, _ in report.corrupt] == [bad] and reason in report.corrupt[0][1], report.corrupt
@@ -174,8 +174,8 @@ async def test_a_read_racing_the_deletion_of_its_segment_is_a_plain_miss(tmp_pat
     async with await LmdbTier.open(tmp_path / "c", codec=RAW) as tier:
         await tier.put_many(items)
         (name,) = {p.name for p in pointers(tier).values()}
-        tier._segment_writer.rotate()  # no writer holds it: emptied, it is deleted at once
-        reader = tier._segment_reader
+        tier._writes.segment_writer.rotate()  # no writer holds it: emptied, it is deleted at once
+        reader = tier._reads.segment_reader
         real_using = reader._using
 
         @contextlib.contextmanager
@@ -184,7 +184,7 @@ async def test_a_read_racing_the_deletion_of_its_segment_is_a_plain_miss(tmp_pat
             # meanwhile and its segment goes, before this process ever opened the file
             reader._using = real_using
             assert segment == name
-            assert tier._writer.call(lambda: tier._delete_keys([key])) == 1
+            assert tier._writer.call(lambda: tier._writes.delete_keys([key])) == 1
             assert not (tmp_path / "c" / name).exists()
             with real_using(segment) as fd:
                 yield fd

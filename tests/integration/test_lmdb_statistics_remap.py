@@ -17,11 +17,11 @@ def test_statistics_does_not_touch_the_environment_while_a_remap_holds_the_map_l
         remapping, done = threading.Event(), threading.Event()
 
         def reopen() -> None:  # what the writer does after MDB_PANIC: close and reopen, exclusively
-            with tier._map_lock.exclusive():
-                tier._env.close()
+            with tier._db.map_lock.exclusive():
+                tier._db.env.close()
                 remapping.set()
                 done.wait(30)
-                tier._open_env(2 << 20)
+                tier._db.open(2 << 20)
 
         worker = threading.Thread(target=reopen)
         worker.start()

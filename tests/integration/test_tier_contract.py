@@ -39,6 +39,7 @@ from kvtier.tiers.base import (
     ChunkMeta,
     ChunkTier,
     KeySnapshot,
+    PutAbortedError,
     Removal,
     TierStatistics,
 )
@@ -497,3 +498,43 @@ async def test_close_twice_then_every_call_is_closed_error(opened) -> None:
     ):
         with pytest.raises(ClosedError):
             await call()
+
+
+@pytest.mark.asyncio
+async def test_closed_says_whether_close_has_begun(opened) -> None:
+    tier = await opened()
+    try:
+        assert tier.closed is False
+    finally:
+        await tier.close()
+    assert tier.closed is True
+
+
+@pytest.mark.asyncio
+async def test_a_two_phase_put_lands_only_after_its_gate_and_is_dropped_when_the_gate_fails(opened) -> None:
+    tier = await opened()
+    try:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TypeError):
+            tier.start_put([("not bytes", META, memoryview(bytearray(1)))])  # type: ignore[list-item]
+        kept, dropped = key_of(1), key_of(2)
+        gate: "asyncio.Future[None]" = loop.create_future()
+        buffers_read, landed = tier.start_put([item(kept, payload(1, 3000))], after=gate)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not landed.done() and await tier.contains_many([kept]) == [False]
+        gate.set_result(None)
+        sequence = await landed
+        assert buffers_read.done() and isinstance(sequence, int) and sequence >= 1
+        _, got = await read(tier, [kept], 3000)
+        assert got == [bytes(payload(1, 3000))]
+
+        failed: "asyncio.Future[None]" = loop.create_future()
+        buffers_read, landed = tier.start_put([item(dropped, payload(2, 3000))], after=failed)
+        failed.set_exception(TierIOError("the first tier's put failed"))
+        with pytest.raises(PutAbortedError, match="the write it follows failed"):
+            await landed
+        await asyncio.wait([buffers_read])  # the buffers are free once the batch was dropped
+        assert await tier.contains_many([kept, dropped]) == [True, False]
+    finally:
+        await tier.close()

@@ -130,7 +130,7 @@ STORES = {"default": {}, "segments": {"lmdb_segment_threshold_bytes": 1, "lmdb_s
 def assert_records_where(tier, store: str) -> None:
     places = {info.segment is not None for info in tier.disk_tier.iter_records()}
     assert places == {store == "segments"}, places
-    assert tier.disk_tier._compaction_live_fraction == (0.25 if store == "segments" else 0.5)
+    assert tier.disk_tier._compactor.live_fraction == (0.25 if store == "segments" else 0.5)
 
 
 @pytest.mark.parametrize("store", sorted(STORES))

@@ -93,6 +93,6 @@ async def _churn(path: Path, seconds: float, seed: int) -> None:
         for lane, model in enumerate(models):
             for key in model:
                 await _check_key(tier, key, model, f"after reopen, lane {lane}")
-        ends = tier._read_txn(lambda txn: committed_ends(txn, tier._tables.segments))
+        ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
         assert segment_files(path) == ends
         assert await tier.check() == []

@@ -4,17 +4,20 @@ Primitives, and the thread each runs on:
 
 - ``FileTier.open`` (classmethod, event loop): checks or creates the root directory (0700), then
   scans the tree on the tier's I/O pool (one hop) to rebuild the index and remove stale temp files.
-- ``put_many`` / ``get_many_into`` / ``delete_many`` / ``contains_many`` / ``list_keys`` /
-  ``check`` / ``close`` (async, event loop) and ``statistics`` / ``path_for`` (sync, event loop).
-  The index (key -> size, last access, in LRU order) and every counter are touched only on the
-  event-loop thread, so they need no lock.
-- The tier's own ``ThreadPoolExecutor`` (``kvtier-files-*``, ``io_threads`` workers) runs every
-  blocking call: the aiofiles file operations (open, write, flush, read, close, replace, remove:
-  aiofiles is handed this executor), ``os.fsync`` of files and directories, ``mkdir``, the scan at
-  open, and the record codec (``encode_record``/``decode_record``; zstd and the checksums release
-  the GIL). The codec runs one hop per slice of a batch (``tiers.codec_pool``: at most one slice
-  per thread, at least 1 MiB each), never one hop per small chunk. A get batch under 256 KiB in all
-  decodes on the loop, where the hop would cost more than the decode.
+- ``FileTier`` (this module): the facade, the read path and quarantine. ``put_many`` /
+  ``get_many_into`` / ``delete_many`` / ``contains_many`` / ``list_keys`` / ``check`` / ``close``
+  (async, event loop) and ``statistics`` / ``path_for`` (sync, event loop).
+- ``index.FileIndex``: the index (key -> size, in LRU order), the sequence, the keys being written
+  and every counter, touched only on the event-loop thread, so they need no lock.
+- ``writes.FileWrites``: the write path (event loop; its blocking calls through ``FileOps``).
+- ``ops.FileOps``: the tier's own ``ThreadPoolExecutor`` (``kvtier-files-*``, ``io_threads``
+  workers) and every blocking call on it: the aiofiles file operations (open, write, flush, read,
+  close, replace, remove: aiofiles is handed this executor), ``os.fsync`` of files and
+  directories, ``mkdir``, the scan at open, and the record codec (``encode_record``/
+  ``decode_record``; zstd and the checksums release the GIL). The codec runs one hop per slice of
+  a batch (``tiers.codec_pool``: at most one slice per thread, at least 1 MiB each), never one hop
+  per small chunk. A get batch under 256 KiB in all decodes on the loop, where the hop would cost
+  more than the decode.
 
 On-disk layout: see ``layout``; the scan at open and in ``check``: see ``scan``.
 
@@ -24,7 +27,7 @@ the renames so the new names survive a power cut (a completed ``put_many`` is du
 created directory is ``fsync``-ed into its parent once. A reader therefore sees the old record, the
 new one, or none, never a partial file.
 
-Fault injection: ``_io_hook`` (a ``tiers.base.IOHook``) is called right before every mkdir, open,
+Fault injection: ``_io_hook`` (a ``tiers.base.IOHook``, ``FileOps.io_hook``) is called right before every mkdir, open,
 write, fsync, rename, directory fsync, read and remove the tier does after ``open``; the fault
 suite makes it raise ``OSError`` as the real call would.
 
@@ -39,33 +42,26 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
-from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
-
-import aiofiles
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from kvtier.errors import ClosedError, CorruptRecordError
 
 from ..base import (
-    NO_IO_HOOK,
     ChunkMeta,
     ChunkTier,
+    Forwarded,
     GetItem,
     IOHook,
     KeySnapshot,
     PutItem,
-    Removal,
     RemovalCallback,
     RemovalFeed,
     TierStatistics,
     check_key,
 )
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads, wait_through_cancel
-from ..key_counts import KeyCounts
 from ..lru import ByteLru
-from ..owned_tasks import OwnedTasks
+from ..owned_tasks import OwnedTasks, wait_through_cancel
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, QuarantineRoom, check_max_quarantine_records
 from ..record_format import (
     CodecConfig,
@@ -73,23 +69,20 @@ from ..record_format import (
     RecordSizeMismatchError,
     decode_record,
 )
-from .layout import HOST_TAG, QUARANTINE_DIR, RECORD_SUFFIX, key_location, quarantine_name
+from .index import FileIndex
+from .layout import QUARANTINE_DIR, quarantine_name
+from .ops import FileOps
 from .scan import scan_tree
 from .writes import FileWrites, map_os_error
 
 __all__ = ["FileTier"]
 
-# Below this many raw bytes in a whole get batch, decoding on the loop is cheaper than a hop.
-_INLINE_DECODE_BYTES = 256 << 10
 # A record is its header plus a payload never larger than the raw bytes (the codec keeps the
 # compressed form only when it is smaller), so a read is capped at raw size + this much; a file that
 # grew beyond that cannot be a valid record for the buffer and must not make us allocate its size.
 _MAX_RECORD_OVERHEAD = 1 << 20
 
 _OPEN_TOKEN = object()
-# Counters with a TierStatistics field of their own, and temps_removed (in ``extra``).
-_COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismatched", "quarantined",
-             "evictions", "deletes", "errors", "temps_removed")
 
 
 class _Mismatch:
@@ -122,7 +115,7 @@ def _decode_slice(
     return out
 
 
-class FileTier(ChunkTier, FileWrites):
+class FileTier(ChunkTier):
     """Chunk records as files under ``root``; see the module docstring for layout and threads.
 
     Build with ``await FileTier.open(root, capacity_bytes=..., codec=...)``; use from one event loop.
@@ -147,29 +140,17 @@ class FileTier(ChunkTier, FileWrites):
             raise TypeError("use 'await FileTier.open(root, ...)'")
         self._root = root
         self._capacity = capacity_bytes
-        self._codec = codec
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-files")
         self._loop = asyncio.get_running_loop()
-        self._io_threads = io_threads
-        self._index = ByteLru()  # key -> record file size, least recently read first
-        self._sequence = 0  # this instance's mutations (puts landing, removals), in order
         self._removals = RemovalFeed()
-        self._reserved = 0  # net growth of admitted batches not landed yet
-        self._writing = KeyCounts()  # keys with a write in flight: never evicted
-        self._dirs: Set[Tuple[str, ...]] = set()  # record directories known to exist
-        self._dir_pending: Dict[Tuple[str, ...], "asyncio.Future[None]"] = {}
+        self._index = FileIndex(capacity_bytes, self._removals)
+        self._files = FileOps(root, io_threads)
+        self._writes = FileWrites(self._index, self._files, codec)
         self._tasks = OwnedTasks()
-        self._ops = 0  # public calls in flight (close waits for them)
+        self._in_flight = 0  # public calls in flight (close waits for them)
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
-        # Temp names carry host and pid so that open() can tell a dead writer's leftovers apart.
-        self._temp_tag = f"{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._temp_seq = count()
         self._quarantine_room = QuarantineRoom(max_quarantine_records, 0)
-        self._io_hook: IOHook = NO_IO_HOOK
-        self._stats: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._degraded = False
 
     @classmethod
     async def open(
@@ -215,20 +196,20 @@ class FileTier(ChunkTier, FileWrites):
         try:
             try:
                 scan = await self._loop.run_in_executor(
-                    self._io, scan_tree, self._root, stale_temp_s, True
+                    self._files.pool, scan_tree, self._root, stale_temp_s, True
                 )
             except OSError as exc:
                 raise map_os_error(exc, f"opening {self._root}") from exc
-            self._dirs = scan.dirs
+            self._files.dirs = scan.dirs
             self._quarantine_room.held = scan.quarantined_files
-            self._stats["temps_removed"] = scan.temps_removed
-            self._index = ByteLru((key, size) for key, size, _ in scan.entries)
-            if self._capacity is not None and self._index.total_bytes > self._capacity:
-                victims = self._pick_victims(self._index.total_bytes - self._capacity)
-                await self._remove_files(victims)
+            self._index.stats["temps_removed"] = scan.temps_removed
+            lru = self._index.lru = ByteLru((key, size) for key, size, _ in scan.entries)
+            if self._capacity is not None and lru.total_bytes > self._capacity:
+                victims = self._index.pick_victims(lru.total_bytes - self._capacity)
+                await self._writes.remove_files(victims)
         except BaseException:
             self._closed = True
-            self._io.shutdown(wait=False)
+            self._files.pool.shutdown(wait=False)
             raise
         return self
 
@@ -238,22 +219,22 @@ class FileTier(ChunkTier, FileWrites):
     def root(self) -> Path:
         return self._root
 
-    @property
-    def sequence(self) -> int:
-        """The last mutation of this instance (a put landing, a removal)."""
-        return self._sequence
+    # The last mutation of this instance (a put landing, a removal); whether a write failed
+    # underneath since the last that succeeded; the fault-injection point of every file operation.
+    sequence: Forwarded[int] = Forwarded("_index", "sequence")
+    degraded: Forwarded[bool] = Forwarded("_index", "degraded")
+    _io_hook: Forwarded[IOHook] = Forwarded("_files", "io_hook", settable=True)
 
     def path_for(self, key: bytes) -> Path:
         """Where ``key``'s record lives (whether or not it exists)."""
-        dirs, name = key_location(check_key(key))
-        return self._root.joinpath(*dirs, name + RECORD_SUFFIX)
+        return self._files.path_for(key)
 
     def statistics(self) -> TierStatistics:
         """The shared counters (``TierStatistics``; ``errors`` counts failed batches and failed
         per-file operations) and, in ``extra``: ``temps_removed`` (at open) and
         ``quarantine_held`` (records kept under ``quarantine/``, from every process)."""
         return TierStatistics.from_counters(
-            self._stats, self._index, capacity_bytes=self._capacity, degraded=self._degraded,
+            self._index.stats, self._index.lru, capacity_bytes=self._capacity, degraded=self._index.degraded,
             quarantine_held=float(self._quarantine_room.held),
         )
 
@@ -268,19 +249,7 @@ class FileTier(ChunkTier, FileWrites):
         """Every indexed key and this instance's sequence, atomically (the index lives on the loop).
         Cancelling it: no effect."""
         self._check_open()
-        return KeySnapshot(frozenset(self._index), self._sequence)
-
-    def _next_sequence(self) -> int:
-        self._sequence += 1
-        return self._sequence
-
-    def _drop(self, keys: Sequence[bytes], reason: str) -> List[Tuple[bytes, int]]:
-        """Take ``keys`` out of the index as one mutation and report those that were in it."""
-        dropped = [(key, size) for key in keys for size in (self._index.pop(key),) if size is not None]
-        if dropped:
-            sequence = self._next_sequence()
-            self._removals.publish([Removal(key, sequence, reason) for key, _ in dropped])
-        return dropped
+        return KeySnapshot(frozenset(self._index.lru), self._index.sequence)
 
     # ---------------------------------------------------------------------------- public, async
 
@@ -300,15 +269,16 @@ class FileTier(ChunkTier, FileWrites):
         self._check_open()
         batch = self._validate_puts(items)
         if not batch:
-            return self._sequence
+            return self._index.sequence
         encoded: "asyncio.Future[None]" = self._loop.create_future()
         keys = [key for key, _, _ in batch]
         # In flight from this moment: eviction, deletes and quarantine keep off these names until
         # the batch has landed or rolled back. Unmarked by a done callback, which runs even if the
         # task is cancelled before it ever started.
-        self._writing.add(keys)
-        task = self._tasks.spawn(self._put_batch(batch, encoded))
-        task.add_done_callback(lambda _: self._writing.discard(keys))
+        writing = self._index.writing
+        writing.add(keys)
+        task = self._tasks.spawn(self._writes.put_batch(batch, encoded))
+        task.add_done_callback(lambda _: writing.discard(keys))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -338,10 +308,11 @@ class FileTier(ChunkTier, FileWrites):
                 raise TypeError("get_many_into needs writable, C-contiguous buffers")
             checked.append((key, view))
         results: List[Optional[ChunkMeta]] = [None] * len(checked)
-        wanted = [i for i, (key, _) in enumerate(checked) if key in self._index]
-        self._stats["gets"] += len(checked)
+        lru, stats = self._index.lru, self._index.stats
+        wanted = [i for i, (key, _) in enumerate(checked) if key in lru]
+        stats["gets"] += len(checked)
         if not wanted:
-            self._stats["misses"] += len(checked)
+            stats["misses"] += len(checked)
             return results
         async with self._operation():
             reads = await asyncio.gather(
@@ -349,7 +320,7 @@ class FileTier(ChunkTier, FileWrites):
             )
             found = [(i, data) for i, data in zip(wanted, reads) if data is not None]
             jobs = [(checked[i][0], data, checked[i][1]) for i, data in found]
-            decoded = await self._run_codec(_decode_slice, jobs, [buf.nbytes for _, _, buf in jobs])
+            decoded = await self._files.decode(_decode_slice, jobs, [buf.nbytes for _, _, buf in jobs])
             corrupt: List[bytes] = []
             for (i, _), outcome in zip(found, decoded):
                 key = checked[i][0]
@@ -357,17 +328,17 @@ class FileTier(ChunkTier, FileWrites):
                     corrupt.append(key)
                     continue
                 if isinstance(outcome, _Mismatch):
-                    self._stats["mismatched"] += 1
+                    stats["mismatched"] += 1
                     continue
                 results[i] = outcome
-                self._index.touch(key)
+                lru.touch(key)
             if corrupt:
                 corrupt = list(dict.fromkeys(corrupt))  # one key asked twice is one bad file
-                self._stats["corrupt"] += len(corrupt)
+                stats["corrupt"] += len(corrupt)
                 await asyncio.shield(self._tasks.spawn(self._quarantine(corrupt)))
         hits = sum(1 for r in results if r is not None)
-        self._stats["hits"] += hits
-        self._stats["misses"] += len(checked) - hits
+        stats["hits"] += hits
+        stats["misses"] += len(checked) - hits
         return results
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -378,31 +349,31 @@ class FileTier(ChunkTier, FileWrites):
         waits for them)."""
         self._check_open()
         checked = [check_key(key) for key in keys]
-        while any(key in self._writing for key in checked):
+        while any(key in self._index.writing for key in checked):
             # Unlinking a name whose put is in flight could remove the new file after its rename
             # and leave the index pointing at nothing; the delete is ordered after the put.
             await self._tasks.wait_all()
-        victims = self._drop(list(dict.fromkeys(checked)), "deleted")
-        self._stats["deletes"] += len(victims)
+        victims = self._index.drop(list(dict.fromkeys(checked)), "deleted")
+        self._index.stats["deletes"] += len(victims)
         if victims:
-            await asyncio.shield(self._tasks.spawn(self._remove_files(victims)))
+            await asyncio.shield(self._tasks.spawn(self._writes.remove_files(victims)))
         return len(victims)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Move the ``keys`` this tier holds to the young end of its LRU, as a read would
         (``ChunkTier.touch_many``; event-loop thread, like every change of the index)."""
         for key in keys:
-            self._index.touch(check_key(key))
+            self._index.lru.touch(check_key(key))
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Which keys are in the index (no disk access, no checksum). Cancelling it: no effect."""
         self._check_open()
-        return [check_key(key) in self._index for key in keys]
+        return [check_key(key) in self._index.lru for key in keys]
 
     async def list_keys(self) -> List[bytes]:
         """Every key in the index, least recently used first. Cancelling it: no effect."""
         self._check_open()
-        return list(self._index)
+        return list(self._index.lru)
 
     async def flush(self) -> None:
         """Wait until every batch, delete and quarantine handed to the tier so far has finished
@@ -418,10 +389,10 @@ class FileTier(ChunkTier, FileWrites):
         async with self._operation():
             await self.flush()
             scan = await self._loop.run_in_executor(
-                self._io, scan_tree, self._root, float("inf"), False
+                self._files.pool, scan_tree, self._root, float("inf"), False
             )
         on_disk = {key: size for key, size, _ in scan.entries}
-        return self._index.reconcile(on_disk, self._capacity, where="on disk")
+        return self._index.lru.reconcile(on_disk, self._capacity, where="on disk")
 
     async def close(self) -> None:
         """Wait for batches and calls in flight, then release the thread pool. Safe to call twice;
@@ -434,7 +405,7 @@ class FileTier(ChunkTier, FileWrites):
         await self._tasks.wait_all()
         await self._idle.wait()
         # Threads still running work of cancelled reads finish on their own; nothing awaits them.
-        self._io.shutdown(wait=False)
+        self._files.pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------------------- internals
 
@@ -456,41 +427,25 @@ class FileTier(ChunkTier, FileWrites):
     def _operation(self) -> "_Operation":
         return _Operation(self)
 
-    async def _run_codec(
-        self, fn: Callable[[List[Any]], List[Any]], jobs: Sequence[Any], sizes: Sequence[int]
-    ) -> List[Any]:
-        """Decode a get batch: on the loop when small (a hop would cost more), else in slices on
-        the I/O threads (``tiers.codec_pool``; the buffer rule when cancelled)."""
-        if not jobs:
-            return []
-        if sum(sizes) < _INLINE_DECODE_BYTES:
-            return fn(list(jobs))
-        decoding = map_slices(
-            self._io, fn, jobs, sizes, workers=self._io_threads, min_slice_bytes=MIN_SLICE_BYTES
-        )
-        return await wait_threads(decoding, abandon_unstarted=True)
-
     # gets --------------------------------------------------------------------------------------
 
     def _read_limit(self, item: Tuple[bytes, memoryview]) -> int:
         # The index size lets an intact record of the wrong size be read whole (then reported as a
         # mismatch, not quarantined as truncated); the buffer bound caps a file grown from outside.
-        return max(self._index.get(item[0], 0) or 0, item[1].nbytes + _MAX_RECORD_OVERHEAD)
+        return max(self._index.lru.get(item[0], 0) or 0, item[1].nbytes + _MAX_RECORD_OVERHEAD)
 
     async def _read_file(self, key: bytes, limit: int) -> Optional[bytes]:
         try:
-            self._io_hook.before("read")
-            async with aiofiles.open(self.path_for(key), "rb", executor=self._io) as f:
-                return await f.read(limit)
+            return await self._files.read(self.path_for(key), limit)
         except FileNotFoundError:
             # Evicted or deleted by us since the index lookup (then no longer indexed), or removed
             # from outside: found gone.
-            if key not in self._writing:
-                self._drop([key], "external")
+            if key not in self._index.writing:
+                self._index.drop([key], "external")
             return None
         except OSError:
             # A read error is a miss for the caller (the chunk is recomputed) but must be visible.
-            self._stats["errors"] += 1
+            self._index.stats["errors"] += 1
             return None
 
     async def _quarantine(self, keys: Sequence[bytes]) -> None:
@@ -499,9 +454,9 @@ class FileTier(ChunkTier, FileWrites):
         are never read again."""
         # A key being written is skipped: a fresh record is being renamed over the bad one, and
         # moving the path now could take the good file instead. Its next read catches a bad one.
-        taken = [key for key in keys if key not in self._writing]
-        self._drop(taken, "quarantined")
-        self._stats["quarantined"] += len(taken)
+        taken = [key for key in keys if key not in self._index.writing]
+        self._index.drop(taken, "quarantined")
+        self._index.stats["quarantined"] += len(taken)
         moves: List[Tuple[str, Optional[str]]] = []
         for key in taken:
             src = str(self.path_for(key))
@@ -512,14 +467,14 @@ class FileTier(ChunkTier, FileWrites):
                 moves.append((src, None))
         outcomes = await asyncio.gather(
             *(
-                self._replace(src, dst) if dst is not None else self._remove(src)
+                self._files.replace(src, dst) if dst is not None else self._files.remove(src)
                 for src, dst in moves
             ),
             return_exceptions=True,
         )
         for outcome in outcomes:
             if isinstance(outcome, OSError) and not isinstance(outcome, FileNotFoundError):
-                self._stats["errors"] += 1
+                self._index.stats["errors"] += 1
 
 
 class _Operation:
@@ -532,11 +487,11 @@ class _Operation:
 
     async def __aenter__(self) -> None:
         tier = self._tier
-        tier._ops += 1
+        tier._in_flight += 1
         tier._idle.clear()
 
     async def __aexit__(self, *exc: object) -> None:
         tier = self._tier
-        tier._ops -= 1
-        if tier._ops == 0:
+        tier._in_flight -= 1
+        if tier._in_flight == 0:
             tier._idle.set()

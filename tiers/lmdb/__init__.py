@@ -2,13 +2,20 @@
 
 Modules, one concern each:
 
-- ``tier``: ``LmdbTier``, the async ``ChunkTier`` facade, opening, and the read path (read pool).
-- ``writes``: the writer thread's transaction bodies and the in-memory LRU index they own.
+- ``tier``: ``LmdbTier``, the async ``ChunkTier`` facade that builds and wires the parts below.
+- ``environment``: the LMDB environment, its tables, the map lock and the counters (any thread).
+- ``writes``: the writer side: every write transaction, the LRU index and sequence they own, the
+  segment writer (writer thread only).
+- ``reads``: the reader side: the read pool, the read path, the segment reader (not the writer).
+- ``compaction``: why and how segments are compacted, and the planning rules (pure functions);
+  ``compactor``: the passes (plans on read threads, writer-thread steps, automatic scheduling).
 - ``tables``: the named databases and their value formats.
-- ``recovery``: checks of a directory before LMDB maps it, and moving a damaged one aside.
-- ``maintenance``: blocking walks for tools: ``iter_records``, ``verify``, ``gc``.
+- ``opening`` / ``recovery``: the steps around ``lmdb.open``; checks of a directory before LMDB
+  maps it, and moving a damaged one aside.
+- ``maintenance``: blocking walks for tools: ``iter_records``, ``verify``.
 - ``segments``: large records in append-only payload files beside ``data.mdb`` (on from
-  ``DEFAULT_SEGMENT_THRESHOLD_BYTES``), LMDB keeping a pointer.
+  ``DEFAULT_SEGMENT_THRESHOLD_BYTES``), LMDB keeping a pointer; ``segment_files``: a segment
+  file's life (who holds it, deleting dead ones, reclaiming what a crash left).
 - ``timer``: the periodic housekeeping thread (stale readers, access-time flushes).
 """
 

@@ -1,13 +1,11 @@
-"""The LMDB tier's maintenance: walk, verify and trim a cache (blocking; for tools and tests).
+"""The LMDB tier's maintenance walks: list and verify a cache (blocking; for tools and tests).
 
-Primitives (any thread of the opening process but the writer; writes go through the writer):
-``iter_records`` (every record with its parsed header, for ``kvtier inspect``), ``verify`` (decode
-every record, quarantine the corrupt ones, for ``kvtier verify`` and stress teardown), ``gc``
-(evict least-recently-used records down to a byte budget), ``quarantined_keys``. Long walks read in
-transactions of ``_ITER_BATCH`` records, so they never pin old pages for long.
-
-``Maintenance`` is a mixin of ``LmdbTier`` (it uses the tier's tables, read transactions, writer and
-the writer side's ``_write`` / ``_evict_to``; segment compaction, ``compaction.Compaction``, comes with it).
+``Maintenance`` (any thread of the opening process but the writer; its writes go to the writer
+thread): ``iter_records`` (every record with its parsed header, for ``kvtier inspect``), ``verify``
+(decode every record, quarantine the corrupt ones, for ``kvtier verify`` and stress teardown),
+``quarantined_keys``. Long walks read in transactions of ``_ITER_BATCH`` records, so they never pin
+old pages for long. ``LmdbTier`` wires it to the environment, the writer side (quarantines) and
+the reader side (its segment reader, the recheck of what a walk found bad).
 """
 
 from __future__ import annotations
@@ -21,9 +19,12 @@ import xxhash
 from kvtier.errors import CorruptRecordError
 
 from ..record_format import RecordHeader, decode_record, read_header, validate_record
+from ..writer import WriterThread
+from .environment import LmdbEnv
+from .reads import ReaderSide
 from .segments import SegmentPointer, is_pointer, stored_size
 from .tables import ATIME
-from .compaction import Compaction
+from .writes import WriterSide
 
 __all__ = ["Maintenance", "RecordInfo", "VerifyReport"]
 
@@ -56,13 +57,16 @@ class VerifyReport:
     quarantined: int = 0
 
 
-class Maintenance(Compaction):
-    """Blocking tool helpers of ``LmdbTier``; see the module docstring."""
+class Maintenance:
+    """Blocking tool walks of ``LmdbTier``: any thread of the opening process but the writer (see
+    the module docstring). ``writer`` is None when the tier is read-only (nothing is quarantined
+    then)."""
 
-    _lockless: bool  # LmdbTier's: read-only without LMDB's lock (values are copied before use)
-
-    def _still_stored(self, corrupt: List[Tuple[bytes, int, str]]) -> List[Tuple[bytes, int, str]]:
-        raise NotImplementedError  # LmdbTier's: the entries whose key still holds the same value
+    def __init__(self, db: LmdbEnv, writes: WriterSide, reads: ReaderSide, writer: Optional[WriterThread]) -> None:
+        self._db = db
+        self._writes = writes
+        self._reads = reads
+        self._writer = writer
 
     def _scan(self, visit: Callable[[lmdb.Transaction, bytes, memoryview], T]) -> Iterator[T]:
         """``visit(txn, key, value)`` for every record of ``chunks`` in cursor order, inside read
@@ -72,7 +76,7 @@ class Maintenance(Compaction):
         while True:
 
             def body(txn: lmdb.Transaction) -> Tuple[List[T], Optional[bytes]]:
-                cur = txn.cursor(db=self._tables.chunks)
+                cur = txn.cursor(db=self._db.tables.chunks)
                 if last is None:
                     positioned = cur.first()
                 else:
@@ -84,13 +88,13 @@ class Maintenance(Compaction):
                 while positioned and len(out) < _ITER_BATCH:
                     key = bytes(cur.key())
                     value = cur.value()
-                    if self._lockless:  # see LmdbTier._open_env: only a private copy is checked
+                    if self._db.lockless:  # see LmdbEnv.open: only a private copy is checked
                         value = memoryview(bytes(value))
                     out.append(visit(txn, key, value))
                     positioned = cur.next()
                 return out, key
 
-            batch, last = self._read_txn(body)
+            batch, last = self._db.read_txn(body)
             yield from batch
             if len(batch) < _ITER_BATCH:
                 return
@@ -98,12 +102,11 @@ class Maintenance(Compaction):
     def _stored_record(self, value: memoryview) -> "bytes | memoryview":
         """A ``chunks`` value's record: read from its segment for a pointer (``CorruptRecordError``
         when the segment lost it), else the value itself."""
-        return self._segment_reader.read(value) if is_pointer(value) else value
+        return self._reads.segment_reader.read(value) if is_pointer(value) else value
 
     def iter_records(self) -> Iterator[RecordInfo]:
         """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
         transactions of a few hundred records, so a long listing never pins old pages for long."""
-        self._check_usable()
 
         def visit(txn: lmdb.Transaction, key: bytes, value: memoryview) -> RecordInfo:
             try:
@@ -111,7 +114,7 @@ class Maintenance(Compaction):
                 error = None
             except CorruptRecordError as exc:
                 header, error = None, str(exc)
-            at = txn.get(key, db=self._tables.atime)
+            at = txn.get(key, db=self._db.tables.atime)
             atime = ATIME.unpack(at)[0] if at is not None and len(at) == ATIME.size else 0
             segment = SegmentPointer.unpack(value, check=False).name if is_pointer(value) else None
             return RecordInfo(key, header, error, stored_size(value), atime, segment)
@@ -123,7 +126,6 @@ class Maintenance(Compaction):
         that its key still finds it (a damaged B-tree page can list a record that no lookup
         reaches: a miss forever, reported as bad). Quarantine the corrupt ones unless told not to or
         read-only. Blocking; for ``kvtier verify`` and stress-test teardown."""
-        self._check_usable()
         report = VerifyReport()
         scratch = bytearray(0)
 
@@ -133,15 +135,15 @@ class Maintenance(Compaction):
                 record = self._stored_record(value)
                 # The header's raw length sizes the scratch buffer only once the size cap and the
                 # checksum passed: a lying header must not make us allocate what it claims.
-                header = validate_record(key, record, max_raw_bytes=self._max_raw_bytes)
+                header = validate_record(key, record, max_raw_bytes=self._reads.max_raw_bytes)
                 if len(scratch) < header.raw_length:
                     scratch = bytearray(header.raw_length)
-                decode_record(key, record, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._max_raw_bytes)
+                decode_record(key, record, memoryview(scratch)[: header.raw_length], max_raw_bytes=self._reads.max_raw_bytes)
             except CorruptRecordError as exc:
-                if txn.get(key, db=self._tables.chunks) is None:  # a damaged key: bad, not rechecked
+                if txn.get(key, db=self._db.tables.chunks) is None:  # a damaged key: bad, not rechecked
                     return key, 0, str(exc)
                 return key, xxhash.xxh3_64_intdigest(value), str(exc)
-            if txn.get(key, db=self._tables.chunks) is None:
+            if txn.get(key, db=self._db.tables.chunks) is None:
                 return key, 0, "listed by the cursor but not found by its key (damaged B-tree page)"
             return key, 0, ""
 
@@ -159,7 +161,7 @@ class Maintenance(Compaction):
             # A key another process deleted, evicted or rewrote after this scan's transaction began
             # (its segment file deleted meanwhile) is gone, not corrupt: reported by neither. Only
             # records their key reached in the scan's transaction are rechecked (``found``).
-            still = self._still_stored(found)
+            still = self._reads.still_stored(found)
             gone = {k for k, _, _ in found} - {k for k, _, _ in still}
             report.corrupt = [(k, why) for k, why in report.corrupt if k not in gone]
             report.checked -= len(gone)
@@ -168,45 +170,26 @@ class Maintenance(Compaction):
         # ``atime`` lists the stored keys (list_keys, the index at open): an entry whose key has no
         # record -- a key byte damaged in ``chunks`` -- is offered as a hit that always misses.
         def dangling(txn: lmdb.Transaction) -> List[bytes]:
-            keys = (bytes(k) for k in txn.cursor(db=self._tables.atime).iternext(keys=True, values=False))
-            return [k for k in keys if txn.get(k, db=self._tables.chunks) is None]
+            keys = (bytes(k) for k in txn.cursor(db=self._db.tables.atime).iternext(keys=True, values=False))
+            return [k for k in keys if txn.get(k, db=self._db.tables.chunks) is None]
 
-        orphans = self._read_txn(dangling)
+        orphans = self._db.read_txn(dangling)
         for key in orphans:
             report.checked += 1
             report.corrupt.append((key, "in the access-time table, but no record has this key (damaged table)"))
-        self._count(corrupt=len(report.corrupt))
+        self._db.counters.count(corrupt=len(report.corrupt))
         if quarantine and self._writer is not None:
             if found:
-                report.quarantined = self._writer.call(lambda: self._quarantine_entries(found))
+                report.quarantined = self._writer.call(lambda: self._writes.quarantine_entries(found))
             if orphans:
-                report.quarantined += self._writer.call(lambda: self._drop_dangling_atime(orphans))
+                report.quarantined += self._writer.call(lambda: self._writes.drop_dangling_atime(orphans))
         return report
-
-    def _drop_dangling_atime(self, keys: List[bytes]) -> int:
-        """Writer thread: delete ``atime`` entries whose key still has no record."""
-
-        def body(txn: lmdb.Transaction) -> Callable[[], int]:
-            gone = [k for k in keys if txn.get(k, db=self._tables.chunks) is None and txn.delete(k, db=self._tables.atime)]
-            return lambda: self._forget(gone, "quarantined", quarantined=len(gone))
-
-        return self._write(body)
-
-    def gc(self, max_bytes: int) -> int:
-        """Evict least-recently-used records until stored bytes <= ``max_bytes``; returns how many
-        were evicted. Blocking (runs on the writer thread)."""
-        self._check_usable(write=True)
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        assert self._writer is not None
-        return self._writer.call(lambda: self._evict_to(max_bytes))
 
     def quarantined_keys(self) -> List[bytes]:
         """Keys held in the quarantine table (blocking)."""
-        self._check_usable()
 
         def body(txn: lmdb.Transaction) -> List[bytes]:
-            cur = txn.cursor(db=self._tables.quarantine)
+            cur = txn.cursor(db=self._db.tables.quarantine)
             return [bytes(k) for k in cur.iternext(keys=True, values=False)]
 
-        return self._read_txn(body)
+        return self._db.read_txn(body)

@@ -105,13 +105,7 @@ def lock_for_readonly(directory: Path) -> bool:
             if exc.errno in _CANNOT_WRITE:
                 return False
             raise TierIOError(f"cannot open {path}: {exc}") from exc
-        try:
-            _allocate_lock_file(fd, directory)
-        except TierFullError:
-            return False
-        finally:
-            os.close(fd)
-        return True
+        return _allocated_and_closed(fd, directory)
     raise TierIOError(f"{path} keeps appearing and disappearing while it is opened")
 
 
@@ -126,12 +120,8 @@ def _link_new_lock_file(directory: Path) -> Optional[bool]:
             return False
         raise TierIOError(f"cannot create {temp}: {exc}") from exc
     try:
-        try:
-            _allocate_lock_file(fd, directory)
-        except TierFullError:
+        if not _allocated_and_closed(fd, directory):
             return False
-        finally:
-            os.close(fd)
         try:
             os.link(temp, directory / "lock.mdb")
         except FileExistsError:
@@ -162,6 +152,18 @@ def prepare_lock_file(directory: Path) -> None:
         _allocate_lock_file(fd, directory)
     finally:
         os.close(fd)
+
+
+def _allocated_and_closed(fd: int, directory: Path) -> bool:
+    """``_allocate_lock_file`` for a read-only opener, closing ``fd``: False when there is no room
+    (the open then goes without the lock file)."""
+    try:
+        _allocate_lock_file(fd, directory)
+    except TierFullError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _allocate_lock_file(fd: int, directory: Path) -> None:

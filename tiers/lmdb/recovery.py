@@ -29,7 +29,7 @@ import lmdb
 
 from kvtier.errors import CorruptCacheError, TierIOError
 
-from .segments import segment_files
+from .segment_files import segment_files
 
 __all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir",
            "open_replacing_damaged"]

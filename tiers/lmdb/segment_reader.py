@@ -23,7 +23,8 @@ from kvtier.errors import CorruptRecordError, TierIOError
 from ..base import ChunkMeta
 from ..record_format import check_payload_in_place, decode_record, decode_split
 from .segment_records import _ALIGN, _BUFFERS, _aligned, _byte_view, _round_up
-from .segments import SegmentPointer, _close_quietly, _preadv_all, adjacent_runs
+from .segment_files import close_quietly
+from .segments import SegmentPointer, _preadv_all, adjacent_runs
 
 __all__ = ["SegmentReader", "MAX_OPEN_SEGMENTS"]
 
@@ -153,7 +154,7 @@ class SegmentReader:
             with self._lock:
                 entry.users -= 1
                 if entry.retired and entry.users == 0:
-                    _close_quietly(entry.fd)
+                    close_quietly(entry.fd)
 
     @staticmethod
     def _opened(path: Path) -> _OpenSegment:
@@ -174,7 +175,7 @@ class SegmentReader:
         """Under the lock: ``entry`` is out of the cache; close it now unless a read uses it."""
         entry.retired = True
         if entry.users == 0:
-            _close_quietly(entry.fd)
+            close_quietly(entry.fd)
 
     def open_count(self) -> int:
         """Descriptors cached now (retired ones still in a read not counted)."""

@@ -42,9 +42,9 @@ Primitives: ``SegmentPointer`` (the 32-byte value in ``chunks``; 28 bytes in the
 ``SegmentWriter`` (writer thread only: ``append`` a batch of ``segment_records.SegmentRecord``, in
 runs of adjacent records, ``rotate``), ``segment_reader.SegmentReader`` (any thread: ``read`` a
 pointer's record, ``read_into`` / ``read_many_into`` a caller's buffers; its own module),
-``Ledger`` (inside one write transaction: live-byte deltas into ``segments``), ``remove_dead`` and
-``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and ``segment_files`` (any thread),
-and ``SegmentReader.sweep`` (the tier's timer: fds of segments another process deleted).
+``Ledger`` (inside one write transaction: live-byte deltas into ``segments``); a file's life --
+``remove_dead`` and ``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and
+``segment_files`` (any thread) -- is ``segment_files``'s, and ``SegmentReader.sweep`` (the tier's timer: fds of segments another process deleted).
 """
 
 from __future__ import annotations
@@ -56,19 +56,19 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import lmdb
 
-from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
+from kvtier.errors import CorruptRecordError
 
 from ..files.layout import fsync_dir
 from ..record_format import MAX_HEADER_BYTES
+from .segment_files import creation_lock, io_error
 from .segment_records import (  # SegmentRecord .. release_records: re-exported (__all__)
     _ALIGN,
     SegmentRecord,
@@ -93,20 +93,10 @@ __all__ = [
     "stored_size",
     "segment_name",
     "adjacent_runs",
-    "remove_dead",
-    "held_by_writer",
-    "segment_files",
-    "reclaim_orphans",
     "DEFAULT_SEGMENT_MAX_BYTES",
     "DEFAULT_SEGMENT_THRESHOLD_BYTES",
     "check_segment_threshold",
 ]
-
-class ForgetsSegments(Protocol):
-    """What ``remove_dead`` needs of a reader (``segment_reader.SegmentReader``): to drop its fds
-    of deleted segments. A protocol, so this module never imports the reader that imports it."""
-
-    def forget(self, names: Iterable[str]) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +113,6 @@ _MAX_HEAD = 10 + MAX_HEADER_BYTES  # a record's prefix and largest header
 # the throughput of large ones. Bounded by the iovec limit too (at most 3 pieces a record).
 RUN_BYTES = 4 << 20
 _RUN_RECORDS = max(1, (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024) // 3)
-NAME_PATTERN = _NAME = re.compile(r"^seg-([0-9]+)-([0-9]+)\.kvs$")  # pid, number
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
 # vLLM tier): measured (`python -m kvtier.tools.bench.segments --sizes-kib 16,64,128,256`, five runs,
@@ -131,7 +120,6 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # 256 KiB, but 0.62-0.84x at 64 KiB and 0.38-0.53x at 16 KiB (one LMDB transaction beats an extra
 # aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
-_CREATION_LOCK = "segments.lock"
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
 
 
@@ -264,7 +252,7 @@ class SegmentWriter:
         while True:
             number = self._next_number()  # an LMDB write: never under segments.lock
             path = self._dir / segment_name(self._pid, number)
-            with _creation_lock(self._dir, fcntl.LOCK_SH):
+            with creation_lock(self._dir, fcntl.LOCK_SH):
                 fd = self._create(path)
                 if fd is None:
                     self._counter = number
@@ -276,7 +264,7 @@ class SegmentWriter:
                     os.close(fd)
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-                    raise _io_error(exc, f"cannot lock and sync new segment {path}") from exc
+                    raise io_error(exc, f"cannot lock and sync new segment {path}") from exc
             self._fd, self._counter, self._end, self._allocate = fd, number, 0, True
             return
 
@@ -295,7 +283,7 @@ class SegmentWriter:
         except FileExistsError:
             return None
         except OSError as exc:
-            raise _io_error(exc, f"cannot create segment {path}") from exc
+            raise io_error(exc, f"cannot create segment {path}") from exc
         return fd
 
     def rotate(self) -> None:
@@ -346,7 +334,7 @@ class SegmentWriter:
             # The tail may hold part of the batch: skip past it, never overwrite what a reader
             # might be reading, and let reclaim_orphans truncate it later.
             self.rotate()
-            raise _io_error(exc, f"segment write under {self._dir} failed") from exc
+            raise io_error(exc, f"segment write under {self._dir} failed") from exc
         except BaseException:
             self.rotate()  # same reasoning for any other failure of a lane
             raise
@@ -389,14 +377,6 @@ class SegmentWriter:
             self._lanes = None
 
 
-def _close_quietly(fd: int) -> None:
-    """Close a read descriptor; a failure is logged (it is released whatever close says)."""
-    try:
-        os.close(fd)
-    except OSError as exc:
-        log.warning("kvtier lmdb: closing a segment read descriptor failed: %s", exc)
-
-
 class Ledger:
     """Inside one write transaction: per-segment changes of live bytes and records, and the new
     committed end, written to the ``segments`` table by ``commit``; ``emptied`` lists the segments
@@ -437,145 +417,6 @@ class Ledger:
             else:
                 self._txn.put(key, LIVE.pack(live, records, committed), db=self._table)
                 self.remaining[name] = (live, records, committed)
-
-
-def _locked_elsewhere(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    return False
-
-
-def held_by_writer(directory: Path, name: str) -> Optional[bool]:
-    """Whether a writer (of any process, this one included) still holds segment ``name``'s lock,
-    i.e. may append to it; ``None`` when the file does not exist. Compaction leaves held ones."""
-    try:
-        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return None
-    try:
-        return _locked_elsewhere(fd)
-    finally:
-        os.close(fd)  # drops the lock the probe may have taken
-
-
-def segment_files(directory: Path) -> List[str]:
-    """Names of the segment files in ``directory``."""
-    return sorted(name for name in os.listdir(directory) if _NAME.match(name))
-
-
-def remove_dead(directory: Path, names: Iterable[str], writer: Optional[SegmentWriter],
-                reader: ForgetsSegments) -> List[str]:
-    """After the commit that emptied ``names``: delete each segment file, unless a writer still
-    appends to it (ours is rotated first; another process's keeps its lock: left for later).
-    Returns the names deleted. Never raises: it runs after a commit, which must stand whatever
-    the files do; a file that cannot be deleted (a permission, an I/O error) is logged and left
-    without an entry in ``segments``, an orphan the next writable open deletes."""
-    removed = []
-    for name in names:
-        if writer is not None and writer.active == name:
-            writer.rotate()
-        reader.forget([name])
-        path = directory / name
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            log.warning("kvtier lmdb: cannot open emptied segment %s to delete it (left for the next open): %s", path, exc)
-            continue
-        try:
-            if _locked_elsewhere(fd):
-                continue
-            os.unlink(path)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("kvtier lmdb: cannot delete emptied segment %s (left for the next open): %s", path, exc)
-        finally:
-            _close_quietly(fd)
-    return removed
-
-
-@contextlib.contextmanager
-def _creation_lock(directory: Path, mode: int) -> Iterator[None]:
-    """``segments.lock``: shared while a writer creates and locks a segment, exclusive while an open
-    looks for orphans."""
-    try:
-        fd = os.open(directory / _CREATION_LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError as exc:
-        raise _io_error(exc, f"cannot open {directory / _CREATION_LOCK}") from exc
-    try:
-        try:
-            fcntl.flock(fd, mode)
-        except OSError as exc:
-            raise _io_error(exc, f"cannot lock {directory / _CREATION_LOCK}") from exc
-        yield
-    finally:
-        os.close(fd)
-
-
-def reclaim_orphans(directory: Path, committed: Callable[[], Dict[str, int]]) -> Tuple[int, int]:
-    """At a writable open: delete segment files no committed record points into and truncate each
-    other one to its committed end (what a crash between ``append`` and the commit left behind),
-    skipping segments a live writer holds. ``committed``: reads segment name -> committed end in a
-    NEW read transaction (called once, after every file it decides on is locked). Returns (files
-    removed, files truncated).
-
-    Why it cannot take a live writer's records, whatever the interleaving (W: a writer in another
-    process, R: this reclaim):
-
-    - R holds ``segments.lock`` exclusively throughout; W creates and ``flock``s every new segment
-      under it shared. So each file R lists was created, and locked by its writer, before R began.
-    - R takes each file's ``flock`` (non-blocking; a file whose lock is held is some writer's active
-      segment and is left alone), and only then reads the committed ends, in a transaction begun
-      after the last of those locks. A writer appends only to its active segment and commits every
-      pointer into it before it releases the lock (``rotate`` comes after the commit; a failed
-      append rotates before any commit), so every commit that will ever point into a file R holds
-      has happened before R's lock, and so before R's transaction: the end R reads is final, and a
-      file R finds without an entry has no committed record and never will.
-    - While R holds a file's lock, nobody appends to it (names never repeat, so no writer creates
-      it again) and ``remove_dead`` elsewhere leaves it for later. R truncates only bytes past the
-      committed end, deletes only files without one, then drops its locks.
-
-    Reading the ends first and locking afterwards (as before) let a writer commit into a segment
-    and release it in between (its records cut off), or create, fill and release a new one (deleted
-    whole)."""
-    if not any(_NAME.match(name) for name in os.listdir(directory)):
-        return 0, 0  # nothing to look at: no lock file created for caches without segments
-    with _creation_lock(directory, fcntl.LOCK_EX):
-        held: List[Tuple[str, int]] = []
-        try:
-            for name in segment_files(directory):
-                try:
-                    fd = os.open(directory / name, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    continue  # deleted meanwhile (an emptied segment)
-                if _locked_elsewhere(fd):
-                    os.close(fd)
-                    continue
-                held.append((name, fd))
-            ends = committed() if held else {}
-            return _reclaim(directory, held, ends)
-        finally:
-            for _, fd in held:
-                os.close(fd)
-
-
-def _reclaim(directory: Path, held: List[Tuple[str, int]], ends: Dict[str, int]) -> Tuple[int, int]:
-    removed = truncated = 0
-    for name, fd in held:
-        end = ends.get(name)
-        if end is None:
-            os.unlink(directory / name)
-            removed += 1
-        elif os.fstat(fd).st_size > end:
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-            truncated += 1
-    return removed, truncated
 
 
 def committed_ends(txn: lmdb.Transaction, table: "lmdb._Database") -> Dict[str, int]:
@@ -661,9 +502,3 @@ def _advance(views: List[memoryview], n: int) -> List[memoryview]:
     if views and n:
         views = [views[0][n:], *views[1:]]
     return views
-
-
-def _io_error(exc: OSError, what: str) -> Exception:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TierFullError(f"{what}: disk full: {exc}")
-    return TierIOError(f"{what}: {exc}")

@@ -27,7 +27,8 @@ import lmdb
 
 from kvtier.errors import CorruptCacheError, TierIOError
 
-from .segments import NAME_PATTERN, segment_files, stored_size
+from .segment_files import NAME_PATTERN, segment_files
+from .segments import stored_size
 
 __all__ = ["FORMAT_VERSION", "INLINE_FORMAT_VERSION", "READABLE_FORMATS", "ATIME", "Tables", "open_tables", "index_entries", "read_sequence", "bump_sequence",
            "take_segment_number"]

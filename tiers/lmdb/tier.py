@@ -1,22 +1,26 @@
-"""``LmdbTier``: the ``ChunkTier`` facade over one LMDB environment, its opening and its read path.
+"""``LmdbTier``: the ``ChunkTier`` facade over one LMDB environment, wiring the parts that do the work.
 
-Primitives and the threads they run on:
+Parts, and the threads that may call them:
 
-- ``LmdbTier`` -- its async methods are called on the event-loop thread and never block it: they
-  hand work to threads and await one future per batch. ``await LmdbTier.open(path, ...)`` builds it
-  on a worker thread; ``LmdbTier(path, ...)`` is the same, blocking (for tools and the sync helpers).
-- the writer thread (``tiers.writer.WriterThread``, one per tier) owns every write transaction and
-  the LRU index (``writes.WriterSide``); consecutive put batches are committed together (one fsync).
-- the read pool (``read_workers`` threads): encodes put batches (zstd, off the loop), runs read
-  transactions, decodes records straight from ``txn.get(key)`` (``buffers=True``) into the caller's
-  buffers while the transaction is open.
+- ``LmdbTier`` (this module) -- its async methods are called on the event-loop thread and never
+  block it: they hand work to threads and await one future per batch. ``await LmdbTier.open(path,
+  ...)`` builds it on a worker thread; ``LmdbTier(path, ...)`` is the same, blocking (for tools and
+  the sync helpers). The blocking tool calls (``iter_records``, ``verify``, ``gc``,
+  ``quarantined_keys``, ``compact_segments_sync``, ``close_sync``) run on any thread of the
+  opening process but the writer.
+- ``environment.LmdbEnv``: the environment, its tables and the map lock (any thread).
+- ``writes.WriterSide``: every write transaction, the LRU index, the sequence and the segment
+  writer -- on the writer thread only (``tiers.writer.WriterThread``, one per tier; consecutive put
+  batches are committed together, one fsync).
+- ``reads.ReaderSide``: the read pool (``read_workers`` threads: encodes put batches, runs read
+  transactions, decodes records into the caller's buffers) and the segment reader.
+- ``compactor.Compactor``: segment compaction, planned on the read pool or a tool thread
+  (``compaction``'s pure rules), moved in writer-thread steps; the writer side tells it of segment
+  changes.
+- ``maintenance.Maintenance``: the blocking walks behind ``iter_records`` / ``verify``.
 - the timer thread (``timer.PeriodicThread``): ``env.reader_check()`` and the segment reader's
-  ``sweep`` every ``reader_check_interval_s`` (reader check also once at open), and asks the writer to persist access times every
-  ``access_flush_interval_s``.
-- blocking helpers for tools (``maintenance.Maintenance``): ``iter_records``, ``verify``, ``gc``,
-  ``quarantined_keys``, ``compact_segments_sync``, and ``close_sync``; ``compact_segments`` (async)
-  and the automatic passes are ``compaction.Compaction``'s (planned on the read pool, moved in
-  writer-thread steps).
+  ``sweep`` every ``reader_check_interval_s`` (reader check also once at open), and asks the
+  writer to persist access times every ``access_flush_interval_s``.
 
 Capacity (``capacity_bytes``) counts stored record bytes (``statistics()['bytes']``); the data file
 is larger by LMDB's page rounding and free pages. A record that fails its checksum on a read is a
@@ -27,8 +31,8 @@ parse raises ``CorruptCacheError`` at open (see ``recovery``: a truncated file w
 LMDB touch pages past the end of the file: SIGBUS). LMDB trusts its B-tree pages (no page checksums)
 and can crash the process walking damaged ones, so with ``verify_structure=True`` the open first
 checks the whole file with py-lmdb's offline verifier when no other process has it open.
-``_io_hook`` (a ``tiers.base.IOHook``) is called before every put, commit and read transaction: the
-fault suite makes it raise.
+``_io_hook`` (a ``tiers.base.IOHook``, the environment's) is called before every put, commit and
+read transaction: the fault suite makes it raise.
 
 One writing process per directory: other processes may open the same directory (``readonly=True``
 for pure readers) and LMDB keeps it consistent, but this process's LRU accounting only sees its own
@@ -44,28 +48,17 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import lmdb
-import xxhash
 
-from kvtier.errors import (
-    ClosedError,
-    CorruptCacheError,
-    CorruptRecordError,
-    ForkedProcessError,
-    RecordSizeMismatchError,
-    TierFullError,
-    TierIOError,
-)
+from kvtier.errors import ClosedError, ForkedProcessError, TierFullError, TierIOError
 
 from ..base import (
-    NO_IO_HOOK,
     ChunkMeta,
     ChunkTier,
+    Forwarded,
     GetItem,
     IOHook,
     KeySnapshot,
@@ -75,38 +68,30 @@ from ..base import (
     TierStatistics,
     check_key,
 )
-from ..codec_pool import MIN_SLICE_BYTES, map_slices, wait_threads
+from ..codec_pool import wait_threads
 from ..owned_tasks import wait_through_cancel
 from ..lru import make_byte_index
 from ..quarantine import DEFAULT_MAX_QUARANTINE_RECORDS, check_max_quarantine_records
-from ..record_format import CodecConfig, decode_record, encode_record
+from ..record_format import CodecConfig
 from ..safedir import ensure_private_dir
-from ..writer import Job, SharedExclusiveLock, WriterThread, loop_callback
-from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, STEP_BYTES as COMPACTION_STEP_BYTES, check_live_fraction
-from .maintenance import Maintenance
-from .readahead import advise_willneed
-from .segment_records import borrows_buffers, encode_for_segments
-from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
-from .opening import DirectorySnapshot, is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
+from ..writer import Job, WriterThread, loop_callback
+from .compaction import DEFAULT_COMPACTION_LIVE_FRACTION, CompactionReport, check_live_fraction
+from .compactor import Compactor
+from .environment import Counters, LmdbEnv, claim_directory, release_directory
+from .maintenance import Maintenance, RecordInfo, VerifyReport
+from .opening import DirectorySnapshot
+from .reads import CorruptEntry, ReaderSide
+from .segment_reader import SegmentReader
+from .segment_records import borrows_buffers
+from .segments import DEFAULT_SEGMENT_MAX_BYTES, DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
 from .tables import index_entries, read_sequence
 from .timer import PeriodicThread
-from .segment_reader import SegmentReader
-from .segments import (
-    DEFAULT_SEGMENT_MAX_BYTES,
-    DEFAULT_SEGMENT_THRESHOLD_BYTES,
-    SegmentWriter,
-    check_segment_threshold,
-    committed_ends,
-    is_pointer,
-    reclaim_orphans,
-)
-from .writes import PutJob
+from .writes import PutJob, WriterSide
 
 __all__ = ["LmdbTier", "DEFAULT_READ_WORKERS"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 PathLike = Union[str, "os.PathLike[str]"]
 
 _MIN_MAP_SIZE = 1 << 20
@@ -122,13 +107,8 @@ _COUNTERS = ("puts", "put_batches", "gets", "hits", "misses", "corrupt", "mismat
              "map_growths", "stale_readers_cleared", "compaction_passes", "compacted_records", "compacted_bytes",
              "compacted_segments", "compaction_bytes_freed")
 
-# the other's locks). Keyed by (st_dev, st_ino) of the directory; the pid guards against a fork
-# inheriting the parent's entries.
-_OPEN_DIRS: Dict[Tuple[int, int], int] = {}
-_OPEN_DIRS_LOCK = threading.Lock()
 
-
-class LmdbTier(ChunkTier, Maintenance):
+class LmdbTier(ChunkTier):
     """Chunk records in one LMDB environment (see the module docstring for threads and tables).
 
     Arguments (units in the names): ``capacity_bytes`` bounds stored record bytes (``None``: only
@@ -187,88 +167,52 @@ class LmdbTier(ChunkTier, Maintenance):
         threshold = check_segment_threshold(segment_threshold_bytes)
         if not isinstance(segment_max_bytes, int) or segment_max_bytes < 1 << 20:
             raise ValueError(f"segment_max_bytes must be an int >= {1 << 20}, got {segment_max_bytes!r}")
-        self._compaction_live_fraction = check_live_fraction(segment_compaction_live_fraction)
-        self._compaction_step_bytes = COMPACTION_STEP_BYTES
-        self._compaction_scheduled = False
-        self._compaction_wanted = False
-        self._compaction_offered: Dict[str, float] = {}
-        self._compacting = False
-        self._next_automatic_at = 0.0
-        self._offered_at_open = False
-        self._retiring: List[Tuple[int, str, int]] = []
-        self._retire_timer = False
-        self._segment_threshold = threshold
-        self._segment_max_bytes = segment_max_bytes
-        self._segment_writer: Optional[SegmentWriter] = None
-        self._emptied_segments: List[str] = []
-
+        live_fraction = check_live_fraction(segment_compaction_live_fraction)
+        make_byte_index(eviction_policy)  # an unknown name: ValueError listing the valid ones, before any file
         self._capacity = capacity_bytes
-        self._max_map_size = max_map_size_bytes
         self._codec = codec
         self._readonly = bool(readonly)
-        self._max_quarantine = max_quarantine_records
-        self._max_raw_bytes = max_raw_bytes
-        self._verify_structure = bool(verify_structure)
-        self._reader_check_interval = float(reader_check_interval_s)
-        self._access_flush_interval = float(access_flush_interval_s)
         self._pid = os.getpid()
         self._closed = False
         self._state_lock = threading.Lock()
-        self._map_lock = SharedExclusiveLock()
-        self._counters_lock = threading.Lock()
-        self._counters: Dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._degraded = False
-        # Owned by the writer thread once it starts: key -> stored bytes, first victim first.
-        self._eviction_policy = eviction_policy
-        self._lru = make_byte_index(eviction_policy)  # an unknown name: ValueError listing the valid ones
-        self._sequence = 0
-        self._accesses: Deque[Tuple[bytes, int]] = deque()
         self._removals = RemovalFeed()
-        self._io_hook: IOHook = NO_IO_HOOK
         self._closing: "Optional[asyncio.Future[None]]" = None
+        counters = Counters(_COUNTERS)
 
         before = DirectorySnapshot(path)
         self._path = ensure_private_dir(path, create=not self._readonly, files=("data.mdb", "lock.mdb"))
-        self._segment_reader = SegmentReader(self._path)
-        st = os.stat(self._path)
-        self._dir_id = (st.st_dev, st.st_ino)
-        with _OPEN_DIRS_LOCK:
-            owner = _OPEN_DIRS.get(self._dir_id)
-            if owner == self._pid:
-                raise ValueError(f"{self._path} is already open in this process; share that LmdbTier")
-            _OPEN_DIRS[self._dir_id] = self._pid
+        segment_reader = SegmentReader(self._path)
+        self._dir_id = claim_directory(self._path)
+        db = LmdbEnv(self._path, counters, readonly=self._readonly, verify_structure=bool(verify_structure),
+                     pointers=threshold is not None)
         try:
-            self._open_env(map_size_bytes)
-            try:
-                cleared = self._env.reader_check()
-                self._counters["stale_readers_cleared"] += cleared
-                self._load_index()
-                if not self._readonly:
-                    self._reclaim_segment_orphans()
-            except CORRUPT_LMDB_ERRORS as exc:
-                raise CorruptCacheError(f"the LMDB environment in {self._path} is damaged: {exc}") from exc
-            except lmdb.Error as exc:
-                raise TierIOError(f"cannot read the index of {self._path}: {exc}") from exc
+            lru, sequence = db.open_with_index(map_size_bytes, eviction_policy)
         except BaseException as exc:
-            with _OPEN_DIRS_LOCK:
-                _OPEN_DIRS.pop(self._dir_id, None)
-            env = getattr(self, "_env", None)
-            if env is not None:
-                env.close()
+            release_directory(self._dir_id)
             if isinstance(exc, TierFullError):
                 before.restore()  # a full disk: leave the directory as it was
             raise
 
-        self._pool = ThreadPoolExecutor(max_workers=read_workers, thread_name_prefix="kvtier-lmdb-read")
-        self._read_workers = read_workers
+        self._db = db
+        self._writes = WriterSide(
+            db, lru, sequence, self._removals, segment_reader, capacity=capacity_bytes,
+            max_map_size=max_map_size_bytes, max_quarantine=max_quarantine_records,
+            segment_threshold=threshold, segment_max_bytes=segment_max_bytes)
+        self._reads = ReaderSide(db, segment_reader, read_workers=read_workers, max_raw_bytes=max_raw_bytes,
+                                 on_corrupt=self._queue_quarantine)
         self._writer: Optional[WriterThread] = None
+        self._compactor: Optional[Compactor] = None
         if not self._readonly:
             self._writer = WriterThread(f"kvtier-lmdb-writer:{self._path.name}")
+            self._compactor = Compactor(db, self._writes, self._reads, self._writer, live_fraction=live_fraction)
+            self._writes.watch(self._compactor)
+        self._live_fraction = live_fraction
+        self._maintenance = Maintenance(db, self._writes, self._reads, self._writer)
         self._timer = PeriodicThread(
             "kvtier-lmdb-timer",
             [
-                (self._reader_check_interval, self._clear_stale_readers),
-                (self._access_flush_interval, self._request_access_flush),
+                (float(reader_check_interval_s), self._clear_stale_readers),
+                (float(access_flush_interval_s), self._request_access_flush),
             ],
         )
 
@@ -287,98 +231,6 @@ class LmdbTier(ChunkTier, Maintenance):
             cf.add_done_callback(_close_orphan)
             raise
 
-    def _open_env(self, map_size_bytes: int) -> None:
-        check_data_file(self._path)
-        # The lock file is allocated before LMDB maps it, so a full disk is TierFullError instead
-        # of SIGBUS. A read-only open uses it too (creating it if it can): reads outside LMDB's
-        # reader table let a writer reuse their pages mid-read. Where it cannot, every read copies
-        # the record out of the map before checking it (``_lockless``).
-        if self._readonly:
-            use_lock = lock_for_readonly(self._path)
-            if not use_lock:
-                log.info("kvtier lmdb: %s: cannot use or create lock.mdb (a read-only mount, no permission "
-                         "or no space): reading without LMDB's lock, each record copied, then checked", self._path)
-        else:
-            prepare_lock_file(self._path)
-            use_lock = True
-        self._lockless = not use_lock
-        if self._verify_structure and not hasattr(self, "_env"):  # not on a reopen after MDB_PANIC
-            verify_structure_at_rest(self._path, create_lock=not self._readonly)
-        try:
-            self._env = lmdb.open(
-                str(self._path),
-                subdir=True,
-                map_size=map_size_bytes,
-                max_dbs=5,
-                # Both fsyncs on every commit: DESIGN promises that a put whose wait_durable() said
-                # True survives a power cut, and with metasync=False the last commit's meta page
-                # may not be on disk yet (LMDB then opens at the transaction before).
-                sync=True,
-                metasync=True,
-                writemap=False,
-                readahead=True,
-                readonly=self._readonly,
-                create=not self._readonly,
-                mode=0o600,
-                lock=use_lock,
-            )
-        except CORRUPT_LMDB_ERRORS as exc:
-            raise CorruptCacheError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
-        except lmdb.Error as exc:
-            if is_disk_full(exc):
-                raise TierFullError(f"no space left to open the LMDB environment at {self._path}: {exc}") from exc
-            raise TierIOError(f"cannot open LMDB environment at {self._path}: {exc}") from exc
-        try:
-            # compaction moves pointers too, but only in a cache that already holds them (b"2")
-            self._tables = open_kvtier_tables(self._env, self._path, self._readonly,
-                                              pointers=self._segment_threshold is not None)
-        except CORRUPT_LMDB_ERRORS as exc:
-            self._env.close()
-            raise CorruptCacheError(f"the tables in {self._path} are damaged: {exc}") from exc
-        except lmdb.Error as exc:
-            self._env.close()
-            if is_disk_full(exc):
-                raise TierFullError(f"no space left to create the tables in {self._path}: {exc}") from exc
-            raise TierIOError(f"cannot open tables in {self._path}: {exc}") from exc
-        except BaseException:
-            self._env.close()
-            raise
-        self._map_size_read = float(self._env.info()["map_size"])  # statistics() while a remap runs
-
-    def _read_at_open(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        """``body`` in a new read transaction while opening (LMDB errors propagate to the caller,
-        which maps them), adopting a map another process grew since we opened it."""
-        for attempt in range(3):
-            try:
-                with self._env.begin(buffers=True) as txn:
-                    return body(txn)
-            except lmdb.MapResizedError:
-                if attempt == 2:
-                    raise
-                self._env.set_mapsize(0)
-        raise AssertionError("unreachable")
-
-    def _load_index(self) -> None:
-        """Rebuild the LRU index: (last access, key, stored bytes), older first."""
-        entries, self._sequence = self._read_at_open(
-            lambda txn: (index_entries(txn, self._tables), read_sequence(txn, self._tables)))
-        entries.sort()
-        self._lru = make_byte_index(self._eviction_policy, ((key, size) for _, key, size in entries))
-
-    def _reclaim_segment_orphans(self) -> None:
-        """Truncate or delete what a crash between a segment append and its commit left behind. The
-        committed ends are read by ``reclaim_orphans`` itself, in a transaction begun only once it
-        holds every file it decides on (its docstring says why nothing a live writer committed, or
-        will commit, is touched)."""
-        try:
-            removed, truncated = reclaim_orphans(
-                self._path, lambda: self._read_at_open(lambda txn: committed_ends(txn, self._tables.segments)))
-        except OSError as exc:
-            raise TierIOError(f"cannot reclaim orphan segments in {self._path}: {exc}") from exc
-        if removed or truncated:
-            log.warning("kvtier lmdb: %s: removed %d orphan segments, truncated %d orphan tails",
-                        self._path, removed, truncated)
-
     # ---------------------------------------------------------------------------------- properties
 
     @property
@@ -389,9 +241,11 @@ class LmdbTier(ChunkTier, Maintenance):
     def readonly(self) -> bool:
         return self._readonly
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    # The environment's sequence as of this tier's last commit or snapshot, and ``degraded``: both
+    # the writer side's. The fault-injection point is the environment's (puts, commits, reads).
+    sequence: Forwarded[int] = Forwarded("_writes", "sequence")
+    degraded: Forwarded[bool] = Forwarded("_writes", "degraded")
+    _io_hook: Forwarded[IOHook] = Forwarded("_db", "io_hook", settable=True)
 
     # ------------------------------------------------------------------------------- guards, utils
 
@@ -405,42 +259,17 @@ class LmdbTier(ChunkTier, Maintenance):
         if write and self._readonly:
             raise TierIOError(f"LmdbTier at {self._path} is open read-only")
 
-    def _count(self, **deltas: int) -> None:
-        with self._counters_lock:
-            for k, v in deltas.items():
-                self._counters[k] += v
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
 
-    def _submit_to_pool(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the read pool, unawaited (any thread); ``ClosedError`` once closing."""
-        try:
-            self._pool.submit(fn)
-        except RuntimeError as exc:  # shut down by close()
-            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
-
-    async def _in_pool(self, fn: Callable[[], T]) -> T:
-        loop = asyncio.get_running_loop()
-        try:
-            cf = loop.run_in_executor(self._pool, fn)
-        except RuntimeError as exc:  # shut down by close()
-            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
-        return await cf
-
-    def _read_txn(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        """Run ``body`` in a read transaction under the shared map lock (any thread but the writer)."""
-        for attempt in range(3):
+    def _queue_quarantine(self, entries: List[CorruptEntry]) -> None:
+        """Read pool: hand records a read found corrupt to the writer (quarantined there)."""
+        if self._writer is not None:
             try:
-                with self._map_lock.shared():
-                    with self._env.begin(buffers=True) as txn:
-                        self._io_hook.before("read")
-                        return body(txn)
-            except lmdb.MapResizedError:
-                # Another process grew the map: adopt its size (no transaction may be open here).
-                with self._map_lock.exclusive():
-                    self._env.set_mapsize(0)
-            except lmdb.Error as exc:
-                self._count(errors=1)
-                raise TierIOError(f"LMDB read failed in {self._path}: {exc}") from exc
-        raise TierIOError(f"LMDB map of {self._path} keeps being resized by another process")
+                self._writer.submit(Job(lambda: self._writes.quarantine_entries(entries), _log_failure))
+            except ClosedError:
+                pass
 
     # --------------------------------------------------------------------------------- async API
 
@@ -460,27 +289,14 @@ class LmdbTier(ChunkTier, Maintenance):
         for key, meta, raw in items:
             batch.append((check_key(key), meta, raw))
         if not batch:
-            return self._sequence
+            return self._writes.sequence
         assert self._writer is not None  # not readonly, checked above
         loop = asyncio.get_running_loop()
         fut: "asyncio.Future[int]" = loop.create_future()
         done = loop_callback(loop, fut)
         writer = self._writer
         raw_in = sum(memoryview(raw).nbytes for _, _, raw in batch)
-        codec = self._codec
-        threshold = self._segment_threshold
-        try:
-            encoding = map_slices(
-                self._pool,
-                lambda part: [(key, encode_record(key, meta, raw, codec) if threshold is None
-                               else encode_for_segments(key, meta, raw, codec, threshold)) for key, meta, raw in part],
-                batch,
-                [memoryview(raw).nbytes for _, _, raw in batch],
-                workers=self._read_workers,
-                min_slice_bytes=MIN_SLICE_BYTES,
-            )
-        except RuntimeError as exc:  # the pool is shut down: close() ran
-            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
+        encoding = self._reads.encode(batch, self._codec, self._writes.segment_threshold)
 
         def hand_to_writer(encoded: "concurrent.futures.Future[List[Tuple[bytes, bytes]]]") -> None:
             # On the encoding thread that finished last: the batch goes to the writer even if the
@@ -494,9 +310,9 @@ class LmdbTier(ChunkTier, Maintenance):
             try:
                 writer.submit(
                     PutJob(
-                        fn=lambda: self._put_encoded(records, raw_in),
+                        fn=lambda: self._writes.put_encoded(records, raw_in),
                         done=done,
-                        group=self._run_put_group,
+                        group=self._writes.run_put_group,
                         weight=sum(len(r) for _, r in records),
                         encoded=records,
                         raw_in=raw_in,
@@ -532,74 +348,10 @@ class LmdbTier(ChunkTier, Maintenance):
         checked = [(check_key(k), v) for k, v in items]
         if not checked:
             return []
-        try:
-            reading = map_slices(
-                self._pool,
-                self._read_slice,
-                checked,
-                [1] * len(checked),
-                workers=self._read_workers,
-                min_slice_bytes=1,
-            )
-        except RuntimeError as exc:  # the pool is shut down: close() ran
-            raise ClosedError(f"LmdbTier at {self._path} is closed") from exc
-        results = await wait_threads(reading, abandon_unstarted=True)
+        results = await self._reads.get_many_into(checked)
         # The hits count as uses in the batch's order, not in the order its slices happened to
         # finish on the read threads: the LRU's order is then a function of the calls made.
         self._record_accesses([key for (key, _), meta in zip(checked, results) if meta is not None], time.time_ns())
-        return results
-
-    def _read_slice(self, items: List[GetItem]) -> List[Optional[ChunkMeta]]:
-        corrupt: List[Tuple[bytes, int, str]] = []
-
-        def body(txn: lmdb.Transaction) -> List[Optional[ChunkMeta]]:
-            results: List[Optional[ChunkMeta]] = []
-            corrupt.clear()
-            records = [txn.get(key, db=self._tables.chunks) for key, _ in items]
-            # the whole slice's pages in flight
-            advise_willneed(r for r in records if r is not None and not is_pointer(r))
-            if self._lockless:  # a writer may reuse these pages mid-read: check only a private copy
-                records = [None if r is None else memoryview(bytes(r)) for r in records]
-            # segment records first, all together (adjacent ones share a read); outcomes by index
-            in_segments = [i for i, r in enumerate(records) if r is not None and is_pointer(r)]
-            outcomes = dict(zip(in_segments, self._segment_reader.read_many_into(
-                [(items[i][0], records[i], items[i][1]) for i in in_segments], max_raw_bytes=self._max_raw_bytes)))
-            for i, ((key, buf), record) in enumerate(zip(items, records)):
-                if record is None:
-                    results.append(None)
-                    continue
-                try:
-                    if i in outcomes:
-                        meta = outcomes[i]
-                        if isinstance(meta, BaseException):
-                            raise meta
-                    else:
-                        meta, _ = decode_record(key, record, buf, max_raw_bytes=self._max_raw_bytes)
-                except RecordSizeMismatchError as exc:
-                    log.warning("kvtier lmdb: %s for key %s", exc, key.hex())
-                    results.append(None)
-                    self._count(mismatched=1)
-                except CorruptRecordError as exc:
-                    corrupt.append((key, xxhash.xxh3_64_intdigest(record), str(exc)))
-                    results.append(None)
-                else:
-                    results.append(meta)
-            return results
-
-        results = self._read_txn(body)
-        if corrupt:
-            corrupt[:] = self._still_stored(corrupt)
-        hits = sum(1 for r in results if r is not None)
-        self._count(gets=len(items), hits=hits, misses=len(items) - hits, corrupt=len(corrupt))
-        if corrupt:
-            for key, _, reason in corrupt:
-                log.warning("kvtier lmdb: corrupt record %s in %s: %s", key.hex(), self._path, reason)
-            if self._writer is not None:
-                entries = list(corrupt)
-                try:
-                    self._writer.submit(Job(lambda: self._quarantine_entries(entries), _log_failure))
-                except ClosedError:
-                    pass
         return results
 
     def _record_accesses(self, keys: Sequence[bytes], now: int) -> None:
@@ -607,11 +359,12 @@ class LmdbTier(ChunkTier, Maintenance):
         persists their access times (any thread: a deque's append is atomic)."""
         if self._readonly:
             return
+        accesses = self._writes.accesses
         for key in keys:
-            self._accesses.append((key, now))
-        if len(self._accesses) > _ACCESS_FLUSH_BACKLOG and self._writer is not None:
+            accesses.append((key, now))
+        if len(accesses) > _ACCESS_FLUSH_BACKLOG and self._writer is not None:
             try:
-                self._writer.submit(Job(self._flush_accesses, _log_failure))
+                self._writer.submit(Job(self._writes.flush_accesses, _log_failure))
             except ClosedError:
                 pass
 
@@ -622,22 +375,6 @@ class LmdbTier(ChunkTier, Maintenance):
         if not self._closed and os.getpid() == self._pid:
             self._record_accesses([check_key(k) for k in keys], time.time_ns())
 
-    def _still_stored(self, corrupt: List[Tuple[bytes, int, str]]) -> List[Tuple[bytes, int, str]]:
-        """Of the records a read found bad, those whose key still holds the same value. A pointer
-        read just before its segment file was deleted (the key deleted, evicted or overwritten
-        meanwhile, by this process or another) finds the file gone: a plain miss, not corruption
-        to count, log or quarantine."""
-
-        def body(txn: lmdb.Transaction) -> List[Tuple[bytes, int, str]]:
-            out = []
-            for entry in corrupt:
-                current = txn.get(entry[0], db=self._tables.chunks)
-                if current is not None and xxhash.xxh3_64_intdigest(current) == entry[1]:
-                    out.append(entry)
-            return out
-
-        return self._read_txn(body)
-
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Remove records in one transaction; returns how many existed (each reported as removed,
         ``"deleted"``). Cancelling it: the transaction still runs; only the answer is dropped."""
@@ -646,7 +383,7 @@ class LmdbTier(ChunkTier, Maintenance):
         if not checked:
             return 0
         assert self._writer is not None
-        return await self._writer.submit_async(lambda: self._delete_keys(checked))
+        return await self._writer.submit_async(lambda: self._writes.delete_keys(checked))
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:
         """Which keys have a record (one read transaction, no checksum). Cancelling drops the answer."""
@@ -656,9 +393,9 @@ class LmdbTier(ChunkTier, Maintenance):
             return []
 
         def body(txn: lmdb.Transaction) -> List[bool]:
-            return [txn.get(k, db=self._tables.chunks) is not None for k in checked]
+            return [txn.get(k, db=self._db.tables.chunks) is not None for k in checked]
 
-        return await self._in_pool(lambda: self._read_txn(body))
+        return await self._reads.in_pool(lambda: self._db.read_txn(body))
 
     async def list_keys(self) -> List[bytes]:
         """Every stored key, read from the ``atime`` side table (see ``tables.index_entries``: walking
@@ -671,17 +408,12 @@ class LmdbTier(ChunkTier, Maintenance):
         self._check_usable()
 
         def body(txn: lmdb.Transaction) -> KeySnapshot:
-            keys = frozenset(key for _, key, _ in index_entries(txn, self._tables))
-            return KeySnapshot(keys, read_sequence(txn, self._tables))
+            keys = frozenset(key for _, key, _ in index_entries(txn, self._db.tables))
+            return KeySnapshot(keys, read_sequence(txn, self._db.tables))
 
-        snapshot = await self._in_pool(lambda: self._read_txn(body))
-        self._sequence = max(self._sequence, snapshot.sequence)
+        snapshot = await self._reads.in_pool(lambda: self._db.read_txn(body))
+        self._writes.sequence = max(self._writes.sequence, snapshot.sequence)
         return snapshot
-
-    @property
-    def sequence(self) -> int:
-        """The environment's sequence as of this tier's last commit or snapshot."""
-        return self._sequence
 
     async def flush(self) -> None:
         """Wait until every write queued so far (puts, quarantines) is committed and persist access
@@ -689,7 +421,7 @@ class LmdbTier(ChunkTier, Maintenance):
         self._check_usable()
         if self._writer is None:
             return
-        await self._writer.submit_async(self._flush_accesses)
+        await self._writer.submit_async(self._writes.flush_accesses)
 
     async def check(self) -> List[str]:
         """Self-check: reconcile the in-memory LRU index and byte count with the tables; one line
@@ -697,8 +429,8 @@ class LmdbTier(ChunkTier, Maintenance):
         writer thread). Cancelling the await drops the answer only."""
         self._check_usable()
         if self._writer is None:
-            return await self._in_pool(self._check_index)
-        return await self._writer.submit_async(self._check_index)
+            return await self._reads.in_pool(self._writes.check_index)
+        return await self._writer.submit_async(self._writes.check_index)
 
     def subscribe_removals(self, callback: RemovalCallback) -> None:
         """Report every record this tier stops serving -- capacity eviction (also by ``gc``),
@@ -711,8 +443,7 @@ class LmdbTier(ChunkTier, Maintenance):
         """Let running reads and queued writes finish, persist access times, close the environment.
         Safe to call twice (a second call waits for the first). Runs on a worker thread; cancelling
         the await does not stop the close."""
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
+        self._check_owner()
         if self._closing is None:
             if self._closed:  # closed by close_sync
                 return
@@ -721,28 +452,24 @@ class LmdbTier(ChunkTier, Maintenance):
 
     def close_sync(self) -> None:
         """Blocking ``close`` for tools and tests without a loop. Safe to call twice."""
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
+        self._check_owner()
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
         self._timer.stop()
-        self._pool.shutdown(wait=True)  # encodes hand their batches to the writer before this returns
+        self._reads.shutdown()  # encodes hand their batches to the writer before this returns
         if self._writer is not None:
             try:
-                self._writer.call(self._flush_accesses)
+                self._writer.call(self._writes.flush_accesses)
             except Exception:
                 log.exception("kvtier lmdb: could not persist access times at close")
             self._writer.stop()
-        if self._segment_writer is not None:
-            self._segment_writer.close()
-        self._segment_reader.close()
-        with self._map_lock.exclusive():
-            self._env.close()
-        with _OPEN_DIRS_LOCK:
-            if _OPEN_DIRS.get(self._dir_id) == self._pid:
-                del _OPEN_DIRS[self._dir_id]
+        if self._writes.segment_writer is not None:
+            self._writes.segment_writer.close()
+        self._reads.segment_reader.close()
+        self._db.close()
+        release_directory(self._dir_id)
 
     async def __aenter__(self) -> "LmdbTier":
         return self
@@ -768,28 +495,75 @@ class LmdbTier(ChunkTier, Maintenance):
         LMDB's info reads the meta pages inside the map (py-lmdb releases the GIL there). When the
         lock is taken (a remap running or waiting), the size this call last read is reported: the
         event loop and vLLM's scheduler call this, and must not wait behind a remap."""
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(f"LmdbTier at {self._path} belongs to pid {self._pid}")
-        with self._counters_lock:
-            counters = dict(self._counters)
-        with self._map_lock.shared_nowait() as held:
-            if held and not self._closed:
-                try:
-                    self._map_size_read = float(self._env.info()["map_size"])
-                except lmdb.Error:
-                    self._map_size_read = 0.0
-        map_size = self._map_size_read if not self._closed else 0.0
+        self._check_owner()
         return TierStatistics.from_counters(
-            counters, self._lru, capacity_bytes=self._capacity, degraded=self._degraded, map_size_bytes=map_size
+            self._db.counters.snapshot(), self._writes.lru, capacity_bytes=self._capacity,
+            degraded=self._writes.degraded, map_size_bytes=self._db.map_size_nowait(self._closed),
         )
+
+    # ------------------------------------------------------------------------- compaction, tools
+
+    async def compact_segments(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
+        """Plan a pass over the closed segments below ``live_fraction`` (default: the tier's
+        ``segment_compaction_live_fraction``; and over the capacity margin) and move their live
+        records, one writer job of at most ``compaction.STEP_BYTES`` at a time (puts queued
+        meanwhile run between the steps); returns what it did. Plans and waits on a thread of the
+        loop's default executor, never on the loop.
+
+        Cancelling it: the step already handed to the writer still runs to its commit (all or
+        nothing: each moved key holds its old pointer or its new one); no further step starts,
+        records moved so far stay moved, and their emptied sources are still deleted once no older
+        read transaction remains (a timer retries; a crash leaves them to the next open)."""
+        fraction = self._compaction_fraction(live_fraction)
+        assert self._compactor is not None  # not read-only: checked above
+        return await self._compactor.compact(fraction)
+
+    def compact_segments_sync(self, *, live_fraction: Optional[float] = None) -> CompactionReport:
+        """Blocking ``compact_segments`` for tools (``kvtier gc``) and tests: plans on the calling
+        thread, moves on the writer thread."""
+        fraction = self._compaction_fraction(live_fraction)
+        assert self._compactor is not None  # not read-only: checked above
+        return self._compactor.run_passes(fraction, threading.Event())
+
+    def _compaction_fraction(self, live_fraction: Optional[float]) -> float:
+        fraction = self._live_fraction if live_fraction is None else check_live_fraction(live_fraction)
+        self._check_usable(write=True)
+        return fraction
+
+    def iter_records(self) -> Iterator[RecordInfo]:
+        """Every record with its parsed header (blocking; for ``kvtier inspect``). Reads in
+        transactions of a few hundred records, so a long listing never pins old pages for long."""
+        self._check_usable()
+        return self._maintenance.iter_records()
+
+    def verify(self, *, quarantine: bool = True) -> VerifyReport:
+        """Decode every record fully (checksum, codec) and check that its key still finds it
+        (``maintenance.Maintenance.verify``); quarantine the corrupt ones unless told not to or
+        read-only. Blocking; for ``kvtier verify`` and stress-test teardown."""
+        self._check_usable()
+        return self._maintenance.verify(quarantine=quarantine)
+
+    def gc(self, max_bytes: int) -> int:
+        """Evict least-recently-used records until stored bytes <= ``max_bytes``; returns how many
+        were evicted. Blocking (runs on the writer thread)."""
+        self._check_usable(write=True)
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        assert self._writer is not None
+        return self._writer.call(lambda: self._writes.evict_to(max_bytes))
+
+    def quarantined_keys(self) -> List[bytes]:
+        """Keys held in the quarantine table (blocking)."""
+        self._check_usable()
+        return self._maintenance.quarantined_keys()
 
     # ------------------------------------------------------------------------- timer-thread tasks
 
     def _request_access_flush(self) -> Optional[bool]:
         """Ask the writer to persist recorded access times (False ends the timer: closing)."""
-        if self._accesses and self._writer is not None:
+        if self._writes.accesses and self._writer is not None:
             try:
-                self._writer.submit(Job(self._flush_accesses, _log_failure))
+                self._writer.submit(Job(self._writes.flush_accesses, _log_failure))
             except ClosedError:
                 return False
         return None
@@ -798,14 +572,14 @@ class LmdbTier(ChunkTier, Maintenance):
         """Free reader slots of dead processes, and close read fds of segments deleted meanwhile
         (``SegmentReader.sweep``: their space comes back; False ends the timer: closing)."""
         try:
-            with self._map_lock.shared():
+            with self._db.map_lock.shared():
                 if self._closed:
                     return False
-                cleared = self._env.reader_check()
-            self._segment_reader.sweep()  # fds of segments deleted meanwhile (by any process): space back
+                cleared = self._db.env.reader_check()
+            self._reads.segment_reader.sweep()  # fds of segments deleted meanwhile (by any process): space back
             if cleared:
                 log.warning("kvtier lmdb: cleared %d stale readers in %s", cleared, self._path)
-                self._count(stale_readers_cleared=cleared)
+                self._db.counters.count(stale_readers_cleared=cleared)
         except lmdb.Error:
             log.exception("kvtier lmdb: reader_check failed")
         return None

@@ -1,16 +1,19 @@
 """The LMDB tier's writer side: every write transaction, the in-memory LRU index and the mutation
-sequence it owns.
+sequence it owns, and the segment writer.
 
-Runs on the tier's writer thread only (``tiers.writer.WriterThread``): each batch -- begin, LRU
-eviction, puts, access-time updates, commit -- is one closure passed to ``_write``, which bumps the
-sequence stored in the environment (so writes of other processes are ordered too), commits, and then
-applies the in-memory update the closure returned (which reports removals with that sequence). It is
-also the only code that grows the map (``MapFullError``: abort, ``set_mapsize`` x2 under the
-exclusive map lock, retry) and the only code that touches ``_lru`` after open.
+``WriterSide`` runs on the tier's writer thread only (``tiers.writer.WriterThread``): each batch --
+begin, LRU eviction, puts, access-time updates, commit -- is one closure passed to ``write``, which
+bumps the sequence stored in the environment (so writes of other processes are ordered too),
+commits, and then applies the in-memory update the closure returned (which reports removals with
+that sequence). It is also the only code that grows the map (``MapFullError``: abort,
+``set_mapsize`` x2 under the exclusive map lock, retry) and the only code that touches ``lru``
+after open. Two exceptions, both safe from any thread: ``accesses`` is a deque readers append to,
+and ``sequence`` / ``degraded`` / ``lru``'s totals are read by ``statistics``.
 
-``WriterSide`` is a mixin of ``LmdbTier``: it uses the environment, tables, locks, counters and
-removal feed that ``LmdbTier.__init__`` sets up (declared below for readers and type checkers).
+After a commit that changed the ``segments`` table, and after the segment writer closed its active
+segment, it tells its ``SegmentWatcher`` (compaction's triggers; ``watch``).
 """
+
 
 from __future__ import annotations
 
@@ -18,25 +21,27 @@ import errno
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import lmdb
 import xxhash
 
 from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
-from ..base import IOHook, Removal, RemovalFeed
+from ..base import Removal, RemovalFeed
 from ..lru import ByteLru
 from ..quarantine import QuarantineRoom
-from ..writer import Job, SharedExclusiveLock
+from ..writer import Job
+from .environment import LmdbEnv
 from .segment_records import codec_of, release_records
 from .segment_reader import SegmentReader
-from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, remove_dead, stored_size
-from .tables import ATIME, Tables, bump_sequence, take_segment_number
+from .segment_files import remove_dead
+from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, stored_size
+from .tables import ATIME, bump_sequence, take_segment_number
 
-__all__ = ["WriterSide", "PutJob"]
+__all__ = ["WriterSide", "PutJob", "SegmentWatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -45,103 +50,127 @@ T = TypeVar("T")
 
 @dataclass
 class PutJob(Job):
-    """An encoded put batch; consecutive ones are committed together by ``_run_put_group``."""
+    """An encoded put batch; consecutive ones are committed together by ``WriterSide.run_put_group``."""
 
     encoded: List[Tuple[bytes, bytes]] = field(default_factory=list)
     raw_in: int = 0
 
 
+class SegmentWatcher(Protocol):
+    """What the writer side tells about segments (writer thread; ``compactor.Compactor``)."""
+
+    def segments_changed(self, ledger: Ledger) -> None:
+        """Inside a put/delete transaction, after its ledger's commit."""
+
+    def segment_rotated(self, name: str) -> None:
+        """After this writer closed its active segment ``name``."""
+
+
+class _NoWatcher:
+    def segments_changed(self, ledger: Ledger) -> None:
+        pass
+
+    def segment_rotated(self, name: str) -> None:
+        pass
+
+
 class WriterSide:
-    """Write transactions, the LRU index and the sequence (writer thread). See the module docstring."""
+    """Write transactions, the LRU index and the sequence (writer thread). See the module docstring.
 
-    _env: lmdb.Environment
-    _tables: Tables
-    _path: Path
-    _map_lock: SharedExclusiveLock
-    _io_hook: IOHook
-    _degraded: bool
-    _capacity: Optional[int]
-    _max_map_size: int
-    _max_quarantine: int
-    _segment_max_bytes: int
-    # key -> stored bytes, least recently used first; built at open, then owned by the writer thread.
-    _lru: ByteLru
-    # The environment's mutation sequence as of our last commit (or the open, or a snapshot).
-    _sequence: int
-    # (key, time_ns) of reads, appended by readers, drained by the writer into the LRU and ``atime``.
-    _accesses: Deque[Tuple[bytes, int]]
-    _removals: RemovalFeed
-    # Records of at least this many encoded bytes go to segment files (None: all inline).
-    _segment_threshold: Optional[int]
-    _segment_writer: Optional[SegmentWriter]
-    _segment_reader: SegmentReader
-    # Segments whose last record the transaction being built removes (deleted after its commit).
-    _emptied_segments: List[str]
+    ``lru``: key -> stored bytes, first victim first, as built at open; ``sequence``: the
+    environment's mutation sequence at open."""
 
-    def _count(self, **deltas: int) -> None:
-        raise NotImplementedError  # LmdbTier's
+    def __init__(
+        self,
+        db: LmdbEnv,
+        lru: ByteLru,
+        sequence: int,
+        removals: RemovalFeed,
+        segment_reader: SegmentReader,
+        *,
+        capacity: Optional[int],
+        max_map_size: int,
+        max_quarantine: int,
+        segment_threshold: Optional[int],
+        segment_max_bytes: int,
+    ) -> None:
+        self._db = db
+        self._path = db.path
+        self._count = db.counters.count
+        self.lru = lru
+        # The environment's mutation sequence as of our last commit (or the open, or a snapshot).
+        self.sequence = sequence
+        # (key, time_ns) of reads, appended by readers (any thread), drained here into the LRU and ``atime``.
+        self.accesses: Deque[Tuple[bytes, int]] = deque()
+        self.degraded = False
+        self.capacity = capacity
+        self._max_map_size = max_map_size
+        self._max_quarantine = max_quarantine
+        # Records of at least this many encoded bytes go to segment files (None: all inline).
+        self.segment_threshold = segment_threshold
+        self.segment_max_bytes = segment_max_bytes
+        self.segment_writer: Optional[SegmentWriter] = None
+        self._segment_reader = segment_reader
+        self._removals = removals
+        # Segments whose last record the transaction being built removes (deleted after its commit).
+        self.emptied_segments: List[str] = []
+        self._watcher: SegmentWatcher = _NoWatcher()
 
-    def _read_txn(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        raise NotImplementedError  # LmdbTier's
+    def watch(self, watcher: SegmentWatcher) -> None:
+        """Tell ``watcher`` of segment changes from now on (before the writer thread starts)."""
+        self._watcher = watcher
 
-    def _open_env(self, map_size_bytes: int) -> None:
-        raise NotImplementedError  # LmdbTier's
+    @property
+    def active_segment(self) -> Optional[str]:
+        """This writer's active segment file (None: none open)."""
+        return self.segment_writer.active if self.segment_writer is not None else None
 
-    def _segments_changed(self, ledger: Ledger) -> None:
-        """Inside a put/delete transaction, after its ledger's commit: compaction's trigger
-        (``compaction.Compaction``)."""
-        raise NotImplementedError
-
-    def _segment_rotated(self, name: str) -> None:
-        """After this writer closed its active segment ``name``: compaction's other trigger."""
-        raise NotImplementedError
-
-    def _write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
+    def write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
         """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
         commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
-        new ``_sequence``). MapFullError -> grow and retry."""
+        new ``sequence``). MapFullError -> grow and retry."""
         while True:
-            self._emptied_segments = []
+            self.emptied_segments = []
             try:
-                with self._map_lock.shared():
-                    with self._env.begin(write=True, buffers=True) as txn:
-                        sequence = bump_sequence(txn, self._tables)
+                with self._db.map_lock.shared():
+                    with self._db.env.begin(write=True, buffers=True) as txn:
+                        sequence = bump_sequence(txn, self._db.tables)
                         apply = body(txn)
-                        self._io_hook.before("commit")  # raising here aborts the transaction
+                        self._db.io_hook.before("commit")  # raising here aborts the transaction
             except lmdb.MapFullError as exc:
                 self._grow_map(nbytes, exc)
                 continue
             except lmdb.MapResizedError:
-                with self._map_lock.exclusive():
-                    self._env.set_mapsize(0)
+                with self._db.map_lock.exclusive():
+                    self._db.env.set_mapsize(0)
                 continue
             except lmdb.Error as exc:
                 raise self._write_failed(exc, nbytes) from exc
-            self._degraded = False
-            self._sequence = max(self._sequence, sequence)
+            self.degraded = False
+            self.sequence = max(self.sequence, sequence)
             # Committed: nothing below may fail the batch. The in-memory update and its removal
             # reports come first; deleting the emptied files never raises (``remove_dead``).
             result = apply()
-            if self._emptied_segments:
-                remove_dead(self._path, self._emptied_segments, self._segment_writer, self._segment_reader)
+            if self.emptied_segments:
+                remove_dead(self._path, self.emptied_segments, self.segment_writer, self._segment_reader)
             return result
 
     def _grow_map(self, nbytes: int, cause: BaseException) -> None:
-        current = self._env.info()["map_size"]
+        current = self._db.env.info()["map_size"]
         if current >= self._max_map_size:
-            self._degraded = True
+            self.degraded = True
             self._count(errors=1)
             raise TierFullError(
                 f"LMDB map of {self._path} is at max_map_size_bytes={self._max_map_size}"
             ) from cause
         new = min(self._max_map_size, max(current * 2, current + 2 * nbytes))
-        with self._map_lock.exclusive():
-            self._env.set_mapsize(new)
+        with self._db.map_lock.exclusive():
+            self._db.env.set_mapsize(new)
         self._count(map_growths=1)
         log.info("kvtier lmdb: map of %s grown from %d to %d bytes", self._path, current, new)
 
     def _write_failed(self, exc: lmdb.Error, nbytes: int) -> TierIOError:
-        self._degraded = True
+        self.degraded = True
         self._count(errors=1)
         full = "No space" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
         if not full:
@@ -152,40 +181,33 @@ class WriterSide:
             except OSError:
                 pass
         if isinstance(exc, lmdb.PanicError):
-            self._reopen_env()
+            self._db.reopen()
         if full:
             return TierFullError(f"disk full under {self._path}: {exc}")
         return TierIOError(f"LMDB write failed in {self._path}: {exc}")
 
-    def _reopen_env(self) -> None:
-        """After MDB_PANIC the environment must be reopened (writer thread, exclusive lock)."""
-        with self._map_lock.exclusive():
-            size = self._env.info()["map_size"]
-            self._env.close()
-            self._open_env(size)
-
-    def _take_accesses(self) -> List[Tuple[bytes, int]]:
+    def take_accesses(self) -> List[Tuple[bytes, int]]:
         """Writer thread: drain recorded reads and move those keys to the young end of the LRU."""
         taken: Dict[bytes, int] = {}
         while True:
             try:
-                key, t = self._accesses.popleft()
+                key, t = self.accesses.popleft()
             except IndexError:
                 break
             taken.pop(key, None)  # its last read sets its place in the LRU, not its first
             taken[key] = t
-        return [(key, t) for key, t in taken.items() if self._lru.touch(key)]
+        return [(key, t) for key, t in taken.items() if self.lru.touch(key)]
 
     def _put_access_times(self, txn: lmdb.Transaction, accesses: List[Tuple[bytes, int]], skip: object) -> None:
         for key, t in accesses:
-            size = self._lru.get(key)
+            size = self.lru.get(key)
             # Another process may have removed the record since it was read (our LRU does not see
             # that): an access time without its record would list a key no record backs.
-            if size is not None and key not in skip and txn.get(key, db=self._tables.chunks) is not None:  # type: ignore[operator]
-                txn.put(key, ATIME.pack(t, size), db=self._tables.atime)
+            if size is not None and key not in skip and txn.get(key, db=self._db.tables.chunks) is not None:  # type: ignore[operator]
+                txn.put(key, ATIME.pack(t, size), db=self._db.tables.atime)
 
-    def _flush_accesses(self) -> None:
-        accesses = self._take_accesses()
+    def flush_accesses(self) -> None:
+        accesses = self.take_accesses()
         if not accesses:
             return
 
@@ -193,16 +215,16 @@ class WriterSide:
             self._put_access_times(txn, accesses, ())
             return lambda: None
 
-        self._write(body)
+        self.write(body)
 
-    def _run_put_group(self, jobs: List[PutJob]) -> None:
+    def run_put_group(self, jobs: List[PutJob]) -> None:
         """Writer thread: commit consecutive put batches in one transaction (they share its
         sequence); if that fails, run each alone so every caller gets its own outcome."""
         if len(jobs) > 1:
             encoded = [item for j in jobs for item in j.encoded]
             raw_in = sum(j.raw_in for j in jobs)
             try:
-                sequence = self._put_encoded(encoded, raw_in, batches=len(jobs))
+                sequence = self.put_encoded(encoded, raw_in, batches=len(jobs))
             except Exception:
                 pass  # fall through: each batch alone decides its own fate
             else:
@@ -212,22 +234,22 @@ class WriterSide:
         for j in jobs:
             j.run()
 
-    def _put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> int:
+    def put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> int:
         """Writer thread: store encoded records, evicting least recently used ones for room in the
         same transaction; returns the sequence that made them visible."""
         batch: Dict[bytes, bytes] = {}
         for key, record in encoded:
             batch[key] = record  # the later write of a key wins, as sequential puts would
         batch_bytes = sum(len(r) for r in batch.values())
-        cap = self._capacity
+        cap = self.capacity
         if cap is not None and batch_bytes > cap:
             raise TierFullError(f"a batch of {batch_bytes} bytes exceeds capacity_bytes={cap}")
         values = self._append_to_segments(batch)
-        accesses = self._take_accesses()
+        accesses = self.take_accesses()
         victims: List[bytes] = []
         if cap is not None:
-            excess = self._lru.total_bytes + self._lru.growth({k: len(r) for k, r in batch.items()}) - cap
-            chosen = self._lru.choose_victims(excess, keep=batch)
+            excess = self.lru.total_bytes + self.lru.growth({k: len(r) for k, r in batch.items()}) - cap
+            chosen = self.lru.choose_victims(excess, keep=batch)
             # The batch fits the capacity, so every other record together always frees enough.
             assert chosen is not None
             victims = [key for key, _ in chosen]
@@ -238,27 +260,27 @@ class WriterSide:
             # One ledger for the evictions and the puts: when the victims are every earlier record
             # of the segment this batch was just appended to, a ledger of their own would see it
             # emptied and the commit would delete the file under the batch's new records.
-            ledger = Ledger(txn, self._tables.segments)
+            ledger = Ledger(txn, self._db.tables.segments)
             self._delete_records(txn, victims, ledger)
             now = time.time_ns()
             for key, record in batch.items():
-                self._io_hook.before("put")
-                old = txn.get(key, db=self._tables.chunks)
+                self._db.io_hook.before("put")
+                old = txn.get(key, db=self._db.tables.chunks)
                 if old is not None:
                     ledger.drop(old)
                 value = values[key]
                 if is_pointer(value):
                     ledger.add(SegmentPointer.unpack(value))
-                txn.put(key, value, db=self._tables.chunks)
-                txn.put(key, ATIME.pack(now, len(record)), db=self._tables.atime)
+                txn.put(key, value, db=self._db.tables.chunks)
+                txn.put(key, ATIME.pack(now, len(record)), db=self._db.tables.atime)
             ledger.commit()
-            self._emptied_segments += ledger.emptied
-            self._segments_changed(ledger)
+            self.emptied_segments += ledger.emptied
+            self._watcher.segments_changed(ledger)
 
             def apply() -> int:
-                self._forget(victims, "evicted", evictions=len(victims))
+                self.forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
-                    self._lru.put(key, len(record))
+                    self.lru.put(key, len(record))
                 compressed = sum(1 for r in batch.values() if codec_of(r) != "raw")
                 self._count(
                     puts=len(encoded),
@@ -268,43 +290,43 @@ class WriterSide:
                     stored_bytes_in=batch_bytes,
                     compressed_records=compressed,
                 )
-                return self._sequence
+                return self.sequence
 
             return apply
 
-        sequence = self._write(body, batch_bytes)
+        sequence = self.write(body, batch_bytes)
         release_records(batch.values())  # committed: the aligned buffers go back to the pool
         return sequence
 
     def _append_to_segments(self, batch: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
         """Before the transaction: append the batch's large records to this writer's segment and
         sync it; returns key -> the ``chunks`` value (a pointer, or the record itself)."""
-        threshold = self._segment_threshold
+        threshold = self.segment_threshold
         large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
         if not large:
             return batch
-        pointers = self._append_synced([batch[key] for key in large])
+        pointers = self.append_synced([batch[key] for key in large])
         values = dict(batch)
         for key, pointer in zip(large, pointers):
             values[key] = pointer.pack()
         return values
 
-    def _append_synced(self, records: List[bytes]) -> List[SegmentPointer]:
+    def append_synced(self, records: List[bytes]) -> List[SegmentPointer]:
         """Append ``records`` to this writer's segment (opening one if needed) and sync it; a
         failure marks the tier degraded (puts, and compaction's moves)."""
-        if self._segment_writer is None:
-            self._segment_writer = SegmentWriter(self._path, self._segment_max_bytes, numbers=self._take_segment_number)
-        self._io_hook.before("put")
-        was = self._segment_writer.active
+        if self.segment_writer is None:
+            self.segment_writer = SegmentWriter(self._path, self.segment_max_bytes, numbers=self._take_segment_number)
+        self._db.io_hook.before("put")
+        was = self.segment_writer.active
         try:
-            pointers = self._segment_writer.append(records)
+            pointers = self.segment_writer.append(records)
         except (TierIOError, TierFullError) as exc:
-            self._degraded = True
+            self.degraded = True
             if not isinstance(exc.__cause__, lmdb.Error):  # a failed numbering commit: _write counted it
                 self._count(errors=1)
             raise
-        if was is not None and self._segment_writer.active != was:
-            self._segment_rotated(was)
+        if was is not None and self.segment_writer.active != was:
+            self._watcher.segment_rotated(was)
         return pointers
 
     def _take_segment_number(self) -> int:
@@ -313,41 +335,41 @@ class WriterSide:
         process or later tier instance ever gets the same one)."""
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
-            number = take_segment_number(txn, self._tables, self._path)
+            number = take_segment_number(txn, self._db.tables, self._path)
             return lambda: number
 
-        return self._write(body)
+        return self.write(body)
 
-    def _delete_keys(self, keys: List[bytes]) -> int:
-        accesses = self._take_accesses()
+    def delete_keys(self, keys: List[bytes]) -> int:
+        accesses = self.take_accesses()
         gone = set(keys)
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, gone)
-            existed = [k for k in dict.fromkeys(keys) if txn.get(k, db=self._tables.chunks) is not None]
+            existed = [k for k in dict.fromkeys(keys) if txn.get(k, db=self._db.tables.chunks) is not None]
             self._delete_records(txn, existed)
-            return lambda: self._forget(existed, "deleted", deletes=len(existed))
+            return lambda: self.forget(existed, "deleted", deletes=len(existed))
 
-        return self._write(body)
+        return self.write(body)
 
-    def _quarantine_entries(self, entries: List[Tuple[bytes, int, str]]) -> int:
+    def quarantine_entries(self, entries: List[Tuple[bytes, int, str]]) -> int:
         """Writer thread: move records found corrupt to ``quarantine`` (deleting them instead once it
         holds ``max_quarantine_records``), unless the key was rewritten since (its bytes changed)."""
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
-            room = QuarantineRoom(self._max_quarantine, txn.stat(self._tables.quarantine)["entries"])
+            room = QuarantineRoom(self._max_quarantine, txn.stat(self._db.tables.quarantine)["entries"])
             moved: List[bytes] = []
             for key, digest, _reason in entries:
-                current = txn.get(key, db=self._tables.chunks)
+                current = txn.get(key, db=self._db.tables.chunks)
                 if current is None or xxhash.xxh3_64_intdigest(current) != digest:
                     continue
                 if room.take():
-                    txn.put(key, self._quarantine_bytes(current), db=self._tables.quarantine)
+                    txn.put(key, self._quarantine_bytes(current), db=self._db.tables.quarantine)
                 moved.append(key)
             self._delete_records(txn, moved)
-            return lambda: self._forget(moved, "quarantined", quarantined=len(moved))
+            return lambda: self.forget(moved, "quarantined", quarantined=len(moved))
 
-        return self._write(body)
+        return self.write(body)
 
     def _quarantine_bytes(self, value: memoryview) -> bytes:
         """What the quarantine keeps of a ``chunks`` value: the record (read from its segment when
@@ -359,18 +381,18 @@ class WriterSide:
                 pass
         return bytes(value)
 
-    def _evict_to(self, max_bytes: int) -> int:
-        accesses = self._take_accesses()
-        chosen = self._lru.choose_victims(self._lru.total_bytes - max_bytes)
+    def evict_to(self, max_bytes: int) -> int:
+        accesses = self.take_accesses()
+        chosen = self.lru.choose_victims(self.lru.total_bytes - max_bytes)
         victims = [key for key, _ in chosen or ()]  # None only for max_bytes < 0, refused by gc
         victim_set = set(victims)
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
             self._delete_records(txn, victims)
-            return lambda: self._forget(victims, "evicted", evictions=len(victims))
+            return lambda: self.forget(victims, "evicted", evictions=len(victims))
 
-        return self._write(body)
+        return self.write(body)
 
     def _delete_records(self, txn: lmdb.Transaction, keys: Sequence[bytes], ledger: Optional[Ledger] = None) -> None:
         """In a write transaction: delete ``keys`` from ``chunks`` and their ``atime`` entries; a
@@ -378,22 +400,22 @@ class WriterSide:
         the segment changes go into the caller's ledger, which the caller commits."""
         own = ledger is None
         if ledger is None:
-            ledger = Ledger(txn, self._tables.segments)
+            ledger = Ledger(txn, self._db.tables.segments)
         for key in keys:
-            old = txn.get(key, db=self._tables.chunks)
+            old = txn.get(key, db=self._db.tables.chunks)
             if old is not None:
                 ledger.drop(old)
-            txn.delete(key, db=self._tables.chunks)
-            txn.delete(key, db=self._tables.atime)
+            txn.delete(key, db=self._db.tables.chunks)
+            txn.delete(key, db=self._db.tables.atime)
         if own:
             ledger.commit()
-            self._emptied_segments += ledger.emptied
-            self._segments_changed(ledger)
+            self.emptied_segments += ledger.emptied
+            self._watcher.segments_changed(ledger)
 
-    def _forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
+    def forget(self, keys: Sequence[bytes], reason: str, **counts: int) -> int:
         """After the commit that removed ``keys``: drop them from the LRU, count, report them."""
         for key in keys:
-            self._lru.pop(key)
+            self.lru.pop(key)
         self._count(**counts)
         self._report_removed(keys, reason)
         return len(keys)
@@ -401,19 +423,28 @@ class WriterSide:
     def _report_removed(self, keys: Sequence[bytes], reason: str) -> None:
         """After a commit: report ``keys`` as removed at the sequence just committed."""
         if keys:
-            sequence = self._sequence
+            sequence = self.sequence
             self._removals.publish([Removal(key, sequence, reason) for key in keys])
 
-    def _check_index(self) -> List[str]:
+    def drop_dangling_atime(self, keys: List[bytes]) -> int:
+        """Writer thread: delete ``atime`` entries whose key still has no record."""
+
+        def body(txn: lmdb.Transaction) -> Callable[[], int]:
+            gone = [k for k in keys if txn.get(k, db=self._db.tables.chunks) is None and txn.delete(k, db=self._db.tables.atime)]
+            return lambda: self.forget(gone, "quarantined", quarantined=len(gone))
+
+        return self.write(body)
+
+    def check_index(self) -> List[str]:
         """Writer thread (or any thread when read-only): compare the LRU index with the tables."""
 
         def body(txn: lmdb.Transaction) -> Tuple[Dict[bytes, int], set]:
-            sizes = {bytes(k): stored_size(v) for k, v in txn.cursor(db=self._tables.chunks).iternext(keys=True, values=True)}
-            times = {bytes(k) for k in txn.cursor(db=self._tables.atime).iternext(keys=True, values=False)}
+            sizes = {bytes(k): stored_size(v) for k, v in txn.cursor(db=self._db.tables.chunks).iternext(keys=True, values=True)}
+            times = {bytes(k) for k in txn.cursor(db=self._db.tables.atime).iternext(keys=True, values=False)}
             return sizes, times
 
-        sizes, times = self._read_txn(body)
-        problems = self._lru.reconcile(sizes, self._capacity)
+        sizes, times = self._db.read_txn(body)
+        problems = self.lru.reconcile(sizes, self.capacity)
         for key in times - sizes.keys():
             problems.append(f"access time without a record: {key.hex()}")
         return problems

@@ -46,9 +46,20 @@ from redis.exceptions import OutOfMemoryError
 
 from kvtier.errors import ClosedError, CorruptRecordError, TierFullError, TierIOError, TierTimeoutError
 
-from ..base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, Removal, TierStatistics, check_key
-from ..codec_pool import wait_through_cancel
-from ..owned_tasks import OwnedTasks
+from ..base import (
+    ChunkMeta,
+    ChunkTier,
+    GetItem,
+    KeySnapshot,
+    PutAbortedError,
+    PutItem,
+    Removal,
+    StartedPut,
+    TierStatistics,
+    check_key,
+    wait_for_gate,
+)
+from ..owned_tasks import OwnedTasks, wait_through_cancel
 from ..record_format import CodecConfig
 from .coding import CodecThreads, Mismatch, decode_records, encode_records
 from .counters import RemoteCounters
@@ -67,10 +78,6 @@ logger = logging.getLogger("kvtier.tiers.remote")
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
-
-
-class PutAbortedError(TierIOError):
-    """A ``start_put(after=...)`` batch was dropped unsent because the write it follows failed."""
 
 
 class RemoteTier(ChunkTier):
@@ -285,7 +292,7 @@ class RemoteTier(ChunkTier):
             raise
 
     def start_put(self, items: Sequence[PutItem], *, after: Optional["asyncio.Future[Any]"] = None
-                  ) -> Tuple["asyncio.Future[None]", "asyncio.Task[int]"]:
+                  ) -> StartedPut:
         """Start ``put_many``'s work without waiting for it: returns a future done once the caller's
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
         sequence, its exception the failure). With ``after``, nothing is sent before that future
@@ -325,12 +332,7 @@ class RemoteTier(ChunkTier):
         finally:
             if not encoded.done():
                 encoded.set_result(None)
-        if after is not None:
-            try:
-                await asyncio.shield(after)
-            except BaseException as exc:  # the write this one follows failed: send nothing
-                raise PutAbortedError(f"remote tier: store of {len(batch)} records dropped: "
-                                      f"the write it follows failed ({exc!r})") from exc
+        await wait_for_gate(after, f"remote tier: store of {len(batch)} records")  # failed: send nothing
         sizes = [len(r) for r in records]
         if max(sizes) > self._max_value_bytes:
             self._stats["errors"] += 1

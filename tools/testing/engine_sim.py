@@ -154,11 +154,9 @@ class _Sim:
     def _watch_tier(self) -> None:
         """Record the tier's puts, its removal reports and the engine's host evictions."""
         history, inner, engine = self.history, self.inner, self.engine
-        subscribe = getattr(inner, "subscribe_removals", None)
-        if subscribe is not None:
-            # Subscribed after the engine: the tier's feed calls both on the loop in that order,
-            # so a removal is recorded in the loop turn the engine's index hears of it.
-            subscribe(history.removed)
+        # Subscribed after the engine: the tier's feed calls both on the loop in that order, so a
+        # removal is recorded in the loop turn the engine's index hears of it.
+        inner.subscribe_removals(history.removed)
         put_many = inner.put_many
 
         async def recorded_put(items):
@@ -323,9 +321,7 @@ class _Sim:
 
     async def _reports_arrive(self) -> None:
         """Let removal reports still on their way reach the loop."""
-        flush = getattr(self.inner, "flush", None)
-        if flush is not None:
-            await flush()
+        await self.inner.flush()
         await asyncio.sleep(0.01)
 
     async def _missing_explained(self, keys, moment: Moment) -> bool:

@@ -171,7 +171,7 @@ class History:
             if isinstance(r, (bytes, bytearray)):
                 self.removals.setdefault(bytes(r), []).append((self.clock, None))
             else:
-                self.removals.setdefault(bytes(r.key), []).append((self.clock, getattr(r, "sequence", None)))
+                self.removals.setdefault(bytes(r.key), []).append((self.clock, r.sequence))
 
     def host_evicted(self, keys: Sequence[bytes]) -> None:
         self.clock += 1

@@ -183,7 +183,7 @@ def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> 
     assert tier._writer is not None  # not read-only: checked above
 
     def body(txn: Any) -> Callable[[], None]:
-        value = txn.get(key, db=tier._tables.chunks)
+        value = txn.get(key, db=tier._db.tables.chunks)
         if value is None:
             raise KeyError(key.hex())
         if is_pointer(value):  # the record lives in a segment file: flip the byte there
@@ -202,10 +202,10 @@ def _corrupt_lmdb_record(tier: "LmdbTier", key: bytes, offset_from_end: int) -> 
         if not 1 <= offset_from_end <= len(data):
             raise ValueError(f"offset_from_end must be in 1..{len(data)}")
         data[-offset_from_end] ^= 0xFF
-        txn.put(key, bytes(data), db=tier._tables.chunks)
+        txn.put(key, bytes(data), db=tier._db.tables.chunks)
         return lambda: None
 
-    tier._writer.call(lambda: tier._write(body))
+    tier._writer.call(lambda: tier._writes.write(body))
 
 
 class IOFaultPlan(IOHook):

@@ -2,8 +2,10 @@
 wrappers (``FaultyTier``, ``SeamTier``), which override only the calls they intercept.
 
 Every method of the contract is forwarded as is, the optional ones included (``snapshot_keys``,
-``sequence``, ``subscribe_removals``, ``flush``, ``check``, ``degraded``, ``capacity_bytes``): the
-base class's defaults would otherwise answer for the inner tier ("no removals", "never degraded").
+``sequence``, ``subscribe_removals``, ``flush``, ``check``, ``degraded``, ``capacity_bytes``,
+``closed``): the base class's defaults would otherwise answer for the inner tier ("no removals",
+"never degraded"). ``start_put`` is not forwarded: the base's default runs this wrapper's
+``put_many`` after the gate, so what a wrapper intercepts applies to a chain's write-behind too.
 Runs on the caller's event loop; cancellation and buffers are the inner tier's rules.
 """
 
@@ -21,7 +23,7 @@ class ForwardingTier(ChunkTier):
 
     def __init__(self, inner: ChunkTier, *, prefix: str = "wrapped") -> None:
         self.inner = inner
-        self.name = f"{prefix}-{getattr(inner, 'name', 'tier')}"
+        self.name = f"{prefix}-{inner.name}"
 
     async def put_many(self, items: Sequence[PutItem]) -> int:
         return await self.inner.put_many(items)
@@ -64,6 +66,10 @@ class ForwardingTier(ChunkTier):
     @property
     def capacity_bytes(self) -> Optional[int]:
         return self.inner.capacity_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
 
     async def close(self) -> None:
         await self.inner.close()
