@@ -456,3 +456,23 @@ def test_a_pointer_cache_without_its_segments_table_is_damage_and_no_segment_is_
         with pytest.raises(CorruptCacheError, match=r"tier format b'2' cache without its 'segments' table \(damaged\)"):
             LmdbTier(path, readonly=readonly)
     assert _segments_with_data(path) == before
+
+
+def test_a_reclaim_leaves_a_segment_another_process_deleted_between_its_open_and_its_lock(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    # Another process's remove_dead locks an emptied segment, unlinks it and drops the lock; a
+    # reclaim that opened the file just before then gets the lock on an unlinked inode. Deleting
+    # it again failed the writable open ("cannot reclaim orphan segments ... No such file").
+    from kvtier.tiers.lmdb import segment_files as files
+
+    name = segments.segment_name(4242, 7)
+    (tmp_path / name).write_bytes(b"\0" * 4096)
+    really_locked_elsewhere = files._locked_elsewhere
+
+    def removed_meanwhile(fd: int) -> bool:
+        os.unlink(tmp_path / name)  # what the other process's remove_dead did, then unlocked
+        return really_locked_elsewhere(fd)
+
+    monkeypatch.setattr(files, "_locked_elsewhere", removed_meanwhile)
+    assert files.reclaim_orphans(tmp_path, lambda: {}) == (0, 0)
+    assert files.segment_files(tmp_path) == []

@@ -81,6 +81,16 @@ def _locked_elsewhere(fd: int) -> bool:
     return False
 
 
+def _still_named(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd`` (not unlinked since it was opened)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
 def held_by_writer(directory: Path, name: str) -> Optional[bool]:
     """Whether a writer (of any process, this one included) still holds segment ``name``'s lock,
     i.e. may append to it; ``None`` when the file does not exist. Compaction leaves held ones."""
@@ -187,7 +197,9 @@ def reclaim_orphans(directory: Path, committed: Callable[[], Dict[str, int]]) ->
                     fd = os.open(directory / name, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     continue  # deleted meanwhile (an emptied segment)
-                if _locked_elsewhere(fd):
+                if _locked_elsewhere(fd) or not _still_named(directory / name, fd):
+                    # Held by a writer, or deleted by another process's remove_dead between our
+                    # open and our lock (it deletes under the lock, then drops it): not ours.
                     os.close(fd)
                     continue
                 held.append((name, fd))
