@@ -100,6 +100,8 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers
                     version = wanted
     except lmdb.NotFoundError as exc:
         raise TierIOError(f"{path} holds no kvtier LMDB tables (read-only open)") from exc
+    if version is None:  # only a read-only open gets here without one (a writable open puts it)
+        raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
     if version not in READABLE_FORMATS:
         readable = " and ".join(map(repr, READABLE_FORMATS))
         if not bytes(version).isdigit() or int(version) < int(INLINE_FORMAT_VERSION):
