@@ -64,6 +64,13 @@ class Tables:
     # read-only open of a cache that never had one.
     segments: "Optional[lmdb._Database]" = None
 
+    @property
+    def writable_segments(self) -> "lmdb._Database":
+        """``segments`` where only a writable open gets (its writer, compactor, orphan reclaim):
+        every writable open creates the table."""
+        assert self.segments is not None, "a writable open always opens the segments table"
+        return self.segments
+
 
 def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers: bool = False) -> Tables:
     """Open the tables (creating them and the format marker unless ``readonly``) and check the
