@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Dict, FrozenSet, Iterator, Mapping, Optional, Sequence, Tuple, Union
@@ -230,11 +231,11 @@ def _warn_unknown_variables(env: Mapping[str, str], prefix: str, names: Sequence
 
 
 def read_toml(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
-    try:
-        import tomllib  # Python >= 3.11
-    except ModuleNotFoundError:  # pragma: no cover - only on 3.10
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - only on 3.10
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ValueError(
                 f"cannot read {os.fspath(path)!r}: TOML needs Python >= 3.11 (tomllib) or the "

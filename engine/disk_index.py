@@ -156,7 +156,7 @@ _MISSING = object()
 def keys_of(removals: Iterable[object]) -> List[Tuple[bytes, Optional[int]]]:
     """(key, sequence) of each item a tier reports: a ``Removal`` (tier contract) or a bare key
     (tiers that predate it)."""
-    out = []
+    out: List[Tuple[bytes, Optional[int]]] = []
     for item in removals:
         if isinstance(item, (bytes, bytearray, memoryview)):
             out.append((bytes(item), None))

@@ -347,6 +347,7 @@ class OffloadEngine:
 
     async def _refresh_loop(self) -> None:
         interval = self.config.disk_index_refresh_interval_s
+        assert interval is not None, "started only with a refresh interval"
         while not self._closing:
             await asyncio.sleep(interval)
             try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Any, Callable, Coroutine, Optional
 
 from kvtier.tiers.owned_tasks import settle, wait_all
 
@@ -36,7 +36,7 @@ class Supervised:
     def __init__(
         self,
         name: str,
-        factory: Callable[[], Awaitable[None]],
+        factory: Callable[[], Coroutine[Any, Any, None]],
         *,
         running: Callable[[], bool],
         on_crash: Callable[[BaseException], None],

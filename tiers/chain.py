@@ -67,8 +67,8 @@ def _settle(gate: "asyncio.Future[None]", primary: "asyncio.Future[Any]") -> Non
         return
     if primary.cancelled():
         gate.cancel()
-    elif primary.exception() is not None:
-        gate.set_exception(primary.exception())
+    elif (exc := primary.exception()) is not None:
+        gate.set_exception(exc)
     else:
         gate.set_result(None)
 

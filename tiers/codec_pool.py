@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -109,7 +110,7 @@ def map_slices(
             for rest in range(index, len(ranges)):  # never started: they fail the batch
                 finish(rest, None, exc)
             break
-        slice_future.add_done_callback(lambda f, index=index: _abandoned(f, index, finish))
+        slice_future.add_done_callback(functools.partial(_abandoned, index=index, finish=finish))
         result.slices.append(slice_future)  # type: ignore[attr-defined]
     return result
 

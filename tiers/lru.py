@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Container, Dict, Generic, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
+from typing import Container, Dict, Generic, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar, overload
 
 # A tier's keys are bytes; replay's fast mode keys the same indexes with chunk ids.
 K = TypeVar("K", bound=Hashable)
@@ -47,6 +47,10 @@ class ByteLru(Generic[K]):
         """Keys, least recently used first."""
         return iter(self._sizes)
 
+    @overload
+    def get(self, key: K) -> Optional[int]: ...
+    @overload
+    def get(self, key: K, default: int) -> int: ...
     def get(self, key: K, default: Optional[int] = None) -> Optional[int]:
         return self._sizes.get(key, default)
 
@@ -93,9 +97,11 @@ class ByteLru(Generic[K]):
                 return victims
         return None
 
-    def reconcile(self, stored: Mapping[K, int], capacity: Optional[int], where: str = "stored") -> List[str]:
+    def reconcile(self: "ByteLru[bytes]", stored: Mapping[bytes, int], capacity: Optional[int],
+                  where: str = "stored") -> List[str]:
         """One line per disagreement between this index and ``stored`` (key -> size found in
-        storage), and the byte bound; empty when consistent."""
+        storage), and the byte bound; empty when consistent. For a tier's index (bytes keys,
+        shown in hex)."""
         problems: List[str] = []
         for key, size in self._sizes.items():
             if key not in stored:

@@ -42,6 +42,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.config.cache import PrefixCachingHashAlgo
 from vllm.distributed.kv_events import EventBatch, EventPublisher, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -77,7 +78,7 @@ class CpuCopyWorker(OffloadingWorker):
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, mmap_region: SharedOffloadRegion):
-        self._region = mmap_region
+        self._region: Optional[SharedOffloadRegion] = mmap_region
         self._bpc = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
         self._gpu: List[torch.Tensor] = []
@@ -143,10 +144,12 @@ class CpuCopyWorker(OffloadingWorker):
 class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` whose worker is ``CpuCopyWorker`` (vLLM's refuses non-CUDA)."""
 
+    _copy_worker: Optional[CpuCopyWorker] = None  # in place of vLLM's ``_worker`` (a CPUOffloadingWorker)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
-            self._worker = self.create_worker(kv_caches)
-        return self._worker
+        if self._copy_worker is None:
+            self._copy_worker = self.create_worker(kv_caches)
+        return self._copy_worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CpuCopyWorker:  # type: ignore[override]
         region = SharedOffloadRegion(
@@ -227,7 +230,7 @@ class VllmCpuRig:
         cpu_chunks: int = 64,
         blocks_per_chunk: int = 1,
         max_model_len: int = 1024,
-        hash_algorithm: str = "sha256",
+        hash_algorithm: PrefixCachingHashAlgo = "sha256",
         model_dir: Optional[Path] = None,
         kv_events: bool = False,
         log_stats: bool = False,
@@ -246,7 +249,7 @@ class VllmCpuRig:
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(len(self.group_specs))]
         self.layer_names = layer_names
 
-        model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
+        model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                                    dtype="bfloat16", max_model_len=max_model_len)
         cache_config = CacheConfig(block_size=self.group_specs[0].block_size, enable_prefix_caching=True,
                                    prefix_caching_hash_algo=hash_algorithm,
@@ -379,6 +382,7 @@ class VllmCpuRig:
         out = self.scheduler.schedule()
         scheduler_s = time.perf_counter() - t0
         meta = out.kv_connector_metadata
+        assert meta is not None, "the rig's scheduler has a KV connector: its outputs carry metadata"
         for req_id in self.scheduler.requests:  # block tables, also of requests waiting for loads
             blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             if any(blocks):

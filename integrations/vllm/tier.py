@@ -218,7 +218,7 @@ class KvtierTier(SecondaryTierManager):
         self.config = VllmTierConfig.from_dict(config)
         self.locality = Locality(self.config.locality) if self.config.locality else None
         self._rows = primary_kv_view
-        self._row_bytes = primary_kv_view.strides[0]
+        self._row_bytes = primary_kv_view.strides[0]  # type: ignore[index]  # typeshed: Optional; CPython always gives a tuple
         # The layout's key scheme is bound at the first lookup or submit (``_bound_layout``).
         self.layout = layout_from_spec(offloading_spec, self._row_bytes, self.config)
         self._key_scheme_unknown_logged = False
@@ -461,7 +461,7 @@ class KvtierTier(SecondaryTierManager):
             self.tier_hits[f"{name}_hit_bytes"] += nbytes
         if done.deepest_tier is not None:
             self._stats.observe_histogram(METRIC_LOAD_SECONDS, done.transfer_s, (done.deepest_tier,))
-            self.tier_hits[f"{done.deepest_tier}_load_s"] += done.transfer_s
+            self.tier_hits[f"{done.deepest_tier}_load_s"] += done.transfer_s  # type: ignore[assignment]  # a Counter sums floats; typeshed types its values int
 
     # ------------------------------------------------------------------------------ vLLM's calls
 

@@ -331,3 +331,21 @@ def test_a_newer_format_marker_is_refused_not_moved_aside(tmp_path: Path) -> Non
     with pytest.raises(TierIOError, match="has tier format b'9'") as info:
         LmdbTier(cache)
     assert not isinstance(info.value, CorruptCacheError)
+
+
+def test_open_tables_read_only_without_a_format_marker_is_corrupt(tmp_path: Path) -> None:
+    """``open_tables`` itself (not only the foreign-environment check before it) calls a read-only
+    cache whose marker is gone damage, with its message, rather than failing on the missing value."""
+    from kvtier.errors import CorruptCacheError
+    from kvtier.tiers.lmdb.tables import open_tables
+
+    cache = tmp_path / "c"
+    with LmdbTier(cache):
+        pass
+    _damage_meta(cache, lambda txn, meta: txn.delete(b"format", db=meta))
+    env = lmdb.open(str(cache), max_dbs=8, readonly=True, lock=False)
+    try:
+        with pytest.raises(CorruptCacheError, match=r"/c has kvtier's LMDB tables but its format marker is gone \(damaged\)"):
+            open_tables(env, cache, readonly=True)
+    finally:
+        env.close()

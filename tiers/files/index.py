@@ -28,7 +28,7 @@ class FileIndex:
 
     def __init__(self, capacity: Optional[int], removals: RemovalFeed) -> None:
         self.capacity = capacity
-        self.lru = ByteLru()  # key -> record file size, least recently read first
+        self.lru: ByteLru[bytes] = ByteLru()  # key -> record file size, least recently read first
         self.sequence = 0  # this instance's mutations (puts landing, removals), in order
         self.reserved = 0  # net growth of admitted batches not landed yet
         self.writing = KeyCounts()  # keys with a write in flight: never evicted

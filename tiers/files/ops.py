@@ -115,9 +115,9 @@ class FileOps:
                 except FileExistsError:
                     pass
                 parent = path
-        for path in synced:
+        for where in synced:
             hook.before("fsync_dir")
-            fsync_dir(path)
+            fsync_dir(where)
 
     async def write_temp(self, tmp: str, record: bytes) -> None:
         # "xb" is O_CREAT|O_EXCL: a name collision (another process, a reused nonce) fails loudly

@@ -270,7 +270,7 @@ class Compactor:
         table moved along; ``atime`` and the LRU stay (a move is not an access)."""
 
         def body(txn: lmdb.Transaction) -> Callable[[], None]:
-            ledger = Ledger(txn, self._db.tables.segments)
+            ledger = Ledger(txn, self._db.tables.writable_segments)
             moved: List[bytes] = []
             for key, old in olds.items():
                 now = txn.get(key, db=self._db.tables.chunks)

@@ -195,7 +195,7 @@ class LmdbEnv:
         will commit, is touched)."""
         try:
             removed, truncated = reclaim_orphans(
-                self.path, lambda: self.read_at_open(lambda txn: committed_ends(txn, self.tables.segments)))
+                self.path, lambda: self.read_at_open(lambda txn: committed_ends(txn, self.tables.writable_segments)))
         except OSError as exc:
             raise TierIOError(f"cannot reclaim orphan segments in {self.path}: {exc}") from exc
         if removed or truncated:
@@ -214,7 +214,7 @@ class LmdbEnv:
         with self.map_lock.exclusive():
             self.env.close()
 
-    def read_at_open(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def read_at_open(self, body: Callable[["lmdb.Transaction[memoryview]"], T]) -> T:
         """``body`` in a new read transaction while opening (LMDB errors propagate to the caller,
         which maps them), adopting a map another process grew since we opened it."""
         for attempt in range(3):
@@ -227,7 +227,7 @@ class LmdbEnv:
                 self.env.set_mapsize(0)
         raise AssertionError("unreachable")
 
-    def read_txn(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def read_txn(self, body: Callable[["lmdb.Transaction[memoryview]"], T]) -> T:
         """Run ``body`` in a read transaction under the shared map lock (any thread but the writer)."""
         for attempt in range(3):
             try:

@@ -75,7 +75,7 @@ class Maintenance:
         last: Optional[bytes] = None
         while True:
 
-            def body(txn: lmdb.Transaction) -> Tuple[List[T], Optional[bytes]]:
+            def body(txn: "lmdb.Transaction[memoryview]") -> Tuple[List[T], Optional[bytes]]:
                 cur = txn.cursor(db=self._db.tables.chunks)
                 if last is None:
                     positioned = cur.first()

@@ -127,7 +127,7 @@ class ReaderSide:
         corrupt: List[CorruptEntry] = []
         max_raw_bytes = self.max_raw_bytes
 
-        def body(txn: lmdb.Transaction) -> List[Optional[ChunkMeta]]:
+        def body(txn: "lmdb.Transaction[memoryview]") -> List[Optional[ChunkMeta]]:
             results: List[Optional[ChunkMeta]] = []
             corrupt.clear()
             records = [txn.get(key, db=self._db.tables.chunks) for key, _ in items]
@@ -136,9 +136,9 @@ class ReaderSide:
             if self._db.lockless:  # a writer may reuse these pages mid-read: check only a private copy
                 records = [None if r is None else memoryview(bytes(r)) for r in records]
             # segment records first, all together (adjacent ones share a read); outcomes by index
-            in_segments = [i for i, r in enumerate(records) if r is not None and is_pointer(r)]
-            outcomes = dict(zip(in_segments, self.segment_reader.read_many_into(
-                [(items[i][0], records[i], items[i][1]) for i in in_segments], max_raw_bytes=max_raw_bytes)))
+            in_segments = [(i, r) for i, r in enumerate(records) if r is not None and is_pointer(r)]
+            outcomes = dict(zip((i for i, _ in in_segments), self.segment_reader.read_many_into(
+                [(items[i][0], r, items[i][1]) for i, r in in_segments], max_raw_bytes=max_raw_bytes)))
             for i, ((key, buf), record) in enumerate(zip(items, records)):
                 if record is None:
                     results.append(None)

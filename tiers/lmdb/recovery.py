@@ -224,7 +224,7 @@ def quarantine_cache_dir(path: PathLike) -> Path:
     except OSError:
         segments = []
     owned = [src / name for name in ("data.mdb", "lock.mdb", *segments) if (src / name).exists()]
-    errors = []
+    errors: List[str] = []
     for parent, prefix in ((src.parent, f"{src.name}.corrupt"), (src, ".kvtier-corrupt")):
         if parent == src.parent and os.path.ismount(src):
             continue  # a rename out of a mount point is EXDEV: go straight to the inside
@@ -249,7 +249,7 @@ def quarantine_cache_dir(path: PathLike) -> Path:
     raise TierIOError(f"cannot move the damaged LMDB files of {src} aside: {'; '.join(errors)}")
 
 
-def _new_aside_dir(parent: Path, name: str, errors: list) -> Optional[Path]:
+def _new_aside_dir(parent: Path, name: str, errors: List[str]) -> Optional[Path]:
     dst = parent / name
     n = 0
     while True:

@@ -16,7 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from kvtier.errors import CorruptRecordError, TierIOError
 
@@ -93,7 +93,10 @@ def _runs_in_files(direct: List[Tuple[int, SegmentPointer, memoryview]]) -> List
     return runs
 
 
-def _outcome(fn: Callable[[], object]) -> object:
+T = TypeVar("T")
+
+
+def _outcome(fn: Callable[[], T]) -> Union[T, Exception]:
     """``fn()``, or the exception it raised (the caller sorts misses from failures)."""
     try:
         return fn()
@@ -218,13 +221,13 @@ class SegmentReader:
             read.close()
 
     def read_many_into(self, items: Sequence[Tuple[bytes, "bytes | memoryview", memoryview]], *,
-                       max_raw_bytes: int) -> List[object]:
+                       max_raw_bytes: int) -> List[Union[ChunkMeta, Exception, None]]:
         """``read_into`` of a batch; per item its meta or the exception its read raised. Records
         read in place that lie one after another in a segment (as a batch was written) are read
         together, one vectored direct read per run of up to ``RUN_BYTES``: at 256 KiB a request
         per record leaves the disk's throughput on small requests. A run whose read fails is
         retried record by record, so each record gets its own outcome."""
-        results: List[object] = [None] * len(items)
+        results: List[Union[ChunkMeta, Exception, None]] = [None] * len(items)
         direct: List[Tuple[int, SegmentPointer, memoryview]] = []
         for i, (key, value, out) in enumerate(items):
             try:

@@ -75,7 +75,7 @@ def _aligned(view: memoryview) -> bool:
     return view.nbytes > 0 and _address(view) % _ALIGN == 0
 
 
-def _byte_view(data: "bytes | memoryview") -> memoryview:
+def _byte_view(data: "bytes | bytearray | memoryview") -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -94,8 +94,9 @@ class SegmentRecord:
     by waiting for the batch's write even when the call is cancelled."""
 
     __slots__ = ("head", "_length", "_pages", "_borrowed")
+    _pages: Optional[mmap.mmap]  # None once released
 
-    def __init__(self, head: bytes, payload: Sequence["bytes | memoryview"]) -> None:
+    def __init__(self, head: bytes, payload: Sequence["bytes | bytearray | memoryview"]) -> None:
         assert _BUFFERS is not None
         self.head = head
         views = [_byte_view(part) for part in payload]

@@ -54,6 +54,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import functools
 import logging
 import os
 import struct
@@ -328,7 +329,7 @@ class SegmentWriter:
             self._allocate_batch(pos)
             runs = adjacent_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
             lanes = [runs[k::WRITES_IN_FLIGHT] for k in range(min(len(runs), WRITES_IN_FLIGHT))]
-            self._run_all([lambda lane=lane: self._write_runs(placed, pointers, lane) for lane in lanes])
+            self._run_all([functools.partial(self._write_runs, placed, pointers, lane) for lane in lanes])
             os.fdatasync(self._fd)
         except OSError as exc:
             # The tail may hold part of the batch: skip past it, never overwrite what a reader
@@ -364,9 +365,9 @@ class SegmentWriter:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the lanes finish
             first = exc
         for fut in futures:
-            exc = fut.exception()
-            if exc is not None and first is None:
-                first = exc
+            failed = fut.exception()
+            if failed is not None and first is None:
+                first = failed
         if first is not None:
             raise first
 

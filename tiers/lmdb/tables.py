@@ -64,6 +64,13 @@ class Tables:
     # read-only open of a cache that never had one.
     segments: "Optional[lmdb._Database]" = None
 
+    @property
+    def writable_segments(self) -> "lmdb._Database":
+        """``segments`` where only a writable open gets (its writer, compactor, orphan reclaim):
+        every writable open creates the table."""
+        assert self.segments is not None, "a writable open always opens the segments table"
+        return self.segments
+
 
 def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers: bool = False) -> Tables:
     """Open the tables (creating them and the format marker unless ``readonly``) and check the
@@ -100,6 +107,8 @@ def open_tables(env: lmdb.Environment, path: object, readonly: bool, *, pointers
                     version = wanted
     except lmdb.NotFoundError as exc:
         raise TierIOError(f"{path} holds no kvtier LMDB tables (read-only open)") from exc
+    if version is None:  # only a read-only open gets here without one (a writable open puts it)
+        raise CorruptCacheError(f"{path} has kvtier's LMDB tables but its format marker is gone (damaged)")
     if version not in READABLE_FORMATS:
         readable = " and ".join(map(repr, READABLE_FORMATS))
         if not bytes(version).isdigit() or int(version) < int(INLINE_FORMAT_VERSION):

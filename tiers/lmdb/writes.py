@@ -125,7 +125,7 @@ class WriterSide:
         """This writer's active segment file (None: none open)."""
         return self.segment_writer.active if self.segment_writer is not None else None
 
-    def write(self, body: Callable[[lmdb.Transaction], Callable[[], T]], nbytes: int = 0) -> T:
+    def write(self, body: Callable[["lmdb.Transaction[memoryview]"], Callable[[], T]], nbytes: int = 0) -> T:
         """Writer thread: run ``body`` in one write transaction that also bumps the sequence, and
         commit; ``body`` returns the in-memory update to apply once the commit succeeded (it sees the
         new ``sequence``). MapFullError -> grow and retry."""
@@ -217,9 +217,11 @@ class WriterSide:
 
         self.write(body)
 
-    def run_put_group(self, jobs: List[PutJob]) -> None:
+    def run_put_group(self, group: List[Job]) -> None:
         """Writer thread: commit consecutive put batches in one transaction (they share its
         sequence); if that fails, run each alone so every caller gets its own outcome."""
+        jobs = [j for j in group if isinstance(j, PutJob)]
+        assert len(jobs) == len(group), "the writer groups only the jobs naming this runner: PutJobs"
         if len(jobs) > 1:
             encoded = [item for j in jobs for item in j.encoded]
             raw_in = sum(j.raw_in for j in jobs)
@@ -260,7 +262,7 @@ class WriterSide:
             # One ledger for the evictions and the puts: when the victims are every earlier record
             # of the segment this batch was just appended to, a ledger of their own would see it
             # emptied and the commit would delete the file under the batch's new records.
-            ledger = Ledger(txn, self._db.tables.segments)
+            ledger = Ledger(txn, self._db.tables.writable_segments)
             self._delete_records(txn, victims, ledger)
             now = time.time_ns()
             for key, record in batch.items():
@@ -371,7 +373,7 @@ class WriterSide:
 
         return self.write(body)
 
-    def _quarantine_bytes(self, value: memoryview) -> bytes:
+    def _quarantine_bytes(self, value: "bytes | memoryview") -> bytes:
         """What the quarantine keeps of a ``chunks`` value: the record (read from its segment when
         the value is a pointer and the segment still has it), else the value itself."""
         if is_pointer(value):
@@ -400,7 +402,7 @@ class WriterSide:
         the segment changes go into the caller's ledger, which the caller commits."""
         own = ledger is None
         if ledger is None:
-            ledger = Ledger(txn, self._db.tables.segments)
+            ledger = Ledger(txn, self._db.tables.writable_segments)
         for key in keys:
             old = txn.get(key, db=self._db.tables.chunks)
             if old is not None:

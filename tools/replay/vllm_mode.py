@@ -36,6 +36,7 @@ from kvtier.policy import ModelLayout
 
 from .engine_mode import EngineReplayError, _request_tokens, replay_engine
 from .layouts import ReplayLayout, _group
+from .report import JsonObject
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, record_bytes
 
@@ -72,7 +73,7 @@ def _rig(cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_di
 
 
 def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_dir: Path,
-              progress: Optional[Callable[[int], None]]) -> Dict[str, object]:
+              progress: Optional[Callable[[int], None]]) -> JsonObject:
     """Every request of ``trace`` through one rig; per request the hit tokens, split by the tier
     that served them (chunks kvtier promoted into vLLM's CPU tier during the request, the rest
     from the CPU tier)."""
@@ -147,7 +148,7 @@ def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max
 
 
 def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,
-                        progress: Optional[Callable[[int], None]] = None) -> Dict[str, object]:
+                        progress: Optional[Callable[[int], None]] = None) -> JsonObject:
     """The three runs (module docstring) on ``trace``; ``total_chunks`` chunks of total budget of
     which ``cpu_chunks`` are vLLM's CPU tier in the run with kvtier. The result's
     ``agreement_points`` is 100 x (vLLM with kvtier - engine mode) token-weighted hit rate."""
@@ -185,7 +186,7 @@ def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,
     }
 
 
-def format_vllm_report(result: Dict[str, object]) -> str:
+def format_vllm_report(result: JsonObject) -> str:
     """The comparison as a table: hit tokens per serving tier and the hit rates."""
     rows = [("run", "hit rate", "hit tokens", "vLLM CPU", "kvtier host", "kvtier disk", "verified")]
     for name, label in (("vllm_cpu", f"vLLM CPU tier alone ({result['total_chunks']} chunks)"),
