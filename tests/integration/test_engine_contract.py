@@ -351,17 +351,14 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
 async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_path):
     # Disk capacity for ~2 chunks: batch 2's commit evicts batch 1's chunk; batch 1's put answer is
     # held until that removal has reached the engine.
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    inner = await _small_disk(tmp_path)
     r = await rig(tmp_path, inner=inner)
     hold = r.seam.hold_next("put_many", after=True)
     first = r.scenario.tokens(17)
     await r.scenario.produce(first, wait_durable=False)
     await hold.entered.wait()  # batch 1 committed; its answer waits
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
     key = r.engine.request_keys(first).keys[0][0]
-    assert await inner.contains_many([key]) == [False]
+    await _another_writer_evicts(r, inner, key)
     hold.release()
     await r.engine.flush()
     assert r.engine.lookup(first + [1]) == (16 if key in r.engine.host.entries else 0)
@@ -373,17 +370,14 @@ async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_p
 async def test_a_spill_whose_key_was_evicted_before_its_answer_is_not_durable(tmp_path):
     # The put landed, then another writer's records evicted its key, and that removal reached the
     # engine before the put's answer: the index refuses the key, so the handle is not durable.
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    inner = await _small_disk(tmp_path)
     r = await rig(tmp_path, inner=inner)
     hold = r.seam.hold_next("put_many", after=True)
     first = r.scenario.tokens(17)
     produced = asyncio.ensure_future(r.scenario.produce(first))  # waits for wait_durable()
     await hold.entered.wait()
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
     key = r.engine.request_keys(first).keys[0][0]
-    assert await inner.contains_many([key]) == [False]
+    await _another_writer_evicts(r, inner, key)
     hold.release()
     record = await produced
     assert (record.durable, key in r.engine.disk_index) == (False, False)
@@ -392,7 +386,7 @@ async def test_a_spill_whose_key_was_evicted_before_its_answer_is_not_durable(tm
 
 @pytest.mark.asyncio
 async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path):
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    inner = await _small_disk(tmp_path)
     r = await rig(tmp_path, inner=inner, host_capacity_bytes=1)
     prompt = r.scenario.tokens(17)
     await r.scenario.produce(prompt)
@@ -400,14 +394,24 @@ async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path
     hold = r.seam.hold_next("list_keys", after=True)
     refresh = asyncio.ensure_future(r.engine.refresh_disk_index())
     await hold.entered.wait()  # the listing holds the key
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)
-    assert await inner.contains_many([key]) == [False]
+    await _another_writer_evicts(r, inner, key)
     hold.release()
     await refresh
     assert key not in r.engine.disk_index
     await r.close()
+
+
+async def _small_disk(tmp_path) -> LmdbTier:
+    """A disk tier with room for about two chunks, so a few more records evict the oldest."""
+    return await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+
+
+async def _another_writer_evicts(r: Rig, inner: LmdbTier, key: bytes) -> None:
+    """Another writer's records fill the small disk past `key`, and its removal reaches the engine."""
+    for _ in range(3):
+        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
+    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
+    assert await inner.contains_many([key]) == [False]
 
 
 def _raw_item(engine: OffloadEngine, key: bytes):
