@@ -370,8 +370,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
     try:
         items = make_items(4, 100_000, seed=6)
         await tier.put_many(items)
-        os.kill(node.pid, signal.SIGSTOP)
-        try:
+        with node.stalled():
             started = time.monotonic()
             metas, _ = await read_back(tier, items)
             elapsed = time.monotonic() - started
@@ -387,8 +386,6 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             assert time.monotonic() - started < 0.25  # no network wait (a timeout would be 0.3 s each)
             assert tier.statistics().extra["breaker_rejected"] >= 5
             assert any("circuit" in p for p in await tier.check())
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
         # Healed: after reset_s one probe closes the breaker and reads hit again.
         healed = False
         for _ in range(40):  # bounded: up to ~2 s
