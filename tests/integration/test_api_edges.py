@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 import time
+from typing import List, Tuple
 
 import numpy as np
 import pytest
@@ -30,6 +31,14 @@ def an_engine(config: EngineConfig = None, layout: ModelLayout = LAYOUT) -> Offl
     """An engine of ``layout`` on a CPU device, not started: ``async with`` starts and closes it."""
     return OffloadEngine(layout, make_cpu_device(layout), config or EngineConfig(host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0),
                          fingerprint=FINGERPRINT)
+
+
+async def produced(engine: OffloadEngine, n: int) -> Tuple[OffloadScenario, List[int]]:
+    """A scenario on ``engine`` and a prompt of ``n`` tokens it stored."""
+    scenario = OffloadScenario(engine)
+    tokens = scenario.tokens(n)
+    await scenario.produce(tokens)
+    return scenario, tokens
 
 
 def nothing_scheduled(engine: OffloadEngine) -> bool:
@@ -176,9 +185,7 @@ def test_device_views_and_groups_refuse_what_is_not_a_kv_cache():
 @pytest.mark.asyncio
 async def test_lookup_max_tokens_past_the_request_costs_what_the_request_costs():
     async with an_engine() as engine:
-        scenario = OffloadScenario(engine)
-        tokens = scenario.tokens(64)
-        await scenario.produce(tokens)
+        _, tokens = await produced(engine, 64)
         expected = engine.lookup(tokens, max_tokens=64)
         assert expected == 64
         began = time.perf_counter()
@@ -291,9 +298,7 @@ async def test_tokens_that_are_not_tokens_and_keys_of_another_layout_are_refused
 @pytest.mark.asyncio
 async def test_load_refuses_a_hit_off_the_granularity_and_a_device_block_given_twice():
     async with an_engine() as engine:
-        scenario = OffloadScenario(engine)
-        tokens = scenario.tokens(33)
-        await scenario.produce(tokens)
+        scenario, tokens = await produced(engine, 33)
         fresh = scenario.allocate(33)
         with pytest.raises(ValueError, match=r"^hit_tokens must be a multiple of the layout's hit_granularity_tokens \(4\), got 17$"):
             await engine.load(tokens, 17, fresh)
