@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from kvtier.errors import ClosedError
 
@@ -55,6 +55,8 @@ from .owned_tasks import OwnedTasks, wait_through_cancel
 __all__ = ["ChainedTier", "WRITE_POLICIES", "read_with_sources", "tier_statistics_dict"]
 
 logger = logging.getLogger("kvtier.tiers.chain")
+
+_Answer = TypeVar("_Answer")
 
 WRITE_POLICIES = ("write_through", "write_back_on_evict")
 # Background copies (write-behind, promotions) in flight at once; past it a copy is skipped and
@@ -361,13 +363,8 @@ class ChainedTier(ChunkTier):
         for index, tier in enumerate(self.tiers):
             if not wanted:
                 break
-            try:
-                metas = await tier.get_many_into([items[i] for i in wanted])
-            except (ValueError, TypeError, ClosedError):
-                raise
-            except Exception as exc:
-                self._stats["errors"] += 1
-                logger.debug("tier %s read failed (miss): %s", tier.name, exc)
+            metas = await self._ask(tier, tier.get_many_into([items[i] for i in wanted]))
+            if metas is None:
                 continue
             found = [(i, m) for i, m in zip(wanted, metas) if m is not None]
             for i, meta in found:
@@ -382,6 +379,19 @@ class ChainedTier(ChunkTier):
         self._stats["hits"] += hits
         self._stats["misses"] += len(wanted)
         return results, sources
+
+    async def _ask(self, tier: ChunkTier, call: Awaitable[_Answer]) -> Optional[_Answer]:
+        """``tier``'s answer to ``call``, or None where it failed: counted in ``errors``, and the
+        chain reads it as a miss. The caller's own mistakes (``ValueError``, ``TypeError``) and
+        ``ClosedError`` propagate. Cancelling it cancels ``call``."""
+        try:
+            return await call
+        except (ValueError, TypeError, ClosedError):
+            raise
+        except Exception as exc:
+            self._stats["errors"] += 1
+            logger.debug("tier %s failed (a miss): %s", tier.name, exc)
+            return None
 
     async def _promote(self, items: List[PutItem]) -> None:
         try:
@@ -409,12 +419,8 @@ class ChainedTier(ChunkTier):
             rest = [i for i, v in enumerate(out) if not v]
             if not rest:
                 break
-            try:
-                present = await tier.contains_many([keys[i] for i in rest])
-            except (ValueError, TypeError, ClosedError):
-                raise
-            except Exception:
-                self._stats["errors"] += 1
+            present = await self._ask(tier, tier.contains_many([keys[i] for i in rest]))
+            if present is None:
                 continue
             for i, p in zip(rest, present):
                 out[i] = bool(p)

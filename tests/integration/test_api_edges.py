@@ -9,6 +9,7 @@ import asyncio
 import logging
 import threading
 import time
+from typing import List, Tuple
 
 import numpy as np
 import pytest
@@ -26,11 +27,18 @@ from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
 FINGERPRINT = b"api-edges"
 
 
-async def started(config: EngineConfig = None) -> OffloadEngine:
-    engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config or EngineConfig(host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0),
-                           fingerprint=FINGERPRINT)
-    await engine.start()
-    return engine
+def an_engine(config: EngineConfig = None, layout: ModelLayout = LAYOUT) -> OffloadEngine:
+    """An engine of ``layout`` on a CPU device, not started: ``async with`` starts and closes it."""
+    return OffloadEngine(layout, make_cpu_device(layout), config or EngineConfig(host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0),
+                         fingerprint=FINGERPRINT)
+
+
+async def produced(engine: OffloadEngine, n: int) -> Tuple[OffloadScenario, List[int]]:
+    """A scenario on ``engine`` and a prompt of ``n`` tokens it stored."""
+    scenario = OffloadScenario(engine)
+    tokens = scenario.tokens(n)
+    await scenario.produce(tokens)
+    return scenario, tokens
 
 
 def nothing_scheduled(engine: OffloadEngine) -> bool:
@@ -39,8 +47,7 @@ def nothing_scheduled(engine: OffloadEngine) -> bool:
 
 @pytest.mark.asyncio
 async def test_bad_token_ids_and_counts_are_typed_errors_naming_the_argument():
-    engine = await started()
-    try:
+    async with an_engine() as engine:
         table = [[1, 2, 3], list(range(1, 10))]
         tokens = list(range(33))
         cases = [
@@ -68,14 +75,11 @@ async def test_bad_token_ids_and_counts_are_typed_errors_naming_the_argument():
         assert handle.scheduled and not handle.dropped
         await handle.wait_released()
         assert engine.lookup(tokens + [5], max_tokens=np.int64(32)) == 32
-    finally:
-        await engine.close()
 
 
 @pytest.mark.asyncio
 async def test_block_ids_must_be_integers_distinct_and_nested():
-    engine = await started()
-    try:
+    async with an_engine() as engine:
         tokens = list(range(33))
         cases = [
             ([[0, 1.9, 2.5], list(range(1, 10))], TypeError, r"block_table\[0\]\[1\] must be an int .*got float 1\.9"),
@@ -110,8 +114,6 @@ async def test_block_ids_must_be_integers_distinct_and_nested():
         handle = engine.store(sparse, [scenario.allocate(33)[0], [0, 0] + scenario.allocate(33)[1][2:]])
         assert not handle.dropped and handle.scheduled
         await handle.wait_released()
-    finally:
-        await engine.close()
 
 
 def test_settings_that_can_never_work_are_refused_where_they_are_known(tmp_path, monkeypatch):
@@ -138,8 +140,7 @@ def test_settings_that_can_never_work_are_refused_where_they_are_known(tmp_path,
 @pytest.mark.asyncio
 async def test_stores_that_never_fit_are_dropped_logged_once_per_interval_and_counted(caplog):
     caplog.set_level(logging.WARNING, logger="kvtier.engine")
-    engine = await started(EngineConfig(store_queue_max_chunks=2, host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0))
-    try:
+    async with an_engine(EngineConfig(store_queue_max_chunks=2, host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0)) as engine:
         scenario = OffloadScenario(engine)
         dropped = [sum(len(b) for b in (await scenario.produce(scenario.tokens(33))).dropped.values()) for _ in range(3)]
         n = dropped[0]
@@ -151,8 +152,6 @@ async def test_stores_that_never_fit_are_dropped_logged_once_per_interval_and_co
             f"a request this large never fits: raise store_queue_max_chunks [{n} chunks dropped for this reason since "
             "the last such line]"
         ]
-    finally:
-        await engine.close()
     now = [0.0]
     log = DropLog(interval_s=10.0, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
@@ -185,11 +184,8 @@ def test_device_views_and_groups_refuse_what_is_not_a_kv_cache():
 
 @pytest.mark.asyncio
 async def test_lookup_max_tokens_past_the_request_costs_what_the_request_costs():
-    engine = await started()
-    try:
-        scenario = OffloadScenario(engine)
-        tokens = scenario.tokens(64)
-        await scenario.produce(tokens)
+    async with an_engine() as engine:
+        _, tokens = await produced(engine, 64)
         expected = engine.lookup(tokens, max_tokens=64)
         assert expected == 64
         began = time.perf_counter()
@@ -197,8 +193,6 @@ async def test_lookup_max_tokens_past_the_request_costs_what_the_request_costs()
         assert engine.lookup(tokens, max_tokens=10**8) == expected
         assert engine.lookup(tokens, max_tokens=10**30) == expected
         assert time.perf_counter() - began < 2.0
-    finally:
-        await engine.close()
 
 
 def _in_another_loop(call) -> BaseException:
@@ -221,8 +215,7 @@ def _in_another_loop(call) -> BaseException:
 
 @pytest.mark.asyncio
 async def test_every_call_from_another_loop_or_thread_is_a_usage_error():
-    engine = await started()
-    try:
+    async with an_engine() as engine:
         tokens = list(range(33))
         table = [[1, 2, 3], list(range(1, 10))]
         calls = {
@@ -238,15 +231,12 @@ async def test_every_call_from_another_loop_or_thread_is_a_usage_error():
             assert str(exc) == ("this OffloadEngine belongs to the event loop that started it; it was called from "
                                 "another event loop"), name
         assert not engine.closing  # the refused close changed nothing
-    finally:
-        await engine.close()
     assert engine.closed
 
 
 @pytest.mark.asyncio
 async def test_fence_checks_its_block_ids_as_a_block_table_does():
-    engine = await started()
-    try:
+    async with an_engine() as engine:
         cases = [
             (("0123",), TypeError, r"^block_ids must be a sequence of ints, got str '0123'$"),
             (([1.5],), TypeError, r"^block_ids\[0\] must be an int .*got float 1\.5$"),
@@ -265,18 +255,12 @@ async def test_fence_checks_its_block_ids_as_a_block_table_does():
         await engine.fence(np.array([0, 1]), 1)
         await engine.fence({2, 3})
         await engine.fence(iter([4]), np.int64(0))
-    finally:
-        await engine.close()
 
 
 @pytest.mark.asyncio
 async def test_tokens_that_are_not_tokens_and_keys_of_another_layout_are_refused_by_name():
-    engine = await started()
     other_layout = ModelLayout((AttentionGroup(16), AttentionGroup(8, sliding_window=8)))
-    other = OffloadEngine(other_layout, make_cpu_device(other_layout),
-                          EngineConfig(host_capacity_bytes=4 << 20, pressure_poll_interval_s=3600.0), fingerprint=FINGERPRINT)
-    await other.start()
-    try:
+    async with an_engine() as engine, an_engine(layout=other_layout) as other:
         tokens = list(range(33))
         table = [[1, 2, 3], list(range(1, 10))]
         keys = engine.request_keys(tokens)
@@ -309,18 +293,12 @@ async def test_tokens_that_are_not_tokens_and_keys_of_another_layout_are_refused
         with pytest.raises(ValueError, match=message):
             await engine.load(foreign, 16, table)
         assert nothing_scheduled(engine)
-    finally:
-        await other.close()
-        await engine.close()
 
 
 @pytest.mark.asyncio
 async def test_load_refuses_a_hit_off_the_granularity_and_a_device_block_given_twice():
-    engine = await started()
-    try:
-        scenario = OffloadScenario(engine)
-        tokens = scenario.tokens(33)
-        await scenario.produce(tokens)
+    async with an_engine() as engine:
+        scenario, tokens = await produced(engine, 33)
         fresh = scenario.allocate(33)
         with pytest.raises(ValueError, match=r"^hit_tokens must be a multiple of the layout's hit_granularity_tokens \(4\), got 17$"):
             await engine.load(tokens, 17, fresh)
@@ -332,8 +310,6 @@ async def test_load_refuses_a_hit_off_the_granularity_and_a_device_block_given_t
         assert engine.statistics()["chunks_by_state"]["loading"] == 0
         result = await engine.load(tokens, 32, fresh)
         assert result.ok, result.reason
-    finally:
-        await engine.close()
 
 
 def test_layouts_and_device_views_refuse_what_can_never_hit():

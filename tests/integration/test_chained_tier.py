@@ -121,8 +121,7 @@ async def test_a_stalled_remote_is_never_worse_than_no_remote(tmp_path, valkey_f
     try:
         remote_only = make_items(2, 1000, seed=15)
         await other_host.put_many(remote_only)
-        os.kill(node.pid, signal.SIGSTOP)
-        try:
+        with node.stalled():
             started = time.monotonic()
             items = make_items(3, 10_000, seed=16)
             await chain.put_many(items)  # LMDB is durable; the remote copy fails in the background
@@ -135,8 +134,6 @@ async def test_a_stalled_remote_is_never_worse_than_no_remote(tmp_path, valkey_f
             stats = chain.statistics()
             assert stats.extra["writebehind_failed"] == 3 and stats.extra["remote.breaker_open"] == 1
             assert stats.degraded and any("circuit" in p for p in await chain.check())
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
     finally:
         await other_host.close()
         await chain.close()

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+from typing import Tuple
 
 import pytest
 
@@ -53,6 +54,13 @@ class GateDevice:
 
     def open(self) -> None:
         self.gate.set()
+
+
+async def gated_engine(kvtier_engine_factory, **kwargs) -> Tuple[OffloadEngine, OffloadScenario, GateDevice]:
+    """A started engine of ``LAYOUT`` (``kwargs`` to the factory), its scenario, and a gate holding
+    its device copies."""
+    engine = await kvtier_engine_factory(layout=LAYOUT, **kwargs)
+    return engine, OffloadScenario(engine), GateDevice(engine)
 
 
 async def stored_on_disk(tmp_path, seed: int = 0, num_blocks: int = 256):
@@ -107,9 +115,7 @@ async def test_a_missing_chunk_shrinks_the_hit(kvtier_engine_factory):
 
 @pytest.mark.asyncio
 async def test_pending_chunks_give_none_then_the_full_hit(kvtier_engine_factory):
-    engine = await kvtier_engine_factory(layout=LAYOUT)
-    scenario = OffloadScenario(engine)
-    gate = GateDevice(engine)
+    engine, scenario, gate = await gated_engine(kvtier_engine_factory)
     prompt = scenario.tokens(33)
     produce = asyncio.ensure_future(scenario.produce(prompt, expect_stored=STORED))
     await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 5)
@@ -231,9 +237,7 @@ async def test_a_full_store_queue_drops_and_counts(kvtier_engine_factory, tmp_pa
 @pytest.mark.asyncio
 async def test_an_exhausted_host_pool_says_cannot_fast_and_recovers(tmp_path, kvtier_engine_factory):
     # No disk tier; 4 slots per group (the floor). Held PENDING copies pin every slot.
-    engine = await kvtier_engine_factory(layout=LAYOUT, config=config(tmp_path, cache_dir=None, host_capacity_bytes=1))
-    scenario = OffloadScenario(engine)
-    gate = GateDevice(engine)
+    engine, scenario, gate = await gated_engine(kvtier_engine_factory, config=config(tmp_path, cache_dir=None, host_capacity_bytes=1))
     first = scenario.tokens(16)  # FA chunk 0; SWA blocks 2, 3
     first_table = scenario.allocate(16)
     handle = engine.store(first, first_table)
@@ -317,9 +321,7 @@ async def test_prefetch_promotes_disk_chunks_to_host(tmp_path, policy):
 
 @pytest.mark.asyncio
 async def test_fence_waits_for_the_copy_reading_a_block(kvtier_engine_factory):
-    engine = await kvtier_engine_factory(layout=LAYOUT)
-    scenario = OffloadScenario(engine)
-    gate = GateDevice(engine)
+    engine, scenario, gate = await gated_engine(kvtier_engine_factory)
     prompt = scenario.tokens(33)
     table = scenario.allocate(33)
     handle = engine.store(prompt, table)

@@ -11,18 +11,19 @@ import asyncio
 import logging
 import os
 import threading
+from typing import List, Tuple
 
 import pytest
 import torch
 
-from kvtier.engine import EngineConfig, OffloadEngine
+from kvtier.engine import EngineConfig, OffloadEngine, StoreHandle
 from kvtier.errors import ClosedError, KvtierError
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.pressure import ScriptedSource
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
-from kvtier.tools.testing.tier_seam import SeamTier
+from kvtier.tools.testing.tier_seam import Gate, SeamTier
 
 FULL = ModelLayout(groups=(AttentionGroup(16),))
 HYBRID = ModelLayout(groups=(AttentionGroup(16), AttentionGroup(4, sliding_window=8)))
@@ -108,17 +109,33 @@ async def cancel_soon(coro, *, ticks: int = 3):
     return task
 
 
+async def _store_held_in_its_copy(r: Rig) -> Tuple[GatedCopies, List[int], List[List[int]], StoreHandle]:
+    """A 33-token store whose device -> host copy is held on the copy thread: (gate, prompt, table,
+    handle), once the copy has begun."""
+    gate = GatedCopies(r.engine)
+    prompt = r.scenario.tokens(33)
+    table = r.scenario.allocate(33)
+    handle = r.engine.store(prompt, table)
+    await gate.wait_entered()
+    return gate, prompt, table, handle
+
+
+async def _stored_with_loads_held(r: Rig) -> Tuple[List[int], GatedCopies, List[List[int]]]:
+    """A stored 33-token prompt, a gate that will hold loads' host -> device copies, and fresh device
+    blocks for them: (prompt, gate, table)."""
+    prompt = r.scenario.tokens(33)
+    await r.scenario.produce(prompt)
+    gate = GatedCopies(r.engine, "scatter_many_groups")
+    return prompt, gate, r.scenario.allocate(33)
+
+
 # -------------------------------------------------------- a cancel cancels only its own wait
 
 
 @pytest.mark.asyncio
 async def test_cancelling_flush_does_not_cancel_an_in_flight_store(tmp_path):
     r = await rig(tmp_path)
-    gate = GatedCopies(r.engine)
-    prompt = r.scenario.tokens(33)
-    table = r.scenario.allocate(33)
-    handle = r.engine.store(prompt, table)
-    await gate.wait_entered()
+    gate, prompt, table, handle = await _store_held_in_its_copy(r)
     await cancel_soon(r.engine.flush())
     gate.open()
     await asyncio.wait_for(handle.wait_released(), 5)
@@ -130,10 +147,7 @@ async def test_cancelling_flush_does_not_cancel_an_in_flight_store(tmp_path):
 @pytest.mark.asyncio
 async def test_cancelling_close_lets_a_load_finish_into_its_own_blocks(tmp_path):
     r = await rig(tmp_path)
-    prompt = r.scenario.tokens(33)
-    await r.scenario.produce(prompt)
-    gate = GatedCopies(r.engine, "scatter_many_groups")
-    table = r.scenario.allocate(33)
+    prompt, gate, table = await _stored_with_loads_held(r)
     load = asyncio.ensure_future(r.engine.load(prompt + [1], 32, table))
     await gate.wait_entered()
     await cancel_soon(r.engine.close())
@@ -160,10 +174,7 @@ async def test_cancelling_close_lets_a_load_finish_into_its_own_blocks(tmp_path)
 @pytest.mark.asyncio
 async def test_cancelling_a_load_never_lets_a_late_copy_write_into_reused_blocks(tmp_path):
     r = await rig(tmp_path)
-    prompt = r.scenario.tokens(33)
-    await r.scenario.produce(prompt)
-    gate = GatedCopies(r.engine, "scatter_many_groups")
-    table = r.scenario.allocate(33)
+    prompt, gate, table = await _stored_with_loads_held(r)
     await cancel_soon(r.engine.load(prompt + [1], 32, table), ticks=5)
     await gate.wait_entered()
     fence = asyncio.ensure_future(r.engine.fence(table[0]))
@@ -313,11 +324,7 @@ async def test_refresh_does_not_drop_a_queued_spill(tmp_path):
 @pytest.mark.asyncio
 async def test_a_store_finding_its_chunks_in_flight_is_durable_only_when_they_are(tmp_path):
     r = await rig(tmp_path)
-    gate = GatedCopies(r.engine)
-    prompt = r.scenario.tokens(33)
-    table = r.scenario.allocate(33)
-    first = r.engine.store(prompt, table)
-    await gate.wait_entered()
+    gate, prompt, table, first = await _store_held_in_its_copy(r)
     second = r.engine.store(prompt, table)  # finds both chunks PENDING
     assert second.skipped == ((0, 0), (0, 1))
     r.seam.fail_next("put_many", KvtierError("disk gone"))
@@ -351,18 +358,10 @@ async def test_a_store_finding_its_chunks_queued_waits_for_their_spill(tmp_path)
 async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_path):
     # Disk capacity for ~2 chunks: batch 2's commit evicts batch 1's chunk; batch 1's put answer is
     # held until that removal has reached the engine.
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
-    r = await rig(tmp_path, inner=inner)
-    hold = r.seam.hold_next("put_many", after=True)
+    r, inner, hold = await _small_disk_answer_held(tmp_path)
     first = r.scenario.tokens(17)
     await r.scenario.produce(first, wait_durable=False)
-    await hold.entered.wait()  # batch 1 committed; its answer waits
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
-    key = r.engine.request_keys(first).keys[0][0]
-    assert await inner.contains_many([key]) == [False]
-    hold.release()
+    key = await _evict_while_the_answer_waits(r, inner, hold, first)  # batch 1 evicted while its answer waited
     await r.engine.flush()
     assert r.engine.lookup(first + [1]) == (16 if key in r.engine.host.entries else 0)
     assert key not in r.engine.disk_index
@@ -373,18 +372,10 @@ async def test_an_eviction_reported_before_the_spill_returns_stays_evicted(tmp_p
 async def test_a_spill_whose_key_was_evicted_before_its_answer_is_not_durable(tmp_path):
     # The put landed, then another writer's records evicted its key, and that removal reached the
     # engine before the put's answer: the index refuses the key, so the handle is not durable.
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
-    r = await rig(tmp_path, inner=inner)
-    hold = r.seam.hold_next("put_many", after=True)
+    r, inner, hold = await _small_disk_answer_held(tmp_path)
     first = r.scenario.tokens(17)
     produced = asyncio.ensure_future(r.scenario.produce(first))  # waits for wait_durable()
-    await hold.entered.wait()
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
-    key = r.engine.request_keys(first).keys[0][0]
-    assert await inner.contains_many([key]) == [False]
-    hold.release()
+    key = await _evict_while_the_answer_waits(r, inner, hold, first)
     record = await produced
     assert (record.durable, key in r.engine.disk_index) == (False, False)
     await r.close()
@@ -392,7 +383,7 @@ async def test_a_spill_whose_key_was_evicted_before_its_answer_is_not_durable(tm
 
 @pytest.mark.asyncio
 async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path):
-    inner = await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+    inner = await _small_disk(tmp_path)
     r = await rig(tmp_path, inner=inner, host_capacity_bytes=1)
     prompt = r.scenario.tokens(17)
     await r.scenario.produce(prompt)
@@ -400,14 +391,42 @@ async def test_refresh_does_not_re_add_a_key_evicted_during_the_listing(tmp_path
     hold = r.seam.hold_next("list_keys", after=True)
     refresh = asyncio.ensure_future(r.engine.refresh_disk_index())
     await hold.entered.wait()  # the listing holds the key
-    for _ in range(3):
-        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
-    await asyncio.sleep(0.05)
-    assert await inner.contains_many([key]) == [False]
+    await _another_writer_evicts(r, inner, key)
     hold.release()
     await refresh
     assert key not in r.engine.disk_index
     await r.close()
+
+
+async def _small_disk(tmp_path) -> LmdbTier:
+    """A disk tier with room for about two chunks, so a few more records evict the oldest."""
+    return await LmdbTier.open(tmp_path / "lmdb", map_size_bytes=64 << 20, capacity_bytes=5000)
+
+
+async def _small_disk_answer_held(tmp_path) -> Tuple[Rig, LmdbTier, Gate]:
+    """A rig over the small disk whose next put's answer is held after it committed: (rig, the
+    disk, the hold)."""
+    inner = await _small_disk(tmp_path)
+    r = await rig(tmp_path, inner=inner)
+    return r, inner, r.seam.hold_next("put_many", after=True)
+
+
+async def _evict_while_the_answer_waits(r: Rig, inner: LmdbTier, hold: Gate, prompt: List[int]) -> bytes:
+    """Once the held put committed, another writer evicts ``prompt``'s first chunk; then the put's
+    answer goes on. Returns that chunk's key."""
+    await hold.entered.wait()
+    key = r.engine.request_keys(prompt).keys[0][0]
+    await _another_writer_evicts(r, inner, key)
+    hold.release()
+    return key
+
+
+async def _another_writer_evicts(r: Rig, inner: LmdbTier, key: bytes) -> None:
+    """Another writer's records fill the small disk past `key`, and its removal reaches the engine."""
+    for _ in range(3):
+        await r.seam.inner.put_many([_raw_item(r.engine, os.urandom(32))])
+    await asyncio.sleep(0.05)  # the removal callbacks run on the loop
+    assert await inner.contains_many([key]) == [False]
 
 
 def _raw_item(engine: OffloadEngine, key: bytes):

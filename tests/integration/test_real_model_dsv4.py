@@ -9,6 +9,7 @@ Model semantics: transformers' ``models/deepseek_v4`` (``DeepseekV4HCACache`` /
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -57,6 +58,25 @@ def model_dir(tmp_path_factory):
     torch.manual_seed(4)
     transformers.AutoModelForCausalLM.from_config(tiny_deepseek_v4_config(), dtype=torch.float32).save_pretrained(path)
     return path
+
+
+@contextlib.asynccontextmanager
+async def _restored(plan, cache_dir, fingerprint, consumer_ids):
+    """An engine over ``cache_dir`` that has looked ``consumer_ids`` up and loaded its hit into fresh
+    device caches full of NaN (only restored bytes may be read): yields
+    ``(engine, kv_caches, hit, tables, result)``, the engine still open."""
+    layout = plan.layout
+    kv_caches = plan.allocate(24, torch.float32)
+    for tensors in kv_caches:
+        for tensor in tensors:
+            tensor.fill_(float("nan"))
+    async with OffloadEngine(
+        layout, DeviceKVView(layout, kv_caches), EngineConfig(cache_dir=str(cache_dir)), fingerprint=fingerprint
+    ) as engine:
+        hit = engine.lookup(consumer_ids)
+        tables = _consumer_tables(layout, hit)
+        result = await engine.load(consumer_ids, hit, tables)
+        yield engine, kv_caches, hit, tables, result
 
 
 def _consumer_tables(layout, hit):
@@ -114,17 +134,8 @@ async def test_deepseek_v4_restores_exactly(model_dir, tmp_path):
 
     diffs = {}
     for name, consumer_ids, expected_hit in (("longer", longer, 64), ("diverging", diverging, 32)):
-        kv_caches = plan.allocate(24, torch.float32)
-        for tensors in kv_caches:  # NaN everywhere: only restored bytes may be read
-            for tensor in tensors:
-                tensor.fill_(float("nan"))
-        async with OffloadEngine(
-            layout, DeviceKVView(layout, kv_caches), EngineConfig(cache_dir=str(cache_dir)), fingerprint=fingerprint
-        ) as engine:
-            hit = engine.lookup(consumer_ids)
+        async with _restored(plan, cache_dir, fingerprint, consumer_ids) as (engine, kv_caches, hit, tables, result):
             assert hit == expected_hit, name
-            tables = _consumer_tables(layout, hit)
-            result = await engine.load(consumer_ids, hit, tables)
             engine.check()
         assert result.ok and result.chunks_from_disk > 0
         expected = {
@@ -215,16 +226,8 @@ async def test_past_index_topk_restored_logits_match_the_models_own_cache(tmp_pa
     plan = cache_plan(model.config, block_size=BLOCK, extra_retained_tokens=R)
     layout = plan.layout
     fingerprint = model_fingerprint(transformers.AutoConfig.from_pretrained(model_dir), layout, "float32")
-    kv_caches = plan.allocate(24, torch.float32)
-    for tensors in kv_caches:
-        for tensor in tensors:
-            tensor.fill_(float("nan"))
-    async with OffloadEngine(
-        layout, DeviceKVView(layout, kv_caches), EngineConfig(cache_dir=str(cache_dir)), fingerprint=fingerprint
-    ) as engine:
-        hit = engine.lookup(consumer_ids)
-        tables = _consumer_tables(layout, hit)
-        result = await engine.load(consumer_ids, hit, tables)
+    async with _restored(plan, cache_dir, fingerprint, consumer_ids) as (_, kv_caches, hit, tables, result):
+        pass
     assert hit == 64 and result.ok and hit // CSA_RATE > 4
     restored = next_token_logits(model, plan.build_cache(model, kv_caches, tables, hit), consumer_ids, hit)
     from kvtier.integrations.transformers._common import cache_kwarg  # transformers' name for the cache argument

@@ -31,6 +31,20 @@ def namespace() -> str:
     return f"t{os.getpid()}-{next(_ns)}"
 
 
+async def overfill(tier: RemoteTier, items: List[Tuple[bytes, ChunkMeta, memoryview]], *, batch: int) -> List[bytes]:
+    """Put ``items`` ``batch`` at a time into a server too small for them; returns the keys of the
+    batches it accepted (allkeys-lru too refuses a write it cannot make room for: counted, not
+    stored)."""
+    keys: List[bytes] = []
+    for i in range(0, len(items), batch):
+        try:
+            await tier.put_many(items[i:i + batch])
+            keys += [k for k, _, _ in items[i:i + batch]]
+        except TierFullError:
+            pass
+    return keys
+
+
 @pytest.fixture(params=["node", "cluster"])
 def url(request, valkey_node, valkey_cluster) -> str:
     return valkey_node.url if request.param == "node" else valkey_cluster.url
@@ -298,13 +312,7 @@ async def test_server_evictions_reach_subscribers_within_the_bound(valkey_factor
     tier.subscribe_removals(removed.extend)
     try:
         items = make_items(60, 256 << 10, seed=5)  # 15 MiB into 6 MiB: most are evicted
-        keys = []
-        for i in range(0, 60, 4):
-            try:
-                await tier.put_many(items[i:i + 4])
-                keys += [k for k, _, _ in items[i:i + 4]]
-            except TierFullError:
-                pass  # allkeys-lru too refuses a write it cannot make room for
+        keys = await overfill(tier, items, batch=4)
         present = await tier.contains_many(keys)
         gone = {k for k, p in zip(keys, present) if not p}
         assert len(gone) >= 20
@@ -343,13 +351,7 @@ async def test_cluster_evictions_are_heard_from_every_primary(valkey_factory):
     tier.subscribe_removals(removed.extend)
     try:
         items = make_items(96, 128 << 10, seed=21)  # 12 MiB into 3 x 4 MiB
-        keys = []
-        for i in range(0, 96, 3):
-            try:
-                await tier.put_many(items[i:i + 3])
-                keys += [k for k, _, _ in items[i:i + 3]]
-            except TierFullError:
-                pass  # even allkeys-lru refuses a write it cannot make room for: counted, not stored
+        keys = await overfill(tier, items, batch=3)
         gone = {k for k, p in zip(keys, await tier.contains_many(keys)) if not p}
         nodes = {cluster.node_for_slot(key_slot(tier.rkey(k))).port for k in gone}
         assert len(nodes) >= 2, "evictions on one primary only: the test proves nothing"
@@ -370,8 +372,7 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
     try:
         items = make_items(4, 100_000, seed=6)
         await tier.put_many(items)
-        os.kill(node.pid, signal.SIGSTOP)
-        try:
+        with node.stalled():
             started = time.monotonic()
             metas, _ = await read_back(tier, items)
             elapsed = time.monotonic() - started
@@ -387,8 +388,6 @@ async def test_stalled_node_times_out_within_the_bound_opens_the_breaker_and_hea
             assert time.monotonic() - started < 0.25  # no network wait (a timeout would be 0.3 s each)
             assert tier.statistics().extra["breaker_rejected"] >= 5
             assert any("circuit" in p for p in await tier.check())
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
         # Healed: after reset_s one probe closes the breaker and reads hit again.
         healed = False
         for _ in range(40):  # bounded: up to ~2 s

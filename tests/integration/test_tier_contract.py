@@ -28,7 +28,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -164,13 +164,18 @@ def kind(request: pytest.FixtureRequest) -> TierKind:
 
 @pytest.fixture
 def opened(kind: TierKind, tmp_path: Path):
-    """``await opened(capacity_bytes=None)``: a fresh tier of this kind (each test closes it on its
-    own loop, in ``finally``)."""
+    """``async with opened(capacity_bytes=None) as tier``: a fresh tier of this kind, closed on the
+    test's own loop when the block ends."""
     count = [0]
 
-    async def open_tier(capacity_bytes: Optional[int] = None) -> ChunkTier:
+    @contextlib.asynccontextmanager
+    async def open_tier(capacity_bytes: Optional[int] = None) -> AsyncIterator[ChunkTier]:
         count[0] += 1
-        return await kind.open(tmp_path / f"tier{count[0]}", capacity_bytes)
+        tier = await kind.open(tmp_path / f"tier{count[0]}", capacity_bytes)
+        try:
+            yield tier
+        finally:
+            await tier.close()
 
     return open_tier
 
@@ -190,6 +195,15 @@ def payload(i: int, nbytes: int) -> bytearray:
 
 def item(key: bytes, data: bytearray, chunk_index: int = 0):
     return key, dataclasses.replace(META, chunk_index=chunk_index, shape=(len(data),)), memoryview(data)
+
+
+def four_records(kind: TierKind, size: int) -> int:
+    """A capacity of exactly four records of ``size`` payload bytes (skips a kind with no capacity
+    of its own)."""
+    if not kind.bounded:
+        pytest.skip(f"{kind.name}: no capacity of its own (server evictions: test_remote_tier.py)")
+    record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
+    return 4 * record
 
 
 async def read(tier: ChunkTier, keys: Sequence[bytes], nbytes: int) -> Tuple[List[Optional[ChunkMeta]], List[bytes]]:
@@ -231,8 +245,7 @@ async def settle(tier: ChunkTier) -> None:
 
 @pytest.mark.asyncio
 async def test_round_trip_is_bitwise_and_sequences_increase(opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         keys = [key_of(1, 1), key_of(2), key_of(3, KEY_MAX_BYTES), key_of(4, 101)]
         datas = [payload(i, 3000) for i in range(len(keys))]
         first = await tier.put_many([item(k, d, i) for i, (k, d) in enumerate(zip(keys, datas))])
@@ -249,14 +262,11 @@ async def test_round_trip_is_bitwise_and_sequences_increase(opened) -> None:
         assert got == [bytes(payload(50, 3000))]
         assert await tier.put_many([]) == tier.sequence  # nothing new: the sequence as it is
         assert await tier.check() == []
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_one_key_rule_in_every_method(opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         buf = memoryview(bytearray(8))
         calls = {
             "put_many": lambda k: tier.put_many([item(k, bytearray(8))]),
@@ -271,14 +281,11 @@ async def test_one_key_rule_in_every_method(opened) -> None:
             with pytest.raises(TypeError, match="^chunk keys are bytes, not str$"):
                 await call("abc")
         assert await tier.list_keys() == [] and tier.statistics().puts == 0, "a refused call did something"
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_put_is_all_or_nothing_and_a_broken_write_degrades(kind: TierKind, opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         await tier.put_many([item(key_of(1), payload(1, 2000))])
         heal = kind.break_writes(tier)
         batch = [item(key_of(i), payload(i, 2000)) for i in range(2, 12)] + [item(key_of(1), payload(99, 2000))]
@@ -299,18 +306,12 @@ async def test_put_is_all_or_nothing_and_a_broken_write_degrades(kind: TierKind,
         metas, got = await read(tier, [key_of(i) for i in range(2, 12)], 2000)
         assert got == [bytes(payload(i, 2000)) for i in range(2, 12)]
         assert await tier.check() == []
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_removals_are_reported_once_with_their_sequence(kind: TierKind, opened) -> None:
-    if not kind.bounded:
-        pytest.skip(f"{kind.name}: no capacity of its own (server evictions: test_remote_tier.py)")
     size = 4000
-    record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
-    tier = await opened(capacity_bytes=4 * record)
-    try:
+    async with opened(capacity_bytes=four_records(kind, size)) as tier:
         removals = Removals(tier)
         puts: Dict[bytes, int] = {}
         for i in range(4):
@@ -349,20 +350,14 @@ async def test_removals_are_reported_once_with_their_sequence(kind: TierKind, op
         assert removals.wrong_loop == 0
         assert len(removals.seen) == len({(r.key, r.sequence) for r in removals.seen}), "reported twice"
         assert await tier.check() == []
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_a_touch_counts_as_a_use_for_eviction(kind: TierKind, opened) -> None:
     """``touch_many`` (a use served from a faster copy above) moves a held key young as a read
     would; unknown keys are ignored."""
-    if not kind.bounded:
-        pytest.skip(f"{kind.name}: no capacity of its own (server evictions: test_remote_tier.py)")
     size = 4000
-    record = len(encode_record(key_of(0), item(key_of(0), payload(0, size))[1], memoryview(payload(0, size)), CodecConfig()))
-    tier = await opened(capacity_bytes=4 * record)
-    try:
+    async with opened(capacity_bytes=four_records(kind, size)) as tier:
         removals = Removals(tier)
         for i in range(4):
             await tier.put_many([item(key_of(i), payload(i, size))])
@@ -372,14 +367,11 @@ async def test_a_touch_counts_as_a_use_for_eviction(kind: TierKind, opened) -> N
             await settle(tier)
         assert [r.key for r in removals.seen] == [key_of(2), key_of(3), key_of(1), key_of(0)]
         assert await tier.check() == []
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_snapshot_reflects_every_mutation_up_to_its_sequence(opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         removals = Removals(tier)
         s1 = await tier.put_many([item(key_of(i), payload(i, 500)) for i in range(6)])
         await tier.delete_many([key_of(0), key_of(1)])
@@ -393,15 +385,12 @@ async def test_snapshot_reflects_every_mutation_up_to_its_sequence(opened) -> No
         snap2 = await tier.snapshot_keys()
         assert key_of(0) in snap2.keys and snap2.sequence >= later
         assert set(await tier.list_keys()) == snap2.keys
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_statistics_use_the_shared_names(kind: TierKind, opened) -> None:
     capacity = 1 << 20 if kind.bounded else None
-    tier = await opened(capacity_bytes=capacity)
-    try:
+    async with opened(capacity_bytes=capacity) as tier:
         await tier.put_many([item(key_of(i), payload(i, 100)) for i in range(3)])
         await read(tier, [key_of(0), key_of(9)], 100)
         stats = tier.statistics()
@@ -415,16 +404,13 @@ async def test_statistics_use_the_shared_names(kind: TierKind, opened) -> None:
         assert stats.capacity_bytes == tier.capacity_bytes == capacity
         assert 0 < stats.bytes <= 1 << 20 and flat["bytes"] == float(stats.bytes)
         assert not set(stats.extra) & set(STATISTICS_FIELDS), "a shared name hidden in extra"
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_cancelled_calls_keep_the_buffer_rule(opened) -> None:
     """A cancelled put ends only when its buffers are no longer read, and still lands; a cancelled
     get ends only when nothing writes into its buffers any more."""
-    tier = await opened()
-    try:
+    async with opened() as tier:
         n, size = 24, 256 << 10  # 6 MiB: several encode/decode slices
         datas = [payload(-1, size) for _ in range(n)]
         keys = [key_of(100 + i) for i in range(n)]
@@ -451,8 +437,6 @@ async def test_cancelled_calls_keep_the_buffer_rule(opened) -> None:
         await settle(tier)
         await asyncio.sleep(0.1)
         assert [bytes(b) for b in bufs] == seen, "the tier wrote into buffers after the call ended"
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
@@ -460,8 +444,7 @@ async def test_a_cancelled_flush_stops_only_its_own_wait(opened) -> None:
     """Cancelling ``flush`` while a put is in flight must not cancel the put: its caller still gets
     the put's own result and the records land (the remote tier once waited with ``gather``, whose
     cancellation cancels the tier's tasks)."""
-    tier = await opened()
-    try:
+    async with opened() as tier:
         n, size = 16, 256 << 10
         keys = [key_of(300 + i) for i in range(n)]
         datas = [payload(300 + i, size) for i in range(n)]
@@ -476,17 +459,14 @@ async def test_a_cancelled_flush_stops_only_its_own_wait(opened) -> None:
         assert isinstance(sequence, int) and sequence > 0
         _, got = await read(tier, keys, size)
         assert got == [bytes(d) for d in datas]
-    finally:
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_close_twice_then_every_call_is_closed_error(opened) -> None:
-    tier = await opened()
-    await tier.put_many([item(key_of(1), payload(1, 10))])
-    assert await tier.check() == []
-    await tier.close()
-    await tier.close()
+    async with opened() as tier:
+        await tier.put_many([item(key_of(1), payload(1, 10))])
+        assert await tier.check() == []
+    await tier.close()  # the block closed it once
     buf = memoryview(bytearray(10))
     for call in (
         lambda: tier.put_many([item(key_of(2), payload(2, 10))]),
@@ -502,18 +482,14 @@ async def test_close_twice_then_every_call_is_closed_error(opened) -> None:
 
 @pytest.mark.asyncio
 async def test_closed_says_whether_close_has_begun(opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         assert tier.closed is False
-    finally:
-        await tier.close()
     assert tier.closed is True
 
 
 @pytest.mark.asyncio
 async def test_a_two_phase_put_lands_only_after_its_gate_and_is_dropped_when_the_gate_fails(opened) -> None:
-    tier = await opened()
-    try:
+    async with opened() as tier:
         loop = asyncio.get_running_loop()
         with pytest.raises(TypeError):
             tier.start_put([("not bytes", META, memoryview(bytearray(1)))])  # type: ignore[list-item]
@@ -536,5 +512,3 @@ async def test_a_two_phase_put_lands_only_after_its_gate_and_is_dropped_when_the
             await landed
         await asyncio.wait([buffers_read])  # the buffers are free once the batch was dropped
         assert await tier.contains_many([kept, dropped]) == [True, False]
-    finally:
-        await tier.close()

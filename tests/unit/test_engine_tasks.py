@@ -8,6 +8,8 @@ import pytest
 
 from kvtier.engine.tasks import Supervised, settle, wait_all
 
+from cancel_checks import assert_cancel_waits_for_the_work
+
 
 @pytest.mark.asyncio
 async def test_settle_waits_for_the_work_even_when_its_waiter_is_cancelled():
@@ -20,12 +22,8 @@ async def test_settle_waits_for_the_work_even_when_its_waiter_is_cancelled():
 
     waiter = asyncio.ensure_future(settle(work()))
     await asyncio.sleep(0)
-    waiter.cancel()
-    await asyncio.sleep(0.01)
-    assert not waiter.done(), "settle returned while the work still ran"
-    release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await waiter
+    await assert_cancel_waits_for_the_work(waiter, release.set, held_s=0.01,
+                                           left_early="settle returned while the work still ran")
     assert finished == [True]
 
 

@@ -168,18 +168,22 @@ def test_the_graph_sees_the_tree():
 
 # ------------------------------------------------------------------- the reader on a tiny tree
 
-def write(root: pathlib.Path, relative: str, text: str) -> None:
-    path = root / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def graph_of(root: pathlib.Path, files: dict[str, str]) -> dict[str, set[str]]:
+    """Write ``files`` (relative path -> text) under ``root`` and return the graph of its ``lay`` layer."""
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return import_graph(module_files(root, layers=("lay",)))
 
 
 def test_a_function_level_import_closing_a_circle_is_found(tmp_path):
-    write(tmp_path, "lay/__init__.py", "")
-    write(tmp_path, "lay/a.py", "from kvtier.lay.b import helper\n")
-    write(tmp_path, "lay/b.py", "def helper():\n    from kvtier.lay import a\n    return a\n")
-    write(tmp_path, "lay/c.py", "import kvtier.lay.a\n")
-    graph = import_graph(module_files(tmp_path, layers=("lay",)))
+    graph = graph_of(tmp_path, {
+        "lay/__init__.py": "",
+        "lay/a.py": "from kvtier.lay.b import helper\n",
+        "lay/b.py": "def helper():\n    from kvtier.lay import a\n    return a\n",
+        "lay/c.py": "import kvtier.lay.a\n",
+    })
     assert graph == {
         "kvtier.lay": set(),
         "kvtier.lay.a": {"kvtier.lay.b"},
@@ -192,11 +196,12 @@ def test_a_function_level_import_closing_a_circle_is_found(tmp_path):
 
 
 def test_relative_and_type_checking_imports_count_and_a_package_name_goes_to_its_init(tmp_path):
-    write(tmp_path, "lay/__init__.py", "from .x import X\n")
-    write(tmp_path, "lay/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.y import Y\nX = 1\n")
-    write(tmp_path, "lay/sub/__init__.py", "")
-    write(tmp_path, "lay/sub/y.py", "from .. import X\nfrom ..x import X as X2\nY = 2\n")
-    graph = import_graph(module_files(tmp_path, layers=("lay",)))
+    graph = graph_of(tmp_path, {
+        "lay/__init__.py": "from .x import X\n",
+        "lay/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.y import Y\nX = 1\n",
+        "lay/sub/__init__.py": "",
+        "lay/sub/y.py": "from .. import X\nfrom ..x import X as X2\nY = 2\n",
+    })
     assert graph["kvtier.lay"] == {"kvtier.lay.x"}
     assert graph["kvtier.lay.x"] == {"kvtier.lay.sub.y"}
     assert graph["kvtier.lay.sub.y"] == {"kvtier.lay", "kvtier.lay.x"}
@@ -204,8 +209,9 @@ def test_relative_and_type_checking_imports_count_and_a_package_name_goes_to_its
 
 
 def test_a_tree_without_circles_has_none(tmp_path):
-    write(tmp_path, "lay/a.py", "import os\nfrom kvtier.lay import b\n")
-    write(tmp_path, "lay/b.py", "from kvtier.other import thing\n")
-    graph = import_graph(module_files(tmp_path, layers=("lay",)))
+    graph = graph_of(tmp_path, {
+        "lay/a.py": "import os\nfrom kvtier.lay import b\n",
+        "lay/b.py": "from kvtier.other import thing\n",
+    })
     assert graph == {"kvtier.lay.a": {"kvtier.lay.b"}, "kvtier.lay.b": set()}
     assert cycles(graph) == []

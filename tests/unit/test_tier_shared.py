@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from kvtier.tiers.codec_pool import map_slices, plan_slices, wait_threads
 from kvtier.tiers.lru import ByteLru
 
+from cancel_checks import assert_cancel_waits_for_the_work
+
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 5000), max_size=40), st.integers(1, 9), st.integers(1, 20000))
@@ -96,10 +98,6 @@ async def test_a_cancelled_wait_returns_only_after_the_running_slices_end():
         f = map_slices(pool, slow, [1, 2], [1 << 20, 1 << 20], workers=2, min_slice_bytes=1 << 20)
         waiter = asyncio.ensure_future(wait_threads(f, abandon_unstarted=True))
         assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
-        waiter.cancel()
-        await asyncio.sleep(0.05)
-        assert not waiter.done(), "the wait ended while a slice still ran"
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
+        await assert_cancel_waits_for_the_work(waiter, release.set, held_s=0.05,
+                                               left_early="the wait ended while a slice still ran")
         assert finished == [1]  # the second slice had not started: abandoned for good

@@ -30,7 +30,7 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._report import judge
 from ._settings import MiB
@@ -59,6 +59,18 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def in_flight(indices: range, each: Callable[[int], None]) -> List[Callable[[], None]]:
+    """``DIRECT_IN_FLIGHT`` jobs (for ``run_threads``) dealing ``indices`` round-robin, each running
+    ``each`` on its share in order."""
+    def job(part: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in indices[part::DIRECT_IN_FLIGHT]:
+                each(i)
+        return run
+
+    return [job(p) for p in range(DIRECT_IN_FLIGHT)]
+
+
 class DirectLimit(PooledSubject):
     """The disk's O_DIRECT limit: one file per round, its blocks allocated first (``fallocate``),
     chunk-sized aligned ``pwrite``s straight from the page-aligned host slots with
@@ -80,15 +92,12 @@ class DirectLimit(PooledSubject):
             # Blocks allocated first: direct writes inside the file's size run side by side, where
             # extending ones to one file are serialised by the filesystem (as kvtier's segments do).
             os.posix_fallocate(fd, 0, len(indices) * size)
-            def writer(part: int) -> Callable[[], None]:
-                def run() -> None:
-                    for i in indices[part::DIRECT_IN_FLIGHT]:
-                        if os.pwrite(fd, self.chunks[i], (i - indices.start) * size) != size:
-                            raise OSError("short direct write")
-                return run
+            def put(i: int) -> None:
+                if os.pwrite(fd, self.chunks[i], (i - indices.start) * size) != size:
+                    raise OSError("short direct write")
 
             started = time.perf_counter()
-            await self.run_threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads(in_flight(indices, put))
             os.fdatasync(fd)
             return time.perf_counter() - started
         finally:
@@ -98,15 +107,12 @@ class DirectLimit(PooledSubject):
         size = self.chunks[0].nbytes
         fd = os.open(self._path(indices), os.O_RDONLY | os.O_DIRECT)
         try:
-            def reader(part: int) -> Callable[[], None]:
-                def run() -> None:
-                    for i in indices[part::DIRECT_IN_FLIGHT]:
-                        if os.preadv(fd, [self.outs[i]], (i - indices.start) * size) != size:
-                            raise OSError("short direct read")
-                return run
+            def get(i: int) -> None:
+                if os.preadv(fd, [self.outs[i]], (i - indices.start) * size) != size:
+                    raise OSError("short direct read")
 
             started = time.perf_counter()
-            await self.run_threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads(in_flight(indices, get))
             return time.perf_counter() - started
         finally:
             os.close(fd)
@@ -295,22 +301,23 @@ class SglangFile(PooledSubject):
         self.values = [torch.frombuffer(c, dtype=torch.uint8) for c in self.chunks]
         self.targets = [torch.frombuffer(o, dtype=torch.uint8) for o in self.outs]
 
-    async def write(self, indices: range) -> float:
+    async def _timed_batch(self, call: Callable[[List[str], List[Any]], Any], indices: range,
+                           tensors: Sequence[Any]) -> Tuple[Any, float]:
+        """``call(keys, tensors)`` for the chunks of ``indices`` on the pool: (its answer, seconds)."""
         keys = [f"chunk{i}" for i in indices]
-        values = [self.values[i] for i in indices]
+        batch = [tensors[i] for i in indices]
         started = time.perf_counter()
-        ok = await asyncio.get_running_loop().run_in_executor(self.pool, self.store.batch_set, keys, values)
-        elapsed = time.perf_counter() - started
+        answer = await asyncio.get_running_loop().run_in_executor(self.pool, call, keys, batch)
+        return answer, time.perf_counter() - started
+
+    async def write(self, indices: range) -> float:
+        ok, elapsed = await self._timed_batch(self.store.batch_set, indices, self.values)
         if not ok:
             raise OSError("sglang file: batch_set failed")
         return elapsed
 
     async def read(self, indices: range) -> float:
-        keys = [f"chunk{i}" for i in indices]
-        targets = [self.targets[i] for i in indices]
-        started = time.perf_counter()
-        got = await asyncio.get_running_loop().run_in_executor(self.pool, self.store.batch_get, keys, targets)
-        elapsed = time.perf_counter() - started
+        got, elapsed = await self._timed_batch(self.store.batch_get, indices, self.targets)
         if any(g is None for g in got):
             raise OSError("sglang file: batch_get missed a chunk")
         return elapsed

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import lmdb
 import torch
@@ -34,7 +34,7 @@ import xxhash
 from kvtier.tiers.host import HostSlabPool
 
 from ._kv import make_kv_bytes
-from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs
+from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs, in_flight
 from ._rounds import run_paired
 from ._settings import MiB, label_of
 from ._subjects import DiskSubject, PooledSubject, RawFile, TierSubject
@@ -69,14 +69,11 @@ class SegmentProbe(PooledSubject):
         sums = [xxhash.xxh3_64_intdigest(self.chunks[i]) for i in indices]
         fd = os.open(self._segment(indices.start), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            def writer(part: int) -> Callable[[], None]:
-                def run() -> None:
-                    for i in indices[part::DIRECT_IN_FLIGHT]:
-                        if os.pwrite(fd, self.chunks[i], (i - indices.start) * stride) != size:
-                            raise OSError("short direct write")
-                return run
+            def put(i: int) -> None:
+                if os.pwrite(fd, self.chunks[i], (i - indices.start) * stride) != size:
+                    raise OSError("short direct write")
 
-            await self.run_threads([writer(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads(in_flight(indices, put))
             os.fdatasync(fd)  # payloads durable before the index that points at them
         finally:
             os.close(fd)
@@ -104,17 +101,14 @@ class SegmentProbe(PooledSubject):
                 if segment not in fds:
                     fds[segment] = os.open(self._segment(segment), os.O_RDONLY | os.O_DIRECT)
 
-            def reader(part: int) -> Callable[[], None]:
-                def run() -> None:
-                    for i in indices[part::DIRECT_IN_FLIGHT]:
-                        segment, offset, length, checksum = entries[i]
-                        if os.preadv(fds[segment], [self.outs[i]], offset) != length:
-                            raise OSError("short direct read")
-                        if xxhash.xxh3_64_intdigest(self.outs[i]) != checksum:
-                            bad.append(i)
-                return run
+            def get(i: int) -> None:
+                segment, offset, length, checksum = entries[i]
+                if os.preadv(fds[segment], [self.outs[i]], offset) != length:
+                    raise OSError("short direct read")
+                if xxhash.xxh3_64_intdigest(self.outs[i]) != checksum:
+                    bad.append(i)
 
-            await self.run_threads([reader(p) for p in range(DIRECT_IN_FLIGHT)])
+            await self.run_threads(in_flight(indices, get))
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -120,6 +120,16 @@ class LocalValkey:
         proc = getattr(self.server, "_process", None)
         return proc is None or proc.poll() is None
 
+    @contextlib.contextmanager
+    def stalled(self) -> Iterator[None]:
+        """The server stopped (SIGSTOP) for the block: its socket stays open and nothing answers,
+        as a hung node; it resumes (SIGCONT) when the block ends, however it ends."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """Kill the server (SIGKILL: the data is a cache) and remove its data directory. Safe twice;
         a stopped (SIGSTOP) server is killed too."""
