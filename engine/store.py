@@ -45,7 +45,8 @@ class DiskStore:
     """The disk (and remote) half of a front end: one ``ChunkTier`` and the ordered index of which
     keys it holds.
 
-    ``fingerprint`` binds the remote tier's keys to the model layout. ``tier`` is a tier the
+    ``fingerprint`` binds the remote tier's keys and records to the model layout (``None``: a front
+    end whose records carry bindings of their own, each in its chunk key). ``tier`` is a tier the
     caller opened (a ``FileTier``, a fault wrapper): used as is, never chained, never closed here.
     ``max_raw_bytes`` bounds a record the LMDB tier accepts (default: the tier's). Hooks, each
     called on the loop: ``on_removed(key)`` for every key that leaves the index,
@@ -60,7 +61,7 @@ class DiskStore:
         self,
         config: StoreConfig,
         *,
-        fingerprint: bytes,
+        fingerprint: Optional[bytes],
         tier: Optional[ChunkTier] = None,
         max_raw_bytes: Optional[int] = None,
         on_removed: Optional[Callable[[bytes], None]] = None,
@@ -70,7 +71,7 @@ class DiskStore:
         if not isinstance(config, StoreConfig):
             raise TypeError(f"config must be a StoreConfig, got {type(config).__name__}")
         self.config = config
-        self.fingerprint = bytes(fingerprint)
+        self.fingerprint = None if fingerprint is None else bytes(fingerprint)
         self._tier: Optional[ChunkTier] = tier
         self._local: Optional[ChunkTier] = tier
         self._owns_tier = tier is None

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from kvtier.engine.config import StoreConfig
 from kvtier.errors import KvtierError
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, check_live_fraction
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
@@ -48,8 +49,10 @@ class SglangStorageConfig:
     for the directory to open (a structure check of a large file takes a while).
     ``weights_version``: a tag bound into every key (bump it when the weights change under one model
     name). ``tenant_salt``: keys the page keys (two tenants never share a record). The ``lmdb_*``
-    settings, ``read_workers``, ``eviction_policy``, ``lmdb_verify_on_open`` and
-    ``quarantine_corrupt_cache_dir`` are ``EngineConfig``'s.
+    settings, ``read_workers``, ``eviction_policy``, ``lmdb_verify_on_open``,
+    ``quarantine_corrupt_cache_dir``, ``remote_url`` (a Valkey/Redis tier behind the disk, shared by
+    a fleet) and ``remote_namespace`` are ``StoreConfig``'s, with its defaults: ``store_config()``
+    is the record the backend opens its store with.
     """
 
     cache_dir: str
@@ -65,6 +68,8 @@ class SglangStorageConfig:
     lmdb_verify_on_open: bool = True
     quarantine_corrupt_cache_dir: bool = True
     eviction_policy: str = "lru"
+    remote_url: Optional[str] = None
+    remote_namespace: str = "sglang"
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> SglangStorageConfigError:
@@ -99,6 +104,29 @@ class SglangStorageConfig:
                 raise bad(name, "a bool")
         if self.eviction_policy not in BYTE_INDEX_NAMES:
             raise bad("eviction_policy", f"one of {', '.join(BYTE_INDEX_NAMES)}")
+        try:
+            self.store_config()
+        except ValueError as exc:  # the store's own rules (a remote URL, a namespace): named by it
+            name = str(exc).split(" ", 1)[0]
+            raise SglangStorageConfigError(f"kvtier SGLang backend: extra config key {name!r}: {exc}") from None
+
+    def store_config(self) -> StoreConfig:
+        """The store these settings open: the same record, rules and defaults the engine and the
+        vLLM tier open theirs with (what is not set here keeps ``StoreConfig``'s default)."""
+        return StoreConfig(
+            cache_dir=self.cache_dir,
+            disk_capacity_bytes=self.disk_capacity_bytes,
+            compression_level=max(1, self.compression),
+            compression_enabled=self.compression > 0,
+            read_workers=self.read_workers,
+            lmdb_segment_threshold_bytes=self.lmdb_segment_threshold_bytes,
+            lmdb_segment_compaction_live_fraction=self.lmdb_segment_compaction_live_fraction,
+            lmdb_verify_on_open=self.lmdb_verify_on_open,
+            quarantine_corrupt_cache_dir=self.quarantine_corrupt_cache_dir,
+            eviction_policy=self.eviction_policy,
+            remote_url=self.remote_url,
+            remote_namespace=self.remote_namespace,
+        )
 
     @classmethod
     def from_extra_config(cls, values: Optional[Mapping[str, Any]]) -> "SglangStorageConfig":

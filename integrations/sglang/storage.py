@@ -52,10 +52,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvtier.engine.store import DiskStore
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import tier_statistics_dict
-from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
-from kvtier.tiers.record_format import CodecConfig, element_size
+from kvtier.tiers.record_format import element_size
 
 from .config import SglangStorageConfig
 from .hits import PoolQuery, restorable_prefixes
@@ -107,26 +107,12 @@ _POOL_ORDER = {p.value: i for i, p in enumerate(PoolName)}
 _MAX_UNREADABLE_KEYS = 1 << 16
 
 
-async def open_page_store(config: SglangStorageConfig) -> Tuple[ChunkTier, Optional[str]]:
-    """Open the cache directory the way the engine opens it (a damaged one moved aside and
-    replaced when ``quarantine_corrupt_cache_dir``): the tier, and where damaged files went. The
-    one place this backend opens storage (the shared store layer replaces it)."""
-    codec = CodecConfig(compress=False) if config.compression == 0 else CodecConfig(level=config.compression)
-    tier, aside = await open_replacing_damaged(
-        config.cache_dir,
-        lambda: LmdbTier.open(
-            config.cache_dir,
-            capacity_bytes=config.disk_capacity_bytes,
-            codec=codec,
-            read_workers=config.read_workers,
-            verify_structure=config.lmdb_verify_on_open,
-            segment_threshold_bytes=config.lmdb_segment_threshold_bytes,
-            segment_compaction_live_fraction=config.lmdb_segment_compaction_live_fraction,
-            eviction_policy=config.eviction_policy,
-        ),
-        quarantine=config.quarantine_corrupt_cache_dir,
-    )
-    return tier, None if aside is None else str(aside)
+async def open_page_store(config: SglangStorageConfig) -> DiskStore:
+    """The backend's store, opened as the engine and the vLLM tier open theirs (``DiskStore``: a
+    verified open, a damaged directory moved aside and replaced when ``quarantine_corrupt_cache_dir``,
+    the remote tier chained behind when ``remote_url`` is set). No store-wide fingerprint: each pool
+    has its own layout, and a page's key binds the model and its pool (``keys.py``)."""
+    return await DiskStore.open(config.store_config(), fingerprint=None)
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -184,8 +170,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._unreadable_lock = threading.Lock()
         self._loop = _LoopThread()
         try:
-            self._tier, self.quarantined_cache_dir = self._loop.run(open_page_store(self.config),
-                                                                     self.config.open_timeout_s)
+            self._disk_store = self._loop.run(open_page_store(self.config), self.config.open_timeout_s)
+            tier = self._disk_store.tier
+            assert tier is not None, "a store with a cache_dir always has a tier"
+            self._tier: ChunkTier = tier
+            self.quarantined_cache_dir = self._disk_store.quarantined_cache_dir
         except BaseException:
             self._loop.stop(self.config.op_timeout_s)
             raise
@@ -549,7 +538,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if self._closed:
             return
         try:
-            self._loop.run(self._tier.close(), self.config.open_timeout_s)
+            self._loop.run(self._disk_store.close(), self.config.open_timeout_s)
         except Exception as exc:
             logger.warning("kvtier: closing %s failed: %s: %s", self.config.cache_dir, type(exc).__name__, exc)
         finally:

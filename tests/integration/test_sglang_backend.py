@@ -167,6 +167,29 @@ def test_bytes_round_trip_bitwise_through_v0_v1_v2_and_the_cli_tools(tmp_path):
     assert inspect_cache(str(tmp_path)).records == 0
 
 
+def test_a_second_host_restores_from_the_remote_tier_what_the_first_stored(tmp_path, valkey_node):
+    # Two hosts, each with its own cache directory, one Valkey behind both: the store layer's
+    # remote chain under the backend (write-through, read-through, promoted to the local disk).
+    pools_a, pools_b = make_pools(), make_pools()
+    extra = dict(remote_url=valkey_node.url, remote_namespace=f"sglang-{tmp_path.name}")
+    first = open_kvtier(tmp_path / "a", pools_a, **extra)
+    kv = fill(pools_a[PoolName.KV], 0, range(300, 304))
+    hashes = [f"shared-{i}" for i in range(4)]
+    assert first.batch_set_v1(hashes, slots(0, 4)) == [True] * 4
+    first.close()
+    second = open_kvtier(tmp_path / "b", pools_b, **extra)
+    try:
+        assert second.batch_exists(hashes) == 4
+        assert second.batch_get_v1(hashes, slots(4, 4)) == [True] * 4
+        assert read_back(pools_b[PoolName.KV], 4, 4) == kv
+    finally:
+        second.close()
+    # The read promoted the pages into the second host's own directory.
+    from kvtier.tools._maintenance import inspect_cache
+
+    assert inspect_cache(str(tmp_path / "b")).records == 4
+
+
 def test_keys_bind_model_rank_salt_and_pool_layout(tmp_path):
     pools = make_pools()
     backend = open_kvtier(tmp_path / "a", pools)

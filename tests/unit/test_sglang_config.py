@@ -35,6 +35,8 @@ def test_pure_modules_do_not_import_sglang():
     ("lmdb_segment_compaction_live_fraction", 1.0, "'lmdb_segment_compaction_live_fraction' must be a number in"),
     ("lmdb_verify_on_open", 1, "'lmdb_verify_on_open' must be a bool, got 1"),
     ("eviction_policy", "fifo", "'eviction_policy' must be one of"),
+    ("remote_url", "http://127.0.0.1:6379", "'remote_url': remote_url is invalid"),
+    ("remote_namespace", "a b", "'remote_namespace': remote_namespace must match"),
 ])
 def test_each_bad_value_is_one_typed_error_naming_its_key(key, value, message):
     extra = {"cache_dir": "/tmp/x", key: value}
@@ -112,3 +114,21 @@ def test_fold_matches_the_brute_force_model(query):
 def test_block_groups_report_whole_groups_and_never_gate():
     pools = [PoolQuery("c4", BLOCK_GROUPS, [True] * 7 + [False], group_pages=3)]
     assert restorable_prefixes(5, pools) == (5, {"kv": 5, "c4": 6}, [1, 2, 3, 4, 5])
+
+
+def test_the_backend_opens_the_store_the_engine_would_with_these_settings():
+    from kvtier.engine import EngineConfig
+
+    config = SglangStorageConfig.from_extra_config({"cache_dir": "/tmp/x", "compression": 0, "read_workers": 2,
+                                                    "remote_url": "redis://127.0.0.1:6379"})
+    store = config.store_config()
+    assert (store.cache_dir, store.compression_enabled, store.read_workers, store.remote_url,
+            store.remote_namespace) == ("/tmp/x", False, 2, "redis://127.0.0.1:6379", "sglang")
+    # What the backend does not set keeps the engine's default (the safety switches among them).
+    unset = set(store.field_names()) - {"cache_dir", "disk_capacity_bytes", "compression_level", "compression_enabled",
+                                        "read_workers", "lmdb_segment_threshold_bytes", "remote_url",
+                                        "lmdb_segment_compaction_live_fraction", "lmdb_verify_on_open",
+                                        "quarantine_corrupt_cache_dir", "eviction_policy", "remote_namespace"}
+    engine = EngineConfig()
+    assert {name: getattr(store, name) for name in unset} == {name: getattr(engine, name) for name in unset}
+    assert store.lmdb_verify_on_open and store.quarantine_corrupt_cache_dir
