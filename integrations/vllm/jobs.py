@@ -12,9 +12,8 @@ completions). Importing this module imports vLLM.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, MutableMapping, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingHistogramMetadata, OffloadingMetricMetadata,
@@ -68,7 +67,7 @@ def metric_definitions() -> Dict[str, OffloadingMetricMetadata]:
     }
 
 
-def count_hits(done: Done, stats: OffloadingConnectorStats, tier_hits: Counter) -> None:
+def count_hits(done: Done, stats: OffloadingConnectorStats, tier_hits: MutableMapping[str, Any]) -> None:
     """Per kvtier tier: chunks, tokens and bytes a load restored; the job's time goes to the
     deepest tier it needed (a job that reached the remote waited for it)."""
     for name, chunks, tokens, nbytes in done.by_tier:
