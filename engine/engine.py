@@ -16,9 +16,10 @@ remote, removals, refresh, the ordered ``DiskIndex`` of which keys the disk hold
 ``DiskStore`` (``store.py``); which handles wait for which spills is the ``DurableWatch``
 (``durable.py``); write-behind is the ``SpillPipeline`` (``spill.py``); stores are the
 ``StorePath`` (``storing.py``); loads and promotions are the ``LoadPath`` (``loading.py``);
-waiting on engine-owned work and keeping background loops alive is ``tasks.py``. The engine builds
-them and hands each the collaborators it needs (none of them imports this module); this module
-holds the public calls: it checks their arguments once (``validation.py``) and passes them on.
+waiting on engine-owned work and keeping background loops alive is ``tasks.py``. ``start`` builds
+them (``wiring.py``: host pools, paths, pressure monitor, background loops) and hands each the
+collaborators it needs (none of them imports this module); who may call is ``caller.py``. This
+module holds the public calls: it checks their arguments once (``validation.py``) and passes them on.
 
 Work the engine starts (a store's copy, a load, a promotion, a spill) runs in engine-owned tasks
 that no caller's cancellation reaches: a public coroutine cancels only its own wait. Pins
@@ -38,16 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from kvtier.errors import (
     ClosedError,
     EngineInvariantError,
-    EngineUsageError,
-    ForkedProcessError,
     KvtierError,
     TierIOError,
 )
@@ -55,8 +52,8 @@ from kvtier.policy import KeyChain, ModelLayout, longest_hit
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tiers.host import HostSlabPool, pools_for_budget
 
+from .caller import CallerGuard
 from .config import EngineConfig
 from .disk_index import DiskIndex
 from .drop_log import DropLog
@@ -66,15 +63,15 @@ from .host_book import HostBook
 from .lifecycle import LEGACY_NAME, HostState
 from .loading import LoadPath
 from .metrics import EngineMetrics
-from .pressure import LatencyEwma, PressureMonitor, device_memory_source_for, host_memory_source
+from .pressure import LatencyEwma, PressureMonitor
 from .records import ChunkEvent, LoadResult, RequestKeys, StoreHandle
 from .spill import SpillPipeline
 from .store import DiskStore
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
-                         check_load_arguments, check_pools_pinned, check_prefetch_policy, check_request_keys,
-                         check_store_arguments, check_token_ids)
+from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
+                         check_prefetch_policy, check_request_keys, check_store_arguments, check_token_ids)
+from .wiring import PoolsFactory, build_paths, make_host_pools, pressure_monitor, refresh_loop, start_loop
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
 
@@ -82,21 +79,6 @@ logger = logging.getLogger("kvtier.engine")
 
 TokensOrKeys = Union[Sequence[int], RequestKeys]
 BlockTable = Sequence[Sequence[int]]
-# Makes the host pools: (bytes of one chunk per group, device_kind=, eviction=) -> one pool per group.
-PoolsFactory = Callable[..., List[HostSlabPool]]
-
-# Forks of this process so far, counted in the child: an int compare per public call instead of a
-# getpid() system call on the lookup path.
-_forks = 0
-
-
-def _count_fork() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_count_fork)
-
 
 class OffloadEngine:
     """Keeps a model's KV chunks in host memory and on disk, and brings them back on a prefix hit.
@@ -153,10 +135,7 @@ class OffloadEngine:
         self._pressure_sources = pressure_sources
         self._pressure: Optional[PressureMonitor] = None
         self._write_latency = LatencyEwma(alpha=0.2, high_latency_s=1.0)
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._loop_thread: Optional[int] = None
-        self._pid = os.getpid()
-        self._forks = _forks
+        self._guard = CallerGuard()
         self._host_pools = host_pools
         self._events = EventLog(self.config.events_max, on_drop=self.metrics.events_dropped)
         self._index = self._store.index
@@ -181,7 +160,6 @@ class OffloadEngine:
         self._started = False
         self._closing = False
         self._closed = False
-        self._failure: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -207,13 +185,11 @@ class OffloadEngine:
         if self._started:
             raise RuntimeError("OffloadEngine.start() called twice")
         self._started = True
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._pid = os.getpid()
-        self._forks = _forks
+        self._guard.bind()
         config = self.config
         # off the loop: seconds for a large slab
-        self.host.open(await asyncio.to_thread(self._make_pools))
+        self.host.open(await asyncio.to_thread(make_host_pools, config, self.device, self.host.chunk_nbytes,
+                                               self._host_pools))
         self.metrics.set_state_counts(self.host.state_counts)
         if self._owns_disk and config.remote_url is not None:
             if config.disk_index_refresh_interval_s is None:
@@ -224,65 +200,32 @@ class OffloadEngine:
         # removals, list into the index; a listing that fails leaves the index empty (logged) and
         # the engine serving: the disk's chunks are misses until the next start.
         await self._store.start()
-        self._build_paths()
+        closing = lambda: self._closing  # noqa: E731 - read when asked, not now
+        self._spill, self._stores, self._loads = build_paths(
+            self.host, self._disk, self._index, self._watch, config=config, layout=self.layout, device=self.device,
+            metrics=self.metrics, events=self._events, write_latency=self._write_latency, drop_log=self._drop_log,
+            spawn=self._spawn, closing=closing, paused=self._paused, d2h=self._d2h, h2d=self._h2d)
         if self._spill is not None and config.spill_enabled:
-            self._spill_runner = self._supervise("spill", self._spill.run)
+            self._spill_runner = start_loop("spill", self._spill.run, metrics=self.metrics, closing=closing,
+                                            on_give_up=self._fail)
         if self._disk is not None and config.disk_index_refresh_interval_s is not None:
-            self._refresh_runner = self._supervise("disk-index", self._refresh_loop)
-        sources = self._pressure_sources
-        if sources is None:
-            sources = {"host_memory": host_memory_source(own_bytes=self.host.slab_bytes),
-                       "device_memory": device_memory_source_for(self.device)}
-        sources = dict(sources)
-        sources.setdefault("disk_write_latency", self._write_latency.fraction)
-        self._pressure = PressureMonitor(
-            sources,
-            high_fraction=config.pressure_high_watermark_fraction,
-            low_fraction=config.pressure_low_watermark_fraction,
-            poll_interval_s=config.pressure_poll_interval_s,
-        )
+            interval = config.disk_index_refresh_interval_s
+            self._refresh_runner = start_loop(
+                "disk-index", lambda: refresh_loop(interval, self.refresh_disk_index, metrics=self.metrics,
+                                                   closing=closing), metrics=self.metrics, closing=closing,
+                on_give_up=self._fail)
+        self._pressure = pressure_monitor(config, self.device, self._pressure_sources,
+                                          own_bytes=self.host.slab_bytes, write_latency=self._write_latency)
         self.metrics.watch_pressure(self._paused)
         await self._pressure.start()
-
-    def _build_paths(self) -> None:
-        """The spill (with a disk tier), store and load paths, each given the host bookkeeping and
-        what else it uses. Runs on the engine's loop, in ``start``."""
-        config, disk = self.config, self._disk
-        closing = lambda: self._closing  # noqa: E731 - read when a path asks, not now
-        if disk is not None:
-            self._spill = SpillPipeline(self.host, disk, self._index, self._watch, config=config,
-                                        metrics=self.metrics, events=self._events,
-                                        write_latency=self._write_latency, closing=closing)
-        spill = self._spill if config.spill_enabled else None
-        common: Dict[str, Any] = dict(layout=self.layout, config=config, device=self.device,
-                                      loop=asyncio.get_running_loop(), metrics=self.metrics, events=self._events,
-                                      spawn=self._spawn, closing=closing)
-        self._stores = StorePath(self.host, self._index, self._watch, spill, executor=self._d2h,
-                                 has_disk=disk is not None, drop_log=self._drop_log,
-                                 paused=self._paused, **common)
-        self._loads = LoadPath(self.host, self._index, disk, executor=self._h2d, **common)
 
     def _paused(self) -> bool:
         return self._pressure is not None and self._pressure.paused
 
-    def _supervise(self, name: str, factory) -> Supervised:
-        def crashed(exc: BaseException) -> None:
-            self.metrics.worker_error(f"{name.replace('-', '_')}_loop")
-
-        runner = Supervised(
-            f"kvtier-{name}",
-            factory,
-            running=lambda: not self._closing,
-            on_crash=crashed,
-            on_give_up=self._fail,
-        )
-        runner.start()
-        return runner
-
     def _fail(self, exc: BaseException) -> None:
         """A background loop crashed for good: the engine refuses new work, loudly, and every
         handle still waiting for the disk resolves ``False``."""
-        self._failure = exc
+        self._guard.failure = exc
         logger.critical("kvtier engine failed: a background loop keeps crashing (%r); closing is all that is left", exc)
         self._watch.fail_all()
 
@@ -305,18 +248,6 @@ class OffloadEngine:
     def closing(self) -> bool:
         """True from the moment ``close`` was called."""
         return self._closing
-
-    def _make_pools(self) -> List[HostSlabPool]:
-        """The host pools (``host_pools``, else the host budget split by ``pools_for_budget``), of
-        the view's device kind; on CUDA they must be page-locked. Runs on a worker thread:
-        pre-faulting (and registering) a large slab takes seconds."""
-        check_device_kind(self.config.device_kind, self.device)
-        chunk_bytes = list(self.host.chunk_nbytes)
-        make = self._host_pools or (lambda sizes, **kw: pools_for_budget(self.config.host_capacity_bytes, sizes, **kw))
-        # The view's own device ("cuda:1"): the slab is registered with that device current.
-        pools = make(chunk_bytes, device_kind=str(self.device.device), eviction=self.config.host_policy())
-        check_pools_pinned(self.device, pools)
-        return pools
 
     # ------------------------------------------------------------------ the disk index
 
@@ -344,19 +275,6 @@ class OffloadEngine:
         if added and self._spill is not None and self._spill.queue:
             self._spill.wake()
         return added, removed
-
-    async def _refresh_loop(self) -> None:
-        interval = self.config.disk_index_refresh_interval_s
-        assert interval is not None, "started only with a refresh interval"
-        while not self._closing:
-            await asyncio.sleep(interval)
-            try:
-                await self.refresh_disk_index()
-            except ClosedError:
-                return
-            except Exception as exc:  # keep serving on the index we have; try again next time
-                logger.warning("refreshing the disk index failed: %r", exc)
-                self.metrics.worker_error("refresh")
 
     async def check_disk(self) -> None:
         """Compare the disk index with the tier: every indexed key must be on the tier (else
@@ -416,22 +334,7 @@ class OffloadEngine:
         return self._stores, self._loads
 
     def _check_caller(self, failed_ok: bool = False) -> None:
-        if _forks != self._forks:
-            raise ForkedProcessError(
-                f"this OffloadEngine was started by pid {self._pid}; a forked child (pid {os.getpid()}) "
-                "must start its own engine"
-            )
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not self._loop:
-            raise EngineUsageError(
-                "this OffloadEngine belongs to the event loop that started it; it was called from "
-                + ("another event loop" if running is not None else "a thread without a running event loop")
-            )
-        if self._failure is not None and not failed_ok:
-            raise EngineUsageError(f"the offload engine failed: {self._failure!r}; close it and start a new one")
+        self._guard.check(failed_ok)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)  # the engine's loop: _check_caller made sure

@@ -11,6 +11,7 @@ Importing this module imports vLLM; ``config`` and ``keys`` do not.
 
 from .config import VllmTierConfig, VllmTierConfigError
 from .keys import VllmLayout
-from .tier import CacheDirInUseError, KvtierTier, layout_from_spec
+from .layout import layout_from_spec
+from .tier import CacheDirInUseError, KvtierTier
 
 __all__ = ["KvtierTier", "CacheDirInUseError", "VllmTierConfig", "VllmTierConfigError", "VllmLayout", "layout_from_spec"]

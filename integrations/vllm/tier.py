@@ -18,8 +18,9 @@ Threads:
   ``drain_jobs`` and ``shutdown`` (vLLM calls them on reset and exit), ``settle`` (tools, tests).
 
 Keys: vLLM builds this tier before it seeds NONE_HASH, so the key scheme (hash algorithm and
-NONE_HASH, read from vLLM) is bound at the first lookup or submit (``_bound_layout``), which also
-leaves the layout file; before that, lookups miss.
+NONE_HASH, read from vLLM: ``layout.py``) is bound at the first lookup or submit
+(``_bound_layout``), which also leaves the layout file; before that, lookups miss. One writer per
+``cache_dir`` is ``writer_lock.py``; a job's records and its hit metrics are ``jobs.py``.
 
 Store: the tier stands on a ``DiskStore`` (``kvtier.engine.store``) as the engine does: the same
 verified open, damaged directory moved aside, remote chain, removal subscription and ordered
@@ -37,16 +38,14 @@ index; no byte of a failed key is ever reported loaded.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, cast
 
 from typing_extensions import override
 
@@ -60,7 +59,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogramMetadata, OffloadingMetricMetadata
+from vllm.v1.kv_offload.base import OffloadingMetricMetadata
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.engine.store import DiskStore
@@ -68,14 +67,15 @@ from kvtier.errors import KvtierError
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import read_with_sources
 
-from .config import HASH_ALGORITHMS, VllmTierConfig, VllmTierConfigError
-from .keys import GroupLayout, VllmLayout, split_offload_key
+from .config import VllmTierConfig, VllmTierConfigError
+from .jobs import TIER_NAMES, Done, Job, count_hits, metric_definitions
+from .keys import VllmLayout, split_offload_key
+from .layout import layout_from_spec, parallel_sharing_note, vllm_key_scheme
 from .loop import LoopThread
 from .records import record_meta
+from .writer_lock import release_writer_lock, take_writer_lock
 
 __all__ = ["KvtierTier", "CacheDirInUseError", "layout_from_spec", "vllm_key_scheme"]
-
-WRITER_LOCK_FILE = "vllm-writer.lock"
 
 
 class CacheDirInUseError(KvtierError):
@@ -84,114 +84,6 @@ class CacheDirInUseError(KvtierError):
 
 
 logger = logging.getLogger("kvtier.integrations.vllm")
-
-
-def vllm_key_scheme(explicit: Optional[str]) -> Optional[Tuple[str, bytes]]:
-    """(hash algorithm, NONE_HASH) of the block hashes vLLM computes now, or None before vLLM
-    seeded NONE_HASH. vLLM builds its secondary tiers before ``init_none_hash`` and the offloading
-    config does not name the algorithm, so both are read from vLLM's own state when it is set: the
-    algorithm is the one whose hash of vLLM's seed is NONE_HASH (``explicit`` must be it)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-
-    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
-    if none_hash is None:
-        return None
-    none_hash = bytes(none_hash)
-    seed = kv_cache_utils.get_none_hash_seed()
-    for name in HASH_ALGORITHMS:
-        if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
-            if explicit is not None and explicit != name:
-                raise VllmTierConfigError(
-                    f"KvtierTier hash_algorithm is {explicit!r} but vLLM hashes prefix blocks with {name!r}")
-            return name, none_hash
-    if explicit is None:
-        raise VllmTierConfigError(
-            "KvtierTier cannot tell vLLM's prefix-caching hash algorithm from its NONE_HASH; "
-            f"set hash_algorithm (one of {', '.join(HASH_ALGORITHMS)})")
-    return explicit, none_hash
-
-
-def layout_from_spec(spec: Any, primary_row_bytes: int, config: VllmTierConfig) -> VllmLayout:
-    """The ``VllmLayout`` of a vLLM ``OffloadingSpec`` (its normalized ``OffloadingConfig``), its
-    key scheme not bound yet. Where vLLM says the persisted block bytes are the same under any
-    topology (``is_parallelism_agnostic``), the parallel sizes stay out of it and the bytes per
-    block are counted across all workers, so servers of different TP sizes share records."""
-    c = spec.config
-    p = c.parallel
-    if p.is_parallelism_agnostic:
-        parallel: Dict[str, Any] = dict(parallelism_agnostic=True)
-        kv_bytes_per_block = int(c.worker_kv_bytes_per_block) * int(p.world_size)
-    else:
-        parallel = dict(world_size=p.world_size, tp_size=p.tp_size, pp_size=p.pp_size, pcp_size=p.pcp_size,
-                        dcp_size=p.dcp_size, parallelism_agnostic=False)
-        kv_bytes_per_block = int(c.worker_kv_bytes_per_block)
-    return VllmLayout(
-        model=str(c.model.name),
-        dtype=str(c.model.dtype),
-        groups=tuple(
-            GroupLayout(
-                group_id=int(g.group_id),
-                tokens_per_block=int(g.tokens_per_block),
-                layer_names=tuple(g.layer_names),
-                sliding_window_size_in_chunks=g.sliding_window_size_in_chunks,
-            )
-            for g in c.groups
-        ),
-        tokens_per_hash=int(c.cache.tokens_per_hash),
-        blocks_per_chunk=int(c.cache.blocks_per_chunk),
-        worker_kv_bytes_per_block=kv_bytes_per_block,
-        primary_row_bytes=int(primary_row_bytes),
-        parallel=parallel,
-        kv_cache_layout=c.kv_cache_layout,
-        canonical_layout=bool(c.canonical_layout),
-        replicated_layout=bool(c.replicated_layout),
-        weights_version=config.weights_version,
-    )
-
-
-def parallel_sharing_note(layout: VllmLayout) -> Optional[str]:
-    """The line a tier logs at start when its records cannot be shared across parallel layouts."""
-    parallel = dict(layout.parallel)
-    if parallel.get("parallelism_agnostic"):
-        return None
-    sizes = ", ".join(f"{k}={parallel[k]}" for k in ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size"))
-    return (f"kvtier: records are bound to this parallel layout ({sizes}): vLLM reports the host KV bytes of "
-            "this model as not parallelism-agnostic (it needs one full-attention, non-MLA group with KV heads "
-            "split by TP and no context parallelism, or canonical_layout), so servers with another "
-            "parallel layout will not hit them")
-
-
-@dataclass
-class _Job:
-    kind: str  # "store" | "load"
-    keys: List[OffloadKey]
-    chunk_keys: List[bytes]
-    # store: the chunk keys actually written (not already present); load: all of them
-    written: List[bytes] = field(default_factory=list)
-    submitted_s: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class _Done:
-    job_id: int
-    success: bool
-    ok_chunk_keys: Optional[frozenset]  # loads: the keys whose record decoded and matched
-    transfer_bytes: int
-    transfer_s: float
-    # loads: (kvtier tier, chunks, tokens, bytes) per tier that served keys; the deepest one
-    by_tier: Tuple[Tuple[str, int, int, int], ...] = ()
-    deepest_tier: Optional[str] = None
-
-
-# The kvtier tiers a load can be served from, as metric labels: the LMDB disk, the fleet remote.
-TIER_NAMES = ("disk", "remote")
-TIER_LABEL_NAME = "kvtier_tier"
-METRIC_HITS = "vllm:kvtier_tier_hits"
-METRIC_HIT_TOKENS = "vllm:kvtier_tier_hit_tokens"
-METRIC_HIT_BYTES = "vllm:kvtier_tier_hit_bytes"
-METRIC_LOAD_SECONDS = "vllm:kvtier_tier_load_seconds"
-_LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 _warned_ephemeral_keys = False
@@ -227,9 +119,9 @@ class KvtierTier(SecondaryTierManager):
             logger.warning(note)
 
         self._storing: Counter = Counter()
-        self._jobs: Dict[int, _Job] = {}
+        self._jobs: Dict[int, Job] = {}
         # completions a lookup drained (to keep the index fresh), handed out by get_finished_jobs
-        self._pending_results: List[_Done] = []
+        self._pending_results: List[Done] = []
         self._completions: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._outstanding = 0
         self._outstanding_cv = threading.Condition()
@@ -308,27 +200,18 @@ class KvtierTier(SecondaryTierManager):
 
     def _take_writer_lock(self) -> None:
         """One writer per ``cache_dir``: an exclusive ``flock`` held until ``shutdown``."""
-        os.makedirs(self.config.cache_dir, mode=0o700, exist_ok=True)
-        path = Path(self.config.cache_dir) / WRITER_LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        fd = take_writer_lock(self.config.cache_dir)
+        if isinstance(fd, str):
             raise CacheDirInUseError(
-                f"kvtier: cache_dir {self.config.cache_dir} is already written by another KvtierTier (pid {holder}); "
+                f"kvtier: cache_dir {self.config.cache_dir} is already written by another KvtierTier (pid {fd}); "
                 "two schedulers writing one directory are not supported (its evictions would not reach this "
                 "index): give each server its own cache_dir and share through remote_url, or set read_only"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+            )
         self._writer_lock = fd
 
     def _release_writer_lock(self) -> None:
         fd, self._writer_lock = self._writer_lock, None
-        if fd is not None:
-            os.close(fd)  # closing the only descriptor releases the flock
+        release_writer_lock(fd)
 
     def _left_index(self, chunk_key: bytes) -> None:
         """Loop thread: a key left the index (the disk removed its record, or a load found it
@@ -394,7 +277,7 @@ class KvtierTier(SecondaryTierManager):
         with self._outstanding_cv:
             self._outstanding += 1
 
-    def _finish(self, done: _Done) -> None:
+    def _finish(self, done: Done) -> None:
         """Loop thread: publish one completion (after this, drain_jobs may return)."""
         self._completions.put(done)
         with self._outstanding_cv:
@@ -403,17 +286,17 @@ class KvtierTier(SecondaryTierManager):
 
     def _fail_now(self, job_id: int, reason: str) -> None:
         self.counters[reason] += 1
-        self._completions.put(_Done(job_id, False, None, 0, 0.0))
+        self._completions.put(Done(job_id, False, None, 0, 0.0))
 
-    def _drain(self) -> List[_Done]:
+    def _drain(self) -> List[Done]:
         """Apply removals and completions in arrival order; return the completions."""
-        done: List[_Done] = []
+        done: List[Done] = []
         while True:
             try:
                 item = self._completions.get_nowait()
             except queue.Empty:
                 return done
-            if isinstance(item, _Done):
+            if isinstance(item, Done):
                 self._apply(item)
                 done.append(item)
             else:
@@ -427,7 +310,7 @@ class KvtierTier(SecondaryTierManager):
         if gone:
             self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
 
-    def _announce(self, job: "_Job") -> None:
+    def _announce(self, job: "Job") -> None:
         """A stored event for a store job's keys, in the order completions and removals arrive."""
         if self._events is None or not job.keys:
             return
@@ -435,7 +318,7 @@ class KvtierTier(SecondaryTierManager):
         self._events.append(OffloadingEvent(keys=list(job.keys), medium=self.medium, removed=False,
                                             locality=self.locality))
 
-    def _apply(self, done: _Done) -> None:
+    def _apply(self, done: Done) -> None:
         job = self._jobs.get(done.job_id)
         if job is None:
             return
@@ -447,21 +330,7 @@ class KvtierTier(SecondaryTierManager):
             if done.success:
                 self._announce(job)
         else:  # the loop took the keys that did not load out of the index
-            self._count_hits(done)
-
-    def _count_hits(self, done: _Done) -> None:
-        """Per kvtier tier: chunks, tokens and bytes a load restored; the job's time goes to the
-        deepest tier it needed (a job that reached the remote waited for it)."""
-        for name, chunks, tokens, nbytes in done.by_tier:
-            label = (name,)
-            for metric, value in ((METRIC_HITS, chunks), (METRIC_HIT_TOKENS, tokens), (METRIC_HIT_BYTES, nbytes)):
-                self._stats.increase_counter(metric, value, label)
-            self.tier_hits[f"{name}_hits"] += chunks
-            self.tier_hits[f"{name}_hit_tokens"] += tokens
-            self.tier_hits[f"{name}_hit_bytes"] += nbytes
-        if done.deepest_tier is not None:
-            self._stats.observe_histogram(METRIC_LOAD_SECONDS, done.transfer_s, (done.deepest_tier,))
-            self.tier_hits[f"{done.deepest_tier}_load_s"] += done.transfer_s  # type: ignore[assignment]  # a Counter sums floats; typeshed types its values int
+            count_hits(done, self._stats, self.tier_hits)
 
     # ------------------------------------------------------------------------------ vLLM's calls
 
@@ -503,7 +372,7 @@ class KvtierTier(SecondaryTierManager):
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         chunk_keys = self._chunk_keys(keys)
-        job = _Job("store", keys, chunk_keys or [])
+        job = Job("store", keys, chunk_keys or [])
         self._jobs[job_id] = job
         if chunk_keys is None:
             return self._fail_now(job_id, "stores_refused_unseeded")
@@ -521,7 +390,7 @@ class KvtierTier(SecondaryTierManager):
             self._storing[chunk_key] += 1
             job.written.append(chunk_key)
         if not items:
-            self._completions.put(_Done(job_id, True, None, 0, 0.0))
+            self._completions.put(Done(job_id, True, None, 0, 0.0))
             return
         self._begin()
         self._loop.post(lambda: self._store(job_id, items))
@@ -540,14 +409,14 @@ class KvtierTier(SecondaryTierManager):
             logger.warning("kvtier store of %d chunks failed: %s: %s", len(items), type(exc).__name__, exc)
         finally:
             self._index.end(token)
-            self._finish(_Done(job_id, success, None, len(items) * self._row_bytes, time.monotonic() - start))
+            self._finish(Done(job_id, success, None, len(items) * self._row_bytes, time.monotonic() - start))
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         chunk_keys = self._chunk_keys(keys)
-        self._jobs[job_id] = _Job("load", keys, chunk_keys or [])
+        self._jobs[job_id] = Job("load", keys, chunk_keys or [])
         if chunk_keys is None:
             return self._fail_now(job_id, "loads_refused_unseeded")
         if not self._usable():
@@ -589,7 +458,7 @@ class KvtierTier(SecondaryTierManager):
             by_tier = tuple((name, served[(name, "chunks")], served[(name, "tokens")],
                              served[(name, "chunks")] * self._row_bytes)
                             for name in TIER_NAMES if served[(name, "chunks")])
-            self._finish(_Done(job_id, len(ok) == len(items), frozenset(ok),
+            self._finish(Done(job_id, len(ok) == len(items), frozenset(ok),
                                len(ok) * self._row_bytes, time.monotonic() - start,
                                by_tier, by_tier[-1][0] if by_tier else None))
 
@@ -617,15 +486,7 @@ class KvtierTier(SecondaryTierManager):
     @override
     def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, OffloadingMetricMetadata]:
         """vLLM's Prometheus metrics this tier reports through ``get_stats``, per kvtier tier."""
-        labels = (TIER_LABEL_NAME,)
-        return {
-            METRIC_HITS: OffloadingCounterMetadata("Chunks kvtier restored, by the kvtier tier that held them.", labels),
-            METRIC_HIT_TOKENS: OffloadingCounterMetadata("Tokens those chunks cover, by kvtier tier.", labels),
-            METRIC_HIT_BYTES: OffloadingCounterMetadata("Primary-row bytes kvtier restored, by kvtier tier.", labels),
-            METRIC_LOAD_SECONDS: OffloadingHistogramMetadata(
-                "Duration of one kvtier load job, by the deepest kvtier tier it needed, in seconds.",
-                labels, buckets=_LOAD_SECONDS_BUCKETS),
-        }
+        return metric_definitions()
 
     @override
     def get_stats(self) -> Optional[OffloadingConnectorStats]:

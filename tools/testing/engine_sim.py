@@ -2,7 +2,8 @@
 
 Primitives: ``simulate(tmp_dir, seed=..., steps=..., tier="lmdb"|"files")`` -> ``SimReport``;
 ``SimViolation`` (an invariant broke: the message says which, with the seed to replay it). The
-model it checks against (device blocks, the tier's history) is ``engine_sim_model``'s.
+model it checks against (device blocks, the tier's history) is ``engine_sim_model``'s; the hooks it
+sets into the engine and its tier, and the per-step host-slot checks, are ``engine_sim_watch``'s.
 Runs on the caller's event loop; the engine under test is real (real LMDB or file tier, real host
 pools, real copy threads over CPU tensors); faults enter through ``SeamTier`` (the tier seam) and
 through the device view's two batch-copy methods.
@@ -58,17 +59,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Dict, List, Optional, Set, Tuple
 
-import numpy as np
-import torch
-
 from kvtier.engine import EngineConfig, LoadResult, OffloadEngine
-from kvtier.engine.lifecycle import HostState
 from kvtier.errors import KvtierError, TierIOError
 from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tools.testing.pressure import ScriptedSource
 
 from .engine_sim_model import History, Moment, Promise, SimDevice, SimViolation
+from .engine_sim_watch import (CopyFaults, check_host_copies, check_promises, check_reads_in_flight, record_evictions,
+                               record_tier, track_reads)
 from .scenario import make_cpu_device
 from .tier_seam import SeamTier
 
@@ -93,8 +92,6 @@ STEP_WEIGHTS: Dict[str, float] = {
 ACTORS = ("store", "load", "prefetch", "fence", "flush", "refresh", "second_writer")
 # Load failures that are capacity answers (the serving process recomputes), never a broken promise.
 CAPACITY_REASONS = {"host_full", "timeout"}
-# Host states whose slot holds the chunk's bytes.
-VALID_BYTES = (HostState.QUEUED, HostState.SPILLING, HostState.READY)
 
 
 @dataclass
@@ -140,91 +137,22 @@ class _Sim:
         self.actors: Set[asyncio.Task] = set()
         self.reapers: Set[asyncio.Task] = set()
         self.fault_epoch = 0  # bumps at every injected fault
-        self.copy_faults: List[BaseException] = []
-        self.copy_faults_fired = 0  # counted on the copy threads
         self.prompts: List[List[int]] = []
         self.history = History()
         self.broken: List[str] = []  # promises found broken inside the engine's calls
-        self.reads_in_flight: List[List[Tuple[Optional[Tuple[int, int]], bytes]]] = []  # (group, slot), key
         self._started = 0
         self._start_order: Dict[asyncio.Task, int] = {}  # running actors: a seed cancels the same victim
-        self._wrap_copies()
-        self._watch_tier()
-
-    def _watch_tier(self) -> None:
-        """Record the tier's puts, its removal reports and the engine's host evictions."""
-        history, inner, engine = self.history, self.inner, self.engine
-        # Subscribed after the engine: the tier's feed calls both on the loop in that order, so a
-        # removal is recorded in the loop turn the engine's index hears of it.
-        inner.subscribe_removals(history.removed)
-        put_many = inner.put_many
-
-        async def recorded_put(items):
-            keys = [key for key, _, _ in items]
-            try:
-                sequence = await put_many(items)
-            except BaseException:
-                history.unknown(keys)
-                raise
-            history.landed(keys, sequence)
-            return sequence
-
-        inner.put_many = recorded_put
-        evicted = engine.host.evicted
-
-        def recorded_eviction(group_index, victims):
-            history.host_evicted([entry.key for _, entry in victims if entry is not None])
-            return evicted(group_index, victims)
-
-        engine.host.evicted = recorded_eviction  # type: ignore[method-assign]  # records the engine's own calls
-        watch = self._spill_watch()
-        resolve = watch.resolve
-
-        def recorded_resolve(key, ok):
-            # Checked at once, in the engine's own call: a promise made while the tier had
-            # already reported the key removed (after its last put) is broken from the start.
-            self.report.promises_checked += bool(ok)
-            if ok and history.gone(key):
-                self.broken.append(
-                    f"seed {self.seed}: the engine settled chunk {key.hex()[:12]} as durable after the tier had "
-                    f"reported its removal ({history.describe(key, history.now([key]))})"
-                )
-            history.resolved(key)
-            return resolve(key, ok)
-
-        watch.resolve = recorded_resolve  # type: ignore[method-assign]  # checks each promise as it is settled
-        slots = {pool._views[slot].data_ptr(): (g, slot)
-                 for g, pool in enumerate(engine.host.pools) for slot in range(pool.num_slots)}
-        get_many_into = self.seam.get_many_into
-
-        async def watched_read(items):
-            # From the engine's call to the tier's answer, the tier may write these buffers.
-            reading = [(slots.get(np.asarray(buffer).ctypes.data), key) for key, buffer in items]
-            self.reads_in_flight.append(reading)
-            try:
-                return await get_many_into(items)
-            finally:
-                self.reads_in_flight.remove(reading)
-
-        self.seam.get_many_into = watched_read  # type: ignore[method-assign]  # tracks reads in flight
+        self.copy_faults = CopyFaults(engine.device)
+        # What the engine does, recorded (subscribed after the engine) and checked as it happens.
+        record_tier(inner, self.history)
+        record_evictions(engine.host, self.history)
+        check_promises(self._spill_watch(), self.history, self.report, self.broken, seed)
+        self.reads_in_flight = track_reads(seam, engine.host)
 
     def _spill_watch(self) -> DurableWatch:
         spill = self.engine._spill
         assert spill is not None, "the simulated engine has a disk tier, so a spill pipeline"
         return spill.watch
-
-    def _wrap_copies(self) -> None:
-        device = self.engine.device
-        for name in ("gather_many_groups", "scatter_many_groups"):
-            real = getattr(device, name)
-
-            def copy(*args, _real=real, **kwargs):
-                if self.copy_faults:
-                    self.copy_faults_fired += 1
-                    raise self.copy_faults.pop()
-                return _real(*args, **kwargs)
-
-            setattr(device, name, copy)
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -371,7 +299,7 @@ class _Sim:
     def _faults_fired(self) -> Tuple[int, int, int]:
         """Changes whenever a fault is injected or a scripted one fires (a fault scripted before a
         lookup may fire at a call made after it)."""
-        return self.fault_epoch, self.seam.faults, self.copy_faults_fired
+        return self.fault_epoch, self.seam.faults, self.copy_faults.fired
 
     def _count_failed(self, result: LoadResult) -> None:
         """Count a failed load under its reason, which a failed load always gives."""
@@ -426,11 +354,11 @@ class _Sim:
         elif kind < 0.85:
             self.seam.stall(op)
         else:
-            self.copy_faults.append(rng.choice(FOREIGN_ERRORS)())
+            self.copy_faults.pending.append(rng.choice(FOREIGN_ERRORS)())
 
     def heal(self) -> None:
         self.seam.heal()
-        self.copy_faults.clear()
+        self.copy_faults.pending.clear()
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -462,41 +390,10 @@ class _Sim:
         await asyncio.sleep(0)
         self.harvest()
         self.engine.check()
-        self.check_reads_in_flight()
-        self.check_host_copies()
+        check_reads_in_flight(self.engine.host, self.reads_in_flight, self.seed)
+        self.report.host_copies_checked += check_host_copies(self.engine.host, self.device, self.seed)
         if report.steps % 25 == 0:
             self.device.check_free(self.seed)
-
-    def check_reads_in_flight(self) -> None:
-        """A host slot a tier read may still write stays held for that read: allocated, pinned, and
-        owned by the chunk the read was started for (even once abandoned), never given to another."""
-        for reading in self.reads_in_flight:
-            for where, key in reading:
-                if where is None:
-                    continue  # not a host slot of the engine's
-                g, slot = where
-                pool = self.engine.host.pools[g]
-                owner = pool._owners[slot]
-                if not pool._allocated[slot] or not pool._pins[slot] or getattr(owner, "key", None) != key:
-                    raise SimViolation(
-                        f"seed {self.seed}: host slot {slot} of group {g} was given up while a tier read of chunk "
-                        f"{key.hex()[:12]} may still write it (allocated {pool._allocated[slot]}, pins "
-                        f"{pool._pins[slot]}, owner {getattr(owner, 'key', b'').hex()[:12] or None})"
-                    )
-
-    def check_host_copies(self) -> None:
-        """Every host slot whose bytes the engine calls valid holds its chunk's bytes (a late read
-        or copy into a slot given to another chunk is caught here)."""
-        for key, entry in list(self.engine.host.entries.items()):
-            if entry.dead or entry.state not in VALID_BYTES:
-                continue
-            got = self.engine.host.pools[entry.group_index].view(entry.slot)
-            if not torch.equal(got, self.device.chunk_bytes(key, entry.group_index)):
-                raise SimViolation(
-                    f"seed {self.seed}: the host copy of chunk {key.hex()[:12]} (group {entry.group_index}, "
-                    f"slot {entry.slot}, {entry.state.name}) holds bytes that are not its chunk's"
-                )
-            self.report.host_copies_checked += 1
 
     def harvest(self) -> None:
         if self.broken:
