@@ -97,7 +97,7 @@ def pressure_monitor(config: EngineConfig, device: DeviceKVView,
     )
 
 
-def start_loop(name: str, factory: Callable[[], Awaitable[None]], *, metrics: EngineMetrics,
+def start_loop(name: str, factory: Callable[[], Coroutine[Any, Any, None]], *, metrics: EngineMetrics,
                closing: Callable[[], bool], on_give_up: Callable[[BaseException], None]) -> Supervised:
     """Start ``factory()`` as the supervised task ``kvtier-{name}``, restarted while the engine is
     not ``closing``; each crash counts a ``{name}_loop`` worker error."""
