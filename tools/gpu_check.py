@@ -21,7 +21,10 @@ whose KV is written on another thread's stream, ordered by its ``ready_event``),
 left uncleared does break it), ``register_4gib`` (time to pre-fault and pin 4 GiB), ``nvml``
 (NVML by UUID and torch agree on the GPU), ``store_at_92`` (the engine stores with the device 92%
 used), ``engine`` (a store/load round trip, host and disk), ``vllm`` (a real ``vllm.LLM`` with
-``KvtierTier``: the second request's ``num_cached_tokens`` and records in the cache directory).
+``KvtierTier``: the second request's ``num_cached_tokens`` and records in the cache directory),
+``sglang`` (a real ``sglang.Engine`` with kvtier as its HiCache L3 backend: kvtier's CPU test host
+pool against SGLang's real one, then greedy outputs with and without the prefix restored from
+kvtier after a flush). The serving checks live in ``_gpu_serving.py``; ``--skip-vllm`` leaves both out.
 
 Exit 0: every check passed; 1: a FAIL; 3: no CUDA device (the CPU checks ran and passed, every
 CUDA check said SKIP).
@@ -33,7 +36,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -499,62 +501,27 @@ def check_engine(cache_dir: Path) -> str:
     return f"{chunks} chunks restored bitwise from host and, after a restart, from disk; pools pinned"
 
 
-def check_vllm(cache_dir: Path) -> str:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from kvtier.integrations.vllm.testing import write_model_config
-
-    model_dir = write_model_config(cache_dir / "model", num_layers=4, sliding_window=64)
-    kv_dir = cache_dir / "vllm-kv"
-    tier = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "cache_dir": str(kv_dir)}
-    llm = LLM(
-        model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
-        max_model_len=1024, gpu_memory_utilization=0.3, enforce_eager=True, seed=0,
-        kv_transfer_config={
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 256 << 20,
-                                          "secondary_tiers": [tier]},
-        },
-    )
-    # vLLM marks TokensPrompt's other keys typing.NotRequired (3.11+), which a check at 3.10 cannot read.
-    prompt = TokensPrompt(prompt_token_ids=[(i * 37) % 900 + 5 for i in range(300)])  # type: ignore[typeddict-item]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    first = llm.generate([prompt], params)[0]
-    if not llm.reset_prefix_cache(reset_connector=True):
-        raise CheckFailed("vLLM refused to reset its prefix cache")
-    second = llm.generate([prompt], params)[0]
-    cached = int(second.num_cached_tokens or 0)
-
-    # Counted in a child process: LMDB forbids opening one environment twice in a process, and the
-    # tier may live in this one (vLLM without multiprocessing).
-    script = ("import asyncio, sys\nfrom kvtier.tiers.lmdb import LmdbTier\nasync def main():\n"
-              "    tier = await LmdbTier.open(sys.argv[1])\n    print(len((await tier.snapshot_keys()).keys))\n"
-              "    await tier.close()\nasyncio.run(main())\n")
-    child = subprocess.run([sys.executable, "-c", script, str(kv_dir)], capture_output=True, text=True, timeout=120)
-    _require(child.returncode == 0, f"counting records failed: {child.stderr.strip()[-500:]}")
-    count = int(child.stdout.split()[-1])
-    _require(cached >= 256 and count > 0, f"second request: {cached} cached tokens; {count} records in {kv_dir}")
-    same = list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids)
-    return f"second request served {cached}/300 prompt tokens from cache; {count} records on disk; tokens same: {same}"
-
-
 CPU_CHECKS = ("staged_path", "headroom")
 CUDA_CHECKS = ("bandwidth", "throughput", "order_d2h", "order_h2d", "other_thread", "overwrite_after_release",
-               "own_streams", "register_error", "register_4gib", "nvml", "store_at_92", "engine", "vllm")
+               "own_streams", "register_error", "register_4gib", "nvml", "store_at_92", "engine", "vllm", "sglang")
+SERVING_CHECKS = ("vllm", "sglang")
 
 
 def _checks(cache_dir: Path) -> Dict[str, Callable[[], str]]:
-    table: Dict[str, Callable[[], str]] = {name: globals()[f"check_{name}"] for name in CPU_CHECKS + CUDA_CHECKS}
+    table: Dict[str, Callable[[], str]] = {name: globals()[f"check_{name}"] for name in CPU_CHECKS + CUDA_CHECKS
+                                           if name not in SERVING_CHECKS and name != "engine"}
     table["engine"] = lambda: check_engine(cache_dir)
-    table["vllm"] = lambda: check_vllm(cache_dir)
+    from . import _gpu_serving as serving
+
+    table["vllm"] = lambda: serving.check_vllm(cache_dir, _require)
+    table["sglang"] = lambda: serving.check_sglang(cache_dir, _require)
     return table
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", help="directory for the checks' caches (default: a temporary one)")
-    parser.add_argument("--skip-vllm", action="store_true", help="only kvtier's own paths")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave out the serving engines' checks (vllm, sglang)")
     parser.add_argument("--only", help="comma-separated check names")
     args = parser.parse_args(argv)
     import torch
@@ -570,7 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(f"unknown check(s) {', '.join(unknown)}; known: {', '.join(names)}")
         names = [n for n in names if n in wanted]
     if args.skip_vllm:
-        names = [n for n in names if n != "vllm"]
+        names = [n for n in names if n not in SERVING_CHECKS]
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     for name in names:
         if name in CUDA_CHECKS and not has_cuda:

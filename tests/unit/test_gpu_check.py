@@ -15,7 +15,7 @@ def test_cpu_only_machine_runs_the_cpu_checks_and_skips_every_cuda_check(capsys)
     lines = out.splitlines()
     verdicts = {line.split(":")[0] for line in lines[:-1]}
     assert verdicts == {f"PASS {n}" for n in gpu_check.CPU_CHECKS} | {
-        f"SKIP {n}" for n in gpu_check.CUDA_CHECKS if n != "vllm"}
+        f"SKIP {n}" for n in gpu_check.CUDA_CHECKS if n not in gpu_check.SERVING_CHECKS}
     assert any(line.startswith("PASS staged_path: 8 chunks x 32 layers gathered bitwise in 8 host copies") for line in lines)
     assert lines[-1] == '{"passed": 2, "failed": 0, "skipped": 12, "device": "none"}'
     assert err.startswith("gpu_check: no CUDA device here: the CPU checks ran, every CUDA check was skipped")
