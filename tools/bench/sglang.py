@@ -107,6 +107,7 @@ def _row(pages: int, layers: int, root: Path) -> Dict[str, float]:
 def run(directory: Path, mib: int) -> List[Dict[str, object]]:
     """One row per page size: MB/s of kvtier's backend and of HiCacheFile + fsync."""
     rows: List[Dict[str, object]] = []
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # --dir names a place that may not exist yet
     for label, layers in SIZES.items():
         page_bytes = PAGE_TOKENS * layers * 2 * HEADS * HEAD_DIM * 2
         root = Path(tempfile.mkdtemp(prefix="kvtier-bench-sglang-", dir=directory))
