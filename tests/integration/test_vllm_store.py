@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import os
 import threading
+
+# Before vLLM is first imported in this process (it infers its device once): a test file that
+# runs after this one in the same worker builds vLLM objects on CPU.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
