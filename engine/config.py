@@ -32,7 +32,7 @@ logger = logging.getLogger("kvtier.engine")
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.tiers.record_format import CodecConfig
 
-__all__ = ["EngineConfig", "StoreConfig"]
+__all__ = ["EngineConfig", "StoreConfig", "codec_settings", "store_config_of"]
 
 _KiB = 1 << 10
 _MiB = 1 << 20
@@ -410,7 +410,26 @@ class EngineConfig(StoreConfig):
     @property
     def store(self) -> StoreConfig:
         """The store's part of these settings: the record the engine opens its ``DiskStore`` with."""
-        return StoreConfig(**{name: getattr(self, name) for name in StoreConfig.field_names()})
+        return store_config_of(self)
+
+
+def store_config_of(settings: Any, **values: Any) -> StoreConfig:
+    """The ``StoreConfig`` a front end's settings dataclass gives: each of its fields that is a store
+    setting by name, then ``values``; every other store setting keeps its default (the engine's).
+    ``compression`` (a front end's one codec key: 0 raw records, else the zstd level) becomes the
+    store's codec settings."""
+    names = set(StoreConfig.field_names())
+    taken = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in names}
+    compression = values.pop("compression", None)
+    if compression is not None:
+        taken.update(codec_settings(compression))
+    return StoreConfig(**{**taken, **values})
+
+
+def codec_settings(compression: int) -> Dict[str, Any]:
+    """The store's codec settings of a front end's ``compression`` key: 0 is raw records, else the
+    zstd level."""
+    return dict(compression_level=compression or StoreConfig.compression_level, compression_enabled=compression != 0)
 
 
 # -- field kinds and coercion --------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from kvtier.engine.config import StoreConfig
+from kvtier.engine.config import StoreConfig, store_config_of
 from kvtier.errors import KvtierError
 from kvtier.tiers.lmdb.compaction import DEFAULT_COMPACTION_LIVE_FRACTION, check_live_fraction
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
@@ -113,20 +113,7 @@ class SglangStorageConfig:
     def store_config(self) -> StoreConfig:
         """The store these settings open: the same record, rules and defaults the engine and the
         vLLM tier open theirs with (what is not set here keeps ``StoreConfig``'s default)."""
-        return StoreConfig(
-            cache_dir=self.cache_dir,
-            disk_capacity_bytes=self.disk_capacity_bytes,
-            compression_level=max(1, self.compression),
-            compression_enabled=self.compression > 0,
-            read_workers=self.read_workers,
-            lmdb_segment_threshold_bytes=self.lmdb_segment_threshold_bytes,
-            lmdb_segment_compaction_live_fraction=self.lmdb_segment_compaction_live_fraction,
-            lmdb_verify_on_open=self.lmdb_verify_on_open,
-            quarantine_corrupt_cache_dir=self.quarantine_corrupt_cache_dir,
-            eviction_policy=self.eviction_policy,
-            remote_url=self.remote_url,
-            remote_namespace=self.remote_namespace,
-        )
+        return store_config_of(self, compression=self.compression)
 
     @classmethod
     def from_extra_config(cls, values: Optional[Mapping[str, Any]]) -> "SglangStorageConfig":

@@ -13,18 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from kvtier.engine.config import StoreConfig
+from kvtier.engine.config import StoreConfig, store_config_of
 from kvtier.errors import KvtierError
 from kvtier.tiers.lmdb.compaction import check_live_fraction
 from kvtier.tiers.lmdb.segments import check_segment_threshold
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
 
 __all__ = ["VllmTierConfig", "VllmTierConfigError"]
-
-
-def compression_settings(compression: int) -> Dict[str, Any]:
-    """The store's codec settings of a ``compression`` key: 0 is raw records, else the zstd level."""
-    return dict(compression_level=compression or _STORE.compression_level, compression_enabled=compression != 0)
 
 
 class VllmTierConfigError(KvtierError, ValueError):
@@ -140,20 +135,8 @@ class VllmTierConfig:
         """The store's settings these keys give (``read_only`` overrides the key: the tier also
         chooses it for a ``cache_dir`` it cannot write). ``compression`` 0 is raw records, else
         the zstd level; every other store setting keeps ``StoreConfig``'s default."""
-        return StoreConfig(
-            cache_dir=self.cache_dir,
-            disk_capacity_bytes=self.disk_capacity_bytes,
-            **compression_settings(self.compression),
-            remote_url=self.remote_url,
-            remote_namespace=self.remote_namespace,
-            read_workers=self.read_workers,
-            lmdb_segment_threshold_bytes=self.lmdb_segment_threshold_bytes,
-            lmdb_segment_compaction_live_fraction=self.lmdb_segment_compaction_live_fraction,
-            lmdb_verify_on_open=self.lmdb_verify_on_open,
-            quarantine_corrupt_cache_dir=self.quarantine_corrupt_cache_dir,
-            eviction_policy=self.eviction_policy,
-            read_only=self.read_only if read_only is None else read_only,
-        )
+        return store_config_of(self, compression=self.compression,
+                               read_only=self.read_only if read_only is None else read_only)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "VllmTierConfig":

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvtier.engine.config import StoreConfig
+from kvtier.engine.config import StoreConfig, codec_settings
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record_format import CodecConfig
 
-from .config import compression_settings
 from .keys import VllmLayout
 
 __all__ = ["ROW_DTYPE", "record_meta", "codec_for"]
@@ -35,4 +34,4 @@ def record_meta(layout: VllmLayout, group_id: int, end_token: Optional[int], row
 def codec_for(compression: int) -> CodecConfig:
     """The record codec of the tier's ``compression`` setting (0: raw records, else the zstd level):
     the codec of the tier's store settings, so the offline warmup writes what the tier reads."""
-    return StoreConfig(**compression_settings(compression)).codec_config()
+    return StoreConfig(**codec_settings(compression)).codec_config()
