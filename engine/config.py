@@ -25,7 +25,7 @@ from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_se
 from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
 from .config_values import (ENV, FieldKinds, coerce, env_settings, naming_variables, read_toml, require_bool,
-                            require_choice, require_fraction, require_int, require_seconds)
+                            require_choice, require_float, require_fraction, require_int, require_seconds)
 
 logger = logging.getLogger("kvtier.engine")
 
@@ -106,6 +106,11 @@ class StoreConfig:
     # serving. Set it (e.g. 10 s) when another process writes the same cache directory while this
     # one serves, so its chunks become hits without a restart (one keys-only scan per interval).
     disk_index_refresh_interval_s: Optional[float] = None
+    # How long start waits for the listing of the disk's keys before it returns and serves: the
+    # listing runs on (about 1.5 us a key, 1.5 s for a million), its keys turning into hits page by
+    # page, misses until then. 0.5 s lists a cache of ~10^5 chunks whole before the first request
+    # and keeps start under a second at any size; 0 never waits, None waits for all of it.
+    disk_index_wait_s: Optional[float] = 0.5
     # On: before LMDB maps the cache_dir's file, py-lmdb's offline verifier checks its B-tree (when
     # no other process has it open). LMDB trusts its pages and can crash the whole serving process
     # on a damaged one; the check costs ~0.1 s per 1,000 records at start.
@@ -209,6 +214,10 @@ class StoreConfig:
         check_segment_threshold(self.lmdb_segment_threshold_bytes, "lmdb_segment_threshold_bytes")
         if self.disk_index_refresh_interval_s is not None:
             require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
+        if self.disk_index_wait_s is not None and not 0.0 <= require_float("disk_index_wait_s",
+                                                                            self.disk_index_wait_s) < float("inf"):
+            raise ValueError(f"disk_index_wait_s must be None or a finite number of seconds >= 0, "
+                             f"got {self.disk_index_wait_s!r}")
         require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)
         require_bool("read_only", self.read_only)
@@ -457,6 +466,7 @@ _FLOAT_FIELDS = frozenset(
         "pressure_poll_interval_s",
         "reader_check_interval_s",
         "disk_index_refresh_interval_s",
+        "disk_index_wait_s",
         "remote_timeout_s",
         "remote_connect_timeout_s",
         "remote_breaker_reset_s",
@@ -469,7 +479,7 @@ _BOOL_FIELDS = frozenset(
      "remote_promote_to_disk", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "remote_url", "lmdb_segment_threshold_bytes",
+    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
      "store_retention_interval_tokens", "host_eviction_policy"}
 )
 

@@ -1,6 +1,7 @@
 """Which chunk keys the disk tier holds, as the engine believes: adds and removals in order.
 
-Primitives: ``DiskIndex`` (``key in index``, ``add``, ``remove``, ``refresh``, ``begin``/``end``
+Primitives: ``DiskIndex`` (``key in index``, ``add``, ``remove``, ``refresh``, ``admit`` (one page
+of the start-up listing), ``begin``/``end``
 of an operation that races with removals), ``Stamp``. Event-loop thread only.
 
 Why ordering matters: the tier reports removals (capacity eviction, quarantine, deletes) from its
@@ -124,6 +125,20 @@ class DiskIndex:
         """Start-up: the tier's listing, nothing racing yet."""
         self._keys = {bytes(k): (self._clock, sequence) for k in keys}
 
+    def admit(self, listed: Iterable[bytes], start: int, sequence: Optional[int] = None) -> int:
+        """Merge one page of a listing begun at ``start`` into an index that was empty when it began
+        (the start-up listing, merged page by page): listed keys join unless a removal since
+        ``start`` wins; no key leaves (every key indexed meanwhile was added after ``start``).
+        Returns how many joined."""
+        added = 0
+        for key in listed:
+            if key in self._keys or self._removed_since(key, start, sequence):
+                continue
+            self._clock += 1
+            self._keys[key] = (self._clock, sequence)
+            added += 1
+        return added
+
     def refresh(self, listed: Iterable[bytes], start: int, sequence: Optional[int] = None) -> Tuple[int, int]:
         """Merge a listing begun at ``start`` (a snapshot at tier ``sequence`` when known): keys
         indexed before it began and absent from it leave; listed keys join unless a removal since
@@ -140,14 +155,7 @@ class DiskIndex:
             del self._keys[key]
             if self._on_removed is not None:
                 self._on_removed(key)
-        added = 0
-        for key in listed_set:
-            if key in self._keys or self._removed_since(key, start, sequence):
-                continue
-            self._clock += 1
-            self._keys[key] = (self._clock, sequence)
-            added += 1
-        return added, len(gone)
+        return self.admit(listed_set, start, sequence), len(gone)
 
 
 _MISSING = object()

@@ -389,10 +389,12 @@ class OffloadEngine:
         return stores.schedule(keys, num_tokens, rows, self.device.backend.ready_event(compute_stream, ready_event))
 
     async def flush(self) -> None:
-        """Wait until every operation started so far has finished: device copies of stores, their
-        spills (with a disk tier), loads and prefetch reads. Cancelling the wait stops nothing."""
+        """Wait until every operation started so far has finished: the start-up listing of the
+        disk's keys, device copies of stores, their spills (with a disk tier), loads and prefetch
+        reads. Cancelling the wait stops nothing."""
         self._check_started()
         self._check_caller(failed_ok=True)
+        await self._store.wait_listed()
         while True:
             # Done tasks leave _tasks in a done-callback, a loop iteration later: wait only for the
             # running ones, or this loop would spin without ever yielding.

@@ -15,7 +15,13 @@ What ``start`` does, in order:
 3. the removal subscription: a record the tier drops (capacity eviction, quarantine, delete) leaves
    the index at once, or a lookup would admit a hit whose chunk is gone;
 4. the listing into the ordered ``DiskIndex`` (``disk_index.py``), ordered by the tier's mutation
-   sequence against removals that race with it.
+   sequence against removals that race with it. It runs on after ``start`` returns: ``start`` waits
+   for it at most ``disk_index_wait_s``, so a store starts in the same time at any size (the LMDB
+   tier builds its eviction index on its writer thread too: ``index_in_background``). Meanwhile the
+   store serves: a key not listed yet is a miss, a write lands and joins the index, a removal keeps
+   its key out; the tier's snapshot is read on its worker and merged here a page per loop turn.
+   ``listing`` says whether it runs; ``wait_listed``, ``settle``, ``refresh`` and ``problems``
+   wait for it; ``close`` cancels it.
 
 Threads. Every call and every index change on the event-loop thread that started the store (a
 removal reported from a tier's own thread is handed over). The index may be *read* from another
@@ -26,9 +32,10 @@ thread does, and never waits for the loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvtier.errors import ClosedError, KvtierError, TierIOError
 from kvtier.tiers.base import ChunkTier, Removal
@@ -39,6 +46,9 @@ from .disk_index import DiskIndex, keys_of
 __all__ = ["DiskStore", "StoreConfig"]
 
 logger = logging.getLogger("kvtier.engine")
+
+# Keys merged into the index per loop turn while the start-up listing runs: ~3 ms of the loop.
+LISTING_PAGE_KEYS = 8192
 
 
 class DiskStore:
@@ -80,6 +90,7 @@ class DiskStore:
         self._on_error = on_error
         self.index = DiskIndex(on_removed=on_removed)
         self.quarantined_cache_dir: Optional[str] = None
+        self._listing: "Optional[asyncio.Task[None]]" = None
         self._started = False
         self._closed = False
 
@@ -94,10 +105,12 @@ class DiskStore:
     # ------------------------------------------------------------------ open
 
     async def start(self) -> None:
-        """Open the tiers, subscribe to removals, list the keys (module docstring). A listing that
-        fails with a tier error leaves the index empty (logged: the disk's chunks are misses until
-        the next start; new writes still land); a failure to open raises, and so does a closed
-        tier. On any failure or a cancel the tiers it opened are closed before it raises."""
+        """Open the tiers, subscribe to removals, start listing the keys and wait for the listing at
+        most ``disk_index_wait_s`` (module docstring). A listing that fails leaves the keys it had
+        not merged out of the index (logged: those chunks are misses until a refresh or the next
+        start; new writes still land); a failure to open raises, and so does a tier closed before
+        the listing ends within the wait. On any failure or a cancel the tiers it opened are closed
+        (and the listing cancelled) before it raises."""
         if self._started:
             raise RuntimeError("DiskStore.start() called twice")
         self._started = True
@@ -108,7 +121,13 @@ class DiskStore:
                 self._tier = await self._chain_remote(self._tier, self.config.remote_url)
             if self._tier is not None:
                 self._subscribe_removals(self._tier)
-                await self._list_into_index(self._tier)
+                self._listing = asyncio.ensure_future(self._list_into_index(self._tier))
+                self._listing.add_done_callback(_outcome_read)
+                wait_s = self.config.disk_index_wait_s
+                if wait_s is None or wait_s > 0:
+                    await asyncio.wait({self._listing}, timeout=wait_s)
+                if self._listing.done() and not self._listing.cancelled():
+                    self._listing.result()  # a tier closed under the listing
         except BaseException:
             await self.close()
             raise
@@ -128,6 +147,7 @@ class DiskStore:
             eviction_policy=config.eviction_policy,
             read_workers=config.read_workers,
             readonly=config.read_only,
+            index_in_background=True,
         )
         if self._max_raw_bytes is not None:
             kwargs["max_raw_bytes"] = self._max_raw_bytes
@@ -188,18 +208,36 @@ class DiskStore:
             self._on_evicted(sum(1 for r in removals if r.reason != "deleted"))
 
     async def _list_into_index(self, tier: ChunkTier) -> None:
-        # Ordered like a refresh: a removal reported while the listing runs keeps its key out.
+        """The start-up listing (a task on the loop): the tier's snapshot, read on its worker, then
+        merged a page per loop turn. Ordered like a refresh: a removal reported while it runs keeps
+        its key out. Raises only ``ClosedError`` (the tier closed under it) and ``CancelledError``."""
         token = self.index.begin()
         try:
             taken = await tier.snapshot_keys()
-        except ClosedError:
+            for page in _pages(taken.keys, LISTING_PAGE_KEYS):
+                self.index.admit(page, token, taken.sequence)
+                await asyncio.sleep(0)  # serve between pages
+        except (ClosedError, asyncio.CancelledError):
             raise
         except KvtierError as exc:
-            logger.warning("cannot list the disk tier's chunks, starting with an empty disk index: %s", exc)
-        else:
-            self.index.refresh(taken.keys, token, taken.sequence)
+            logger.warning("cannot list the disk tier's chunks; those not yet indexed are misses: %s", exc)
+        except Exception:  # a foreign tier error: logged and counted, the store serves on
+            logger.exception("listing the disk tier's chunks failed; those not yet indexed are misses")
+            if self._on_error is not None:
+                self._on_error("listing")
         finally:
             self.index.end(token)
+
+    @property
+    def listing(self) -> bool:
+        """True while the start-up listing still runs (keys not merged yet are misses)."""
+        return self._listing is not None and not self._listing.done()
+
+    async def wait_listed(self) -> None:
+        """Wait until the start-up listing has ended (merged, failed or cancelled). Cancelling it
+        stops the wait only: the listing runs on."""
+        if self._listing is not None and not self._listing.done():
+            await asyncio.wait({self._listing})
 
     # ------------------------------------------------------------------ running
 
@@ -224,11 +262,13 @@ class DiskStore:
         """Re-read which keys the tier holds, for a cache directory another process writes. Returns
         (keys added, keys removed); (0, 0) for an empty store. Keys written while the listing runs
         stay; keys indexed before it began and absent from it leave; a key the tier reports
-        removed meanwhile stays out (``DiskIndex.refresh``). A foreign exception from the tier is a
+        removed meanwhile stays out (``DiskIndex.refresh``); it waits for the start-up listing
+        first. A foreign exception from the tier is a
         ``TierIOError`` (its ``__cause__`` kept; ``on_error("refresh")``) and leaves the index as it
         was. Cancelling it leaves the index as it was."""
         if self._tier is None:
             return 0, 0
+        await self.wait_listed()  # a refresh merged beside it could not tell its keys from stale ones
         token = self.index.begin()
         try:
             taken = await self._tier.snapshot_keys()
@@ -243,20 +283,24 @@ class DiskStore:
             self.index.end(token)
 
     async def settle(self) -> None:
-        """Wait until the writes queued so far landed and the removals the tier reported by then
-        reached the index (the tier's ``flush``, then one loop turn: a tier queues its removal
-        reports on this loop before the flush's answer). Cancelling it stops the wait only."""
+        """Wait until the start-up listing has ended, the writes queued so far landed and the
+        removals the tier reported by then reached the index (the tier's ``flush``, then one loop
+        turn: a tier queues its removal reports on this loop before the flush's answer). Cancelling
+        it stops the wait only."""
         if self._tier is None:
             return
+        await self.wait_listed()
         await self._tier.flush()
         await asyncio.sleep(0)
 
     async def problems(self) -> List[str]:
         """Disagreements between the index and the tier: indexed keys the tier does not hold (a
         lookup would admit a hit that the load fails) and the tier's own ``check()``. Meant for
-        an idle store. Cancelling it drops the answer only."""
+        an idle store; it waits for the start-up listing first. Cancelling it drops the answer
+        only."""
         if self._tier is None:
             return []
+        await self.wait_listed()
         problems: List[str] = []
         before = self.index.keys()
         listed = set(await self._tier.list_keys())
@@ -279,7 +323,27 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
+        if self._listing is not None and not self._listing.done():
+            self._listing.cancel()  # its worker's read finishes on its own; the tier's close waits for it
+            await asyncio.wait({self._listing})
         if not self._owns_tier:
             return
         if self._tier is not None:  # a chain closes the LMDB tier in it
             await self._tier.close()
+
+
+def _pages(keys: Iterable[bytes], size: int) -> "Iterable[List[bytes]]":
+    """``keys`` in lists of at most ``size``."""
+    it = iter(keys)
+    while True:
+        page = list(itertools.islice(it, size))
+        if not page:
+            return
+        yield page
+
+
+def _outcome_read(task: "asyncio.Task[None]") -> None:
+    # A listing that ends after start returned reports to nobody: a closed tier is the closing
+    # store's business, not an unretrieved-exception warning.
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("the disk listing ended: %r", task.exception())

@@ -165,18 +165,21 @@ class LmdbEnv:
         self._opened = True
         self.map_size_read = float(env.info()["map_size"])  # statistics() while a remap runs
 
-    def open_with_index(self, map_size_bytes: int, eviction_policy: str) -> Tuple[ByteLru, int]:
-        """``open``, clear stale reader slots, build the eviction index ((last access, key, stored
-        bytes), older first, by ``eviction_policy``) and read the sequence; a writable open also
-        reclaims orphan segments. Returns (index, sequence). LMDB errors are kvtier's; on any
-        failure the environment is closed again (opening thread)."""
+    def open_with_index(self, map_size_bytes: int, eviction_policy: str, *,
+                        build_index: bool = True) -> Tuple[ByteLru, int]:
+        """``open``, clear stale reader slots, build the eviction index (``build_index``; else an
+        empty one, for ``load_index`` later) and read the sequence; a writable open also reclaims
+        orphan segments. Returns (index, sequence). LMDB errors are kvtier's; on any failure the
+        environment is closed again (opening thread)."""
         self.open(map_size_bytes)
         try:
             self.counters.count(stale_readers_cleared=self.env.reader_check())
-            entries, sequence = self.read_at_open(
-                lambda txn: (index_entries(txn, self.tables), read_sequence(txn, self.tables)))
-            entries.sort()
-            lru = make_byte_index(eviction_policy, ((key, size) for _, key, size in entries))
+            if build_index:
+                lru, sequence = self.read_at_open(lambda txn: (self._index_in(txn, eviction_policy),
+                                                               read_sequence(txn, self.tables)))
+            else:
+                lru = make_byte_index(eviction_policy)
+                sequence = self.read_at_open(lambda txn: read_sequence(txn, self.tables))
             if not self.readonly:
                 self._reclaim_segment_orphans()
         except BaseException as exc:
@@ -187,6 +190,18 @@ class LmdbEnv:
                 raise TierIOError(f"cannot read the index of {self.path}: {exc}") from exc
             raise
         return lru, sequence
+
+    def _index_in(self, txn: "lmdb.Transaction[memoryview]", eviction_policy: str) -> ByteLru:
+        # (last access, key, stored bytes), older first, by ``eviction_policy``.
+        entries = index_entries(txn, self.tables)
+        entries.sort()
+        return make_byte_index(eviction_policy, ((key, size) for _, key, size in entries))
+
+    def load_index(self, eviction_policy: str) -> ByteLru:
+        """The eviction index of what the environment holds now, read in one transaction: an open
+        with ``build_index=False`` has the writer thread build it before its first write, so the
+        open does not grow with the number of records. LMDB errors are ``TierIOError``."""
+        return self.read_txn(lambda txn: self._index_in(txn, eviction_policy))
 
     def _reclaim_segment_orphans(self) -> None:
         """Truncate or delete what a crash between a segment append and its commit left behind. The

@@ -125,6 +125,10 @@ class LmdbTier(ChunkTier):
     new segment past this size (space returns by whole segment).
     ``segment_compaction_live_fraction``: a closed segment whose live bytes fall below this fraction
     of its size has its live records moved and is deleted (``compaction``; 0 turns it off).
+    ``index_in_background``: a writable open leaves building the eviction index (a walk of every
+    record's access time) to the writer thread, as its first job: the open then takes the same
+    time at any size, writes wait for the index, reads do not; ``statistics()``' ``bytes`` and
+    ``count`` are 0 until it is built (``flush`` waits for it).
     """
 
     name = "lmdb"
@@ -148,6 +152,7 @@ class LmdbTier(ChunkTier):
         segment_max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
         segment_compaction_live_fraction: float = DEFAULT_COMPACTION_LIVE_FRACTION,
         eviction_policy: str = "lru",
+        index_in_background: bool = False,
     ) -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
@@ -170,6 +175,7 @@ class LmdbTier(ChunkTier):
         live_fraction = check_live_fraction(segment_compaction_live_fraction)
         make_byte_index(eviction_policy)  # an unknown name: ValueError listing the valid ones, before any file
         self._capacity = capacity_bytes
+        self._index_error: Optional[BaseException] = None  # a background index load that failed
         self._codec = codec
         self._readonly = bool(readonly)
         self._pid = os.getpid()
@@ -186,7 +192,10 @@ class LmdbTier(ChunkTier):
         db = LmdbEnv(self._path, counters, readonly=self._readonly, verify_structure=bool(verify_structure),
                      pointers=threshold is not None)
         try:
-            lru, sequence = db.open_with_index(map_size_bytes, eviction_policy)
+            # The eviction index is a walk of every record: in the background it is the writer's
+            # first job (every write queues behind it), so the open does not grow with the cache.
+            background = bool(index_in_background) and not self._readonly
+            lru, sequence = db.open_with_index(map_size_bytes, eviction_policy, build_index=not background)
         except BaseException as exc:
             release_directory(self._dir_id)
             if isinstance(exc, TierFullError):
@@ -206,6 +215,8 @@ class LmdbTier(ChunkTier):
             self._writer = WriterThread(f"kvtier-lmdb-writer:{self._path.name}")
             self._compactor = Compactor(db, self._writes, self._reads, self._writer, live_fraction=live_fraction)
             self._writes.watch(self._compactor)
+            if background:
+                self._writer.submit(Job(lambda: self._load_index(eviction_policy), _log_failure))
         self._live_fraction = live_fraction
         self._maintenance = Maintenance(db, self._writes, self._reads, self._writer)
         self._timer = PeriodicThread(
@@ -258,6 +269,19 @@ class LmdbTier(ChunkTier):
             raise ClosedError(f"LmdbTier at {self._path} is closed")
         if write and self._readonly:
             raise TierIOError(f"LmdbTier at {self._path} is open read-only")
+        if write and self._index_error is not None:
+            raise TierIOError(f"LmdbTier at {self._path} could not read its eviction index: "
+                              f"{self._index_error}") from self._index_error
+
+    def _load_index(self, eviction_policy: str) -> None:
+        """Writer thread, its first job (``index_in_background``): build the eviction index. A
+        failure leaves the tier readable and refusing writes: without the index it cannot keep
+        its capacity."""
+        try:
+            self._writes.lru = self._db.load_index(eviction_policy)
+        except BaseException as exc:
+            self._index_error = exc
+            raise
 
     def _check_owner(self) -> None:
         if os.getpid() != self._pid:
