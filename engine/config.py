@@ -214,10 +214,7 @@ class StoreConfig:
         check_segment_threshold(self.lmdb_segment_threshold_bytes, "lmdb_segment_threshold_bytes")
         if self.disk_index_refresh_interval_s is not None:
             require_seconds("disk_index_refresh_interval_s", self.disk_index_refresh_interval_s)
-        if self.disk_index_wait_s is not None and not 0.0 <= require_float("disk_index_wait_s",
-                                                                            self.disk_index_wait_s) < float("inf"):
-            raise ValueError(f"disk_index_wait_s must be None or a finite number of seconds >= 0, "
-                             f"got {self.disk_index_wait_s!r}")
+        _require_wait("disk_index_wait_s", self.disk_index_wait_s)
         require_fraction("lmdb_segment_compaction_live_fraction", self.lmdb_segment_compaction_live_fraction,
                           upper_open=True)
         require_bool("read_only", self.read_only)
@@ -348,6 +345,11 @@ class EngineConfig(StoreConfig):
     # preallocate and pre-fault at start (~0.25 s at the measured 1.1 GB/s first touch). Split
     # across groups by the engine.
     host_capacity_bytes: int = 256 * _MiB
+    # How long start waits for the host pools: made on a worker thread at ~1.1 GB/s first touch (on
+    # CUDA also registered), so 0.5 s covers the default 256 MiB; a larger pool is waited for no
+    # longer, the engine serving misses (lookups 0, stores dropped as "starting") until it exists.
+    # 0 never waits, None waits for it.
+    host_pools_wait_s: Optional[float] = 0.5
     # The host pools alone, overriding eviction_policy (None: the same); ARC exists only here.
     host_eviction_policy: Optional[str] = None
     # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
@@ -387,6 +389,7 @@ class EngineConfig(StoreConfig):
     def _validate(self) -> None:
         super()._validate()
         require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        _require_wait("host_pools_wait_s", self.host_pools_wait_s)
         if self.host_eviction_policy is not None:
             require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
         require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
@@ -420,6 +423,12 @@ class EngineConfig(StoreConfig):
     def store(self) -> StoreConfig:
         """The store's part of these settings: the record the engine opens its ``DiskStore`` with."""
         return store_config_of(self)
+
+
+def _require_wait(name: str, value: Optional[float]) -> None:
+    # A wait of start's: None (wait for all of it) or finite seconds >= 0 (0: do not wait).
+    if value is not None and not 0.0 <= require_float(name, value) < float("inf"):
+        raise ValueError(f"{name} must be None or a finite number of seconds >= 0, got {value!r}")
 
 
 def store_config_of(settings: Any, **values: Any) -> StoreConfig:
@@ -467,6 +476,7 @@ _FLOAT_FIELDS = frozenset(
         "reader_check_interval_s",
         "disk_index_refresh_interval_s",
         "disk_index_wait_s",
+        "host_pools_wait_s",
         "remote_timeout_s",
         "remote_connect_timeout_s",
         "remote_breaker_reset_s",
@@ -479,7 +489,7 @@ _BOOL_FIELDS = frozenset(
      "remote_promote_to_disk", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
+    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "host_pools_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
      "store_retention_interval_tokens", "host_eviction_policy"}
 )
 

@@ -52,6 +52,7 @@ from kvtier.policy import KeyChain, ModelLayout, longest_hit
 from kvtier.policy.retention import check_retention_interval
 from kvtier.tiers.base import ChunkTier
 from kvtier.tiers.device import DeviceKVView
+from kvtier.tiers.host import HostSlabPool
 
 from .caller import CallerGuard
 from .config import EngineConfig
@@ -64,12 +65,12 @@ from .lifecycle import LEGACY_NAME, HostState
 from .loading import LoadPath
 from .metrics import EngineMetrics
 from .pressure import LatencyEwma, PressureMonitor
-from .records import ChunkEvent, LoadResult, RequestKeys, StoreHandle
+from .records import ChunkEvent, LoadResult, RequestKeys, StoreHandle, mark_durable, mark_released
 from .spill import SpillPipeline
 from .store import DiskStore
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (check_count, check_engine_settings, check_fence_arguments, check_load_arguments,
+from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments, check_load_arguments,
                          check_prefetch_policy, check_request_keys, check_store_arguments, check_token_ids)
 from .wiring import PoolsFactory, build_paths, make_host_pools, pressure_monitor, refresh_loop, start_loop
 
@@ -151,6 +152,9 @@ class OffloadEngine:
         self._loads: Optional[LoadPath] = None
         self._spill_runner: Optional[Supervised] = None
         self._refresh_runner: Optional[Supervised] = None
+        # The host pools being made by start(), and the task that wires them once made.
+        self._pools_made: "Optional[asyncio.Future[List[HostSlabPool]]]" = None
+        self._wiring: "Optional[asyncio.Task[None]]" = None
         self._tasks: set = set()
         # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its
         # event. An executor starts its threads at its first copy, not here.
@@ -180,17 +184,26 @@ class OffloadEngine:
         await self.close()
 
     async def start(self) -> None:
-        """Allocate the host slabs, open the disk tier, rebuild the disk index, start the spill
-        task and the pressure monitor. Cancelling it leaves the engine unusable; call ``close``."""
+        """Start making the host slabs (on a worker thread), open the disk tier and start listing
+        its keys into the disk index (waiting for the listing at most ``disk_index_wait_s``);
+        once the slabs exist, build the store, load and spill paths and start the pressure
+        monitor. Waits for the slabs at most ``host_pools_wait_s``: until they exist (seconds for
+        tens of GiB)
+        the engine serves, answering every ``lookup`` with 0 and dropping every ``store``, both
+        counted as ``"starting"`` (a serving loop must not wait on a cache). A slab that fails
+        after start returned fails the engine (``_fail``: it refuses new work, loudly); ``flush``
+        waits for the slabs and the listing. Cancelling it leaves the engine unusable; call
+        ``close``."""
         if self._started:
             raise RuntimeError("OffloadEngine.start() called twice")
         self._started = True
         self._guard.bind()
         config = self.config
-        # off the loop: seconds for a large slab
-        self.host.open(await asyncio.to_thread(make_host_pools, config, self.device, self.host.chunk_nbytes,
-                                               self._host_pools))
-        self.metrics.set_state_counts(self.host.state_counts)
+        check_device_kind(config.device_kind, self.device)  # a wrong setting fails here, not later
+        # Off the loop and not waited for: pre-faulting (and on CUDA registering) a slab takes
+        # seconds for tens of GiB.
+        self._pools_made = asyncio.ensure_future(asyncio.to_thread(
+            make_host_pools, config, self.device, self.host.chunk_nbytes, self._host_pools))
         if self._owns_disk and config.remote_url is not None:
             if config.disk_index_refresh_interval_s is None:
                 logger.warning("remote tier without disk_index_refresh_interval_s: chunks other hosts write become "
@@ -200,6 +213,32 @@ class OffloadEngine:
         # removals, list into the index; a listing that fails leaves the index empty (logged) and
         # the engine serving: the disk's chunks are misses until the next start.
         await self._store.start()
+        wait_s = config.host_pools_wait_s
+        if wait_s is None or wait_s > 0:
+            await asyncio.wait({self._pools_made}, timeout=wait_s)
+        if self._pools_made.done():
+            await self._wire(self._pools_made.result())  # a slab that failed fails start, as before
+        else:
+            self._wiring = asyncio.ensure_future(self._wire_when_made(self._pools_made))
+
+    async def _wire_when_made(self, made: "asyncio.Future[List[HostSlabPool]]") -> None:
+        """The rest of ``start`` once the host pools exist (a task on the loop). A close meanwhile:
+        the pools are only taken, for close to release."""
+        try:
+            pools = await asyncio.shield(made)
+        except Exception as exc:
+            logger.error("kvtier engine: making the host pools failed: %r", exc)
+            self._fail(exc)
+            return
+        if self._closing:
+            self.host.open(pools)
+            return
+        await self._wire(pools)
+
+    async def _wire(self, pools: "List[HostSlabPool]") -> None:
+        config = self.config
+        self.host.open(pools)
+        self.metrics.set_state_counts(self.host.state_counts)
         closing = lambda: self._closing  # noqa: E731 - read when asked, not now
         self._spill, self._stores, self._loads = build_paths(
             self.host, self._disk, self._index, self._watch, config=config, layout=self.layout, device=self.device,
@@ -300,6 +339,13 @@ class OffloadEngine:
         if self._started:
             self._check_caller(failed_ok=True)
         self._closing = True
+        if self._wiring is not None:  # ends once the pools exist (a worker thread cannot be stopped)
+            await asyncio.wait({self._wiring})
+        elif self._pools_made is not None:  # start failed or was cancelled before it wired them
+            made = self._pools_made
+            await asyncio.wait({made})
+            if not made.cancelled() and made.exception() is None and not self.host.pools:
+                self.host.open(made.result())
         if self._refresh_runner is not None:
             self._refresh_runner.cancel()
             await self._refresh_runner.wait()
@@ -332,6 +378,28 @@ class OffloadEngine:
         if self._stores is None or self._loads is None:
             raise ClosedError("the offload engine did not finish starting; close it")
         return self._stores, self._loads
+
+    @property
+    def _starting(self) -> bool:
+        # True while start's host pools are still being made (serving misses meanwhile).
+        return self._wiring is not None and not self._wiring.done()
+
+    @property
+    def starting(self) -> bool:
+        """True while the engine, started, still makes its host pools: lookups answer 0 and stores
+        are dropped (both counted as ``"starting"``)."""
+        return self._starting
+
+    def _dropped_starting(self, num_tokens: int) -> StoreHandle:
+        """The handle of a store while the host pools are being made: the request's complete chunks
+        dropped, released and not durable at once."""
+        dropped = [(g, c) for g, group in enumerate(self.layout.groups)
+                   for c in range(num_tokens // group.tokens_per_chunk)]
+        self.metrics.dropped("starting", len(dropped))
+        handle = StoreHandle(asyncio.get_running_loop(), (), (), dropped, "starting")
+        mark_released(handle)
+        mark_durable(handle, False)
+        return handle
 
     def _check_caller(self, failed_ok: bool = False) -> None:
         self._guard.check(failed_ok)
@@ -383,17 +451,22 @@ class OffloadEngine:
         ``fence``). The copy is ordered after ``ready_event``, else after the work queued so far on
         ``compute_stream`` (default: the calling thread's current CUDA stream; module docstring).
         """
-        stores, _ = self._paths()
+        self._check_open()
         keys = self._keys(request, salt)
         num_tokens, rows = check_store_arguments(self.layout, keys.num_tokens, num_tokens, block_table)
+        if self._starting:
+            return self._dropped_starting(num_tokens)
+        stores, _ = self._paths()
         return stores.schedule(keys, num_tokens, rows, self.device.backend.ready_event(compute_stream, ready_event))
 
     async def flush(self) -> None:
-        """Wait until every operation started so far has finished: the start-up listing of the
-        disk's keys, device copies of stores, their spills (with a disk tier), loads and prefetch
+        """Wait until every operation started so far has finished: the rest of start (the host
+        pools, the listing of the disk's keys), device copies of stores, their spills (with a disk tier), loads and prefetch
         reads. Cancelling the wait stops nothing."""
         self._check_started()
         self._check_caller(failed_ok=True)
+        if self._wiring is not None and not self._wiring.done():
+            await asyncio.wait({self._wiring})
         await self._store.wait_listed()
         while True:
             # Done tasks leave _tasks in a done-callback, a loop iteration later: wait only for the
@@ -434,6 +507,10 @@ class OffloadEngine:
             max_tokens = max(0, keys.num_tokens - 1)
         else:
             max_tokens = min(max_tokens, keys.num_tokens)  # no hit is longer than the request
+        if self._starting:  # no host slot to load through yet
+            self.metrics.lookup()
+            self.metrics.miss("starting")
+            return 0
         hit = longest_hit(self.layout, max_tokens, self.host.lookup_state(keys))
         self.metrics.lookup()
         if hit is None:
@@ -468,10 +545,14 @@ class OffloadEngine:
         ``ClosedError``. The copies are ordered after ``ready_event`` or ``compute_stream`` as
         for ``store``.
         """
-        _, loads = self._paths()
+        self._check_open()
         ready = self.device.backend.ready_event(compute_stream, ready_event)  # the order, taken now
         keys = self._keys(request, salt)
         hit_tokens, rows = check_load_arguments(self.layout, keys.num_tokens, hit_tokens, block_table)
+        if self._starting:
+            self.metrics.miss("starting")
+            return LoadResult(hit_tokens, False, (), reason="starting")
+        _, loads = self._paths()
         jobs, missing = loads.plan(keys, hit_tokens, rows)
         if missing:
             self.metrics.miss("missing")
@@ -497,10 +578,13 @@ class OffloadEngine:
         ``tier_timeout_s`` is abandoned (lookup answers from the disk index again). Cancelling the
         wait does not stop the reads; they still land in the host tier.
         """
-        _, loads = self._paths()
+        self._check_open()
         timeout_s = check_prefetch_policy(policy, timeout_s)
         keys = self._keys(request, salt)
         hit_tokens = None if hit_tokens is None else check_count("hit_tokens", hit_tokens, keys.num_tokens)
+        if self._starting:
+            return 0
+        _, loads = self._paths()
         if self._paused():
             self.metrics.dropped("pressure_prefetch", 1)
             return 0

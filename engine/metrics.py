@@ -60,6 +60,7 @@ MISS_REASONS: Tuple[str, ...] = (
     "host_full",  # no host slot could be freed to promote a disk chunk into
     "cancelled",  # the caller cancelled the load
     "closed",  # the engine shut down during the load
+    "starting",  # the engine is still making its host pools: the hit is 0
 )
 # Why a store was given up. Dropping is the engine's back-pressure: the caller never waits.
 DROP_REASONS: Tuple[str, ...] = (
@@ -71,6 +72,7 @@ DROP_REASONS: Tuple[str, ...] = (
     "evicted",  # a host chunk was evicted before it reached disk: its store is lost
     "pressure_prefetch",  # a prefetch (disk -> host promotion) refused under memory pressure
     "closed",  # the engine shut down with the store still queued
+    "starting",  # the engine is still making its host pools: nothing can hold the chunks yet
 )
 # Drops count chunks whose store (or promotion) was given up; the names above are the only labels.
 # From ~100 us (a host copy of a small chunk, one executor hop) to 30 s (tier_timeout_s's default).

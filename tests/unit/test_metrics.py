@@ -49,11 +49,11 @@ def test_counters_move_exactly():
     assert snap["hits"] == 2 and snap["hit_tokens"] == 96
     assert snap["misses"] == {
         "missing": 1, "pending": 2, "corrupt": 1, "timeout": 1, "tier_error": 0, "copy_error": 0,
-        "host_full": 0, "cancelled": 0, "closed": 0,
+        "host_full": 0, "cancelled": 0, "closed": 0, "starting": 0,
     }  # fmt: skip
     assert snap["dropped"] == {
         "queue_full": 1, "pressure": 4, "host_full": 2, "copy_error": 0, "tier_error": 1, "evicted": 0,
-        "pressure_prefetch": 0, "closed": 0,
+        "pressure_prefetch": 0, "closed": 0, "starting": 0,
     }  # fmt: skip
     assert snap["stored_chunks"] == {"host": 4, "disk": 2}
     assert snap["stored_bytes"] == {"host": 16384, "disk": 8192}
