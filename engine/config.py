@@ -345,11 +345,12 @@ class EngineConfig(StoreConfig):
     # preallocate and pre-fault at start (~0.25 s at the measured 1.1 GB/s first touch). Split
     # across groups by the engine.
     host_capacity_bytes: int = 256 * _MiB
-    # How long start waits for the host pools: made on a worker thread at ~1.1 GB/s first touch (on
-    # CUDA also registered), so 0.5 s covers the default 256 MiB; a larger pool is waited for no
-    # longer, the engine serving misses (lookups 0, stores dropped as "starting") until it exists.
-    # 0 never waits, None waits for it.
-    host_pools_wait_s: Optional[float] = 0.5
+    # Start waits for host pools of at most this many bytes (host_capacity_bytes): they are made on
+    # a worker thread at ~1.1 GB/s first touch (on CUDA also registered), so 1 GiB is under a
+    # second. A larger pool is made while the engine serves misses (lookups 0, stores dropped, as
+    # "starting"). A size, not a time: whether start waited never depends on the machine's load.
+    # 0 never waits.
+    host_pools_wait_bytes: int = 1 * _GiB
     # The host pools alone, overriding eviction_policy (None: the same); ARC exists only here.
     host_eviction_policy: Optional[str] = None
     # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
@@ -389,7 +390,7 @@ class EngineConfig(StoreConfig):
     def _validate(self) -> None:
         super()._validate()
         require_int("host_capacity_bytes", self.host_capacity_bytes, 1)
-        _require_wait("host_pools_wait_s", self.host_pools_wait_s)
+        require_int("host_pools_wait_bytes", self.host_pools_wait_bytes, 0)
         if self.host_eviction_policy is not None:
             require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
         require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
@@ -455,6 +456,7 @@ def codec_settings(compression: int) -> Dict[str, Any]:
 _SIZE_FIELDS = frozenset(
     {
         "host_capacity_bytes",
+        "host_pools_wait_bytes",
         "disk_capacity_bytes",
         "lmdb_map_size_bytes",
         "lmdb_segment_threshold_bytes",
@@ -476,7 +478,6 @@ _FLOAT_FIELDS = frozenset(
         "reader_check_interval_s",
         "disk_index_refresh_interval_s",
         "disk_index_wait_s",
-        "host_pools_wait_s",
         "remote_timeout_s",
         "remote_connect_timeout_s",
         "remote_breaker_reset_s",
@@ -489,7 +490,7 @@ _BOOL_FIELDS = frozenset(
      "remote_promote_to_disk", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "host_pools_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
+    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
      "store_retention_interval_tokens", "host_eviction_policy"}
 )
 

@@ -187,8 +187,8 @@ class OffloadEngine:
         """Start making the host slabs (on a worker thread), open the disk tier and start listing
         its keys into the disk index (waiting for the listing at most ``disk_index_wait_s``);
         once the slabs exist, build the store, load and spill paths and start the pressure
-        monitor. Waits for the slabs at most ``host_pools_wait_s``: until they exist (seconds for
-        tens of GiB)
+        monitor. Waits for the slabs when ``host_capacity_bytes`` is at most
+        ``host_pools_wait_bytes``; else, until they exist (seconds for tens of GiB)
         the engine serves, answering every ``lookup`` with 0 and dropping every ``store``, both
         counted as ``"starting"`` (a serving loop must not wait on a cache). A slab that fails
         after start returned fails the engine (``_fail``: it refuses new work, loudly); ``flush``
@@ -213,9 +213,8 @@ class OffloadEngine:
         # removals, list into the index; a listing that fails leaves the index empty (logged) and
         # the engine serving: the disk's chunks are misses until the next start.
         await self._store.start()
-        wait_s = config.host_pools_wait_s
-        if wait_s is None or wait_s > 0:
-            await asyncio.wait({self._pools_made}, timeout=wait_s)
+        if config.host_capacity_bytes <= config.host_pools_wait_bytes:
+            await asyncio.wait({self._pools_made})
         if self._pools_made.done():
             await self._wire(self._pools_made.result())  # a slab that failed fails start, as before
         else:

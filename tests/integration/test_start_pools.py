@@ -45,7 +45,7 @@ class HeldPools:
 
 
 def config(**overrides) -> EngineConfig:
-    values = dict(host_capacity_bytes=1 << 20, pressure_poll_interval_s=3600.0, host_pools_wait_s=0)
+    values = dict(host_capacity_bytes=1 << 20, pressure_poll_interval_s=3600.0, host_pools_wait_bytes=0)
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -115,7 +115,7 @@ async def test_pools_that_fail_after_start_fail_the_engine():
 
 @pytest.mark.asyncio
 async def test_pools_made_within_the_wait_are_wired_before_start_returns():
-    engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT, num_blocks=8), config(host_pools_wait_s=None),
+    engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT, num_blocks=8), config(host_pools_wait_bytes=1 << 20),
                            fingerprint=b"pools-wait")
     async with engine:
         assert not engine.starting and engine.host.pools
