@@ -156,9 +156,10 @@ class OffloadEngine:
         self._pools_made: "Optional[asyncio.Future[List[HostSlabPool]]]" = None
         self._wiring: "Optional[asyncio.Task[None]]" = None
         self._tasks: set = set()
-        # CUDA: two threads per direction, so batch n+1 queues while batch n's thread waits on its
-        # event. An executor starts its threads at its first copy, not here.
-        workers = 2 if device.backend.is_cuda else 1
+        # Two threads per direction on CUDA, so batch n+1 queues while batch n's thread waits on
+        # its event (``DeviceBackend.copy_workers``). An executor starts its threads at its first
+        # copy, not here.
+        workers = device.backend.copy_workers
         self._d2h = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-d2h")
         self._h2d = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-h2d")
         self._started = False

@@ -97,6 +97,13 @@ class DeviceBackend:
         return int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device))
 
     @property
+    def copy_workers(self) -> int:
+        """Copy threads the engine gives each direction. CUDA: 2, so batch n+1 is queued on the
+        copy stream while batch n's thread waits on its event (the stream keeps their order). CPU:
+        1, a copy runs in its thread's ``copy_`` and a second thread would only share the cores."""
+        return 2 if self.is_cuda else 1
+
+    @property
     def kind(self) -> str:
         """``"cpu"`` or ``"cuda"``."""
         return self.device.type

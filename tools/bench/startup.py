@@ -6,7 +6,7 @@ on disk, and with a large host pool.
 
 Per cache size a cache directory of that many small records (``--record-bytes`` each, so 10^6 fit
 in ~0.8 GB) is built once under ``--dir`` and reused by later runs. Each round starts an engine over
-it (a 1 MiB host pool) with the structure check on (``lmdb_verify_on_open``, the default) and off,
+it (a 4 MiB host pool, 256 KiB chunks) with the structure check on (``lmdb_verify_on_open``, the default) and off,
 and reports the median of: ``start`` (``await engine.start()``), ``first lookup`` (start to the
 first ``lookup`` answered), ``indexed`` (start to the end of the listing of every key:
 ``engine.flush()`` then ``len(engine.disk_index)``), and the longest event-loop gap from start to
@@ -80,7 +80,9 @@ class LoopGaps:
 async def one_start(config: EngineConfig, expect_keys: int) -> Dict[str, float]:
     """One engine start over ``config``: seconds to start, to the first lookup, to indexed (and
     to the pools made), and the longest loop gap."""
-    engine = OffloadEngine(LAYOUT, make_cpu_device(LAYOUT, num_blocks=16), config, fingerprint=b"bench-startup")
+    # 256 KiB chunks (2 layers x K and V x 16 tokens x 8 heads x 128 x fp32), as a serving model's
+    device = make_cpu_device(LAYOUT, num_blocks=16, num_layers=2, kv_heads=8, head_dim=128)
+    engine = OffloadEngine(LAYOUT, device, config, fingerprint=b"bench-startup")
     prompt = list(range(33))
     with LoopGaps() as gaps:
         began = time.perf_counter()
@@ -109,7 +111,7 @@ async def run(where: Path, sizes: List[int], rounds: int, record_bytes: int, poo
         path = where / f"startup-{count}"
         await build_cache(path, count, record_bytes)
         for verify in (True, False):
-            config = EngineConfig(cache_dir=str(path), host_capacity_bytes=1 << 20, lmdb_verify_on_open=verify,
+            config = EngineConfig(cache_dir=str(path), host_capacity_bytes=4 << 20, lmdb_verify_on_open=verify,
                                   pressure_poll_interval_s=3600.0, spill_enabled=True)
             rows = [await one_start(config, count) for _ in range(rounds)]
             results.append({"chunks": count, "verify": verify, **_median(rows)})

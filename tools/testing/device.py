@@ -56,6 +56,10 @@ class RecordingBackend(DeviceBackend):
     def host_fast_path(self) -> bool:
         return False
 
+    @property
+    def copy_workers(self) -> int:
+        return 2  # the CUDA path's: batch n+1 queues while batch n waits in ``synchronize``
+
     def new_stream(self, priority: int = 0) -> Any:
         with self._log_lock:
             self._streams += 1
