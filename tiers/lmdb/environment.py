@@ -30,7 +30,7 @@ from ..base import NO_IO_HOOK, IOHook
 from ..lru import ByteLru, make_byte_index
 from ..writer import SharedExclusiveLock
 from .opening import is_disk_full, lock_for_readonly, open_kvtier_tables, prepare_lock_file
-from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, verify_structure_at_rest
+from .recovery import CORRUPT_LMDB_ERRORS, check_data_file, stamp_verified, verify_structure_at_rest
 from .segment_files import reclaim_orphans
 from .segments import committed_ends
 from .tables import Tables, index_entries, read_sequence
@@ -101,6 +101,8 @@ class LmdbEnv:
         self._verify_structure = verify_structure
         self._pointers = pointers
         self._opened = False
+        # Verified at open (or unchanged since a verified clean close): a clean close stamps it.
+        self._sound_at_open = False
         self.env: lmdb.Environment
         self.tables: Tables
         # The map size statistics() last read (it never waits behind a remap for a new one).
@@ -124,7 +126,7 @@ class LmdbEnv:
             use_lock = True
         self.lockless = not use_lock
         if self._verify_structure and not self._opened:  # not on a reopen after MDB_PANIC
-            verify_structure_at_rest(self.path, create_lock=not self.readonly)
+            self._sound_at_open = verify_structure_at_rest(self.path, create_lock=not self.readonly)
         try:
             env = lmdb.open(
                 str(self.path),
@@ -219,15 +221,19 @@ class LmdbEnv:
 
     def reopen(self) -> None:
         """After MDB_PANIC the environment must be reopened (writer thread, exclusive lock)."""
+        self._sound_at_open = False  # a panic: let the next open walk the file
         with self.map_lock.exclusive():
             size = self.env.info()["map_size"]
             self.env.close()
             self.open(size)
 
     def close(self) -> None:
-        """Close the environment (once every thread that used it is done)."""
+        """Close the environment (once every thread that used it is done); a writable one verified
+        at open is stamped so the next open need not walk it (``recovery.stamp_verified``)."""
         with self.map_lock.exclusive():
             self.env.close()
+        if self._sound_at_open and not self.readonly:
+            stamp_verified(self.path)
 
     def read_at_open(self, body: Callable[["lmdb.Transaction[memoryview]"], T]) -> T:
         """``body`` in a new read transaction while opening (LMDB errors propagate to the caller,

@@ -6,7 +6,10 @@ when it moves a damaged directory aside):
 - ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS), and
   a missing or empty one beside payload segment files (a lost index, not a new cache).
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
-  process has the environment open.
+  process has the environment open and the file changed since a verified open closed it cleanly
+  (``stamp_verified``).
+- ``stamp_verified``: after a clean close of an environment this process had verified (or found
+  stamped), note the file's identity beside it, so the next open need not walk it again.
 - ``quarantine_cache_dir``: move a damaged environment's files aside so a fresh one can be made.
 - ``open_replacing_damaged`` (async, the opener's event loop): open a cache directory, and when it
   is damaged move it aside and open a fresh one: how every serving process (the engine, vLLM's
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import struct
@@ -31,8 +36,8 @@ from kvtier.errors import CorruptCacheError, TierIOError
 
 from .segment_files import segment_files
 
-__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "quarantine_cache_dir",
-           "open_replacing_damaged"]
+__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "stamp_verified",
+           "quarantine_cache_dir", "open_replacing_damaged"]
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +157,61 @@ def _refuse_lost_index(directory: Path, what: str) -> None:
         )
 
 
-def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> None:
+# Beside data.mdb after a clean close of a verified environment: the file's identity then.
+VERIFIED_STAMP = ".kvtier-verified"
+# Both meta pages lie in the first two pages (at most 64 KiB each): every commit rewrites one.
+_META_BYTES = 128 * 1024
+
+
+def _identity(data: Path) -> Optional[str]:
+    """What changes with every write to ``data``: its inode, size, modification and change times
+    (the change time cannot be set back from user space) and a hash of its meta pages (every LMDB
+    commit rewrites one, with a new transaction id, even within one clock tick). None if unreadable."""
+    try:
+        with open(data, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(_META_BYTES)
+    except OSError:
+        return None
+    return json.dumps([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                       hashlib.blake2b(head, digest_size=16).hexdigest()])
+
+
+def stamp_verified(directory: Path) -> None:
+    """After a clean close of an environment whose structure this process trusted at open (it
+    verified it, or found it stamped and unchanged): note ``data.mdb``'s identity in
+    ``VERIFIED_STAMP``, so that an open finding the file unchanged skips the walk (blocking; a
+    failure only costs the next open a walk)."""
+    identity = _identity(directory / "data.mdb")
+    if identity is None:
+        return
+    temp = directory / f"{VERIFIED_STAMP}.{os.getpid()}.tmp"
+    try:
+        temp.write_text(identity)
+        os.replace(temp, directory / VERIFIED_STAMP)
+    except OSError as exc:
+        log.debug("kvtier lmdb: cannot stamp %s as verified: %s", directory, exc)
+        temp.unlink(missing_ok=True)
+
+
+def _stamped_unchanged(directory: Path) -> bool:
+    try:
+        stamp = (directory / VERIFIED_STAMP).read_text()
+    except OSError:
+        return False
+    return stamp == _identity(directory / "data.mdb")
+
+
+def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> bool:
     """Check ``data.mdb`` with py-lmdb's offline verifier when no other process has the environment
-    open; raise ``CorruptCacheError`` listing what it found.
+    open; raise ``CorruptCacheError`` listing what it found. Returns True when the file is known
+    sound: verified now, or unchanged since a verified open closed it (``stamp_verified``).
+
+    The walk reads the whole file (~5 us a record), so an unchanged file is not walked again: damage
+    from outside (another program, a bad copy, a truncation, a crash of a writer that was not
+    LMDB's) comes through writes, and every write changes the identity the stamp holds. What it
+    does not catch is the medium itself rotting under an unchanged file, as no check at open could
+    while the file is served.
 
     "No other process" is LMDB's own test: the exclusive lock on byte 0 of ``lock.mdb`` that every
     opener tries first. It is held while the verifier reads, so an opener elsewhere waits for it (as
@@ -165,18 +222,27 @@ def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> No
     ``create_lock=False`` (a read-only open) never creates ``lock.mdb``: without one no process has
     the environment open, so the file is checked without taking the lock.
     """
-    problems = _problems_at_rest(directory, create_lock=create_lock)
+    try:
+        if os.stat(directory / "data.mdb").st_size == 0:
+            return True  # LMDB makes a new environment: sound by construction
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    problems = _problems_at_rest(directory, create_lock=create_lock, skip_if_stamped=True)
     if problems:
         shown = "; ".join(problems[:5])
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CorruptCacheError(f"the LMDB file {directory / 'data.mdb'} is damaged: {shown}{more}")
+    return problems is not None
 
 
-def _problems_at_rest(directory: Path, *, create_lock: bool) -> Optional[List[str]]:
-    """What py-lmdb's offline verifier finds in ``data.mdb`` (``[]``: nothing), or ``None`` when it
-    was not run: no file, the environment open in another process (see ``verify_structure_at_rest``),
-    no verifier in this py-lmdb, a file it cannot even begin on (``lmdb.open`` names that), or an
-    OS error taking the lock."""
+def _problems_at_rest(directory: Path, *, create_lock: bool, skip_if_stamped: bool = False) -> Optional[List[str]]:
+    """What py-lmdb's offline verifier finds in ``data.mdb`` (``[]``: nothing, or, with
+    ``skip_if_stamped``, unchanged since a verified clean close), or ``None`` when it was not run:
+    no file, the environment open in another process (see ``verify_structure_at_rest``), no
+    verifier in this py-lmdb, a file it cannot even begin on (``lmdb.open`` names that), or an OS
+    error taking the lock."""
     data = directory / "data.mdb"
     if not data.exists():
         return None
@@ -193,6 +259,8 @@ def _problems_at_rest(directory: Path, *, create_lock: bool) -> Optional[List[st
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
             except OSError:
                 return None  # open in another process: see verify_structure_at_rest
+        if skip_if_stamped and _stamped_unchanged(directory):  # under the lock: no writer now
+            return []
         try:
             return list(lmdb_verify.verify(str(directory)))
         except lmdb_verify.VerifyError:
@@ -223,7 +291,7 @@ def quarantine_cache_dir(path: PathLike) -> Path:
         segments = segment_files(src)
     except OSError:
         segments = []
-    owned = [src / name for name in ("data.mdb", "lock.mdb", *segments) if (src / name).exists()]
+    owned = [src / name for name in ("data.mdb", "lock.mdb", VERIFIED_STAMP, *segments) if (src / name).exists()]
     errors: List[str] = []
     for parent, prefix in ((src.parent, f"{src.name}.corrupt"), (src, ".kvtier-corrupt")):
         if parent == src.parent and os.path.ismount(src):
