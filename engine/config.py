@@ -490,7 +490,8 @@ _BOOL_FIELDS = frozenset(
      "remote_promote_to_disk", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url", "lmdb_segment_threshold_bytes",
+    {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url",
+     "lmdb_segment_threshold_bytes",
      "store_retention_interval_tokens", "host_eviction_policy"}
 )
 

@@ -70,8 +70,9 @@ from .spill import SpillPipeline
 from .store import DiskStore
 from .storing import StorePath
 from .tasks import Supervised, wait_all
-from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments, check_load_arguments,
-                         check_prefetch_policy, check_request_keys, check_store_arguments, check_token_ids)
+from .validation import (check_count, check_device_kind, check_engine_settings, check_fence_arguments,
+                         check_load_arguments, check_prefetch_policy, check_request_keys, check_store_arguments,
+                         check_token_ids)
 from .wiring import PoolsFactory, build_paths, make_host_pools, pressure_monitor, refresh_loop, start_loop
 
 __all__ = ["OffloadEngine", "EngineInvariantError"]
@@ -233,7 +234,11 @@ class OffloadEngine:
         if self._closing:
             self.host.open(pools)
             return
-        await self._wire(pools)
+        try:
+            await self._wire(pools)
+        except Exception as exc:  # nobody awaits this task: the engine fails loudly instead
+            logger.exception("kvtier engine: wiring the host pools failed")
+            self._fail(exc)
 
     async def _wire(self, pools: "List[HostSlabPool]") -> None:
         config = self.config
@@ -461,8 +466,8 @@ class OffloadEngine:
 
     async def flush(self) -> None:
         """Wait until every operation started so far has finished: the rest of start (the host
-        pools, the listing of the disk's keys), device copies of stores, their spills (with a disk tier), loads and prefetch
-        reads. Cancelling the wait stops nothing."""
+        pools, the listing of the disk's keys), device copies of stores, their spills (with a disk
+        tier), loads and prefetch reads. Cancelling the wait stops nothing."""
         self._check_started()
         self._check_caller(failed_ok=True)
         if self._wiring is not None and not self._wiring.done():
