@@ -232,7 +232,7 @@ def test_quarantine_moves_only_kvtiers_files_and_works_on_a_mount_point(tmp_path
     assert aside.parent == tmp_path and aside.name.startswith("plain.corrupt-")
     assert listing(aside) == ["data.mdb", "lock.mdb"]
     assert (aside / "data.mdb").read_bytes().startswith(b"not an LMDB file")
-    assert listing(plain) == ["data.mdb", "lock.mdb", "notes.txt"]
+    assert listing(plain) == [".kvtier-verified", "data.mdb", "lock.mdb", "notes.txt"]  # the fresh one, closed
 
     # The cache directory is a mount point (an NVMe mounted at the cache path): renaming it is
     # EBUSY; the damaged files move aside inside it.

@@ -187,7 +187,9 @@ def stamp_verified(directory: Path) -> None:
         return
     temp = directory / f"{VERIFIED_STAMP}.{os.getpid()}.tmp"
     try:
-        temp.write_text(identity)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(identity)
         os.replace(temp, directory / VERIFIED_STAMP)
     except OSError as exc:
         log.debug("kvtier lmdb: cannot stamp %s as verified: %s", directory, exc)
