@@ -75,7 +75,7 @@ def test_a_malformed_trace_is_one_line_naming_the_line(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--layout", "llama"], "--layout 'llama' is not a preset; valid: deepseek-v4, full-attention, gemma-3-27b, gpt-oss-120b"),
-    (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, lfuda, lru"),
+    (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru"),
     (["--host-bytes", "200%"], "--host-bytes '200%': a share must be in (0%, 100%]"),
     (["--bytes-scale", "2"], "argument --bytes-scale: must be in (0, 1], got '2'"),
 ])

@@ -58,7 +58,7 @@ def test_path_and_int_values_are_normalised():
         ({"host_capacity_bytes": 0}, r"host_capacity_bytes must be positive, got 0"),
         ({"host_capacity_bytes": True}, r"host_capacity_bytes must be an int, got True"),
         ({"host_capacity_bytes": "256MiB"}, r"host_capacity_bytes must be an int, got '256MiB'"),
-        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'arc', 'lfuda', 'lru', got 'fifo'"),
+        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'arc', 'arc-lfuda', 'lfuda', 'lru', got 'fifo'"),
         ({"cache_dir": "/x", "disk_capacity_bytes": -1}, r"disk_capacity_bytes must be positive, got -1"),
         ({"disk_capacity_bytes": 1 << 30}, r"disk_capacity_bytes=1073741824 needs cache_dir"),
         ({"lmdb_map_size_bytes": 0}, r"lmdb_map_size_bytes must be >= 1048576, got 0"),
@@ -201,7 +201,7 @@ def test_eviction_policies_by_name_from_every_loader(tmp_path):
     config = EngineConfig.from_env({"KVTIER_EVICTION_POLICY": "lru", "KVTIER_HOST_EVICTION_POLICY": "arc"})
     assert (config.eviction_policy, config.host_policy()) == ("lru", "arc")
     assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lru"
-    with pytest.raises(ValueError, match=r"eviction_policy must be one of 'lfuda', 'lru', got 'arc'"):
+    with pytest.raises(ValueError, match=r"eviction_policy must be one of 'arc-lfuda', 'lfuda', 'lru', got 'arc'"):
         EngineConfig(eviction_policy="arc")  # ARC has no disk-tier variant
 
 

@@ -247,5 +247,5 @@ def test_byte_lfuda_chooses_and_ages_as_its_definition(ops):
 
 def test_byte_index_names_and_errors():
     assert type(make_byte_index("lru")) is ByteLru and type(make_byte_index("lfuda", [(b"a", 3)])) is ByteLfuda
-    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'lfuda', 'lru'"):
+    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'arc-lfuda', 'lfuda', 'lru'"):
         make_byte_index("arc")
