@@ -95,6 +95,7 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
     ("gpt-oss-120b", "3", "none", "lfuda"),
     ("deepseek-v4", "3", "none", "lfuda"),
     ("gpt-oss-120b", "1", "0", "arc"),
+    ("gpt-oss-120b", "3", "none", "arc-lfuda"),
 ])
 def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention,
                                                                       policy):

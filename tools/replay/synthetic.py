@@ -59,7 +59,7 @@ def _sessions(kind: str, rng: np.random.Generator, ids: _Ids) -> Iterator[List[T
         while True:
             head = prompts[int(rng.choice(len(prompts), p=popularity))]
             blocks, tokens, at = list(head), len(head) * BLOCK, 0.0
-            steps = []
+            steps: List[Tuple[float, int, List[int]]] = []
             for _ in range(int(rng.geometric(0.25))):
                 blocks, tokens = _extend(ids, blocks, tokens, int(rng.integers(64, 1500)))
                 steps.append((at, tokens, blocks))
@@ -69,7 +69,7 @@ def _sessions(kind: str, rng: np.random.Generator, ids: _Ids) -> Iterator[List[T
         system = ids.fresh(1)
         while True:
             blocks, tokens, at = list(system), BLOCK, 0.0
-            turns = []
+            turns: List[Tuple[float, int, List[int]]] = []
             for _ in range(int(rng.geometric(0.3))):
                 added = int(rng.integers(50, 2500)) + (int(rng.integers(100, 900)) if turns else 0)
                 blocks, tokens = _extend(ids, blocks, tokens, added)
@@ -78,14 +78,14 @@ def _sessions(kind: str, rng: np.random.Generator, ids: _Ids) -> Iterator[List[T
             yield turns
     elif kind == "scan":
         documents = [ids.fresh(int(n)) for n in rng.integers(10, 60, size=100)]
-        popularity = 1.0 / np.arange(1, len(documents) + 1) ** 1.1
-        popularity /= popularity.sum()
+        weights = 1.0 / np.arange(1, len(documents) + 1) ** 1.1
+        weights /= weights.sum()
         while True:
             if rng.random() < 0.8:
                 n = int(rng.integers(8 * BLOCK, 160 * BLOCK))
                 yield [(0.0, n, ids.fresh(-(-n // BLOCK)))]
             else:
-                doc = documents[int(rng.choice(len(documents), p=popularity))]
+                doc = documents[int(rng.choice(len(documents), p=weights))]
                 blocks, tokens = _extend(ids, list(doc), len(doc) * BLOCK, int(rng.integers(20, 400)))
                 yield [(0.0, tokens, blocks)]
     else:
@@ -99,7 +99,8 @@ def synthetic_records(kind: str, requests: int = 4000, seed: int = 0) -> List[Di
     ids = _Ids()
     sessions = _sessions(kind, rng, ids)
     pending: List[Tuple[float, int, int, List[int]]] = []  # (arrival s, order, tokens, blocks)
-    start, order, out = 0.0, 0, []
+    start, order = 0.0, 0
+    out: List[Dict[str, object]] = []
     while len(out) < requests:
         # Start sessions until the next start lies beyond the earliest pending request.
         while not pending or start <= pending[0][0]:
