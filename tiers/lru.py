@@ -3,7 +3,8 @@
 Primitives: ``ByteLru`` -- key -> stored bytes, least recently used first, and their total;
 ``ByteLfuda`` -- the same interface in LFU-with-dynamic-aging order (as the host pool's ``lfuda``);
 ``make_byte_index(name, entries)`` and ``BYTE_INDEX_NAMES`` (by name; an unknown one lists the
-valid ones). Not thread-safe: each tier touches its index from one thread only (the LMDB tier's
+valid ones; ``arc-lfuda``, the disk half of the pairing whose host pools run ARC,
+``tiers.eviction.ArcLfudaPolicy``, is ``ByteLfuda``). Not thread-safe: each tier touches its index from one thread only (the LMDB tier's
 writer thread, the file tier's event-loop thread).
 """
 
@@ -207,7 +208,7 @@ class ByteLfuda(ByteLru[K]):
                 heapq.heappush(heap, item)
 
 
-_BYTE_INDEXES = {"lru": ByteLru, "lfuda": ByteLfuda}
+_BYTE_INDEXES = {"lru": ByteLru, "lfuda": ByteLfuda, "arc-lfuda": ByteLfuda}
 BYTE_INDEX_NAMES: Tuple[str, ...] = tuple(sorted(_BYTE_INDEXES))
 
 

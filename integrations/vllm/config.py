@@ -58,7 +58,7 @@ class VllmTierConfig:
     default: the LMDB file's structure is checked before LMDB maps it, and a damaged cache
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
     ``CorruptCacheError``, and leaves the directory alone). ``eviction_policy``: the LMDB tier's
-    capacity eviction, as ``EngineConfig``'s (``lfuda`` or ``lru``).
+    capacity eviction, as ``EngineConfig``'s (``arc-lfuda``: LFU-DA, ``lfuda`` or ``lru``).
 
     The store's keys default to ``StoreConfig``'s (the engine's) defaults, and ``store_config``
     turns them into the ``StoreConfig`` the tier opens its ``DiskStore`` with; every store setting

@@ -761,7 +761,8 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     await probe.close()
     record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
     inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
-    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes)
+    # The scenario spells out the host's LRU order (the default ARC would keep H, used twice).
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes, host_eviction_policy="lru")
     removed = []
     inner.subscribe_removals(lambda removals: removed.extend(x.key for x in removals))
     hot, a, b, c = (r.scenario.tokens(17 * 4) for _ in range(4))

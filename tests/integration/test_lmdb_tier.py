@@ -202,7 +202,7 @@ async def test_lfuda_capacity_eviction_keeps_the_record_read_most(tmp_path: Path
         assert removed == [items[4][0], items[5][0]]
         assert tier.statistics().as_dict()["bytes"] <= cap
         assert await tier.check() == []
-    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'lfuda', 'lru'"):
+    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'arc-lfuda', 'lfuda', 'lru'"):
         LmdbTier(tmp_path / "d", eviction_policy="arc")
     assert not (tmp_path / "d").exists()
 

@@ -75,7 +75,7 @@ def test_a_malformed_trace_is_one_line_naming_the_line(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--layout", "llama"], "--layout 'llama' is not a preset; valid: deepseek-v4, full-attention, gemma-3-27b, gpt-oss-120b"),
-    (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, lfuda, lru"),
+    (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru"),
     (["--host-bytes", "200%"], "--host-bytes '200%': a share must be in (0%, 100%]"),
     (["--bytes-scale", "2"], "argument --bytes-scale: must be in (0, 1], got '2'"),
 ])
@@ -95,6 +95,7 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
     ("gpt-oss-120b", "3", "none", "lfuda"),
     ("deepseek-v4", "3", "none", "lfuda"),
     ("gpt-oss-120b", "1", "0", "arc"),
+    ("gpt-oss-120b", "3", "none", "arc-lfuda"),
 ])
 def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention,
                                                                       policy):

@@ -281,7 +281,7 @@ def test_slow_tier_never_blocks_a_scheduler_step(tmp_path):
                                                        r"number in \[0, 1\), got 1$"),
         ({"lmdb_verify_on_open": 1}, r"^KvtierTier lmdb_verify_on_open must be a bool, got 1$"),
         ({"quarantine_corrupt_cache_dir": "yes"}, r"^KvtierTier quarantine_corrupt_cache_dir must be a bool, got 'yes'$"),
-        ({"eviction_policy": "arc"}, r"^KvtierTier eviction_policy must be one of lfuda, lru, got 'arc'$"),
+        ({"eviction_policy": "arc"}, r"^KvtierTier eviction_policy must be one of arc-lfuda, lfuda, lru, got 'arc'$"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, extra, message):

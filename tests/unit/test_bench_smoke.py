@@ -131,3 +131,16 @@ def test_keys_bench_before_and_after_agree():
     assert cases["lookup hit"]["hit_tokens"] == 2048  # v1 and v2 keys found the same full hit
     for row in cases.values():
         assert row["v1"]["best_ms"] > 0 and row["v2"]["best_ms"] > 0
+
+
+def test_eviction_policy_cost_bench_covers_every_policy(capsys):
+    from kvtier.tiers.eviction import eviction_policy_names
+    from kvtier.tiers.lru import BYTE_INDEX_NAMES
+    from kvtier.tools.bench.policies import main, measure_policies
+
+    results = measure_policies(chunks=300, steps=200, rounds=1, reuse=50)
+    assert set(results) == set(eviction_policy_names())
+    for name, row in results.items():
+        assert row["host_us"] > 0 and ("disk_us" in row) == (name in BYTE_INDEX_NAMES)
+    assert main(["--chunks", "100", "--steps", "50", "--rounds", "1", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == set(eviction_policy_names())

@@ -18,7 +18,7 @@ def test_defaults_are_valid_and_documented_values():
     config = EngineConfig()
     assert config.cache_dir is None
     assert config.host_capacity_bytes == 256 * MiB
-    assert config.eviction_policy == "lru" and config.host_eviction_policy is None and config.host_policy() == "lru"
+    assert config.eviction_policy == "lru" and config.host_eviction_policy == "arc" and config.host_policy() == "arc"
     assert config.disk_capacity_bytes is None
     assert config.lmdb_map_size_bytes == 1 * GiB
     assert config.store_queue_max_chunks == 4096
@@ -58,7 +58,7 @@ def test_path_and_int_values_are_normalised():
         ({"host_capacity_bytes": 0}, r"host_capacity_bytes must be positive, got 0"),
         ({"host_capacity_bytes": True}, r"host_capacity_bytes must be an int, got True"),
         ({"host_capacity_bytes": "256MiB"}, r"host_capacity_bytes must be an int, got '256MiB'"),
-        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'arc', 'lfuda', 'lru', got 'fifo'"),
+        ({"host_eviction_policy": "fifo"}, r"host_eviction_policy must be one of 'arc', 'arc-lfuda', 'lfuda', 'lru', got 'fifo'"),
         ({"cache_dir": "/x", "disk_capacity_bytes": -1}, r"disk_capacity_bytes must be positive, got -1"),
         ({"disk_capacity_bytes": 1 << 30}, r"disk_capacity_bytes=1073741824 needs cache_dir"),
         ({"lmdb_map_size_bytes": 0}, r"lmdb_map_size_bytes must be >= 1048576, got 0"),
@@ -197,11 +197,11 @@ def test_eviction_policies_by_name_from_every_loader(tmp_path):
     path = tmp_path / "kvtier.toml"
     path.write_text('eviction_policy = "lru"\n')
     config = EngineConfig.from_toml(path)
-    assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", None, "lru")
+    assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", "arc", "arc")
     config = EngineConfig.from_env({"KVTIER_EVICTION_POLICY": "lru", "KVTIER_HOST_EVICTION_POLICY": "arc"})
     assert (config.eviction_policy, config.host_policy()) == ("lru", "arc")
     assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lru"
-    with pytest.raises(ValueError, match=r"eviction_policy must be one of 'lfuda', 'lru', got 'arc'"):
+    with pytest.raises(ValueError, match=r"eviction_policy must be one of 'arc-lfuda', 'lfuda', 'lru', got 'arc'"):
         EngineConfig(eviction_policy="arc")  # ARC has no disk-tier variant
 
 

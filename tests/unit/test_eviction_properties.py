@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.eviction import LFUDAPolicy, eviction_policy_names, make_eviction_policy
+from kvtier.tiers.eviction import ARCPolicy, LFUDAPolicy, eviction_policy_names, make_eviction_policy
 from kvtier.tiers.host import HostSlabPool
 from kvtier.tiers.lru import ByteLfuda, ByteLru, make_byte_index
 
@@ -247,5 +247,43 @@ def test_byte_lfuda_chooses_and_ages_as_its_definition(ops):
 
 def test_byte_index_names_and_errors():
     assert type(make_byte_index("lru")) is ByteLru and type(make_byte_index("lfuda", [(b"a", 3)])) is ByteLfuda
-    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'lfuda', 'lru'"):
+    with pytest.raises(ValueError, match=r"unknown disk eviction policy 'arc'; valid names: 'arc-lfuda', 'lfuda', 'lru'"):
         make_byte_index("arc")
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_arc_lfuda_decides_as_arc_with_speculative_content_first_in_t1(ops):
+    """The oracle is ARC itself, with each speculative insertion moved to T1's cold end by hand."""
+    policy, oracle = make_eviction_policy("arc-lfuda", CAPACITY), ARCPolicy(CAPACITY)
+    assert policy.uses_speculative and not oracle.uses_speculative
+    for op, slot, arg, pinned_mask in ops:
+        pinned = {s for s in range(CAPACITY) if pinned_mask >> s & 1}
+        if op in ("insert", "speculative") and slot not in oracle:
+            policy.insert(slot, key=arg, speculative=op == "speculative")
+            oracle.insert(slot, key=arg)
+            if op == "speculative" and slot in oracle._t1:
+                oracle._t1.move_to_end(slot, last=False)
+        elif op == "touch" and slot in oracle:
+            policy.touch(slot)
+            oracle.touch(slot)
+        elif op == "remove" and slot in oracle:
+            policy.remove(slot)
+            oracle.remove(slot)
+        elif op == "evict":
+            n = arg % 4
+            victims = policy.evictable_victims(n, lambda s: s not in pinned)
+            assert victims == oracle.evictable_victims(n, lambda s: s not in pinned)
+            assert victims is None or not set(victims) & pinned
+        assert policy.lists() == oracle.lists() and policy.target_t1_size == oracle.target_t1_size
+
+
+def test_arc_lfuda_lets_a_speculative_tail_go_first_and_keeps_it_once_hit():
+    policy = make_eviction_policy("arc-lfuda", 4)
+    policy.insert(0, key="head")
+    policy.insert(1, key="tail", speculative=True)
+    policy.insert(2, key="next")
+    assert policy.evictable_victims(1, lambda s: True) == [1]  # the newer but speculative tail
+    policy.insert(1, key="tail2", speculative=True)
+    policy.touch(1)  # a partial-prefix hit read it: T2, kept over the T1 chunks
+    assert policy.evictable_victims(2, lambda s: True) == [0, 2]

@@ -72,11 +72,11 @@ def test_bad_arguments_are_value_errors() -> None:
 
 
 def test_unknown_policy_name_lists_valid_names() -> None:
-    assert eviction_policy_names() == ("arc", "lfuda", "lru")
-    expected = r"unknown eviction policy 'fifo'; valid names: 'arc', 'lfuda', 'lru'"
+    assert eviction_policy_names() == ("arc", "arc-lfuda", "lfuda", "lru")
+    expected = r"unknown eviction policy 'fifo'; valid names: 'arc', 'arc-lfuda', 'lfuda', 'lru'"
     with pytest.raises(ValueError, match=expected):
         HostSlabPool(SLOT, 4, eviction="fifo")
-    with pytest.raises(ValueError, match="valid names: 'arc', 'lfuda', 'lru'"):
+    with pytest.raises(ValueError, match="valid names: 'arc', 'arc-lfuda', 'lfuda', 'lru'"):
         make_eviction_policy("LRU", 4)
     assert isinstance(make_eviction_policy("lru", 2), LRUPolicy)
     assert isinstance(make_eviction_policy("arc", 2), ARCPolicy)

@@ -163,7 +163,7 @@ def test_budgets_parse_as_bytes_shares_or_unbounded():
 
 def test_an_unknown_policy_lists_the_valid_ones():
     assert policy_class("lfuda")(4).policy.name == "lfuda"
-    with pytest.raises(ValueError, match=r"--policy 'fifo' is unknown; valid: arc, lfuda, lru"):
+    with pytest.raises(ValueError, match=r"--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru"):
         policy_class("fifo")
 
 

@@ -118,7 +118,7 @@ async def measure_bookkeeping(
         store_queue_max_chunks=max(4096, requests * chunk_slots),
     )
     if eviction_policy is not None:
-        config = replace(config, eviction_policy=eviction_policy)
+        config = replace(config, eviction_policy=eviction_policy, host_eviction_policy=None)  # the name on both tiers
     rng = random.Random(seed)
     samples: Dict[str, List[float]] = {"store": [], "lookup": [], "load": [], "keys": []}
 
