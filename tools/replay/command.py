@@ -131,7 +131,7 @@ class Budgets:
     scale (records shrink by the scale exactly, ``ReplayLayout.scaled``); ``reference_capacity``:
     the plain caches' payload bytes, at true sizes."""
 
-    def __init__(self, args, work: Workload, layout: ReplayLayout) -> None:
+    def __init__(self, args, work: Workload, layout: ReplayLayout, plans: Plans) -> None:
         groups = range(len(layout.layout.groups))
         true_chunks = [layout.full_chunk_bytes(g) for g in groups]
         true_records = [size - layout.chunk_bytes(g) + layout.full_chunk_bytes(g)
@@ -145,7 +145,7 @@ class Budgets:
             self.host_bytes = host_size
         else:
             raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
-        self.host_slots = host_slots(self.host_bytes, true_chunks)
+        self.host_slots = host_slots(self.host_bytes, true_chunks, plans)
         disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
         self.has_disk = not (disk_size == 0 and disk_share is None)
         self.disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(true_records)))
@@ -167,8 +167,8 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
     """One replay (engine mode, or the fast mode with ``args.simulate``) and its references."""
     started = time.perf_counter()
     work = Workload.prepare(trace, layout)
-    budgets = Budgets(args, work, layout)
     plans = Plans(layout, args.retention)
+    budgets = Budgets(args, work, layout, plans)
     warm = args.warmup_fraction
     progress_off = args.no_progress or args.json
 
