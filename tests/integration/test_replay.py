@@ -78,6 +78,8 @@ def test_a_malformed_trace_is_one_line_naming_the_line(tmp_path):
     (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, lfuda, lru"),
     (["--host-bytes", "200%"], "--host-bytes '200%': a share must be in (0%, 100%]"),
     (["--bytes-scale", "2"], "argument --bytes-scale: must be in (0, 1], got '2'"),
+    (["--sweep", "--sweep-budgets", "5,150"], "--sweep-budgets takes percentages in (0, 100] separated by commas, "
+                                             "got '5,150'"),
 ])
 def test_bad_options_are_one_line_errors(conversations, args, message):
     result = run_cli("replay", "--trace", conversations, "--simulate", *args)
@@ -228,6 +230,13 @@ def test_sweep_rows_and_plot(capsys, tmp_path, conversations):
                 assert row["stored_ratio"] >= 1.0  # more retained tokens never store fewer bytes
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_at_chosen_budgets(capsys, conversations):
+    result = replay_json(capsys, "--trace", conversations, "--sweep", "--sweep-layouts", "deepseek-v4", "--bootstrap",
+                         "20", "--limit", "30", "--sweep-budgets", "1,7.5%")
+    assert sorted({r["budget"] for r in result["rows"]}) == [0.01, 0.075]
+    assert len(result["rows"]) == 3 * 2 * 2 and {r["layout"] for r in result["rows"]} == {"deepseek-v4"}
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason="the Mooncake trace is not beside this checkout")
