@@ -53,8 +53,9 @@ def make_host_pools(config: EngineConfig, device: DeviceKVView, chunk_bytes: Seq
     to the bytes each group stores per token under the retention interval, ``host_split_weights``),
     of the view's device kind; on CUDA they must be page-locked. Runs on a worker thread."""
     check_device_kind(config.device_kind, device)
-    weights = host_split_weights(device.layout, chunk_bytes, config.store_retention_interval_tokens)
-    make = factory or (lambda sizes, **kw: pools_for_budget(config.host_capacity_bytes, sizes, weights=weights, **kw))
+    retention = config.store_retention_interval_tokens
+    make = factory or (lambda sizes, **kw: pools_for_budget(
+        config.host_capacity_bytes, sizes, weights=host_split_weights(device.layout, sizes, retention), **kw))
     # The view's own device ("cuda:1"): the slab is registered with that device current.
     pools = make(list(chunk_bytes), device_kind=str(device.device), eviction=config.host_policy())
     check_pools_pinned(device, pools)

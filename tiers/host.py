@@ -2,7 +2,8 @@
 
 Primitives: ``HostSlabPool`` (slots, pins, owner tags, eviction), ``Allocation`` (what ``allocate``
 returns), ``SlotStateError`` (a slot used against its state). The engine makes one pool per KV-cache
-group, since chunk sizes differ per group.
+group, since chunk sizes differ per group, and splits its host budget across them by the bytes each
+group stores per token (``host_split_weights`` -> ``host_slot_counts`` -> ``pools_for_budget``).
 
 Why a slab: allocating host memory per chunk is 5-20x slower than reusing a slot (first touch runs
 at ~1 GB/s, pinning costs a driver call), so the whole capacity is allocated, page-locked on CUDA
@@ -83,16 +84,17 @@ def host_split_weights(layout: ModelLayout, chunk_bytes: Sequence[int], retentio
                        prompt_tokens: int = HOST_SPLIT_PROMPT_TOKENS) -> List[float]:
     """Per group, the bytes a producer stores per token under the coverage contract and the
     retention interval (``retention_store_chunk_indices``): what the group's pool should get of a
-    shared host budget, so that each pool holds its group's chunks for as long as one byte LRU over
-    every group would. Measured on a prompt of whole retention periods (the final boundary alone,
-    interval 0: ``prompt_tokens``); a dense sliding group of narrow windows stores a few chunks per
-    alignment boundary, where full attention stores every chunk."""
+    shared host budget, so that each pool keeps its group's chunks about as long as one byte LRU
+    over every group would. Counted on one prompt of ``prompt_tokens`` (rounded up to whole
+    retention intervals): a full-attention group stores every chunk, a dense sliding group of a
+    narrow window the few chunks of its window at each alignment boundary, and with interval 0
+    one window per prompt. Pure; any thread."""
     unit = retention_interval or layout.alignment_tokens
     tokens = max(unit, -(-prompt_tokens // unit) * unit)
     weights = []
     for g, nbytes in enumerate(chunk_bytes):
         stored = len(retention_store_chunk_indices(layout, g, tokens, retention_interval))
-        # A group whose chunks outlast the sample (or a prompt too short to hold one) keeps a share.
+        # A group with chunks longer than the sample still needs slots for one request's chunks.
         weights.append(max(stored, 1) * nbytes / tokens)
     return weights
 
