@@ -108,9 +108,10 @@ def host_slot_counts(capacity_bytes: int, chunk_bytes: Sequence[int],
     shares = list(chunk_bytes if weights is None else weights)
     if len(shares) != len(chunk_bytes) or any(not w >= 0 for w in shares) or not sum(shares) > 0:
         raise ValueError(f"weights must be one share >= 0 per group, not all 0; got {list(shares)!r}")
+    if weights is None:  # integers throughout: the split by chunk bytes, exactly
+        whole = sum(chunk_bytes)
+        return [max(4, capacity_bytes * nbytes // whole // slot_stride(nbytes)) for nbytes in chunk_bytes]
     total = sum(shares)
-    if weights is None:  # integers throughout: the split of every engine before weights existed
-        return [max(4, capacity_bytes * nbytes // total // slot_stride(nbytes)) for nbytes in chunk_bytes]
     return [max(4, int(capacity_bytes * share / total) // slot_stride(nbytes))
             for share, nbytes in zip(shares, chunk_bytes)]
 
