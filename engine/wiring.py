@@ -23,7 +23,7 @@ from kvtier.policy import ModelLayout
 from kvtier.tiers.base import ChunkTier
 
 from kvtier.tiers.device import DeviceKVView
-from kvtier.tiers.host import HostSlabPool, pools_for_budget
+from kvtier.tiers.host import HostSlabPool, host_split_weights, pools_for_budget
 
 from .config import EngineConfig
 from .disk_index import DiskIndex
@@ -49,10 +49,13 @@ PoolsFactory = Callable[..., List[HostSlabPool]]
 
 def make_host_pools(config: EngineConfig, device: DeviceKVView, chunk_bytes: Sequence[int],
                     factory: Optional[PoolsFactory] = None) -> List[HostSlabPool]:
-    """The host pools (``factory``, else the host budget split by ``pools_for_budget``), of the
-    view's device kind; on CUDA they must be page-locked. Runs on a worker thread."""
+    """The host pools (``factory``, else the host budget split by ``pools_for_budget`` in proportion
+    to the bytes each group stores per token under the retention interval, ``host_split_weights``),
+    of the view's device kind; on CUDA they must be page-locked. Runs on a worker thread."""
     check_device_kind(config.device_kind, device)
-    make = factory or (lambda sizes, **kw: pools_for_budget(config.host_capacity_bytes, sizes, **kw))
+    retention = config.store_retention_interval_tokens
+    make = factory or (lambda sizes, **kw: pools_for_budget(
+        config.host_capacity_bytes, sizes, weights=host_split_weights(device.layout, sizes, retention), **kw))
     # The view's own device ("cuda:1"): the slab is registered with that device current.
     pools = make(list(chunk_bytes), device_kind=str(device.device), eviction=config.host_policy())
     check_pools_pinned(device, pools)

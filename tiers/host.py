@@ -2,7 +2,8 @@
 
 Primitives: ``HostSlabPool`` (slots, pins, owner tags, eviction), ``Allocation`` (what ``allocate``
 returns), ``SlotStateError`` (a slot used against its state). The engine makes one pool per KV-cache
-group, since chunk sizes differ per group.
+group, since chunk sizes differ per group, and splits its host budget across them by the bytes each
+group stores per token (``host_split_weights`` -> ``host_slot_counts`` -> ``pools_for_budget``).
 
 Why a slab: allocating host memory per chunk is 5-20x slower than reusing a slot (first touch runs
 at ~1 GB/s, pinning costs a driver call), so the whole capacity is allocated, page-locked on CUDA
@@ -27,11 +28,14 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from kvtier.errors import ClosedError, SlotStateError
+from kvtier.policy import ModelLayout
+from kvtier.policy.retention import retention_store_chunk_indices
 
 from .device_backend import PAGE_BYTES as _PAGE_BYTES, DeviceBackend
 from .eviction import EvictionPolicy, make_eviction_policy
 
-__all__ = ["HostSlabPool", "Allocation", "SlotStateError", "pools_for_budget", "slot_stride", "PAGE_ALIGNED_SLOT_MIN_BYTES"]
+__all__ = ["HostSlabPool", "Allocation", "SlotStateError", "pools_for_budget", "host_slot_counts", "host_split_weights",
+           "HOST_SPLIT_PROMPT_TOKENS", "slot_stride", "PAGE_ALIGNED_SLOT_MIN_BYTES"]
 
 
 
@@ -70,18 +74,54 @@ def slot_stride(slot_bytes: int) -> int:
     return -(-slot_bytes // _PAGE_BYTES) * _PAGE_BYTES
 
 
-def pools_for_budget(capacity_bytes: int, chunk_bytes: Sequence[int], *, device_kind: str = "cpu",
-                     eviction: str = "lru") -> List["HostSlabPool"]:
-    """One pool per group, the host budget split in proportion to each group's chunk bytes, with a
-    floor of 4 slots so a tiny group can still hold the chunks of one request. Page-aligned slots
-    count their padding (``slot_stride``), so the slabs stay within ``capacity_bytes``."""
-    total = sum(chunk_bytes)
-    pools = []
-    for nbytes in chunk_bytes:
-        share = capacity_bytes * nbytes // total
-        pools.append(HostSlabPool(nbytes, max(4, share // slot_stride(nbytes)), device_kind=device_kind,
-                                  eviction=eviction))
-    return pools
+# The prompt a host split is sized for when only a request's final boundary is stored (retention
+# interval 0): a sliding group then stores a window per request, a full-attention group a chunk per
+# block of tokens, so their shares depend on the prompt's length.
+HOST_SPLIT_PROMPT_TOKENS = 8192
+
+
+def host_split_weights(layout: ModelLayout, chunk_bytes: Sequence[int], retention_interval: Optional[int], *,
+                       prompt_tokens: int = HOST_SPLIT_PROMPT_TOKENS) -> List[float]:
+    """Per group, the bytes a producer stores per token under the coverage contract and the
+    retention interval (``retention_store_chunk_indices``): what the group's pool should get of a
+    shared host budget, so that each pool keeps its group's chunks about as long as one byte LRU
+    over every group would. Counted on one prompt of ``prompt_tokens`` (rounded up to whole
+    retention intervals): a full-attention group stores every chunk, a dense sliding group of a
+    narrow window the few chunks of its window at each alignment boundary, and with interval 0
+    one window per prompt. Pure; any thread."""
+    unit = retention_interval or layout.alignment_tokens
+    tokens = max(unit, -(-prompt_tokens // unit) * unit)
+    weights = []
+    for g, nbytes in enumerate(chunk_bytes):
+        stored = len(retention_store_chunk_indices(layout, g, tokens, retention_interval))
+        # A group with chunks longer than the sample still needs slots for one request's chunks.
+        weights.append(max(stored, 1) * nbytes / tokens)
+    return weights
+
+
+def host_slot_counts(capacity_bytes: int, chunk_bytes: Sequence[int],
+                     weights: Optional[Sequence[float]] = None) -> List[int]:
+    """Per group, the slots of ``capacity_bytes`` split in proportion to ``weights`` (default:
+    ``chunk_bytes``, which gives every group the same number of slots), with a floor of 4 slots so
+    a tiny group can still hold the chunks of one request. Page-aligned slots count their padding
+    (``slot_stride``), so the slabs stay within ``capacity_bytes``."""
+    shares = list(chunk_bytes if weights is None else weights)
+    if len(shares) != len(chunk_bytes) or any(not w >= 0 for w in shares) or not sum(shares) > 0:
+        raise ValueError(f"weights must be one share >= 0 per group, not all 0; got {list(shares)!r}")
+    if weights is None:  # integers throughout: the split by chunk bytes, exactly
+        whole = sum(chunk_bytes)
+        return [max(4, capacity_bytes * nbytes // whole // slot_stride(nbytes)) for nbytes in chunk_bytes]
+    total = sum(shares)
+    return [max(4, int(capacity_bytes * share / total) // slot_stride(nbytes))
+            for share, nbytes in zip(shares, chunk_bytes)]
+
+
+def pools_for_budget(capacity_bytes: int, chunk_bytes: Sequence[int], *, weights: Optional[Sequence[float]] = None,
+                     device_kind: str = "cpu", eviction: str = "lru") -> List["HostSlabPool"]:
+    """One pool per group of ``host_slot_counts(capacity_bytes, chunk_bytes, weights)`` slots; the
+    engine passes ``host_split_weights`` of its layout and retention interval."""
+    return [HostSlabPool(nbytes, count, device_kind=device_kind, eviction=eviction)
+            for nbytes, count in zip(chunk_bytes, host_slot_counts(capacity_bytes, chunk_bytes, weights))]
 
 
 class HostSlabPool:

@@ -78,6 +78,8 @@ def test_a_malformed_trace_is_one_line_naming_the_line(tmp_path):
     (["--policy", "fifo"], "--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru"),
     (["--host-bytes", "200%"], "--host-bytes '200%': a share must be in (0%, 100%]"),
     (["--bytes-scale", "2"], "argument --bytes-scale: must be in (0, 1], got '2'"),
+    (["--sweep", "--sweep-budgets", "5,150"], "--sweep-budgets takes percentages in (0, 100] separated by commas, "
+                                             "got '5,150'"),
 ])
 def test_bad_options_are_one_line_errors(conversations, args, message):
     result = run_cli("replay", "--trace", conversations, "--simulate", *args)
@@ -120,6 +122,21 @@ def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, con
     assert main_run["ops_per_s"] > 0 and main_run["wall_s"] > 0
     assert set(engine["references"]) == {"lru", "belady"}
     assert engine["references"]["belady"]["hit_rate"] >= engine["references"]["lru"]["hit_rate"] - 1e-9
+
+
+def test_kvtier_trails_the_reference_lru_by_at_most_half_a_point_on_a_dense_hybrid_layout(capsys, conversations):
+    """A dense gpt-oss-like store holds about 8 sliding chunks per full-attention chunk; the host
+    pools split the budget by the bytes each group stores per token, so the sliding pool does not
+    turn over faster than one LRU over both groups would (split by chunk bytes alone, both pools
+    got the same count: a store needing more sliding slots than its pool has was dropped whole,
+    and at 5% and 10% nothing hit)."""
+    for budget in ("5%", "10%", "30%"):
+        result = replay_json(capsys, "--trace", conversations, "--layout", "gpt-oss-120b", "--retention", "none",
+                             "--simulate", "--host-bytes", budget, "--disk-bytes", budget)
+        lru = result["references"]["lru"]["hit_rate"]
+        assert lru > 0.05, (budget, lru)
+        assert result["hit_rate"] >= lru - 0.005, (budget, result["hit_rate"], lru)
+        assert result["host_slots"][1] >= 8 * result["host_slots"][0], (budget, result["host_slots"])
 
 
 def test_engine_mode_without_a_disk_tier(capsys, conversations):
@@ -214,6 +231,13 @@ def test_sweep_rows_and_plot(capsys, tmp_path, conversations):
                 assert row["stored_ratio"] >= 1.0  # more retained tokens never store fewer bytes
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_at_chosen_budgets(capsys, conversations):
+    result = replay_json(capsys, "--trace", conversations, "--sweep", "--sweep-layouts", "deepseek-v4", "--bootstrap",
+                         "20", "--limit", "30", "--sweep-budgets", "1,7.5%")
+    assert sorted({r["budget"] for r in result["rows"]}) == [0.01, 0.075]
+    assert len(result["rows"]) == 3 * 2 * 2 and {r["layout"] for r in result["rows"]} == {"deepseek-v4"}
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason="the Mooncake trace is not beside this checkout")

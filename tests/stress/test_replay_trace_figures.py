@@ -58,7 +58,7 @@ def test_the_whole_trace_replays_in_the_fast_mode_within_a_minute(workload):
     chunk = [layout.chunk_bytes(0)]
     capacity = int(0.05 * UNIQUE_BLOCKS) * chunk[0]
     started = time.perf_counter()
-    model = simulate_engine(work, Plans(layout, None), host_slots=host_slots(capacity // 2, chunk), chunk_bytes=chunk,
+    model = simulate_engine(work, Plans(layout, None), host_slots=host_slots(capacity // 2, chunk, Plans(layout, None)), chunk_bytes=chunk,
                             disk_capacity=capacity, disk_record_bytes=chunk)
     assert time.perf_counter() - started < 60
     assert model.hit_rate == pytest.approx(0.20, abs=0.01)

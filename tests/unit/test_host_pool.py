@@ -376,3 +376,64 @@ def test_pools_for_budget_split_in_proportion_within_the_budget_with_a_floor() -
     assert [p.num_slots for p in pools_for_budget(1, [100, 200])] == [4, 4]
     for p in pools:
         p.close()
+
+
+def _gpt_oss_like(extra: int = 0):
+    """A full-attention group of 512-token chunks and a W=128 group of 16-token chunks."""
+    from kvtier.policy import AttentionGroup, ModelLayout
+
+    return ModelLayout((AttentionGroup(16, blocks_per_chunk=32), AttentionGroup(16, sliding_window=128,
+                                                                                   extra_retained_tokens=extra)))
+
+
+def test_host_split_weights_are_the_bytes_each_group_stores_per_token() -> None:
+    from kvtier.tiers.host import host_slot_counts, host_split_weights
+
+    chunk_bytes = [32768, 1024]  # the same bytes per token in both groups
+    # Dense (every 512-token boundary of the 8192-token sample): full attention stores its 16
+    # chunks, the sliding group the 8 blocks of the 127-token window at each of 16 boundaries.
+    assert host_split_weights(_gpt_oss_like(), chunk_bytes, None) == [16 * 32768 / 8192, 128 * 1024 / 8192]
+    # R = 3 widens the window to 130 tokens: a ninth block per boundary.
+    assert host_split_weights(_gpt_oss_like(3), chunk_bytes, None) == [64.0, 16 * 9 * 1024 / 8192]
+    # Only the final boundary (interval 0): one window per prompt; every 1024 tokens: eight.
+    assert host_split_weights(_gpt_oss_like(), chunk_bytes, 0) == [64.0, 8 * 1024 / 8192]
+    assert host_split_weights(_gpt_oss_like(), chunk_bytes, 1024) == [64.0, 64 * 1024 / 8192]
+    # So a dense sliding pool gets a fifth of the budget and 8x the full pool's slots, where the
+    # split by chunk bytes alone gave both pools the same count.
+    budget = 100 * 32768
+    assert host_slot_counts(budget, chunk_bytes, host_split_weights(_gpt_oss_like(), chunk_bytes, None)) == [80, 640]
+    assert host_slot_counts(budget, chunk_bytes) == [96, 96]
+    with pytest.raises(ValueError, match="weights must be one share >= 0 per group"):
+        host_slot_counts(budget, chunk_bytes, [1.0])
+    with pytest.raises(ValueError, match="weights must be one share >= 0 per group"):
+        host_slot_counts(budget, chunk_bytes, [0.0, 0.0])
+
+
+def test_pools_for_budget_takes_weights() -> None:
+    from kvtier.tiers.host import pools_for_budget
+
+    pools = pools_for_budget(100 * 32768, [32768, 1024], weights=[64.0, 16.0])
+    try:
+        assert [(p.slot_bytes, p.num_slots) for p in pools] == [(32768, 80), (1024, 640)]
+    finally:
+        for p in pools:
+            p.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("retention", [None, 0])
+async def test_the_engine_splits_its_host_budget_by_stored_bytes_per_token(retention) -> None:
+    from kvtier.engine import EngineConfig, OffloadEngine
+    from kvtier.tiers.host import host_slot_counts, host_split_weights
+    from kvtier.tools.testing.scenario import make_cpu_device
+
+    layout = _gpt_oss_like()
+    device = make_cpu_device(layout)
+    sizes = [device.chunk_nbytes(0), device.chunk_nbytes(1)]
+    budget = 200 * sizes[0]
+    config = EngineConfig(host_capacity_bytes=budget, store_retention_interval_tokens=retention,
+                          pressure_poll_interval_s=3600.0)
+    async with OffloadEngine(layout, device, config, fingerprint=b"split") as engine:
+        counts = [p.num_slots for p in engine.host.pools]
+    assert counts == host_slot_counts(budget, sizes, host_split_weights(layout, sizes, retention))
+    assert counts[1] > 2 * counts[0] if retention is None else counts[1] < counts[0]

@@ -140,12 +140,17 @@ def test_unique_chunks_count_each_chunk_once():
 
 
 def test_host_slots_are_those_of_the_real_pools():
-    from kvtier.tiers.host import pools_for_budget
+    from kvtier.tiers.host import host_split_weights, pools_for_budget
 
-    for capacity, chunks in ((1 << 20, [4096, 512]), (50 << 20, [70000, 3000, 65536]), (10, [100])):
-        pools = pools_for_budget(capacity, chunks)
+    cases = ((1 << 20, "gpt-oss-120b", None), (50 << 20, "deepseek-v4", None), (50 << 20, "deepseek-v4", 0),
+             (10, "full-attention", None), (8 << 20, "gemma-3-27b", 1024))
+    for capacity, name, retention in cases:
+        layout = preset(name, 3)
+        chunks = [max(1, size // 1000) for size in layout.all_chunk_bytes]
+        plans = Plans(layout, retention)
+        pools = pools_for_budget(capacity, chunks, weights=host_split_weights(layout.layout, chunks, retention))
         try:
-            assert host_slots(capacity, chunks) == [p.num_slots for p in pools]
+            assert host_slots(capacity, chunks, plans) == [p.num_slots for p in pools]
         finally:
             for pool in pools:
                 pool.close()

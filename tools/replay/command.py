@@ -100,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "R in {0,3} and budgets {2,5,10}%% in the fast mode, with paired bootstrap intervals")
     parser.add_argument("--sweep-layouts", default="gpt-oss-120b,gemma-3-27b,deepseek-v4",
                         help="comma-separated presets for --sweep")
+    parser.add_argument("--sweep-budgets", default="2,5,10,20,50", metavar="PERCENTS",
+                        help="comma-separated budgets for --sweep, in %% of the trace's unique bytes (default 2,5,10,20,50)")
     parser.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples for --sweep (default 1000)")
     parser.add_argument("--plot", metavar="PNG", help="with --sweep: write a plot of hit rate against budget (needs matplotlib)")
     parser.add_argument("--through-vllm", action="store_true",
@@ -131,7 +133,7 @@ class Budgets:
     scale (records shrink by the scale exactly, ``ReplayLayout.scaled``); ``reference_capacity``:
     the plain caches' payload bytes, at true sizes."""
 
-    def __init__(self, args, work: Workload, layout: ReplayLayout) -> None:
+    def __init__(self, args, work: Workload, layout: ReplayLayout, plans: Plans) -> None:
         groups = range(len(layout.layout.groups))
         true_chunks = [layout.full_chunk_bytes(g) for g in groups]
         true_records = [size - layout.chunk_bytes(g) + layout.full_chunk_bytes(g)
@@ -145,7 +147,7 @@ class Budgets:
             self.host_bytes = host_size
         else:
             raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
-        self.host_slots = host_slots(self.host_bytes, true_chunks)
+        self.host_slots = host_slots(self.host_bytes, true_chunks, plans)
         disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
         self.has_disk = not (disk_size == 0 and disk_share is None)
         self.disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(true_records)))
@@ -167,8 +169,8 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
     """One replay (engine mode, or the fast mode with ``args.simulate``) and its references."""
     started = time.perf_counter()
     work = Workload.prepare(trace, layout)
-    budgets = Budgets(args, work, layout)
     plans = Plans(layout, args.retention)
+    budgets = Budgets(args, work, layout, plans)
     warm = args.warmup_fraction
     progress_off = args.no_progress or args.json
 
@@ -327,14 +329,26 @@ def _run_comparison(args, trace: Trace) -> int:
     return 0
 
 
+def _sweep_budgets(text: str) -> Tuple[float, ...]:
+    """``--sweep-budgets``: percentages in (0, 100], as fractions."""
+    try:
+        shares = tuple(float(part.strip().rstrip("%")) / 100 for part in text.split(",") if part.strip())
+    except ValueError:
+        shares = ()
+    if not shares or not all(0 < share <= 1 for share in shares):
+        raise ValueError(f"--sweep-budgets takes percentages in (0, 100] separated by commas, got {text!r}")
+    return shares
+
+
 def _run_sweep(args, trace: Trace) -> int:
-    from .sweep import SWEEP_BUDGETS, SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
+    from .sweep import SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
 
     names = _layout_names(args)
-    total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(SWEEP_BUDGETS)
+    budgets = _sweep_budgets(args.sweep_budgets)
+    total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(budgets)
     started = time.perf_counter()
     with _progress(total, args.no_progress or args.json, "kvtier replay --sweep") as bar:
-        rows = run_sweep(trace, layouts=names, bootstrap=args.bootstrap, progress=bar.update)
+        rows = run_sweep(trace, layouts=names, budgets=budgets, bootstrap=args.bootstrap, progress=bar.update)
     if args.plot:
         plot_sweep(rows, args.plot)
     if args.json:

@@ -46,7 +46,7 @@ def run_comparison(trace: Trace, *, policies: Sequence[str], layouts: Sequence[s
                 outcomes = {}
                 for policy in names:
                     outcomes[policy] = simulate_engine(
-                        work, plans, host_slots=host_slots(capacity, chunk_bytes), chunk_bytes=chunk_bytes,
+                        work, plans, host_slots=host_slots(capacity, chunk_bytes, plans), chunk_bytes=chunk_bytes,
                         disk_capacity=int(budget * unique_records), disk_record_bytes=records, policy=policy)
                 lru = outcomes["lru"]
                 for policy, outcome in outcomes.items():

@@ -51,13 +51,14 @@ def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: 
                     layout = preset(name, r)
                     started = time.perf_counter()
                     capacity = int(budget * unique)
-                    outcome = simulate_engine(work, Plans(layout, retention), host_slots=host_slots(capacity, chunk_bytes),
+                    plans = Plans(layout, retention)
+                    outcome = simulate_engine(work, plans, host_slots=host_slots(capacity, chunk_bytes, plans),
                                               chunk_bytes=chunk_bytes, disk_capacity=int(budget * work.unique_bytes(records)),
                                               disk_record_bytes=records)
                     outcomes[r] = outcome
                     # The same chunks and bytes in one plain LRU cache of the budget: what R costs
                     # apart from how the engine splits its host pools.
-                    lru = simulate_lru(work, Plans(layout, retention), chunk_bytes=chunk_bytes, capacity=capacity)
+                    lru = simulate_lru(work, plans, chunk_bytes=chunk_bytes, capacity=capacity)
                     lrus[r] = lru
                     row: JsonObject = {
                         "layout": name, "R": r, "retention": "dense" if retention is None else retention,

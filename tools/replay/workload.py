@@ -22,6 +22,7 @@ import numpy as np
 from kvtier.policy import KeyChain, ModelLayout
 from kvtier.policy.plan import load_block_plan
 from kvtier.policy.retention import check_retention_interval, retention_speculative_limit, retention_store_block_mask
+from kvtier.tiers.host import host_slot_counts, host_split_weights
 
 from .layouts import ReplayLayout
 from .trace import Trace
@@ -31,20 +32,14 @@ __all__ = ["Workload", "Plans", "host_slots", "record_bytes", "scaled_layout", "
 # What engine mode's records are bound to is a 32-byte layout fingerprint; only its length matters
 # for the record header's size.
 REPLAY_FINGERPRINT = bytes(32)
-_PAGE = 4096
-_PAGE_ALIGNED_SLOT_MIN_BYTES = 64 << 10
 
 
-def host_slots(capacity_bytes: int, chunk_bytes: Sequence[int]) -> List[int]:
-    """Per group, the slots ``tiers.host.pools_for_budget`` gives for ``capacity_bytes``: the
-    budget split in proportion to chunk bytes, page-aligned slots counting their padding, at least
-    4 slots per group (a unit test holds this to the real function)."""
-    total = sum(chunk_bytes)
-    slots = []
-    for nbytes in chunk_bytes:
-        stride = nbytes if nbytes < _PAGE_ALIGNED_SLOT_MIN_BYTES else -(-nbytes // _PAGE) * _PAGE
-        slots.append(max(4, capacity_bytes * nbytes // total // stride))
-    return slots
+def host_slots(capacity_bytes: int, chunk_bytes: Sequence[int], plans: "Plans") -> List[int]:
+    """Per group, the slots the engine's host pools get for ``capacity_bytes`` with chunks of
+    ``chunk_bytes`` (the true sizes): ``tiers.host.host_slot_counts`` split by
+    ``host_split_weights`` of the plans' layout and retention interval, as the engine splits it."""
+    weights = host_split_weights(plans.layout, chunk_bytes, plans.retention)
+    return host_slot_counts(capacity_bytes, chunk_bytes, weights)
 
 
 def scaled_layout(layout: ReplayLayout, bytes_scale: float) -> ReplayLayout:
