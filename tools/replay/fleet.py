@@ -134,13 +134,10 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
     failed = [] if step["ok"] else [step.get("reason") or "failed"]
     boundary = (step["looked_up"] if failed else step["hit"]) // tokens_per_chunk - step["hit"] // tokens_per_chunk
     where = step["where"]
+    out.extend(_failed_load(history, step, boundary, host, began, ended, active))
     for i, key in enumerate(step["missed"]):
         flags = [where[name][i] for name in ("h", "d", "r")]
-        if i < boundary:  # admitted by the lookup, lost with the failed load
-            if key == step.get("corrupted") or any(key in f.keys for f in history.faults):
-                out.append("fault: corrupt record (failed load)")
-            else:
-                out.append(f"fault: failed load ({','.join(active)})" if active else f"unexplained: failed load ({failed[0]})")
+        if i < boundary:
             continue
         first = i == boundary
         if any(flags) or None in flags:
@@ -153,6 +150,9 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
                 out.append(f"fault: in the remote, not indexed ({','.join(active) or 'index refresh failed'})")
             elif any(began <= t <= ended for t, h in history.stores.get(key, []) if h != host):
                 out.append("stored by another host in the same step")
+            elif step.get("indexed_at") is not None and all(
+                    t >= step["indexed_at"] for t, h in history.stores.get(key, []) if h != host):
+                out.append("stored by another host after this host's last index refresh")
             else:
                 out.append("unexplained: in the remote but not hit")
             continue
@@ -161,6 +161,28 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
             reason = f"fault: unreachable while a fault ran ({','.join(active)})"
         out.append(reason)
     return out
+
+
+def _failed_load(history: History, step: Dict[str, Any], count: int, host: int, began: float, ended: float,
+                 active: List[str]) -> List[str]:
+    """Categories of the ``count`` chunks a lookup admitted and a failed load lost: a chunk found
+    corrupt, or one that was gone before the lookup (the index still had it: the remote evicted it
+    after this host's last refresh), explains the load's failure; the others failed with it."""
+    where = step["where"]
+    causes: List[Optional[str]] = []
+    for i, key in enumerate(step["missed"][:count]):
+        if key == step.get("corrupted") or any(key in f.keys for f in history.faults):
+            causes.append("fault: corrupt record (failed load)")
+        elif not any(where[name][i] or where[name][i] is None for name in ("h", "d", "r")):
+            causes.append("failed load, gone before the lookup: " + _absent_reason(history, key, host, began, ended))
+        else:
+            causes.append(None)
+    explained = any(c is not None and "unexplained" not in c for c in causes)
+    if explained:
+        return [c if c is not None else "failed with the load (another chunk of it failed)" for c in causes]
+    if active:
+        return [f"fault: failed load ({','.join(active)})"] * count
+    return [c or f"unexplained: failed load ({step.get('reason') or 'failed'})" for c in causes]
 
 
 # ------------------------------------------------------------------ host processes
@@ -257,7 +279,7 @@ def _schedule(faults: Sequence[str], steps: int) -> Dict[int, List[Tuple[str, st
 
 
 def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, cluster: Any, faults: Sequence[str],
-              tokens_per_chunk: int, work: str, progress) -> Dict[str, Any]:
+              tokens_per_chunk: int, refresh_steps: int, work: str, progress) -> Dict[str, Any]:
     from kvtier.tools.testing.valkey import EvictionLog, restart_node
 
     n_hosts = len(configs)
@@ -274,6 +296,7 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
     answers: List[Tuple[int, Dict[str, Any], float, float]] = []
     corrupt_pending = False
     prefix = ""
+    indexed_at: List[Optional[float]] = [None] * n_hosts
     try:
         for h in hosts:
             ready = h.receive(_READY_TIMEOUT_S)
@@ -310,10 +333,13 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
             began = time.monotonic()
             members = [(p, s * n_hosts + p) for p in range(n_hosts) if s * n_hosts + p < len(trace)]
             for p, r in members:
-                hosts[p].send({"op": "step", "request": r, "refresh": pooled,
+                hosts[p].send({"op": "step", "request": r, "refresh": pooled and s % refresh_steps == 0,
                                "corrupt": corrupt_pending and p == members[0][0]})
             for p, r in members:
                 answer = hosts[p].receive(_STEP_TIMEOUT_S)
+                if answer.get("refreshed"):
+                    indexed_at[p] = began
+                answer["indexed_at"] = indexed_at[p]
                 if "wrong_bytes" in answer:
                     raise _WrongBytes(f"host {p}: {answer['wrong_bytes']}")
                 ended = time.monotonic()
@@ -372,7 +398,7 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
         "hit_tokens": sum(hit), "input_tokens": sum(tokens),
         "missed_chunks": sum(categories.values()),
         "misses": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-        "unexplained_misses": sum(v for k, v in categories.items() if k.startswith("unexplained")),
+        "unexplained_misses": sum(v for k, v in categories.items() if "unexplained" in k),
         "failed_loads": failed_loads,
         "chunks_verified": sum(c["verified"] for c in closed), "wrong_bytes": 0,
         "faults": [{"kind": f.kind, "target": f.target, "seconds": round((f.ended or f.began) - f.began, 2)}
@@ -381,6 +407,8 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
         "max_step_s": max(step_seconds, default=0.0), "steps": steps,
         "wall_s": sum(step_seconds),
         "tier": [c["tier"] for c in closed],
+        "check_disk": [c["check_disk"] for c in closed if c["check_disk"]],
+        "refresh_steps": refresh_steps,
     }
 
 
@@ -437,7 +465,8 @@ def run_fleet(args, trace: Trace, layout: Any, budgets: Any, progress=None) -> D
                         cache_dir=cache, retention=args.retention, remote_timeout_s=_REMOTE_TIMEOUT_S,
                         remote_url=cluster.url if cluster is not None else None, namespace=f"fleet{os.getpid()}"))
                 result[name] = _run_once(trace, configs, pooled=pooled, cluster=cluster,
-                                         faults=faults if pooled else [], tokens_per_chunk=tpc, work=work,
+                                         faults=faults if pooled else [], tokens_per_chunk=tpc,
+                                         refresh_steps=args.refresh_steps, work=work,
                                          progress=progress)
             except _WrongBytes as exc:
                 raise EngineReplayError(str(exc)) from None
