@@ -243,7 +243,8 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
 
 
 def run(args) -> int:
-    """``kvtier replay``: 0 done; 1 a loaded byte was wrong; user mistakes raise (exit 2)."""
+    """``kvtier replay``: 0 done; 1 a loaded byte was wrong (or, with ``--fleet``, a miss nothing explains);
+    user mistakes raise (exit 2)."""
     if not 0 <= args.warmup_fraction < 1:
         raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
     if args.extra_retained_tokens < 0:
