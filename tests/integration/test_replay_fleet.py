@@ -79,11 +79,16 @@ def test_a_chunk_present_before_the_lookup_and_not_hit_is_unexplained(pooled):
 def test_absent_chunks_are_explained_by_who_stored_them_and_who_removed_them():
     local = _history(False)
     local.stores.update({"a": [(1.0, 1)], "b": [(1.0, 0)], "c": [(2.5, 1)]})
+    local.stores.update({"e": [(1.0, 0)], "f": [(1.0, 0)]})
     local.lmdb_removed["b"] = [(1.5, 0, "evicted")]
-    where = {"h": [False] * 4, "d": [False] * 4, "r": [False] * 4}
-    assert classify_misses(local, _step(["a", "b", "c", "d"], where), 0, 2.5, 3.0, 512) == [
+    local.host_removed["e"] = [(1.5, 0)]
+    where = {"h": [False] * 6, "d": [False] * 6, "r": [False] * 6}
+    assert classify_misses(local, _step(["a", "b", "c", "d", "e", "f"], where), 0, 2.5, 3.0, 512) == [
         "stored by another host only (no shared pool)", "evicted by this host (LMDB LRU)",
-        "stored by another host in the same step", "never stored"]
+        "stored by another host in the same step", "never stored",
+        "evicted by this host (host tier; never on its LMDB)",
+        # "f" this host stored and nothing removed, yet it is nowhere: the keys or the index lost it.
+        "unexplained: stored here, never removed, not found"]
     pooled = _history(True)
     pooled.stores.update({"a": [(1.0, 1)], "b": [(1.0, 0)]})
     pooled.remote_evicted["a"] = [1.2]

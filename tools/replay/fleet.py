@@ -73,6 +73,7 @@ class History:
     pooled: bool
     stores: Dict[str, List[Tuple[float, int]]] = field(default_factory=dict)  # key -> [(time, host)]
     lmdb_removed: Dict[str, List[Tuple[float, int, str]]] = field(default_factory=dict)
+    host_removed: Dict[str, List[Tuple[float, int]]] = field(default_factory=dict)
     remote_evicted: Dict[str, List[float]] = field(default_factory=dict)
     write_failures: List[Tuple[float, float, int]] = field(default_factory=list)  # (began, ended, host)
     faults: List[Fault] = field(default_factory=list)
@@ -82,9 +83,12 @@ class History:
 
 def _active(history: History, began: float, ended: float, host: int) -> List[str]:
     """The faults whose window (plus the grace a breaker takes to close) overlaps [began, ended]
-    and that can reach ``host`` (disk faults reach their host only)."""
+    and that can reach ``host`` (disk faults reach their host only; a corrupted record explains
+    the misses of its own key only, never a window)."""
     names = []
     for f in history.faults:
+        if f.kind == "corrupt":
+            continue
         stop = (f.ended if f.ended is not None else ended) + history.grace_s
         if f.began <= ended and began <= stop and (f.kind != "disk" or f.target == host):
             names.append(f.kind)
@@ -108,7 +112,11 @@ def _absent_reason(history: History, key: str, host: int, began: float, ended: f
         removed = [r for t, h, r in history.lmdb_removed.get(key, []) if h == host and t >= mine[-1]]
         if "quarantined" in removed or (removed and _disk_fault_after(history, host, mine[-1])):
             return "fault: disk I/O errors"
-        return "evicted by this host (LMDB LRU)" if removed else "evicted by this host (host tier; never on its LMDB)"
+        if removed:
+            return "evicted by this host (LMDB LRU)"
+        if any(h == host and t >= mine[-1] for t, h in history.host_removed.get(key, [])):
+            return "evicted by this host (host tier; never on its LMDB)"
+        return "unexplained: stored here, never removed, not found"
     if any(t >= last for t in history.remote_evicted.get(key, [])):
         return "evicted by the remote (server maxmemory)"
     node = history.node_of(key)
@@ -346,6 +354,8 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
                 answers.append((p, answer, began, ended))
                 for key in answer["stored"]:
                     history.stores.setdefault(key, []).append((began, p))
+                for key in answer["host_removed"]:
+                    history.host_removed.setdefault(key, []).append((ended, p))
                 for key, reason in answer["disk_removed"]:
                     history.lmdb_removed.setdefault(key, []).append((ended, p, reason))
                 if answer["remote_write_failures"]:

@@ -13,9 +13,10 @@ chunks is right before the lookup (this host's host tier, its LMDB, the remote: 
 a miss is classified against) -> ``lookup`` -> ``load`` -> every loaded byte compared with the
 bytes its key stands for (``engine_mode.chunk_bytes_of_key``; one wrong byte ends the host with
 exit 1) -> prefill and ``store`` -> ``flush`` of the engine and of the chain, so the write-behind
-to the remote has landed before the driver starts the next step. ``corrupt``: before the lookup,
-one chunk this host would read from the remote gets its record's last byte flipped on the server
-(a raw ``GET``/``SET`` beside the tier), so the load must find it corrupt.
+to the remote has landed before the driver starts the next step. ``corrupt``: one chunk the lookup
+admitted that only the remote holds gets its record's last byte flipped on the server
+(a raw ``GET``/``SET`` beside the tier) between the lookup that admitted it and the load, so the
+load must find it corrupt.
 
 The answer names, per request: the hit, whether the load succeeded, each missed chunk (from the
 hit's end to the last chunk a lookup may hit) with its three locations, the chunks this request
@@ -117,7 +118,7 @@ class FleetHost:
         return where
 
     async def _corrupt_one(self, keys: Sequence[bytes], where: Dict[str, List[Optional[bool]]]) -> Optional[bytes]:
-        """Flip the last byte of the first record this host would read from the remote."""
+        """Flip the last byte of the first of ``keys`` this host would read from the remote."""
         for i, key in enumerate(keys):
             if where["r"][i] and not where["h"][i] and not where["d"][i]:
                 from kvtier.tools.testing.valkey import corrupt_remote_record
@@ -151,13 +152,14 @@ class FleetHost:
         tpc = self.group.tokens_per_chunk
         hittable = (n - 1) // tpc  # a lookup never covers the prompt's last token
         where = await self._where(chunk_keys[:hittable])
-        if corrupt and self.remote is not None:
-            bad = await self._corrupt_one(chunk_keys[:hittable], where)
-            out["corrupted"] = bad.hex() if bad is not None else None
         hit = engine.lookup(keys)
         if hit is None:
             await engine.flush()
             hit = engine.lookup(keys) or 0
+        if corrupt and self.remote is not None:
+            # A chunk the lookup admitted that only the remote holds: the load must read it.
+            bad = await self._corrupt_one(chunk_keys[:hit // tpc], where)
+            out["corrupted"] = bad.hex() if bad is not None else None
         table = [list(range(cdiv(n, self.group.block_size)))]
         ok = True
         reason = None
