@@ -56,6 +56,10 @@ class FleetError(RuntimeError):
     """A host process failed (not a kvtier answer: it exited, timed out or spoke out of turn)."""
 
 
+class _WrongBytes(Exception):
+    """A host found a loaded byte wrong (``run_fleet`` raises it as ``EngineReplayError``)."""
+
+
 @dataclass
 class Fault:
     kind: str
@@ -102,9 +106,9 @@ def _absent_reason(history: History, key: str, host: int, began: float, ended: f
     if not before:
         same_step = any(began <= t <= ended and h != host for t, h in stores)
         return "stored by another host in the same step" if same_step else "never stored"
-    if any(f.kind == "corrupt" and key in f.keys and f.began >= before[0][0] for f in history.faults):
-        return "fault: corrupt record (deleted)"
     last = before[-1][0]
+    if any(f.kind == "corrupt" and key in f.keys and f.began >= last for f in history.faults):
+        return "fault: corrupt record (deleted)"
     if not history.pooled:
         if not any(h == host for _, h in before):
             return "stored by another host only (no shared pool)"
@@ -286,9 +290,42 @@ def _schedule(faults: Sequence[str], steps: int) -> Dict[int, List[Tuple[str, st
     return plan
 
 
+def _fault_action(kind: str, action: str, cluster: Any, hosts: List["_Host"], evictions: Any,
+                  open_faults: Dict[str, "Fault"], history: History) -> bool:
+    """Start or end one fault (``_schedule``); True when a record is to be corrupted next step.
+    Primary 0 is the one killed (restarted empty), primary 1 the one stopped, host 0 the one whose
+    disk fails."""
+    from kvtier.tools.testing.valkey import restart_node
+
+    now = time.monotonic()
+    if kind == "corrupt":
+        return True
+    if kind == "kill" and action == "start":
+        os.kill(cluster.nodes[0].pid, signal.SIGKILL)
+        open_faults[kind] = Fault(kind, 0, now)
+    elif kind == "kill":
+        restart_node(cluster, 0)
+        evictions.resubscribe(cluster.nodes[0])
+    elif kind == "stall" and action == "start":
+        os.kill(cluster.nodes[1].pid, signal.SIGSTOP)
+        open_faults[kind] = Fault(kind, 1, now)
+    elif kind == "stall":
+        os.kill(cluster.nodes[1].pid, signal.SIGCONT)
+    elif kind == "disk":
+        hosts[0].send({"op": "disk_faults", "on": action == "start"})
+        hosts[0].receive(_STEP_TIMEOUT_S)
+        if action == "start":
+            open_faults[kind] = Fault(kind, 0, now)
+    if action == "end" and kind in open_faults:
+        fault = open_faults.pop(kind)
+        fault.ended = time.monotonic()
+        history.faults.append(fault)
+    return False
+
+
 def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, cluster: Any, faults: Sequence[str],
               tokens_per_chunk: int, refresh_steps: int, work: str, progress) -> Dict[str, Any]:
-    from kvtier.tools.testing.valkey import EvictionLog, restart_node
+    from kvtier.tools.testing.valkey import EvictionLog
 
     n_hosts = len(configs)
     history = History(n_hosts, pooled, grace_s=_REMOTE_TIMEOUT_S * 4)
@@ -314,30 +351,8 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
         open_faults: Dict[str, Fault] = {}
         for s in range(steps):
             for kind, action in plan.get(s, []):
-                now = time.monotonic()
-                if kind == "kill" and action == "start":
-                    os.kill(cluster.nodes[0].pid, signal.SIGKILL)
-                    open_faults[kind] = Fault(kind, 0, now)
-                elif kind == "kill":
-                    restart_node(cluster, 0)
-                    assert evictions is not None
-                    evictions.resubscribe(cluster.nodes[0])
-                elif kind == "stall" and action == "start":
-                    os.kill(cluster.nodes[1].pid, signal.SIGSTOP)
-                    open_faults[kind] = Fault(kind, 1, now)
-                elif kind == "stall":
-                    os.kill(cluster.nodes[1].pid, signal.SIGCONT)
-                elif kind == "corrupt":
-                    corrupt_pending = True
-                elif kind == "disk":
-                    hosts[0].send({"op": "disk_faults", "on": action == "start"})
-                    hosts[0].receive(_STEP_TIMEOUT_S)
-                    if action == "start":
-                        open_faults[kind] = Fault(kind, 0, now)
-                if action == "end" and kind in open_faults:
-                    f = open_faults.pop(kind)
-                    f.ended = time.monotonic()
-                    history.faults.append(f)
+                corrupt_pending = _fault_action(kind, action, cluster, hosts, evictions, open_faults, history) \
+                    or corrupt_pending
             began = time.monotonic()
             members = [(p, s * n_hosts + p) for p in range(n_hosts) if s * n_hosts + p < len(trace)]
             for p, r in members:
@@ -391,10 +406,6 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
             evictions.close()
         for h in hosts:
             h.stop()
-    if evictions is not None:
-        # Notifications of the last steps may arrive late: one last poll happened above; the
-        # classification below sees every name that came in before the hosts closed.
-        pass
     for p, answer, began, ended in answers:
         hit[p] += answer["hit"]
         tokens[p] += answer["n"]
@@ -420,10 +431,6 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
         "check_disk": [c["check_disk"] for c in closed if c["check_disk"]],
         "refresh_steps": refresh_steps,
     }
-
-
-class _WrongBytes(Exception):
-    pass
 
 
 def run_fleet(args, trace: Trace, layout: Any, budgets: Any, progress=None) -> Dict[str, Any]:
