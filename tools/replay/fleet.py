@@ -76,6 +76,7 @@ class History:
     hosts: int
     pooled: bool
     stores: Dict[str, List[Tuple[float, int]]] = field(default_factory=dict)  # key -> [(time, host)]
+    host_only: Set[Tuple[str, float]] = field(default_factory=set)  # (key, time) of stores that never reached disk
     lmdb_removed: Dict[str, List[Tuple[float, int, str]]] = field(default_factory=dict)
     host_removed: Dict[str, List[Tuple[float, int]]] = field(default_factory=dict)
     remote_evicted: Dict[str, List[float]] = field(default_factory=dict)
@@ -109,6 +110,8 @@ def _absent_reason(history: History, key: str, host: int, began: float, ended: f
     last = before[-1][0]
     if any(f.kind == "corrupt" and key in f.keys and f.began >= last for f in history.faults):
         return "fault: corrupt record (deleted)"
+    if (key, last) in history.host_only:
+        return "stored on a host tier only (its spill to disk failed: nothing went to the lower tiers)"
     if not history.pooled:
         if not any(h == host for _, h in before):
             return "stored by another host only (no shared pool)"
@@ -369,6 +372,8 @@ def _run_once(trace: Trace, configs: List[Dict[str, Any]], *, pooled: bool, clus
                 answers.append((p, answer, began, ended))
                 for key in answer["stored"]:
                     history.stores.setdefault(key, []).append((began, p))
+                    if not answer["durable"]:
+                        history.host_only.add((key, began))
                 for key in answer["host_removed"]:
                     history.host_removed.setdefault(key, []).append((ended, p))
                 for key, reason in answer["disk_removed"]:

@@ -20,8 +20,8 @@ load must find it corrupt.
 
 The answer names, per request: the hit, whether the load succeeded, each missed chunk (from the
 hit's end to the last chunk a lookup may hit) with its three locations, the chunks this request
-stored, the chunks that left this host's host tier and LMDB during the step (with the LMDB's
-reason) and the remote write failures counted during the step.
+stored and whether they all reached the disk, the chunks that left this host's host tier and
+LMDB during the step (with the LMDB's reason) and the remote write failures counted during the step.
 """
 
 from __future__ import annotations
@@ -187,6 +187,9 @@ class FleetHost:
         except KvtierError as exc:  # I/O errors under the LMDB tier: its access-time writes fail
             out["flush_failed"] = str(exc)
         out["stored"] = [chunk_keys[c].hex() for _, c in handle.scheduled]
+        # False: some of them never reached the disk (a batch the LMDB refused, an I/O error), so
+        # the chain wrote them to no lower tier either: they live on this host's host tier only.
+        out["durable"] = await handle.wait_durable() if handle.scheduled else True
         out["host_removed"] = [e.key.hex() for e in engine.take_events() if e.tier == "host" and e.kind == "removed"]
         removed, self.lmdb_removed[:] = list(self.lmdb_removed), []
         out["disk_removed"] = [[x.key.hex(), x.reason] for x in removed]
