@@ -165,8 +165,8 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
                 out.append(f"fault: in the remote, not indexed ({','.join(active) or 'index refresh failed'})")
             elif any(began <= t <= ended for t, h in history.stores.get(key, []) if h != host):
                 out.append("stored by another host in the same step")
-            elif step.get("indexed_at") is not None and all(
-                    t >= step["indexed_at"] for t, h in history.stores.get(key, []) if h != host):
+            elif step.get("indexed_at") is not None and max(
+                    (t for t, h in history.stores.get(key, []) if h != host), default=-1.0) >= step["indexed_at"]:
                 out.append("stored by another host after this host's last index refresh")
             else:
                 out.append("unexplained: in the remote but not hit")
@@ -190,6 +190,9 @@ def _failed_load(history: History, step: Dict[str, Any], count: int, host: int, 
             causes.append("fault: corrupt record (failed load)")
         elif not any(where[name][i] or where[name][i] is None for name in ("h", "d", "r")):
             causes.append("failed load, gone before the lookup: " + _absent_reason(history, key, host, began, ended))
+        elif where["r"][i] and any(began <= t <= ended + history.grace_s for t in history.remote_evicted.get(key, [])):
+            # Another host's write in the same step made the server evict it after the lookup.
+            causes.append("failed load: evicted by the remote during its step")
         else:
             causes.append(None)
     explained = any(c is not None and "unexplained" not in c for c in causes)
