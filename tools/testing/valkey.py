@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 __all__ = ["LocalValkey", "LocalValkeyCluster", "start_node", "start_cluster", "restart_node",
            "remote_server", "valkey_available", "ValkeyFactory", "make_items", "read_back", "wait_for",
-           "TEST_FINGERPRINT", "shared_node", "require_valkey"]
+           "TEST_FINGERPRINT", "shared_node", "require_valkey", "corrupt_remote_record", "EvictionLog"]
 
 _SLOTS = 16384
 _START_ATTEMPTS = 5
@@ -111,6 +111,10 @@ class LocalValkey:
     def command(self, *args: Any, timeout_s: float = 5.0) -> Any:
         """Run one raw command on this node (tests plant, inspect and configure with it)."""
         return _command(self.port, *args, timeout_s=timeout_s)
+
+    def info(self, section: str) -> Dict[str, str]:
+        """``INFO section`` of this node as a dict of strings."""
+        return _parse_info(self.command("INFO", section))
 
     def alive(self) -> bool:
         try:
@@ -336,6 +340,76 @@ def remote_server(spec: Optional[str]) -> Iterator[Optional[str]]:
 
     parse_remote_url(spec)  # a bad URL is a clear ValueError before anything starts
     yield spec
+
+
+def corrupt_remote_record(url: str, rkey: bytes, *, timeout_s: float = 2.0) -> bool:
+    """Flip the last byte of the value stored under ``rkey`` (a server-side name, ``RemoteTier.rkey``)
+    on the local node (127.0.0.1) of ``url`` that holds it (a local cluster's URL lists every node;
+    the others answer ``MOVED``). ``True`` when a value was found and rewritten (``SET ... KEEPTTL``, the record's
+    length unchanged), ``False`` when no listed node holds it. Plain blocking code."""
+    from kvtier.tiers.remote.url import parse_remote_url
+
+    for host, port in parse_remote_url(url).seeds:
+        if host != "127.0.0.1":
+            continue
+        try:
+            value = _command(port, "GET", rkey, timeout_s=timeout_s)
+        except Exception:  # MOVED (another node's slot), or the node is down
+            continue
+        if value:
+            data = bytearray(value)
+            data[-1] ^= 0xFF
+            _command(port, "SET", rkey, bytes(data), "KEEPTTL", timeout_s=timeout_s)
+            return True
+    return False
+
+
+class EvictionLog:
+    """The names a local server evicts (``maxmemory``), from its ``evicted`` keyspace notifications
+    (``notify-keyspace-events Ee``, which ``start_node`` sets), one subscription per node.
+    ``poll()`` takes what has arrived without waiting (a stopped or killed node gives nothing);
+    ``resubscribe(node)`` after a node was restarted. Pub/sub is at-most-once: a name missing here
+    was not necessarily kept. Plain blocking code, short timeouts."""
+
+    CHANNEL = "__keyevent@0__:evicted"
+
+    def __init__(self, nodes: Sequence[LocalValkey]) -> None:
+        self._subs: Dict[int, Any] = {}
+        for node in nodes:
+            self.resubscribe(node)
+
+    def resubscribe(self, node: LocalValkey) -> None:
+        import redis
+
+        old = self._subs.pop(node.port, None)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.close()
+        client = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=1.0, socket_connect_timeout=1.0)
+        sub = client.pubsub(ignore_subscribe_messages=True)
+        sub.subscribe(self.CHANNEL)
+        self._subs[node.port] = sub
+
+    def poll(self, limit: int = 1 << 20) -> List[bytes]:
+        names: List[bytes] = []
+        for port, sub in list(self._subs.items()):
+            for _ in range(limit):
+                try:
+                    message = sub.get_message(timeout=0)
+                except Exception:  # the node is down: its names come back with it, or never
+                    self._subs.pop(port, None)
+                    break
+                if message is None:
+                    break
+                if message.get("type") == "message":
+                    names.append(bytes(message["data"]))
+        return names
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            with contextlib.suppress(Exception):
+                sub.close()
+        self._subs.clear()
 
 
 # ------------------------------------------------------------------ for tests
