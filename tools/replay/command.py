@@ -294,7 +294,7 @@ def _run_fleet(args, trace: Trace, layout: ReplayLayout) -> int:
 
     if args.simulate or args.remote or args.cache_dir or args.sweep:
         raise ValueError("--fleet runs its own hosts and cluster: not with --simulate, --remote, --cache-dir or --sweep")
-    budgets = Budgets(args, Workload.prepare(trace, layout), layout)
+    budgets = Budgets(args, Workload.prepare(trace, layout), layout, Plans(layout, args.retention))
     try:
         with _progress(2 * len(trace), args.no_progress or args.json, f"kvtier replay --fleet {args.fleet}") as bar:
             result = run_fleet(args, trace, layout, budgets, progress=bar.update)

@@ -64,6 +64,12 @@ def _sized_pools(host_slots: List[int]) -> Callable[..., List[HostSlabPool]]:
     return make
 
 
+def policy_options(policy: str) -> Dict[str, str]:
+    """The engine settings ``--policy NAME`` stands for: the host pools' eviction, and the disk
+    tier's where the disk has that policy (ARC exists for the host alone; the disk keeps LRU)."""
+    return dict(eviction_policy=policy if policy in EVICTION_POLICIES else "lru", host_eviction_policy=policy)
+
+
 def _request_tokens(trace: Trace, index: int) -> List[int]:
     request = trace.requests[index]
     if request.token_ids is not None:
@@ -104,8 +110,7 @@ async def replay_engine(
                                      shapes=[(b,) for b in layout.block_bytes], weights_version="replay-1")
     host_bytes = sum(n * size for n, size in zip(host_slots, chunk_bytes))
     options: Dict[str, Any] = dict(host_capacity_bytes=host_bytes, store_retention_interval_tokens=retention_interval,
-                                      eviction_policy=policy if policy in EVICTION_POLICIES else "lru",
-                                      host_eviction_policy=policy, events_max=1 << 20)
+                                      events_max=1 << 20, **policy_options(policy))
     if cache_dir is not None:
         options.update(cache_dir=cache_dir, disk_capacity_bytes=disk_bytes,
                        lmdb_map_size_bytes=max(1 << 30, 4 * (disk_bytes or 0)))

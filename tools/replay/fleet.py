@@ -487,7 +487,7 @@ def run_fleet(args, trace: Trace, layout: Any, budgets: Any, progress=None) -> D
                     configs.append(dict(
                         trace=trace.path, format=trace.format, limit=args.limit, max_input_tokens=args.max_input_tokens,
                         layout=args.layout, bytes_scale=args.bytes_scale, host_slots=host_slots, disk_bytes=disk_bytes,
-                        cache_dir=cache, retention=args.retention, remote_timeout_s=_REMOTE_TIMEOUT_S,
+                        cache_dir=cache, retention=args.retention, policy=args.policy, remote_timeout_s=_REMOTE_TIMEOUT_S,
                         remote_url=cluster.url if cluster is not None else None, namespace=f"fleet{os.getpid()}"))
                 result[name] = _run_once(trace, configs, pooled=pooled, cluster=cluster,
                                          faults=faults if pooled else [], tokens_per_chunk=tpc,

@@ -43,7 +43,7 @@ from kvtier.tiers.base import Removal
 from kvtier.tiers.chain import ChainedTier, tier_statistics_dict
 from kvtier.tiers.device import DeviceKVView
 
-from .engine_mode import EngineReplayError, _request_tokens, _sized_pools, chunk_bytes_of_key
+from .engine_mode import EngineReplayError, _request_tokens, _sized_pools, chunk_bytes_of_key, policy_options
 from .layouts import resolve_layout
 from .trace import read_trace
 from .workload import scaled_layout
@@ -84,6 +84,7 @@ class FleetHost:
         options: Dict[str, Any] = dict(
             host_capacity_bytes=c["host_slots"] * self.chunk_bytes, events_max=1 << 20,
             store_retention_interval_tokens=c.get("retention"), cache_dir=c["cache_dir"],
+            **policy_options(c["policy"]),
             disk_capacity_bytes=c["disk_bytes"], lmdb_map_size_bytes=max(1 << 30, 4 * c["disk_bytes"]))
         if c.get("remote_url"):
             options.update(remote_url=c["remote_url"], remote_namespace=c["namespace"],
