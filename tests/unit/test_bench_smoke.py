@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
 
 from kvtier.tools.bench import (
@@ -89,6 +90,30 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
     text = format_report(report)
     assert "targets:" in text and "machine:" in text
+
+
+def test_busy_rounds_report_quiet_and_busy_rows_of_each_kind(tmp_path):
+    """``busy_kinds``: the disk rounds run again beside each kind of CPU-bound workers; every
+    disk row appears once quiet and once per kind, named so, each with the load average."""
+    report = asyncio.run(
+        run_bench(sizes=(64 << 10,), total_bytes=512 << 10, rounds=2, parts={"tiers"}, cache_dir=str(tmp_path),
+                  peers=False, busy_kinds=("threads", "processes"))
+    )
+    doc = _check_schema(report)
+    assert report.failures == []
+    names = [row["name"] for row in doc["results"]]
+    quiet = [n for n in names if n.endswith(" 64KiB") and not n.startswith(("memcpy", "staging"))]
+    assert "lmdb spill raw codec 64KiB" in quiet and "raw cold read 64KiB" in quiet
+    for kind in ("threads", "processes"):
+        suffix = f", busy (2 CPU-bound {kind})"
+        assert [n[: -len(suffix)] for n in names if n.endswith(suffix)] == quiet
+    assert names.count("memcpy 64KiB") == 1  # the copy limits run once, quiet
+    assert doc["machine"]["busy"] == ["busy (2 CPU-bound threads)", "busy (2 CPU-bound processes)"]
+    loads = doc["machine"]["load_average"]
+    assert set(loads) == {"64KiB", "64KiB, busy (2 CPU-bound threads)", "64KiB, busy (2 CPU-bound processes)"}
+    assert all(len(v) == 6 for v in loads.values())  # 1/5/15-minute averages before and after
+    with pytest.raises(ValueError, match="unknown busy kind 'fibers'"):
+        asyncio.run(run_bench(sizes=(64 << 10,), total_bytes=512 << 10, parts={"tiers"}, busy_kinds=("fibers",)))
 
 
 def test_policy_figures():
