@@ -22,11 +22,12 @@ from segment_checks import assert_served
 
 THRESHOLD = 16 << 10
 WAIT_S = 10.0
+A_RUNS = 3  # batch A's direct writes: its 3 records, one run each (split so 3 lanes have one)
 
 
 class _Order(IOHook):
     """Records "write" / "sync" (segment writer) and "commit" (tier); holds the first segment write
-    (batch A's) until ``release_a``, the first write after a sync (batch B's) until ``release_b``,
+    (batch A's) until ``release_a``, the first write after A's (batch B's) until ``release_b``,
     and the first commit (A's) until B's write is held (``overlapped``: it was, in time)."""
 
     def __init__(self) -> None:
@@ -48,8 +49,9 @@ class _Order(IOHook):
 
     def segment(self, op: str) -> None:  # the segment writer's hook
         with self._lock:
-            first_a = op == "write" and not self.a_held.is_set()
-            first_b = op == "write" and "sync" in self.events and not self.b_held.is_set()
+            writes = self.events.count("write") + self.events.count("B write held")
+            first_a = op == "write" and writes == 0
+            first_b = op == "write" and writes == A_RUNS
             if first_a:
                 self.a_held.set()
             if first_b:
@@ -90,8 +92,9 @@ async def test_next_batch_writes_overlap_the_commit_and_each_ack_waits_for_its_o
         # A is acknowledged while B's payload write is still held ...
         assert await asyncio.wait_for(put_a, 3 * WAIT_S) > 0
         assert order.b_held.is_set() and not put_b.done()
-        # ... because B's writes began before A's commit (the overlap), after A's sync (A's rule).
+        # ... because B's writes began before A's commit (the overlap), and A's sync came before it.
         assert order.overlapped
+        assert order.events[:A_RUNS].count("write") == A_RUNS  # A's writes all came first
         assert order.events.index("B write held") < order.events.index("commit")
         assert order.events.index("sync") < order.events.index("commit")
         assert order.events.count("commit") == 1

@@ -366,14 +366,8 @@ class SegmentWriter:
         given up) and ``fdatasync`` it; returns its pointers, which may then be committed. A
         failure rotates (if the batch's segment is still the active one: later appends go to a
         fresh file) and raises ``TierFullError`` / ``TierIOError``. Writer thread."""
-        first: Optional[BaseException] = None
-        for fut in pending.futures:
-            failed = fut.exception()
-            if failed is not None and first is None:
-                first = failed
         try:
-            if first is not None:
-                raise first
+            pending.wait_written()
             self.hook("sync")
             os.fdatasync(pending.fd)
         except OSError as exc:
@@ -416,6 +410,17 @@ class PendingAppend:
         self.pointers = pointers
         self.futures = futures
         self._released = False
+
+    def wait_written(self) -> None:
+        """Wait for every lane (none is left running), then raise the first lane's failure, if
+        any. Any thread; the bytes are written, not yet synced (``SegmentWriter.finish`` syncs)."""
+        first: Optional[BaseException] = None
+        for fut in self.futures:
+            failed = fut.exception()
+            if failed is not None and first is None:
+                first = failed
+        if first is not None:
+            raise first
 
     def release(self) -> None:
         if not self._released:

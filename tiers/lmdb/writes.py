@@ -77,6 +77,18 @@ class _StagedGroup:
     put: Optional[_StagedPut] = None
     error: Optional[Exception] = None
 
+    def written(self) -> bool:
+        """Wait until the payload's direct writes are done (True: none failed; not yet synced)."""
+        if self.put is None or self.error is not None:
+            return False
+        if self.put.pending is None:
+            return True
+        try:
+            self.put.pending.wait_written()
+        except Exception:  # noqa: BLE001 - finish_append raises it again, typed
+            return False
+        return True
+
     def durable(self, side: "WriterSide") -> bool:
         """Wait until the payload is synced (True), or record why not (False)."""
         if self.put is None or self.error is not None:
@@ -262,17 +274,18 @@ class WriterSide:
         """Writer thread: commit consecutive put batches in one transaction (they share its
         sequence); if that fails, run each alone so every caller gets its own outcome.
 
-        Pipelined: once this group's payload is durable, the next group queued (``more``) is
-        staged -- its direct writes begun -- before this group's commit, so the disk keeps working
-        while LMDB commits. Each group is still acknowledged only after its own payload was synced
+        Pipelined: once this group's direct writes are done, the next group queued (``more``) is
+        staged -- its direct writes begun -- before this group's fdatasync and commit, so the disk
+        keeps working while this group syncs and LMDB commits. Each group is still acknowledged only after its own payload was synced
         and its own commit succeeded, and commits keep the queue's order."""
         current: Optional[_StagedGroup] = self._stage_group(group)
         while current is not None:
             upcoming = None
-            if current.durable(self):
+            if current.written():
                 following = more()
                 if following:
                     upcoming = self._stage_group(following)
+            current.durable(self)  # its fdatasync, while the next group's writes run
             self._commit_group(current)
             current = upcoming
 

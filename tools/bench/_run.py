@@ -28,6 +28,7 @@ from ._settings import (
     FULL_TOTAL_BYTES,
     LAYERS,
     MiB,
+    QUICK_ROUNDS,
     QUICK_TOTAL_BYTES,
     ROUNDS,
     SIZES,
@@ -61,7 +62,7 @@ async def run_bench(
     total_bytes: Optional[int] = None,
     parts: Optional[Set[str]] = None,
     gemma_seq_len: Optional[int] = None,
-    rounds: int = ROUNDS,
+    rounds: Optional[int] = None,
     progress: bool = False,
     peers: Optional[bool] = None,
     busy_kinds: Optional[Sequence[str]] = None,
@@ -70,7 +71,8 @@ async def run_bench(
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
     ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
     cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/_remote.py``); ``total_bytes`` overrides the
-    bytes moved per chunk size, ``rounds`` the paired rounds per size. ``peers`` (default: not
+    bytes moved per chunk size, ``rounds`` the paired rounds per size (default 4, quick 2: the same
+    256 MiB rounds, fewer of them). ``peers`` (default: not
     ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
     take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. ``busy_kinds``
     (default: ``("threads",)``, none with ``quick``): after the quiet paired rounds of a size, the
@@ -82,7 +84,7 @@ async def run_bench(
     torch.set_num_threads(1)
     try:
         return await _run_bench(quick=quick, cache_dir=cache_dir, sizes=sizes, total_bytes=total_bytes,
-                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds, progress=progress,
+                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds or (QUICK_ROUNDS if quick else ROUNDS), progress=progress,
                                 peers=not quick if peers is None else peers,
                                 busy_kinds=tuple(("threads",) if busy_kinds is None and not quick else busy_kinds or ()))
     finally:
