@@ -99,8 +99,14 @@ class DirectLimit(PooledSubject):
 
     def _jobs(self, indices: range, each: Callable[[range], None]) -> List[Callable[[], None]]:
         runs = direct_runs(indices, self.chunks[0].nbytes)
-        return [functools.partial(lambda part: [each(r) for r in part], runs[k::DIRECT_IN_FLIGHT])
-                for k in range(min(len(runs), DIRECT_IN_FLIGHT))]
+
+        def lane(part: List[range]) -> Callable[[], None]:
+            def run() -> None:
+                for r in part:
+                    each(r)
+            return run
+
+        return [lane(runs[k::DIRECT_IN_FLIGHT]) for k in range(min(len(runs), DIRECT_IN_FLIGHT))]
 
     async def write(self, indices: range) -> float:
         size = self.chunks[0].nbytes
