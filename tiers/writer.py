@@ -5,7 +5,10 @@ Primitives:
 - ``WriterThread``: one dedicated thread that runs closures (``Job``) taken in order from a
   ``queue.SimpleQueue``. A database whose write transactions must stay on the thread that began
   them (LMDB) runs each whole transaction, begin to commit, inside one closure. Consecutive jobs that
-  share a ``group`` runner are handed to it together (group commit: one fsync for many batches).
+  share a ``group`` runner are handed to it together (group commit: one fsync for many batches);
+  the runner may also take the next such group queued behind (``more``), to start its work before
+  it finishes the first one's (the LMDB tier begins batch n+1's payload writes before it commits
+  batch n).
   Results go back through the job's ``done(result, exc)`` callback, called on the writer thread.
 - ``loop_callback(loop, fut)``: a ``done`` that resolves an asyncio future on its loop with
   ``loop.call_soon_threadsafe``, guarded by ``fut.done()`` so a cancelled caller (or a closed loop)
@@ -40,12 +43,14 @@ Done = Callable[[Any, Optional[BaseException]], None]
 @dataclass
 class Job:
     """A closure for the writer. ``group``, when set, runs a list of consecutive jobs with an equal
-    ``group`` and must call every job's ``done``; ``weight`` (bytes) bounds how much one group takes.
-    Built on any thread; ``run`` runs on the writer thread only."""
+    ``group`` and must call every job's ``done``; its second argument, ``more()``, returns the
+    next group of such jobs queued right now (empty when the next job is another kind, or none is
+    queued), whose ``done`` it must then call too; ``weight`` (bytes) bounds how much one group
+    takes. Built on any thread; ``run`` and ``finish`` run on the writer thread only."""
 
     fn: Callable[[], Any]
     done: Done
-    group: Optional[Callable[[List["Job"]], None]] = None
+    group: Optional[Callable[[List["Job"], Callable[[], List["Job"]]], None]] = None
     weight: int = 0
 
     def run(self) -> None:
@@ -55,6 +60,10 @@ class Job:
             _deliver(self.done, None, exc)
         else:
             _deliver(self.done, result, None)
+
+    def finish(self, result: Any, exc: Optional[BaseException] = None) -> None:
+        """Call ``done`` (a group runner's way to report; a broken callback is logged)."""
+        _deliver(self.done, result, exc)
 
 
 def _deliver(done: Done, result: Any, exc: Optional[BaseException]) -> None:
@@ -97,6 +106,7 @@ class WriterThread:
         self._stopped = False
         self._max_group_jobs = max_group_jobs
         self._max_group_weight = max_group_weight
+        self._held: Any = None  # writer thread: a job taken from the queue, to run next
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -143,35 +153,56 @@ class WriterThread:
             self._thread.join()
 
     def _main(self) -> None:
-        held: Any = None
         while True:
-            job = held if held is not None else self._queue.get()
-            held = None
+            job = self._held if self._held is not None else self._queue.get()
+            self._held = None
             if job is _STOP:
                 break
             if job.group is None:
                 job.run()
                 continue
-            group = [job]
-            weight = job.weight
-            while len(group) < self._max_group_jobs and weight < self._max_group_weight:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is not _STOP and nxt.group is not None and nxt.group == job.group:
-                    group.append(nxt)
-                    weight += nxt.weight
-                else:
-                    held = nxt
-                    break
+            group = self._group_from(job)
+            runner = job.group
             try:
-                job.group(group)
+                runner(group, lambda: self._more(runner))
             except BaseException as exc:  # noqa: BLE001 - the runner failed as a whole
                 log.exception("kvtier writer: group runner failed")
                 for j in group:
                     _deliver(j.done, None, exc)
         # Nothing can be queued after _STOP (submit refuses), so the queue is empty here.
+
+    def _group_from(self, job: Job) -> List[Job]:
+        """``job`` and the consecutive queued jobs of its group, up to the bounds; the first job
+        that does not join is held for the next turn."""
+        group = [job]
+        weight = job.weight
+        while len(group) < self._max_group_jobs and weight < self._max_group_weight:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is not _STOP and nxt.group is not None and nxt.group == job.group:
+                group.append(nxt)
+                weight += nxt.weight
+            else:
+                self._held = nxt
+                break
+        return group
+
+    def _more(self, runner: Callable[..., None]) -> List[Job]:
+        """Writer thread, inside ``runner``: the next group of ``runner``'s jobs if one is queued
+        right now and nothing else is ahead of it (order is kept: a held job of another kind, or
+        ``stop``, ends the look-ahead)."""
+        if self._held is not None:
+            return []
+        try:
+            nxt = self._queue.get_nowait()
+        except queue.Empty:
+            return []
+        if nxt is _STOP or nxt.group is None or nxt.group != runner:
+            self._held = nxt
+            return []
+        return self._group_from(nxt)
 
 
 class SharedExclusiveLock:

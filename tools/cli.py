@@ -178,9 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="benchmark tiers and engine against raw baselines measured in the same run")
-    bench.add_argument("--quick", action="store_true", help="a smaller run, under a minute")
+    bench.add_argument("--quick", action="store_true", help="fewer paired rounds (2 of the full run's 4, same length), no peers, quiet only")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--cache-dir", help="directory on the filesystem to measure (default: a temporary one)")
+    bench.add_argument("--busy", metavar="KINDS", help="also run the disk rounds beside 2 CPU-bound workers of each "
+                       "kind: threads (they hold the GIL too), processes, both as 'threads,processes', or 'none' "
+                       "(default: threads in a full run, none with --quick)")
 
     from .replay.command import add_arguments as add_replay_arguments
 
@@ -382,7 +385,8 @@ def _cmd_bench(args) -> int:
 
     if args.cache_dir is not None:
         _require_writable_dir("--cache-dir", args.cache_dir)
-    return run_bench_command(quick=args.quick, as_json=args.json, cache_dir=args.cache_dir)
+    busy = None if args.busy is None else [k for k in args.busy.split(",") if k and k != "none"]
+    return run_bench_command(quick=args.quick, as_json=args.json, cache_dir=args.cache_dir, busy_kinds=busy)
 
 
 def _cmd_replay(args) -> int:

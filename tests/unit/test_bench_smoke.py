@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
 
 from kvtier.tools.bench import (
@@ -84,11 +85,35 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
     skipped = report.machine.get("peers_skipped", [])
     assert any(s.startswith("peers (vLLM fs") for s in skipped)  # peers=False
     if not any(s.startswith("O_DIRECT limit") for s in skipped):  # the limit runs where O_DIRECT works
-        assert "O_DIRECT write+fdatasync, 4 in flight 64KiB" in names
+        assert "O_DIRECT write+fdatasync, 4 x 4 MiB I/Os in flight 64KiB" in names
         assert "kvtier lmdb cold read vs O_DIRECT limit 64KiB" in names
     assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
     text = format_report(report)
     assert "targets:" in text and "machine:" in text
+
+
+def test_busy_rounds_report_quiet_and_busy_rows_of_each_kind(tmp_path):
+    """``busy_kinds``: the disk rounds run again beside each kind of CPU-bound workers; every
+    disk row appears once quiet and once per kind, named so, each with the load average."""
+    report = asyncio.run(
+        run_bench(sizes=(64 << 10,), total_bytes=512 << 10, rounds=2, parts={"tiers"}, cache_dir=str(tmp_path),
+                  peers=False, busy_kinds=("threads", "processes"))
+    )
+    doc = _check_schema(report)
+    assert report.failures == []
+    names = [row["name"] for row in doc["results"]]
+    quiet = [n for n in names if n.endswith(" 64KiB") and not n.startswith(("memcpy", "staging"))]
+    assert "lmdb spill raw codec 64KiB" in quiet and "raw cold read 64KiB" in quiet
+    for kind in ("threads", "processes"):
+        suffix = f", busy (2 CPU-bound {kind})"
+        assert [n[: -len(suffix)] for n in names if n.endswith(suffix)] == quiet
+    assert names.count("memcpy 64KiB") == 1  # the copy limits run once, quiet
+    assert doc["machine"]["busy"] == ["busy (2 CPU-bound threads)", "busy (2 CPU-bound processes)"]
+    loads = doc["machine"]["load_average"]
+    assert set(loads) == {"64KiB", "64KiB, busy (2 CPU-bound threads)", "64KiB, busy (2 CPU-bound processes)"}
+    assert all(len(v) == 6 for v in loads.values())  # 1/5/15-minute averages before and after
+    with pytest.raises(ValueError, match="unknown busy kind 'fibers'"):
+        asyncio.run(run_bench(sizes=(64 << 10,), total_bytes=512 << 10, parts={"tiers"}, busy_kinds=("fibers",)))
 
 
 def test_policy_figures():

@@ -29,7 +29,7 @@ from .environment import LmdbEnv
 from .readahead import advise_willneed
 from .segment_reader import SegmentReader
 from .segment_records import encode_for_segments
-from .segments import is_pointer
+from .segments import RUN_BYTES, is_pointer
 
 __all__ = ["ReaderSide", "CorruptEntry"]
 
@@ -40,6 +40,15 @@ R = TypeVar("R")
 # (key, xxh3 of the stored value, why): a record a read found bad, quarantined only if the key
 # still holds that value.
 CorruptEntry = Tuple[bytes, int, str]
+# A read slice's bytes: one vectored direct read of adjacent segment records (segments.RUN_BYTES).
+READ_SLICE_BYTES = RUN_BYTES
+
+
+def _nbytes(buf: object) -> int:
+    try:
+        return memoryview(buf).nbytes  # type: ignore[arg-type]
+    except TypeError:  # not a buffer: its read fails alone, it weighs like a small record
+        return 1
 
 
 class ReaderSide:
@@ -106,16 +115,22 @@ class ReaderSide:
             raise self._closed() from exc
 
     async def get_many_into(self, checked: List[GetItem]) -> List[Optional[ChunkMeta]]:
-        """Decode each record into its buffer, the batch split across ``read_workers`` read
-        transactions (event-loop thread). Cancelling it: slices not yet started are abandoned,
+        """Decode each record into its buffer, the batch split into slices of about
+        ``READ_SLICE_BYTES`` (at least ``read_workers`` of them), one read transaction each, that
+        the read pool's threads take in turn (event-loop thread). Cancelling it: slices not yet started are abandoned,
         running ones finish into the buffers, and only then does it re-raise ``CancelledError``."""
+        sizes = [_nbytes(buf) for _, buf in checked]
+        # Slices of about one run each (READ_SLICE_BYTES), queued on the pool, rather than one
+        # slice per worker: a worker that finishes takes the next slice, so the batch no longer
+        # waits on its slowest quarter while the other workers (and the disk) idle.
+        slices = max(self.read_workers, sum(sizes) // READ_SLICE_BYTES)
         try:
             reading = map_slices(
                 self._pool,
                 self._read_slice,
                 checked,
-                [1] * len(checked),
-                workers=self.read_workers,
+                sizes,
+                workers=slices,
                 min_slice_bytes=1,
             )
         except RuntimeError as exc:  # the pool is shut down: close() ran

@@ -40,7 +40,8 @@ live writer's commits are never cut off (``reclaim_orphans`` says why, interleav
 
 Primitives: ``SegmentPointer`` (the 32-byte value in ``chunks``; 28 bytes in the first layout),
 ``SegmentWriter`` (writer thread only: ``append`` a batch of ``segment_records.SegmentRecord``, in
-runs of adjacent records, ``rotate``), ``segment_reader.SegmentReader`` (any thread: ``read`` a
+runs of adjacent records -- or ``begin`` it, do other work while its direct writes run, and
+``finish`` it -- and ``rotate``), ``PendingAppend`` (a begun batch), ``segment_reader.SegmentReader`` (any thread: ``read`` a
 pointer's record, ``read_into`` / ``read_many_into`` a caller's buffers; its own module),
 ``Ledger`` (inside one write transaction: live-byte deltas into ``segments``); a file's life --
 ``remove_dead`` and ``reclaim_orphans`` (writer thread / open), ``held_by_writer`` and
@@ -54,11 +55,10 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import functools
 import logging
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -83,6 +83,7 @@ from .segment_records import (  # SegmentRecord .. release_records: re-exported 
 __all__ = [
     "SegmentPointer",
     "SegmentWriter",
+    "PendingAppend",
     "SegmentRecord",
     "encode_for_segments",
     "codec_of",
@@ -122,6 +123,10 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
+
+
+def _no_hook(_op: str) -> None:
+    pass
 
 
 def check_segment_threshold(value: object, name: str = "segment_threshold_bytes", none: str = "None") -> Optional[int]:
@@ -235,7 +240,10 @@ class SegmentWriter:
         self._end = 0
         self._allocate = True  # False once fallocate is unsupported on the active segment's filesystem
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
-        self._lanes: Optional[ThreadPoolExecutor] = None  # helper threads of one append (never state)
+        self._lanes: Optional[ThreadPoolExecutor] = None  # the direct writes' threads (never state)
+        # Called with "write" before each direct write (on its lane thread) and "sync" before each
+        # fdatasync (writer thread): a test's point to observe or hold the payload I/O.
+        self.hook: Callable[[str], None] = _no_hook
 
     @property
     def active(self) -> Optional[str]:
@@ -313,7 +321,21 @@ class SegmentWriter:
         """Write ``records`` one after another at page-aligned offsets (each record's head page,
         then its payload pages) and ``fdatasync``; raises ``TierFullError`` / ``TierIOError``
         (then nothing committed points at the bytes). ``bytes`` records (one run of a record's
-        bytes) are laid out the same way."""
+        bytes) are laid out the same way. ``begin`` then ``finish``, waiting in between."""
+        pending = self.begin(records)
+        try:
+            return self.finish(pending)
+        finally:
+            pending.release()
+
+    def begin(self, records: Sequence["SegmentRecord | bytes"]) -> "PendingAppend":
+        """Lay ``records`` out after everything begun so far, allocate their blocks and start their
+        direct writes on the lane threads; returns at once. ``finish`` waits for them and syncs.
+        The batch's range is reserved whatever becomes of it, so a batch begun while this one is
+        in flight, or appended after it failed, never overwrites its bytes. The ``PendingAppend``
+        holds its own descriptor of the segment (and with it the segment's ``flock``) until
+        ``release``: a rotation meanwhile never closes the file under its writes, and no open
+        reclaims its bytes as an orphan before their pointers commit. Raises like ``append``."""
         placed = [r if isinstance(r, SegmentRecord) else SegmentRecord.of_bytes(r) for r in records]
         if self._fd is None or self._end >= self._max_bytes:
             self.rotate()
@@ -327,55 +349,88 @@ class SegmentWriter:
             pos += pointer.extent
         try:
             self._allocate_batch(pos)
-            runs = adjacent_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
-            lanes = [runs[k::WRITES_IN_FLIGHT] for k in range(min(len(runs), WRITES_IN_FLIGHT))]
-            self._run_all([functools.partial(self._write_runs, placed, pointers, lane) for lane in lanes])
-            os.fdatasync(self._fd)
+            fd = os.dup(self._fd)
         except OSError as exc:
-            # The tail may hold part of the batch: skip past it, never overwrite what a reader
-            # might be reading, and let reclaim_orphans truncate it later.
             self.rotate()
             raise io_error(exc, f"segment write under {self._dir} failed") from exc
-        except BaseException:
-            self.rotate()  # same reasoning for any other failure of a lane
-            raise
         self._end = pos
-        return pointers
+        runs = adjacent_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
+        if self._lanes is None:
+            self._lanes = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvtier-segment-write")
+        lanes = [runs[k::WRITES_IN_FLIGHT] for k in range(min(len(runs), WRITES_IN_FLIGHT))]
+        futures = [self._lanes.submit(self._write_runs, fd, placed, pointers, lane) for lane in lanes]
+        return PendingAppend(fd, pointers, futures)
 
-    def _write_runs(self, records: Sequence[SegmentRecord], pointers: Sequence[SegmentPointer], lane: Iterable[range]) -> None:
+    def finish(self, pending: "PendingAppend") -> List[SegmentPointer]:
+        """Wait for EVERY direct write of ``pending`` (none may still be in flight once the batch is
+        given up) and ``fdatasync`` it; returns its pointers, which may then be committed. A
+        failure rotates (if the batch's segment is still the active one: later appends go to a
+        fresh file) and raises ``TierFullError`` / ``TierIOError``. Writer thread."""
+        try:
+            pending.wait_written()
+            self.hook("sync")
+            os.fdatasync(pending.fd)
+        except OSError as exc:
+            # The tail may hold part of the batch: never append there again; reclaim_orphans
+            # truncates it later.
+            self._give_up(pending)
+            raise io_error(exc, f"segment write under {self._dir} failed") from exc
+        except BaseException:
+            self._give_up(pending)  # same reasoning for any other failure of a lane
+            raise
+        return pending.pointers
+
+    def _give_up(self, pending: "PendingAppend") -> None:
+        if pending.pointers and self.active == pending.pointers[0].name:
+            self.rotate()
+
+    def _write_runs(self, fd: int, records: Sequence[SegmentRecord], pointers: Sequence[SegmentPointer],
+                    lane: Iterable[range]) -> None:
         """One in-flight lane (up to ``WRITES_IN_FLIGHT`` of them: one queue of direct writes leaves
         the disk idle between them): each run of adjacent records in one ``pwritev`` of its pages."""
-        assert self._fd is not None
         for run in lane:
-            _pwritev_all(self._fd, [piece for k in run for piece in records[k].iovecs()], pointers[run.start].offset)
-
-    def _run_all(self, jobs: List[Callable[[], None]]) -> None:
-        """Run ``jobs`` on the lane pool (the last on this thread) and wait for EVERY one before
-        raising the first failure: no write of the batch may still be in flight once ``append``
-        gives up on the segment."""
-        if len(jobs) == 1:
-            jobs[0]()
-            return
-        if self._lanes is None:
-            self._lanes = ThreadPoolExecutor(WRITES_IN_FLIGHT - 1, thread_name_prefix="kvtier-segment-write")
-        futures = [self._lanes.submit(job) for job in jobs[:-1]]
-        first: Optional[BaseException] = None
-        try:
-            jobs[-1]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the lanes finish
-            first = exc
-        for fut in futures:
-            failed = fut.exception()
-            if failed is not None and first is None:
-                first = failed
-        if first is not None:
-            raise first
+            self.hook("write")
+            _pwritev_all(fd, [piece for k in run for piece in records[k].iovecs()], pointers[run.start].offset)
 
     def close(self) -> None:
         self.rotate()
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)
             self._lanes = None
+
+
+class PendingAppend:
+    """One batch's direct writes in flight (``SegmentWriter.begin``): its own descriptor of the
+    segment, its pointers (not to be committed before ``SegmentWriter.finish`` returned them),
+    and the lanes' futures. ``release`` (after the commit of its pointers, or after giving up)
+    closes the descriptor; idempotent."""
+
+    def __init__(self, fd: int, pointers: List[SegmentPointer], futures: List["Future[None]"]) -> None:
+        self.fd = fd
+        self.pointers = pointers
+        self.futures = futures
+        self._released = False
+
+    def wait_written(self) -> None:
+        """Wait for every lane (none is left running), then raise the first lane's failure, if
+        any. Any thread; the bytes are written, not yet synced (``SegmentWriter.finish`` syncs)."""
+        first: Optional[BaseException] = None
+        for fut in self.futures:
+            failed = fut.exception()
+            if failed is not None and first is None:
+                first = failed
+        if first is not None:
+            raise first
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            for fut in self.futures:  # never close the descriptor under a write still in flight
+                fut.exception()
+            try:
+                os.close(self.fd)
+            except OSError as exc:
+                log.warning("kvtier lmdb: closing a segment descriptor failed: %s", exc)
 
 
 class Ledger:

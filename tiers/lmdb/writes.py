@@ -17,13 +17,14 @@ segment, it tells its ``SegmentWatcher`` (compaction's triggers; ``watch``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import lmdb
 import xxhash
@@ -38,7 +39,7 @@ from .environment import LmdbEnv
 from .segment_records import codec_of, release_records
 from .segment_reader import SegmentReader
 from .segment_files import remove_dead
-from .segments import Ledger, SegmentPointer, SegmentWriter, is_pointer, stored_size
+from .segments import Ledger, PendingAppend, SegmentPointer, SegmentWriter, is_pointer, stored_size
 from .tables import ATIME, bump_sequence, take_segment_number
 
 __all__ = ["WriterSide", "PutJob", "SegmentWatcher"]
@@ -46,6 +47,58 @@ __all__ = ["WriterSide", "PutJob", "SegmentWatcher"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass
+class _StagedPut:
+    """A put batch between ``WriterSide.stage_put`` and ``commit_put``: the records by key, what
+    the counters need, the keys that go to segments and their writes in flight."""
+
+    batch: Dict[bytes, bytes]
+    batch_bytes: int
+    records: int
+    raw_in: int
+    batches: int
+    large: List[bytes]
+    pending: Optional[PendingAppend]
+    values: Optional[Dict[bytes, bytes]] = None  # once durable: key -> its ``chunks`` value
+
+    def release(self) -> None:
+        if self.pending is not None:
+            self.pending.release()
+
+
+@dataclass
+class _StagedGroup:
+    """A group of put jobs being run: their staged batch, or why it could not be staged or made
+    durable (``_commit_group`` then reports it)."""
+
+    jobs: List["PutJob"]
+    put: Optional[_StagedPut] = None
+    error: Optional[Exception] = None
+
+    def written(self) -> bool:
+        """Wait until the payload's direct writes are done (True: none failed; not yet synced)."""
+        if self.put is None or self.error is not None:
+            return False
+        if self.put.pending is None:
+            return True
+        try:
+            self.put.pending.wait_written()
+        except Exception:  # noqa: BLE001 - finish_append raises it again, typed
+            return False
+        return True
+
+    def durable(self, side: "WriterSide") -> bool:
+        """Wait until the payload is synced (True), or record why not (False)."""
+        if self.put is None or self.error is not None:
+            return False
+        try:
+            side.durable_values(self.put)
+        except Exception as exc:  # noqa: BLE001 - reported by _commit_group
+            self.error = exc
+            return False
+        return True
 
 
 @dataclass
@@ -217,28 +270,70 @@ class WriterSide:
 
         self.write(body)
 
-    def run_put_group(self, group: List[Job]) -> None:
+    def run_put_group(self, group: List[Job], more: Callable[[], List[Job]] = lambda: []) -> None:
         """Writer thread: commit consecutive put batches in one transaction (they share its
-        sequence); if that fails, run each alone so every caller gets its own outcome."""
+        sequence); if that fails, run each alone so every caller gets its own outcome.
+
+        Pipelined: once this group's direct writes are done, the next group queued (``more``) is
+        staged -- its direct writes begun -- before this group's fdatasync and commit, so the disk
+        keeps working while this group syncs and LMDB commits. Each group is still acknowledged only after its own payload was synced
+        and its own commit succeeded, and commits keep the queue's order."""
+        current: Optional[_StagedGroup] = self._stage_group(group)
+        while current is not None:
+            upcoming = None
+            if current.written():
+                following = more()
+                if following:
+                    upcoming = self._stage_group(following)
+            current.durable(self)  # its fdatasync, while the next group's writes run
+            self._commit_group(current)
+            current = upcoming
+
+    def _stage_group(self, group: List[Job]) -> "_StagedGroup":
         jobs = [j for j in group if isinstance(j, PutJob)]
         assert len(jobs) == len(group), "the writer groups only the jobs naming this runner: PutJobs"
-        if len(jobs) > 1:
-            encoded = [item for j in jobs for item in j.encoded]
-            raw_in = sum(j.raw_in for j in jobs)
-            try:
-                sequence = self.put_encoded(encoded, raw_in, batches=len(jobs))
-            except Exception:
-                pass  # fall through: each batch alone decides its own fate
+        staged = _StagedGroup(jobs)
+        try:
+            if len(jobs) > 1:
+                staged.put = self.stage_put([item for j in jobs for item in j.encoded],
+                                            sum(j.raw_in for j in jobs), batches=len(jobs))
             else:
-                for j in jobs:
-                    j.done(sequence, None)
-                return
-        for j in jobs:
+                staged.put = self.stage_put(jobs[0].encoded, jobs[0].raw_in)
+        except Exception as exc:  # noqa: BLE001 - reported by _commit_group
+            staged.error = exc
+        return staged
+
+    def _commit_group(self, staged: "_StagedGroup") -> None:
+        jobs = staged.jobs
+        if staged.put is not None:
+            try:
+                if staged.error is None:
+                    sequence = self.commit_put(staged.put)
+                    for j in jobs:
+                        j.finish(sequence)
+                    return
+            except Exception as exc:  # noqa: BLE001 - reported below
+                staged.error = exc
+            finally:
+                staged.put.release()  # committed or given up: the segment descriptor goes
+        if len(jobs) == 1:
+            jobs[0].finish(None, staged.error)
+            return
+        for j in jobs:  # each batch alone decides its own fate
             j.run()
 
     def put_encoded(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> int:
         """Writer thread: store encoded records, evicting least recently used ones for room in the
         same transaction; returns the sequence that made them visible."""
+        staged = self.stage_put(encoded, raw_in, batches)
+        try:
+            return self.commit_put(staged)
+        finally:
+            staged.release()
+
+    def stage_put(self, encoded: List[Tuple[bytes, bytes]], raw_in: int, batches: int = 1) -> "_StagedPut":
+        """Writer thread: the first half of ``put_encoded``: the batch checked against the capacity
+        and its large records' direct writes begun (``commit_put`` waits for them)."""
         batch: Dict[bytes, bytes] = {}
         for key, record in encoded:
             batch[key] = record  # the later write of a key wins, as sequential puts would
@@ -246,7 +341,17 @@ class WriterSide:
         cap = self.capacity
         if cap is not None and batch_bytes > cap:
             raise TierFullError(f"a batch of {batch_bytes} bytes exceeds capacity_bytes={cap}")
-        values = self._append_to_segments(batch)
+        threshold = self.segment_threshold
+        large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
+        pending = self.begin_append([batch[key] for key in large]) if large else None
+        return _StagedPut(batch, batch_bytes, len(encoded), raw_in, batches, large, pending)
+
+    def commit_put(self, staged: "_StagedPut") -> int:
+        """Writer thread: wait until the staged batch's payload is durable, then commit its records
+        (pointers or inline) in one transaction with the evictions that make room; returns the
+        sequence that made them visible. The caller releases ``staged`` afterwards."""
+        values = self.durable_values(staged)
+        batch, batch_bytes, cap = staged.batch, staged.batch_bytes, self.capacity
         accesses = self.take_accesses()
         victims: List[bytes] = []
         if cap is not None:
@@ -285,10 +390,10 @@ class WriterSide:
                     self.lru.put(key, len(record))
                 compressed = sum(1 for r in batch.values() if codec_of(r) != "raw")
                 self._count(
-                    puts=len(encoded),
-                    put_batches=batches,
+                    puts=staged.records,
+                    put_batches=staged.batches,
                     put_commits=1,
-                    raw_bytes_in=raw_in,
+                    raw_bytes_in=staged.raw_in,
                     stored_bytes_in=batch_bytes,
                     compressed_records=compressed,
                 )
@@ -300,36 +405,61 @@ class WriterSide:
         release_records(batch.values())  # committed: the aligned buffers go back to the pool
         return sequence
 
-    def _append_to_segments(self, batch: Dict[bytes, bytes]) -> Dict[bytes, bytes]:
-        """Before the transaction: append the batch's large records to this writer's segment and
-        sync it; returns key -> the ``chunks`` value (a pointer, or the record itself)."""
-        threshold = self.segment_threshold
-        large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
-        if not large:
-            return batch
-        pointers = self.append_synced([batch[key] for key in large])
-        values = dict(batch)
-        for key, pointer in zip(large, pointers):
-            values[key] = pointer.pack()
-        return values
+    def durable_values(self, staged: "_StagedPut") -> Dict[bytes, bytes]:
+        """key -> the ``chunks`` value of each record (a pointer, or the record itself), once the
+        staged batch's segment bytes are synced (raises as ``append_synced``; waits once)."""
+        if staged.values is None:
+            if staged.pending is None:
+                staged.values = staged.batch
+            else:
+                pointers = self.finish_append(staged.pending)
+                values = dict(staged.batch)
+                for key, pointer in zip(staged.large, pointers):
+                    values[key] = pointer.pack()
+                staged.values = values
+        return staged.values
 
     def append_synced(self, records: List[bytes]) -> List[SegmentPointer]:
         """Append ``records`` to this writer's segment (opening one if needed) and sync it; a
         failure marks the tier degraded (puts, and compaction's moves)."""
+        pending = self.begin_append(records)
+        try:
+            return self.finish_append(pending)
+        finally:
+            pending.release()
+
+    def begin_append(self, records: List[bytes]) -> PendingAppend:
+        """Start appending ``records`` to this writer's segment (``SegmentWriter.begin``); the
+        caller finishes (``finish_append``) and releases it. Failures as ``append_synced``."""
         if self.segment_writer is None:
             self.segment_writer = SegmentWriter(self._path, self.segment_max_bytes, numbers=self._take_segment_number)
         self._db.io_hook.before("put")
         was = self.segment_writer.active
+        with self._marking_degraded():
+            pending = self.segment_writer.begin(records)
+        if was is not None and self.segment_writer.active != was:
+            self._watcher.segment_rotated(was)
+        return pending
+
+    def finish_append(self, pending: PendingAppend) -> List[SegmentPointer]:
+        """Wait until ``pending``'s bytes are synced; returns its pointers (committable now)."""
+        assert self.segment_writer is not None
+        was = self.segment_writer.active
+        with self._marking_degraded():
+            pointers = self.segment_writer.finish(pending)
+        if was is not None and self.segment_writer.active != was:
+            self._watcher.segment_rotated(was)
+        return pointers
+
+    @contextlib.contextmanager
+    def _marking_degraded(self) -> Iterator[None]:
         try:
-            pointers = self.segment_writer.append(records)
+            yield
         except (TierIOError, TierFullError) as exc:
             self.degraded = True
             if not isinstance(exc.__cause__, lmdb.Error):  # a failed numbering commit: _write counted it
                 self._count(errors=1)
             raise
-        if was is not None and self.segment_writer.active != was:
-            self._watcher.segment_rotated(was)
-        return pointers
 
     def _take_segment_number(self) -> int:
         """Writer thread, before a new segment is created: its number, taken from the directory's

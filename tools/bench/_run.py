@@ -17,6 +17,7 @@ import torch
 
 from kvtier.tiers.host import HostSlabPool
 
+from ._busy import BUSY_KINDS, busy, busy_label
 from ._compressed import deepseek_v4_store_figures
 from ._figures import gemma3_kv_bytes, measure_compression, measure_coverage, measure_longest_hit
 from ._kv import KVGeometry, make_kv_bytes, measure_memcpy, measure_piece_copy, measure_staging
@@ -27,6 +28,7 @@ from ._settings import (
     FULL_TOTAL_BYTES,
     LAYERS,
     MiB,
+    QUICK_ROUNDS,
     QUICK_TOTAL_BYTES,
     ROUNDS,
     SIZES,
@@ -60,17 +62,21 @@ async def run_bench(
     total_bytes: Optional[int] = None,
     parts: Optional[Set[str]] = None,
     gemma_seq_len: Optional[int] = None,
-    rounds: int = ROUNDS,
+    rounds: Optional[int] = None,
     progress: bool = False,
     peers: Optional[bool] = None,
+    busy_kinds: Optional[Sequence[str]] = None,
 ) -> BenchReport:
     """Run the benchmark (see the module docstring). ``parts`` limits it to some of ``"tiers"``
     (limits, baseline, LMDB, files, staging), ``"engine"`` (end to end), ``"bookkeeping"``,
     ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
     cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/_remote.py``); ``total_bytes`` overrides the
-    bytes moved per chunk size, ``rounds`` the paired rounds per size. ``peers`` (default: not
+    bytes moved per chunk size, ``rounds`` the paired rounds per size (default 4, quick 2: the same
+    256 MiB rounds, fewer of them). ``peers`` (default: not
     ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
-    take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. The cache directory gets a
+    take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. ``busy_kinds``
+    (default: ``("threads",)``, none with ``quick``): after the quiet paired rounds of a size, the
+    same rounds again beside CPU-bound workers of each kind (``_busy``), their rows named so. The cache directory gets a
     fresh ``kvtier-bench-*`` subdirectory, removed at the end. Torch runs one intra-op thread
     meanwhile (restored after): on 2 cores its second thread only adds wake-up jitter to the copies,
     and the tiers' own threads need the other core."""
@@ -78,20 +84,24 @@ async def run_bench(
     torch.set_num_threads(1)
     try:
         return await _run_bench(quick=quick, cache_dir=cache_dir, sizes=sizes, total_bytes=total_bytes,
-                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds, progress=progress,
-                                peers=not quick if peers is None else peers)
+                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds or (QUICK_ROUNDS if quick else ROUNDS), progress=progress,
+                                peers=not quick if peers is None else peers,
+                                busy_kinds=tuple(("threads",) if busy_kinds is None and not quick else busy_kinds or ()))
     finally:
         torch.set_num_threads(threads)
 
 
 async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: Optional[int],
                      parts: Optional[Set[str]], gemma_seq_len: Optional[int], rounds: int,
-                     progress: bool, peers: bool) -> BenchReport:
+                     progress: bool, peers: bool, busy_kinds: Sequence[str]) -> BenchReport:
     all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression", "remote"}
     parts = set(all_parts if parts is None else parts)
     unknown = parts - all_parts
     if unknown:
         raise ValueError(f"unknown bench parts {sorted(unknown)}; choose from {sorted(all_parts)}")
+    for kind in busy_kinds:
+        if kind not in BUSY_KINDS:
+            raise ValueError(f"unknown busy kind {kind!r}; choose from {list(BUSY_KINDS)}")
     say = _progress(progress)
     total = total_bytes or (QUICK_TOTAL_BYTES if quick else FULL_TOTAL_BYTES)
     for size in sizes:
@@ -118,6 +128,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             "quick": quick,
             "bytes_per_chunk_size": total,
             "paired_rounds_per_size": rounds,
+            "busy": [busy_label(kind).lstrip(", ") for kind in busy_kinds],
             "torch_threads": 1,
             "noise": {},
         }
@@ -136,7 +147,8 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             say(f"generating {total >> 20} MiB of bf16 KV-like bytes")
             kv = make_kv_bytes(total)
             for size in sizes:
-                await _bench_size(report, work, kv, size, total, parts, rounds, raw_write_ref, say, peers, quick)
+                await _bench_size(report, work, kv, size, total, parts, rounds, raw_write_ref, say, peers, quick,
+                                  busy_kinds)
             del kv
             gc.collect()
         if "bookkeeping" in parts:
@@ -220,7 +232,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
 
 async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: int, total: int,
                       parts: Set[str], rounds: int, raw_write_ref: Dict[int, float],
-                      say: Callable[[str], None], peers: bool, quick: bool) -> None:
+                      say: Callable[[str], None], peers: bool, quick: bool, busy_kinds: Sequence[str]) -> None:
     label = label_of(size)
     geometry = KVGeometry.for_chunk(size)
     n = total // size
@@ -258,6 +270,36 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
     k = max(1, min(rounds, n))
     step = n // k
     ranges = [range(i * step, (i + 1) * step if i < k - 1 else n) for i in range(k)]
+    for kind in [None] + list(busy_kinds):
+        say(f"{label}: disk rounds{busy_label(kind) or ' (quiet)'}")
+        with busy(kind):
+            engine = await _disk_rounds(report, work, kv, geometry, label, label + busy_label(kind), size, n,
+                                        parts, ranges, chunks, outs, raw_write_ref if kind is None else {},
+                                        say, peers)
+        if engine is None:
+            continue
+        name = label + busy_label(kind)
+        released = mb_s(n * size, engine.released_s)
+        report.add(f"engine store until released {name}", released, "MB/s",
+                   ratio_of(released, memcpy) if memcpy else None, "memcpy" if memcpy else None)
+        if staging and kind is None:
+            alone = await measure_engine_release(view, geometry, n, repeats=1 if quick else 3)
+            judge(report.add(f"engine store until released, host tier only {label}", alone, "MB/s",
+                             ratio_of(alone, staging), "staging device->host (no spill competing)",
+                             target=f">= {TARGET_RELEASE_VS_STAGING}x"), TARGET_RELEASE_VS_STAGING)
+    del pool, slots, chunks, outs, restore, restore_raw
+    gc.collect()
+
+
+async def _disk_rounds(report: BenchReport, work: Path, kv: torch.Tensor, geometry: KVGeometry, label: str,
+                      name: str, size: int, n: int, parts: Set[str], ranges: List[range],
+                      chunks: List[memoryview], outs: List[memoryview], raw_write_ref: Dict[int, float],
+                      say: Callable[[str], None], peers: bool) -> Optional[EngineSubject]:
+    """One set of paired rounds over every disk subject of a chunk size, and their rows (named
+    with ``name``: the size label, and what else ran beside them). Returns the engine subject
+    that ran (its release time is reported by the caller), if any. The load average before and
+    after goes into the report's machine notes."""
+    load_before = os.getloadavg()
     subjects: List[DiskSubject] = [RawFile(work / f"raw-{label}", chunks, outs)]
     specs = list(TIER_SUBJECTS) + peer_specs(work, peers=peers) if "tiers" in parts else []
     for skipped in PEER_SKIPS if "tiers" in parts else []:
@@ -272,8 +314,8 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
         engine = EngineSubject(work / f"engine-{label}", kv, geometry, n, ranges)
         subjects.append(engine)
     times, failures = await run_paired(subjects, ranges, size, outs, chunks,
-                                       say=lambda text: say(f"{label}: {text}"))
-    report.failures.extend(f"{label}: {f}" for f in failures)
+                                       say=lambda text: say(f"{name}: {text}"))
+    report.failures.extend(f"{name}: {f}" for f in failures)
     for s in subjects:
         if s.name != "raw":
             shutil.rmtree(s.directory, ignore_errors=True)
@@ -281,40 +323,33 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
 
     raw_w, raw_r = times.mb_s("raw", "write"), times.mb_s("raw", "read")
     raw_write_ref[size] = raw_w
-    report.machine["noise"][label] = {
+    report.machine["noise"][name] = {
         "raw_write_mb_s_per_round": [round(b / t / 1e6) for b, t in zip(times.round_bytes, times.write["raw"])],
         "raw_cold_read_mb_s_per_round": [round(b / t / 1e6) for b, t in zip(times.round_bytes, times.read["raw"])],
     }
-    report.add(f"raw write+fdatasync {label}", raw_w, "MB/s", None, "limit")
-    report.add(f"raw cold read {label}", raw_r, "MB/s", None, "limit")
+    report.machine.setdefault("load_average", {})[name] = [round(x, 2) for x in load_before + os.getloadavg()]
+    report.add(f"raw write+fdatasync {name}", raw_w, "MB/s", None, "limit")
+    report.add(f"raw cold read {name}", raw_r, "MB/s", None, "limit")
 
-    def add(name: str, subject: str, kind: str, reference: str, reference_label: str, **kw: Any) -> BenchRow:
-        return report.add(name, times.mb_s(subject, kind), "MB/s", times.ratio(subject, kind, reference),
+    def add(row: str, subject: str, kind: str, reference: str, reference_label: str, **kw: Any) -> BenchRow:
+        return report.add(row, times.mb_s(subject, kind), "MB/s", times.ratio(subject, kind, reference),
                           reference_label, **kw)
 
     if "tiers" in parts:
         for spec, subject in zip(specs, subjects[1:]):
-            spec.rows(RowContext(add, report, label, size, subject))
+            spec.rows(RowContext(add, report, name, size, subject))
     if engine is not None:
-        released = mb_s(n * size, engine.released_s)
-        report.add(f"engine store until released {label}", released, "MB/s",
-                   ratio_of(released, memcpy) if memcpy else None, "memcpy" if memcpy else None)
-        if staging:
-            alone = await measure_engine_release(view, geometry, n, repeats=1 if quick else 3)
-            judge(report.add(f"engine store until released, host tier only {label}", alone, "MB/s",
-                             ratio_of(alone, staging), "staging device->host (no spill competing)",
-                             target=f">= {TARGET_RELEASE_VS_STAGING}x"), TARGET_RELEASE_VS_STAGING)
-        add(f"engine store until durable (zstd) {label}", "engine", "write", "raw", "raw fdatasync write")
-        add(f"engine cold load (zstd) {label}", "engine", "read", "raw", "raw cold read")
-    del pool, slots, chunks, outs, restore, restore_raw
-    gc.collect()
+        add(f"engine store until durable (zstd) {name}", "engine", "write", "raw", "raw fdatasync write")
+        add(f"engine cold load (zstd) {name}", "engine", "read", "raw", "raw cold read")
+    return engine
 
 
-def run_bench_command(*, quick: bool = False, as_json: bool = False, cache_dir: Optional[str] = None) -> int:
+def run_bench_command(*, quick: bool = False, as_json: bool = False, cache_dir: Optional[str] = None,
+                      busy_kinds: Optional[Sequence[str]] = None) -> int:
     """``kvtier bench``: run, print the table (or one JSON object), return the exit code: 1 when a
     correctness check failed (restored bytes, SWA coverage), else 0. Missed performance targets
     are reported, not failed."""
-    report = asyncio.run(run_bench(quick=quick, cache_dir=cache_dir, progress=not as_json))
+    report = asyncio.run(run_bench(quick=quick, cache_dir=cache_dir, progress=not as_json, busy_kinds=busy_kinds))
     if as_json:
         print(json.dumps(report.to_dict(), sort_keys=True))
         for failure in report.failures:
