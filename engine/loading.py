@@ -93,7 +93,20 @@ class LoadPath:
         copy ended."""
         finished = self._loop.create_future()
         self._book.mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
-        return self._spawn(self.run(hit_tokens, jobs, finished, ready))
+        return self._spawn(self.run(hit_tokens, jobs, finished, ready, self._hold_host_only(jobs)))
+
+    def _hold_host_only(self, jobs: List[LoadJob]) -> List[ChunkEntry]:
+        """Pin, for the whole load, the hit's host chunks the disk does not hold: lookup admitted
+        them, and nothing could read them again once evicted, while an earlier window's promotions
+        (or another request's stores) between windows would pick them as victims."""
+        book, index = self._book, self._index
+        held = []
+        for _, _, key, _ in jobs:
+            entry = book.entries.get(key)
+            if entry is not None and key not in index:
+                book.pin(entry)
+                held.append(entry)
+        return held
 
     def promotable(self, keys: RequestKeys, hit_tokens: int) -> List[Tuple[int, int, bytes]]:
         """The (group, chunk, key) chunks of a hit of ``hit_tokens`` found on disk only."""
@@ -124,7 +137,8 @@ class LoadPath:
             windows.append(current)
         return windows
 
-    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, ready) -> LoadResult:
+    async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, ready,
+                  held: Sequence[ChunkEntry] = ()) -> LoadResult:
         loaded: List[Tuple[int, int]] = []
         from_disk = 0
         try:
@@ -138,6 +152,8 @@ class LoadPath:
                 hit_tokens, True, tuple(loaded), chunks_from_disk=from_disk, chunks_from_host=len(jobs) - from_disk
             )
         finally:
+            for entry in held:
+                self._book.unpin(entry)
             if not finished.done():
                 finished.set_result(None)
 

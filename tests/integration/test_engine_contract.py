@@ -258,6 +258,29 @@ async def test_a_hit_larger_than_the_host_pool_loads_in_windows(tmp_path):
     await r.close()
 
 
+@pytest.mark.parametrize("host_policy", ["lru", "arc"])
+@pytest.mark.asyncio
+async def test_a_windowed_load_keeps_the_host_only_chunks_of_its_later_windows(tmp_path, host_policy):
+    # 4 host slots, so a load runs in windows of 2. Chunks 2 and 3 are on the host only (their
+    # records deleted), chunks 0 and 1 on disk only: the first window's promotions must not evict
+    # chunks 2 and 3, which nothing could read again, although lookup admitted them.
+    r = await rig(tmp_path, host_capacity_bytes=1, host_eviction_policy=host_policy)
+    assert r.engine.host.pools[0].num_slots == 4
+    prompt = r.scenario.tokens(4 * 16 + 1)
+    keys = r.engine.request_keys(prompt)
+    await r.scenario.produce(prompt, expect_stored={0: range(4)})
+    await r.engine.flush()
+    assert await r.seam.inner.delete_many([keys.keys[0][2], keys.keys[0][3]]) == 2
+    await r.engine.flush()
+    other = await r.scenario.produce(r.scenario.tokens(2 * 16 + 1), expect_stored={0: range(2)})
+    assert other.durable
+    await r.engine.flush()
+    resident = {k for k in keys.keys[0][:4] if k in r.engine.host.entries}
+    assert resident == {keys.keys[0][2], keys.keys[0][3]}
+    await r.scenario.consume(prompt, expect_hit=64, expect_loaded={0: range(4)})
+    await r.close()
+
+
 @pytest.mark.asyncio
 async def test_a_128k_token_hit_loads_through_a_host_pool_of_four_slots(tmp_path):
     # 131072 tokens = 512 chunks of 256 tokens, stored two chunks at a time (chunked prefill);

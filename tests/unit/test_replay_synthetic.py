@@ -67,7 +67,7 @@ def test_the_host_arc_pairings_are_never_below_lru_on_synthetic_traces(tmp_path,
         rates = {}
         for policy in ("lru", "arc", "arc-lfuda"):
             rates[policy] = simulate_engine(
-                work, plans, host_slots=host_slots(int(budget * work.unique_bytes(chunk_bytes)), chunk_bytes),
+                work, plans, host_slots=host_slots(int(budget * work.unique_bytes(chunk_bytes)), chunk_bytes, plans),
                 chunk_bytes=chunk_bytes, disk_capacity=int(budget * work.unique_bytes(records)),
                 disk_record_bytes=records, policy=policy).hit_rate
         assert min(rates["arc"], rates["arc-lfuda"]) >= rates["lru"] - 0.002, (budget, rates)

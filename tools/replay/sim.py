@@ -13,7 +13,8 @@ its work flushed after every request (the way engine mode replays):
 - host: one pool per group (``host_slots``); a store takes slots for the chunks that are neither on
   the host nor on disk, all or nothing (more than a pool holds, or more than
   ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
-  disk-only ones into new slots and touches them all, in windows of half a pool;
+  disk-only ones into new slots and touches them all, in windows of half a pool, holding the hit's
+  host-only chunks from its start;
 - disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
   byte index (``tiers.lru``: LRU, or LFU-DA under ``lfuda``) counts record bytes, keeps the batch
   being written, and sees each use as a touch: a
@@ -217,22 +218,28 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 current.append(job)
                 counts[job[0]] += 1
             windows.append(current)
+            # The load holds the hit's host-only chunks from its start: no window evicts them.
+            held: List[Set[int]] = [set() for _ in range(num_groups)]
+            for g, key in jobs:
+                if key in host[g] and key not in disk:
+                    held[g].add(key)
             for window in windows:
-                pinned: List[Set[int]] = [set() for _ in range(num_groups)]
+                pinned: List[Set[int]] = [set() for _ in range(num_groups)]  # served from the host
                 promote: List[List[int]] = [[] for _ in range(num_groups)]
                 for g, key in window:
                     (pinned[g].add(key) if key in host[g] else promote[g].append(key))
-                if any(key not in disk for g in range(num_groups) for key in promote[g]):
-                    # A host-only chunk an earlier window of this load evicted: the load fails
-                    # ("missing") before this window changes anything, and the prompt is prefilled.
+                kept = [pinned[g] | held[g] for g in range(num_groups)]
+                shortfall = [len(host[g]) + len(promote[g]) - host_slots[g] for g in range(num_groups)]
+                if any(shortfall[g] > len(host[g]) - len(kept[g]) for g in range(num_groups) if promote[g]):
+                    # Too few unpinned slots for the window's promotions: the load fails
+                    # ("host_full") before this window changes anything, and the prompt is prefilled.
                     hits[r] = 0
                     failed_loads += 1
                     break
                 for g in range(num_groups):
                     if promote[g]:
-                        shortfall = len(host[g]) + len(promote[g]) - host_slots[g]
-                        if shortfall > 0:
-                            evict_host(g, shortfall, pinned[g])
+                        if shortfall[g] > 0:
+                            evict_host(g, shortfall[g], kept[g])
                         for key in promote[g]:
                             host[g].insert(key)
                             disk.touch(key)
