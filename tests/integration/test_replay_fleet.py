@@ -53,7 +53,8 @@ def test_two_hosts_share_a_cluster_every_byte_checked_every_miss_explained(tmp_p
     # The corrupted record was read, found corrupt (the load failed, a miss of its step) and deleted.
     assert [f["kind"] for f in pooled["faults"]] == ["corrupt"]
     assert pooled["failed_loads"] >= 1 and local["failed_loads"] == 0
-    assert pooled["misses"]["fault: corrupt record (failed load)"] == 1
+    # Each load that read it fails on it (both hosts may have admitted it in one step).
+    assert 1 <= pooled["misses"]["fault: corrupt record (failed load)"] <= pooled["failed_loads"]
     assert pooled["check_disk"] == [] and local["check_disk"] == []
 
 
