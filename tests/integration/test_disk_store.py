@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from pathlib import Path
 from typing import List, Tuple
 
@@ -14,20 +13,17 @@ from kvtier.engine.store import DiskStore
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.lmdb import LmdbTier
 
+from named_records import named_items, named_keys
+
 FP = b"store-test"
 CHUNK = 4096
 
 
 def items(names: List[str]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
-    out = []
-    for i, name in enumerate(names):
-        key = hashlib.blake2b(name.encode(), digest_size=32).digest()
-        out.append((key, ChunkMeta(FP, 0, i, "uint8", (CHUNK,)), memoryview(key * (CHUNK // 32))))
-    return out
+    return named_items(names, FP, CHUNK)
 
 
-def keys(names: List[str]) -> set:
-    return {key for key, _, _ in items(names)}
+keys = named_keys
 
 
 @pytest.mark.asyncio

@@ -5,10 +5,10 @@ the tier's own I/O hook (a real blocking point on the read thread, not a timing)
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import threading
 from pathlib import Path
-from typing import List, Tuple
+from typing import AsyncIterator, List, Tuple
 
 import pytest
 
@@ -20,6 +20,8 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tiers.base import ChunkMeta, IOHook
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tools.testing.scenario import OffloadScenario, make_cpu_device
+
+from named_records import named_items, named_keys
 
 FP = b"listing-test"
 CHUNK = 256
@@ -51,15 +53,10 @@ class HeldListing(IOHook):
 
 
 def items(names: List[str]) -> List[Tuple[bytes, ChunkMeta, memoryview]]:
-    out = []
-    for i, name in enumerate(names):
-        key = hashlib.blake2b(name.encode(), digest_size=32).digest()
-        out.append((key, ChunkMeta(FP, 0, i, "uint8", (CHUNK,)), memoryview(key * (CHUNK // 32))))
-    return out
+    return named_items(names, FP, CHUNK)
 
 
-def keys(names: List[str]) -> set:
-    return {key for key, _, _ in items(names)}
+keys = named_keys
 
 
 async def held_tier(path: Path, names: List[str]) -> Tuple[LmdbTier, HeldListing]:
@@ -73,11 +70,22 @@ async def held_tier(path: Path, names: List[str]) -> Tuple[LmdbTier, HeldListing
     return tier, hook
 
 
-@pytest.mark.asyncio
-async def test_start_returns_while_the_listing_is_held_and_its_keys_join_after(tmp_path: Path):
-    tier, hook = await held_tier(tmp_path / "kv", ["a", "b", "c"])
+@contextlib.asynccontextmanager
+async def held_store(path: Path, names: List[str]) -> AsyncIterator[Tuple[DiskStore, LmdbTier, HeldListing]]:
+    """A store on ``held_tier``, not waiting for its listing; closed with the tier at the end."""
+    tier, hook = await held_tier(path, names)
     store = DiskStore(StoreConfig(disk_index_wait_s=0), fingerprint=FP, tier=tier)
     try:
+        yield store, tier, hook
+    finally:
+        hook.release()
+        await store.close()
+        await tier.close()
+
+
+@pytest.mark.asyncio
+async def test_start_returns_while_the_listing_is_held_and_its_keys_join_after(tmp_path: Path):
+    async with held_store(tmp_path / "kv", ["a", "b", "c"]) as (store, tier, hook):
         # Before the fix start awaited the listing: this wait ran out with the listing held.
         await asyncio.wait_for(store.start(), 10)
         await hook.wait_entered()
@@ -98,17 +106,11 @@ async def test_start_returns_while_the_listing_is_held_and_its_keys_join_after(t
         assert not store.listing
         assert store.index.keys() == keys(["a", "c", "d"])
         assert await store.problems() == []
-    finally:
-        hook.release()
-        await store.close()
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_settle_and_refresh_wait_for_the_listing(tmp_path: Path):
-    tier, hook = await held_tier(tmp_path / "kv", ["a", "b"])
-    store = DiskStore(StoreConfig(disk_index_wait_s=0), fingerprint=FP, tier=tier)
-    try:
+    async with held_store(tmp_path / "kv", ["a", "b"]) as (store, tier, hook):
         await store.start()
         await hook.wait_entered()
         settled = asyncio.ensure_future(store.settle())
@@ -119,17 +121,11 @@ async def test_settle_and_refresh_wait_for_the_listing(tmp_path: Path):
         await asyncio.wait_for(settled, 10)
         assert store.index.keys() == keys(["a", "b"])
         assert await asyncio.wait_for(refreshed, 10) == (0, 0)  # the listing had them all
-    finally:
-        hook.release()
-        await store.close()
-        await tier.close()
 
 
 @pytest.mark.asyncio
 async def test_close_during_the_listing_cancels_it_and_nothing_joins_later(tmp_path: Path):
-    tier, hook = await held_tier(tmp_path / "kv", ["a", "b"])
-    store = DiskStore(StoreConfig(disk_index_wait_s=0), fingerprint=FP, tier=tier)
-    try:
+    async with held_store(tmp_path / "kv", ["a", "b"]) as (store, tier, hook):
         await store.start()
         await hook.wait_entered()
         await asyncio.wait_for(store.close(), 10)  # with the listing still held in the tier
@@ -138,10 +134,6 @@ async def test_close_during_the_listing_cancels_it_and_nothing_joins_later(tmp_p
         await tier.flush()  # the held read has ended; its answer went nowhere
         await asyncio.sleep(0.01)
         assert store.index.keys() == set()
-    finally:
-        hook.release()
-        await store.close()
-        await tier.close()
 
 
 @pytest.mark.asyncio
