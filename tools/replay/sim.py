@@ -229,8 +229,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 for g, key in window:
                     (pinned[g].add(key) if key in host[g] else promote[g].append(key))
                 kept = [pinned[g] | held[g] for g in range(num_groups)]
-                shortfall = [len(host[g]) + len(promote[g]) - host_slots[g] for g in range(num_groups)]
-                if any(shortfall[g] > len(host[g]) - len(kept[g]) for g in range(num_groups) if promote[g]):
+                wanted = [len(host[g]) + len(promote[g]) - host_slots[g] for g in range(num_groups)]
+                if any(wanted[g] > len(host[g]) - len(kept[g]) for g in range(num_groups) if promote[g]):
                     # Too few unpinned slots for the window's promotions: the load fails
                     # ("host_full") before this window changes anything, and the prompt is prefilled.
                     hits[r] = 0
@@ -238,8 +238,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                     break
                 for g in range(num_groups):
                     if promote[g]:
-                        if shortfall[g] > 0:
-                            evict_host(g, shortfall[g], kept[g])
+                        if wanted[g] > 0:
+                            evict_host(g, wanted[g], kept[g])
                         for key in promote[g]:
                             host[g].insert(key)
                             disk.touch(key)
