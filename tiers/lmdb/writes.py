@@ -434,22 +434,27 @@ class WriterSide:
         if self.segment_writer is None:
             self.segment_writer = SegmentWriter(self._path, self.segment_max_bytes, numbers=self._take_segment_number)
         self._db.io_hook.before("put")
-        was = self.segment_writer.active
-        with self._marking_degraded():
+        with self._segment_step():
             pending = self.segment_writer.begin(records)
-        if was is not None and self.segment_writer.active != was:
-            self._watcher.segment_rotated(was)
         return pending
 
     def finish_append(self, pending: PendingAppend) -> List[SegmentPointer]:
         """Wait until ``pending``'s bytes are synced; returns its pointers (committable now)."""
         assert self.segment_writer is not None
+        with self._segment_step():
+            pointers = self.segment_writer.finish(pending)
+        return pointers
+
+    @contextlib.contextmanager
+    def _segment_step(self) -> Iterator[None]:
+        """A step of the segment writer: a failure marks the tier degraded; a rotation it made is
+        reported to the watcher once the step succeeded."""
+        assert self.segment_writer is not None
         was = self.segment_writer.active
         with self._marking_degraded():
-            pointers = self.segment_writer.finish(pending)
+            yield
         if was is not None and self.segment_writer.active != was:
             self._watcher.segment_rotated(was)
-        return pointers
 
     @contextlib.contextmanager
     def _marking_degraded(self) -> Iterator[None]:
