@@ -228,6 +228,11 @@ class HostSlabPool:
             raise ValueError(f"slot must be an int in [0, {self._num_slots}), got {slot!r}")
 
     def _check_allocated(self, slot: int, action: str) -> None:
+        # The engine asks this about a dozen times per chunk it stores and loads, always with a slot
+        # the pool handed out: one exact type test, one range test and one list read say yes; only a
+        # refused slot pays for the full checks and their messages.
+        if type(slot) is int and 0 <= slot < self._num_slots and self._allocated[slot]:
+            return
         self._check_slot(slot)
         if not self._allocated[slot]:
             raise SlotStateError(f"cannot {action} slot {slot}: it is free (not allocated)")
@@ -330,28 +335,35 @@ class HostSlabPool:
         """Whether the owner allows dropping ``slot``'s content (its chunk is READY and either
         safely elsewhere or worth losing). Pins still protect it while held."""
         self._check_allocated(slot, "mark")
-        before = self._can_evict(slot)
-        self._evictable_flag[slot] = bool(evictable)
-        self._num_evictable += self._can_evict(slot) - before
+        flag = bool(evictable)
+        if flag is not self._evictable_flag[slot]:
+            self._evictable_flag[slot] = flag
+            if self._pins[slot] == 0:  # allocated (checked above) and unpinned: the count moves
+                self._num_evictable += 1 if flag else -1
 
     def pin(self, slot: int) -> None:
         """Take a reference: the slot cannot be evicted or released until a matching ``unpin``."""
         self._check_allocated(slot, "pin")
-        if self._can_evict(slot):
-            self._num_evictable -= 1
-        if self._pins[slot] == 0:
+        pins = self._pins[slot]
+        if pins == 0:
             self._num_pinned += 1
-        self._pins[slot] += 1
+            if self._evictable_flag[slot]:  # it was evictable (allocated, unpinned): no longer
+                self._num_evictable -= 1
+        self._pins[slot] = pins + 1
 
-    def unpin(self, slot: int) -> None:
+    def unpin(self, slot: int) -> int:
+        """Drop a reference taken by ``pin``; returns the pins left (0: the slot may be released)."""
         self._check_allocated(slot, "unpin")
-        if self._pins[slot] == 0:
+        pins = self._pins[slot]
+        if pins == 0:
             raise SlotStateError(f"cannot unpin slot {slot}: it is not pinned (unpin without pin)")
-        self._pins[slot] -= 1
-        if self._pins[slot] == 0:
+        pins -= 1
+        self._pins[slot] = pins
+        if pins == 0:
             self._num_pinned -= 1
-        if self._can_evict(slot):
-            self._num_evictable += 1
+            if self._evictable_flag[slot]:  # allocated (checked above) and now unpinned
+                self._num_evictable += 1
+        return pins
 
     def pin_count(self, slot: int) -> int:
         self._check_slot(slot)
