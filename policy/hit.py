@@ -27,6 +27,8 @@ class ChunkState(enum.Enum):
     READY = "ready"
     LOADING = "loading"
 
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash is a Python call, per chunk
+
 
 StateFn = Callable[[int, int], ChunkState]
 

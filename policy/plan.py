@@ -51,9 +51,11 @@ def load_block_plan(layout: ModelLayout, group_index: int, hit_tokens: int) -> L
     per_chunk = group.blocks_per_chunk
     plan: List[LoadChunkPlan] = []
     for chunk in range(first, last + 1):
-        blocks: List[Optional[int]] = []
-        for block in range(chunk * per_chunk, (chunk + 1) * per_chunk):
-            blocks.append(block if first_block <= block <= last_block else None)
+        lo, hi = chunk * per_chunk, (chunk + 1) * per_chunk
+        if first_block <= lo and hi - 1 <= last_block:  # the common case: every block restored
+            plan.append((chunk, list(range(lo, hi))))
+            continue
+        blocks: List[Optional[int]] = [block if first_block <= block <= last_block else None for block in range(lo, hi)]
         if any(b is not None for b in blocks):
             plan.append((chunk, blocks))
     return plan

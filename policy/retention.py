@@ -75,6 +75,12 @@ def retention_store_block_mask(layout: ModelLayout, group_index: int, num_tokens
 def retention_store_chunk_indices(layout: ModelLayout, group_index: int, num_tokens: int,
                                   retention_interval: Optional[int]) -> List[int]:
     """Complete chunks of the group holding at least one block of ``retention_store_block_mask``."""
+    if (type(group_index) is int and 0 <= group_index < len(layout.groups) and type(num_tokens) is int
+            and num_tokens >= 0 and layout.groups[group_index].sliding_window is None):
+        # Full attention: the mask holds every complete block, so every complete chunk (a store's
+        # common case, without a per-block mask); other arguments take the general path and its errors.
+        check_retention_interval(layout, retention_interval)
+        return list(range(num_tokens // layout.groups[group_index].tokens_per_chunk))
     group = layout.groups[group_index]
     mask = retention_store_block_mask(layout, group_index, num_tokens, retention_interval)
     per_chunk = group.blocks_per_chunk
