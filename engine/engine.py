@@ -604,7 +604,7 @@ class OffloadEngine:
             return 0
         if policy == "best_effort":
             return len(entries)
-        readies = [e.ready for e in entries if e.ready is not None]  # every new entry has one
+        readies = [self.host.waiter(e) for e in entries]
         timeout = timeout_s if policy == "timeout" else None
         await asyncio.wait([asyncio.shield(r) for r in readies], timeout=timeout)
         return sum(1 for r in readies if r.done() and r.result() is None)

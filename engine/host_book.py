@@ -14,7 +14,7 @@ from allocation until it is dropped and its last pin goes, so the slot's count i
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Container, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from kvtier.errors import KvtierError
 from kvtier.policy import ChunkState
@@ -52,7 +52,7 @@ class HostBook:
         self._metrics = metrics
         self._events = events
         # In-flight copy batches: completion future -> the (group, device block) pairs it touches.
-        self._busy: Dict[asyncio.Future, FrozenSet[Tuple[int, int]]] = {}
+        self._busy: Dict[asyncio.Future, Dict[int, FrozenSet[int]]] = {}
 
     def open(self, pools: List[HostSlabPool]) -> None:
         """Take the engine's host pools, one per group."""
@@ -119,20 +119,21 @@ class HostBook:
         return granted
 
     def add_entries(self, wanted, state: HostState, slots: Dict[int, List[int]],
-                    speculative: Container[Tuple[int, int]] = ()) -> List[ChunkEntry]:
+                    speculative: Collection[Tuple[int, int]] = ()) -> List[ChunkEntry]:
         """Index an entry per (group, chunk, key) in ``wanted`` in the given slots, pinned once for
         the copy that is about to fill them; a (group, chunk) in ``speculative`` is told to the
         host pool's policy as such (stored only for partial-prefix hits)."""
-        loop = asyncio.get_running_loop()  # the engine's: every call runs on it
         iters = {g: iter(s) for g, s in slots.items()}
+        pools, index = self.pools, self.entries
+        any_speculative = bool(speculative)
         entries = []
         for gi, chunk, key in wanted:
             slot = next(iters[gi])
-            entry = ChunkEntry(key, gi, chunk, state, slot, ready=loop.create_future())
-            pool = self.pools[gi]
-            pool.set_owner(slot, entry, key=key, speculative=(gi, chunk) in speculative)
+            entry = ChunkEntry(key, gi, chunk, state, slot)
+            pool = pools[gi]
+            pool.set_owner(slot, entry, key=key, speculative=any_speculative and (gi, chunk) in speculative)
             pool.pin(slot)
-            self.entries[key] = entry
+            index[key] = entry
             entries.append(entry)
         return entries
 
@@ -156,8 +157,7 @@ class HostBook:
 
     def unpin(self, entry: ChunkEntry) -> None:
         pool = self.pools[entry.group_index]
-        pool.unpin(entry.slot)
-        if entry.dead and pool.pin_count(entry.slot) == 0:
+        if pool.unpin(entry.slot) == 0 and entry.dead:
             pool.release(entry.slot)
 
     def pins(self, entry: ChunkEntry) -> int:
@@ -196,18 +196,41 @@ class HostBook:
 
     @staticmethod
     def resolve(entry: ChunkEntry, reason: Optional[str]) -> None:
-        """The entry's in-flight copy ended: ``None`` when it is READY, else the failure reason."""
+        """The entry's in-flight copy ended: ``None`` when it is READY, else the failure reason.
+        The first call counts."""
+        if entry.settled:
+            return
+        entry.settled, entry.reason = True, reason
         if entry.ready is not None and not entry.ready.done():
             entry.ready.set_result(reason)
 
+    @staticmethod
+    def waiter(entry: ChunkEntry) -> asyncio.Future:
+        """A future of the end of ``entry``'s in-flight copy (see ``resolve``), made on first ask,
+        on the running loop (the engine's)."""
+        if entry.ready is None:
+            entry.ready = asyncio.get_running_loop().create_future()
+            if entry.settled:
+                entry.ready.set_result(entry.reason)
+        return entry.ready
+
     # -- fences ----------------------------------------------------------------------------------
 
-    def mark_busy(self, blocks: Sequence[Tuple[int, int]], done: asyncio.Future) -> None:
-        """(group, device block) pairs a copy batch touches until ``done`` resolves."""
+    def mark_busy(self, chunks: Iterable[Tuple[int, Iterable[Optional[int]]]], done: asyncio.Future) -> None:
+        """Per chunk of a copy batch, (group, its device blocks; ``None`` for none) touched until
+        ``done`` resolves."""
         # One record per copy batch, not per block: marking and clearing cost a few Python steps
         # per batch instead of two dict operations per block (~6 us per chunk of 4 blocks); a fence
-        # scans the few batches in flight.
-        self._busy[done] = frozenset(blocks)
+        # scans the few batches in flight. Block ids are kept per group: no pair made per block.
+        by_group: Dict[int, set] = {}
+        for gi, blocks in chunks:
+            found = by_group.get(gi)
+            if found is None:
+                found = by_group[gi] = set()
+            found.update(blocks)
+        for found in by_group.values():
+            found.discard(None)
+        self._busy[done] = {gi: frozenset(found) for gi, found in by_group.items()}
         done.add_done_callback(self._clear_busy)
 
     def _clear_busy(self, done: asyncio.Future) -> None:
@@ -215,7 +238,11 @@ class HostBook:
 
     def busy_with(self, wanted: FrozenSet[Tuple[int, int]]) -> List[asyncio.Future]:
         """The completion futures of the copy batches touching any of ``wanted``."""
-        return [done for done, busy in self._busy.items() if not busy.isdisjoint(wanted)]
+        asked: Dict[int, set] = {}
+        for gi, block in wanted:
+            asked.setdefault(gi, set()).add(block)
+        return [done for done, busy in self._busy.items()
+                if any(not blocks.isdisjoint(asked.get(gi, ())) for gi, blocks in busy.items())]
 
     # -- observability ---------------------------------------------------------------------------
 
@@ -264,7 +291,7 @@ class HostBook:
                 if stats["evictable_slots"] != ready:
                     problems.append(f"group {gi}: {stats['evictable_slots']} evictable slots but {ready} READY entries")
             if self._busy:
-                fenced = set().union(*self._busy.values())
+                fenced = {(gi, block) for busy in self._busy.values() for gi, blocks in busy.items() for block in blocks}
                 problems.append(f"{len(fenced)} device blocks still fenced while idle")
         for gi, pool in enumerate(self.pools):
             if pool.closed:

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Coroutine, Dict, List, Optional, Sequence, Set, Tuple
 
 from kvtier.errors import ClosedError, EngineInvariantError
 from kvtier.policy import ModelLayout
@@ -38,7 +38,7 @@ from .lifecycle import HostState
 from .metrics import EngineMetrics
 from .records import ChunkEntry, LoadResult, RequestKeys
 from .tasks import settle, wait_all
-from .validation import check_load_blocks
+from .validation import check_load_blocks, valid_load_plan_targets
 
 # (group, chunk, key, device block per block of the chunk or None) of one chunk a load restores
 LoadJob = Tuple[int, int, bytes, List[Optional[int]]]
@@ -79,33 +79,45 @@ class LoadPath:
         missing = False
         for gi in range(len(self._layout.groups)):
             row = block_table[gi]
+            limit = self._book.num_blocks[gi]
             seen: Dict[int, int] = {}
-            for chunk, blocks in load_block_plan(self._layout, gi, hit_tokens):
-                key = keys.key(gi, chunk)
+            group_keys = keys.keys[gi]
+            count = len(group_keys)
+            plan = load_block_plan(self._layout, gi, hit_tokens)
+            if not plan:
+                continue
+            first, last = plan[0][0], plan[-1][0]
+            if 0 <= first and last < count and last - first + 1 == len(plan):  # consecutive: one slice
+                chunk_keys: Sequence[Optional[bytes]] = group_keys[first : last + 1]
+            else:
+                chunk_keys = [group_keys[chunk] if 0 <= chunk < count else None for chunk, _ in plan]
+            checked = valid_load_plan_targets(row, plan, limit)
+            for i, ((chunk, blocks), key) in enumerate(zip(plan, chunk_keys)):
                 if key is None:
                     missing = True
                     continue
-                jobs.append((gi, chunk, key, check_load_blocks(gi, row, blocks, self._book.num_blocks[gi], seen)))
+                targets = checked[i] if checked is not None else check_load_blocks(gi, row, blocks, limit, seen)
+                jobs.append((gi, chunk, key, targets))
         return jobs, missing
 
     def start(self, hit_tokens: int, jobs: List[LoadJob], ready) -> asyncio.Task:
         """Run the load in an engine-owned task; its blocks are fenced from now until its last
         copy ended."""
         finished = self._loop.create_future()
-        self._book.mark_busy([(g, t) for g, _, _, targets in jobs for t in targets if t is not None], finished)
+        self._book.mark_busy([(g, targets) for g, _, _, targets in jobs], finished)
         return self._spawn(self.run(hit_tokens, jobs, finished, ready, self._hold_host_only(jobs)))
 
-    def _hold_host_only(self, jobs: List[LoadJob]) -> List[ChunkEntry]:
+    def _hold_host_only(self, jobs: List[LoadJob]) -> Set[ChunkEntry]:
         """Pin, for the whole load, the hit's host chunks the disk does not hold: lookup admitted
         them, and nothing could read them again once evicted, while an earlier window's promotions
         (or another request's stores) between windows would pick them as victims."""
-        book, index = self._book, self._index
-        held = []
+        book, index, entries = self._book, self._index, self._book.entries
+        held = set()
         for _, _, key, _ in jobs:
-            entry = book.entries.get(key)
-            if entry is not None and key not in index:
+            entry = entries.get(key)
+            if entry is not None and key not in index and entry not in held:
                 book.pin(entry)
-                held.append(entry)
+                held.add(entry)
         return held
 
     def promotable(self, keys: RequestKeys, hit_tokens: int) -> List[Tuple[int, int, bytes]]:
@@ -138,12 +150,14 @@ class LoadPath:
         return windows
 
     async def run(self, hit_tokens: int, jobs, finished: asyncio.Future, ready,
-                  held: Sequence[ChunkEntry] = ()) -> LoadResult:
+                  held: AbstractSet[ChunkEntry] = frozenset()) -> LoadResult:
+        """The load's engine-owned task; ``held``: entries pinned for the whole load (released at
+        its end), which its windows then need not pin again."""
         loaded: List[Tuple[int, int]] = []
         from_disk = 0
         try:
             for window in self._load_windows(jobs):
-                reason, read = await self._load_window(window, loaded, ready)
+                reason, read = await self._load_window(window, loaded, ready, held)
                 from_disk += read
                 if reason is not None:
                     self._metrics.miss(reason)
@@ -157,21 +171,23 @@ class LoadPath:
             if not finished.done():
                 finished.set_result(None)
 
-    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready) -> Tuple[Optional[str], int]:
+    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready,
+                           held: AbstractSet[ChunkEntry]) -> Tuple[Optional[str], int]:
         """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
         book = self._book
         pinned: List[ChunkEntry] = []
         try:
-            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned)
+            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned, held)
             if reason is not None:
                 return reason, from_disk
             if self._closing():
                 raise ClosedError("the offload engine closed during the load")
             batch = []
+            groups = self._layout.groups
             for (gi, chunk, _key, targets), entry in zip(window, entries):
                 batch.append((gi, book.view(entry), targets))
-                per_chunk = self._layout.groups[gi].blocks_per_chunk
-                loaded.extend((gi, chunk * per_chunk + i) for i, t in enumerate(targets) if t is not None)
+                first = chunk * groups[gi].blocks_per_chunk
+                loaded.extend([(gi, first + i) for i, t in enumerate(targets) if t is not None])
                 book.touch(entry)
             started = time.perf_counter()
             try:
@@ -191,9 +207,10 @@ class LoadPath:
             for entry in pinned:
                 book.unpin(entry)
 
-    async def _acquire_chunks(self, wanted, pinned: List[ChunkEntry]):
-        """Pin a host entry for every wanted chunk, promoting disk-only chunks (single flight).
-        Returns (entries, chunks read from disk, failure reason or None)."""
+    async def _acquire_chunks(self, wanted, pinned: List[ChunkEntry], held: AbstractSet[ChunkEntry]):
+        """Pin a host entry for every wanted chunk (an entry in ``held`` is pinned already),
+        promoting disk-only chunks (single flight). Returns (entries, chunks read from disk,
+        failure reason or None)."""
         book, index = self._book, self._index
         found: List[Optional[ChunkEntry]] = []  # None: to promote
         to_promote = []
@@ -207,8 +224,9 @@ class LoadPath:
                 to_promote.append((gi, chunk, key))
                 found.append(None)
                 continue
-            book.pin(entry)
-            pinned.append(entry)
+            if entry not in held:
+                book.pin(entry)
+                pinned.append(entry)
             found.append(entry)
             if key in index:
                 resident_on_disk.append(key)
@@ -224,8 +242,7 @@ class LoadPath:
                 pinned.append(entry)
         it = iter(promoted)
         entries = [e if e is not None else next(it) for e in found]
-        waits = [e.ready for e in entries
-                 if e.state in (HostState.PENDING, HostState.LOADING) and e.ready is not None]
+        waits = [book.waiter(e) for e in entries if e.state is HostState.PENDING or e.state is HostState.LOADING]
         if waits:
             try:
                 reasons = await asyncio.wait_for(

@@ -18,7 +18,7 @@ from .validation import check_token_ids
 __all__ = ["HostState", "ChunkEntry", "StoreHandle", "StoreResult", "LoadResult", "ChunkEvent", "RequestKeys"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: ~30% cheaper to make, one per chunk stored or read
 class ChunkEntry:
     """One chunk with a host slot. Its pins (readers and writers of the slot; a pinned slot is
     never evicted or released) are counted by the slot's pool alone (``HostBook.pins``).
@@ -33,8 +33,11 @@ class ChunkEntry:
     slot: int
     generation: int = 0
     dead: bool = False  # removed from the index; the slot is released when the last pin goes
-    # Resolves when the in-flight copy ends: None when READY, else the failure reason.
+    # Resolves when the in-flight copy ends: None when READY, else the failure reason. Made by the
+    # first ``HostBook.waiter`` (most chunks are never waited for; a future costs ~0.8 us to make).
     ready: Optional[asyncio.Future] = None
+    settled: bool = False  # the in-flight copy ended (``HostBook.resolve``), with ``reason``
+    reason: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple, cast
 
 from kvtier.errors import ClosedError
 from kvtier.policy import ModelLayout
@@ -37,7 +37,7 @@ from .metrics import EngineMetrics
 from .records import ChunkEntry, RequestKeys, StoreHandle, mark_durable, mark_released
 from .spill import SpillPipeline
 from .tasks import settle
-from .validation import check_store_blocks
+from .validation import check_store_blocks, valid_store_run
 
 __all__ = ["StorePath"]
 
@@ -88,10 +88,17 @@ class StorePath:
         for gi, group in enumerate(layout.groups):
             per_chunk = group.blocks_per_chunk
             table = block_table[gi]
-            for chunk in retention_store_chunk_indices(
-                layout, gi, num_tokens, self._config.store_retention_interval_tokens
-            ):
-                key = keys.keys[gi][chunk]
+            limit = self._book.num_blocks[gi]
+            chunks = retention_store_chunk_indices(layout, gi, num_tokens, self._config.store_retention_interval_tokens)
+            group_keys = keys.keys[gi]
+            run = bool(chunks) and chunks[-1] - chunks[0] + 1 == len(chunks)  # consecutive (full attention)
+            if run:  # one slice of keys, one check of the run's blocks
+                chunk_keys: Sequence[bytes] = group_keys[chunks[0] : chunks[-1] + 1]
+                checked = valid_store_run(chunks[0], chunks[-1], per_chunk, table, limit)
+            else:
+                chunk_keys = [group_keys[chunk] for chunk in chunks]
+                checked = False
+            for chunk, key in zip(chunks, chunk_keys):
                 if key in index:
                     skipped.append((gi, chunk))
                     continue
@@ -103,7 +110,8 @@ class StorePath:
                     else:
                         never_durable = True
                     continue
-                blocks = check_store_blocks(gi, chunk, per_chunk, table, self._book.num_blocks[gi])
+                blocks = (cast(List[int], table[chunk * per_chunk : (chunk + 1) * per_chunk]) if checked  # no None
+                          else check_store_blocks(gi, chunk, per_chunk, table, limit))
                 jobs.append((gi, chunk, key, blocks))
         return jobs, skipped, wait_for, never_durable
 
@@ -158,7 +166,7 @@ class StorePath:
         work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
         self.inflight += len(work)
         copied = self._loop.create_future()
-        book.mark_busy([(e.group_index, b) for e, _, blocks in work for b in blocks], copied)
+        book.mark_busy([(g, blocks) for g, _, _, blocks in jobs], copied)
         self._spawn(self._run(handle, work, copied, ready))
         return handle
 

@@ -17,7 +17,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Set
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -34,7 +34,9 @@ __all__ = [
     "check_load_arguments",
     "check_load_targets",
     "check_store_blocks",
+    "valid_store_run",
     "check_load_blocks",
+    "valid_load_plan_targets",
     "check_fence_arguments",
     "check_timeout",
     "check_prefetch_policy",
@@ -223,6 +225,22 @@ def check_device_blocks(group_index: int, blocks: Sequence[int], limit: int) -> 
             raise _out_of_range(group_index, block, limit)
 
 
+def valid_store_run(first_chunk: int, last_chunk: int, per_chunk: int, row: Sequence[Optional[int]],
+                    limit: int) -> bool:
+    """Whether every chunk of ``first_chunk..last_chunk`` plainly passes ``check_store_blocks``
+    (the row reaches their end, no ``None``, every block in ``[0, limit)``): one check of the run
+    in C calls. ``False`` at any doubt: the caller then checks chunk by chunk, which raises (or
+    not) exactly as without this."""
+    end = (last_chunk + 1) * per_chunk
+    if first_chunk < 0 or len(row) < end:
+        return False
+    blocks = row[first_chunk * per_chunk : end]
+    if not blocks or None in blocks:
+        return False
+    ints = cast(Sequence[int], blocks)
+    return min(ints) >= 0 and max(ints) < limit
+
+
 def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: Sequence[Optional[int]],
                        limit: int) -> List[int]:
     """The device blocks of one chunk a store copies (``row`` normalised by ``check_store_arguments``,
@@ -234,10 +252,11 @@ def check_store_blocks(group_index: int, chunk: int, per_chunk: int, row: Sequen
             f"block_table[{group_index}] has {len(row)} blocks; chunk {chunk} needs blocks "
             f"{first}..{first + per_chunk - 1}"
         )
-    blocks = [int(b) for b in row[first : first + per_chunk] if b is not None]
-    if len(blocks) != per_chunk:  # check_store_arguments refused these; kept for a direct caller
+    if None in row[first : first + per_chunk]:  # check_store_arguments refused these; kept for a direct caller
         raise ValueError(f"block_table[{group_index}] has no device block for a block of chunk {chunk}")
-    check_device_blocks(group_index, blocks, limit)
+    blocks = cast(List[int], row[first : first + per_chunk])  # no None (above); rows normalised to ints
+    if min(blocks) < 0 or max(blocks) >= limit:  # two C calls per chunk; the loop names the block
+        check_device_blocks(group_index, blocks, limit)
     return blocks
 
 
@@ -260,6 +279,33 @@ def check_load_blocks(group_index: int, row: Sequence[Optional[int]], logical: S
         if block is not None and block >= limit:
             raise _out_of_range(group_index, block, limit)
     check_load_targets(group_index, targets, seen, logical)
+    return targets
+
+
+def valid_load_plan_targets(row: Sequence[Optional[int]], plan: Sequence[Tuple[int, Sequence[Optional[int]]]],
+                            limit: int) -> Optional[List[List[Optional[int]]]]:
+    """Per (chunk, logical blocks) of a group's load ``plan``, its device blocks, when the whole plan
+    plainly passes ``check_load_blocks``: no block left out, each restored block's device block
+    in the table, in ``[0, limit)`` and given to no other. ``None`` at any doubt: the caller then
+    runs ``check_load_blocks`` chunk by chunk, which raises (or not) exactly as without this.
+    Checks the group's blocks at once in C calls instead of a few Python steps per block."""
+    maybe_logical = [block for _, blocks in plan for block in blocks]
+    if not maybe_logical or None in maybe_logical:
+        return None
+    logical = cast(List[int], maybe_logical)
+    if max(logical) >= len(row) or min(logical) < 0:
+        return None
+    maybe_found = [row[block] for block in logical]
+    if None in maybe_found:
+        return None
+    found = cast(List[int], maybe_found)
+    if min(found) < 0 or max(found) >= limit or len(set(found)) != len(found):
+        return None
+    targets: List[List[Optional[int]]] = []
+    at = 0
+    for _, blocks in plan:
+        targets.append(maybe_found[at : at + len(blocks)])
+        at += len(blocks)
     return targets
 
 

@@ -107,7 +107,7 @@ async def test_fences_name_the_batches_that_touch_a_block_and_problems_report_wh
     loop = asyncio.get_running_loop()
     book, *_ = make_book(loop)
     done = loop.create_future()
-    book.mark_busy([(0, 3), (1, 3)], done)
+    book.mark_busy([(0, [3]), (1, [3, None])], done)
     assert book.busy_with(frozenset({(1, 3)})) == [done]
     assert book.busy_with(frozenset({(0, 4)})) == []
     (entry,) = book.add_entries([(0, 0, key("q"))], HostState.LOADING, book.allocate([0]))
