@@ -35,10 +35,12 @@ import asyncio
 import itertools
 import logging
 import threading
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvtier.errors import ClosedError, KvtierError, TierIOError
 from kvtier.tiers.base import ChunkTier, Removal
+from kvtier.tiers.deferred import DeferredTier
 
 from .config import StoreConfig
 from .disk_index import DiskIndex, keys_of
@@ -128,12 +130,15 @@ class DiskStore:
                     await asyncio.wait({self._listing}, timeout=wait_s)
                 if self._listing.done() and not self._listing.cancelled():
                     self._listing.result()  # a tier closed under the listing
+            local = self._local
+            if isinstance(local, DeferredTier) and local.opening.done() and not local.opening.cancelled():
+                local.opening.result()  # an open that failed within the wait fails start, as a blocking one does
         except BaseException:
             await self.close()
             raise
 
     async def _open_cache_dir(self, path: str) -> ChunkTier:
-        from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged
+        from kvtier.tiers.lmdb import LmdbTier, open_replacing_damaged, structure_walk_due
 
         config = self.config
         kwargs: Dict[str, Any] = dict(
@@ -151,12 +156,37 @@ class DiskStore:
         )
         if self._max_raw_bytes is not None:
             kwargs["max_raw_bytes"] = self._max_raw_bytes
-        tier, aside = await open_replacing_damaged(
-            path, lambda: LmdbTier.open(path, **kwargs),
-            quarantine=config.quarantine_corrupt_cache_dir and not config.read_only)
-        if aside is not None:
-            self.quarantined_cache_dir = str(aside)
-        return tier
+        quarantine = config.quarantine_corrupt_cache_dir and not config.read_only
+
+        async def open_tier() -> ChunkTier:
+            tier, aside = await open_replacing_damaged(path, lambda: LmdbTier.open(path, **kwargs), quarantine=quarantine)
+            if aside is not None:
+                self.quarantined_cache_dir = str(aside)
+            return tier
+
+        if not (quarantine and config.lmdb_verify_on_open and structure_walk_due(Path(path).expanduser())):
+            return await open_tier()
+        # The file changed since a verified clean close (a writer killed, a tool that did not
+        # verify): the walk takes ~25 us a record. Serve meanwhile, the disk a miss until it is open
+        # (``DeferredTier``); damage it finds is handled as a blocking open's is: moved aside, a
+        # fresh directory opened. ``start`` still waits for it up to ``disk_index_wait_s``.
+        deferred = DeferredTier(asyncio.ensure_future(open_tier()), name=LmdbTier.name)
+        deferred.opening.add_done_callback(lambda _: self._opened(deferred))
+        return deferred
+
+    def _opened(self, deferred: DeferredTier) -> None:
+        """A deferred open ended: the store's own calls go to the tier itself from now on (the paths
+        a front end built meanwhile keep the wrapper, which forwards)."""
+        tier = deferred.opened
+        if tier is None:
+            exc = None if deferred.opening.cancelled() else deferred.opening.exception()
+            if exc is not None:
+                logger.error("opening the cache directory %s failed: %r; its chunks are misses", self.config.cache_dir, exc)
+            return
+        if self._local is deferred:
+            self._local = tier
+        if self._tier is deferred:
+            self._tier = tier
 
     async def _chain_remote(self, disk: Optional[ChunkTier], url: str) -> ChunkTier:
         """``disk`` and a ``RemoteTier`` behind it in a ``ChainedTier`` (the remote alone when there

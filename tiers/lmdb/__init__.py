@@ -22,9 +22,9 @@ Modules, one concern each:
 from kvtier.errors import CorruptCacheError
 
 from .maintenance import RecordInfo, VerifyReport
-from .recovery import open_replacing_damaged, quarantine_cache_dir
+from .recovery import open_replacing_damaged, quarantine_cache_dir, structure_walk_due
 from .segments import DEFAULT_SEGMENT_THRESHOLD_BYTES
 from .tier import LmdbTier
 
 __all__ = ["LmdbTier", "RecordInfo", "VerifyReport", "CorruptCacheError", "quarantine_cache_dir",
-           "open_replacing_damaged", "DEFAULT_SEGMENT_THRESHOLD_BYTES"]
+           "open_replacing_damaged", "structure_walk_due", "DEFAULT_SEGMENT_THRESHOLD_BYTES"]

@@ -5,6 +5,7 @@ when it moves a damaged directory aside):
 
 - ``check_data_file``: refuse a truncated ``data.mdb`` (LMDB would read past its end: SIGBUS), and
   a missing or empty one beside payload segment files (a lost index, not a new cache).
+- ``structure_walk_due``: whether an open would walk the file now (a quick look, no lock).
 - ``verify_structure_at_rest``: py-lmdb's offline verifier over the whole file, only when no other
   process has the environment open and the file changed since a verified open closed it cleanly
   (``stamp_verified``).
@@ -36,7 +37,7 @@ from kvtier.errors import CorruptCacheError, TierIOError
 
 from .segment_files import segment_files
 
-__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "verify_structure_at_rest", "stamp_verified",
+__all__ = ["CORRUPT_LMDB_ERRORS", "check_data_file", "structure_walk_due", "verify_structure_at_rest", "stamp_verified",
            "quarantine_cache_dir", "open_replacing_damaged"]
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,19 @@ def _stamped_unchanged(directory: Path) -> bool:
     except OSError:
         return False
     return stamp == _identity(directory / "data.mdb")
+
+
+def structure_walk_due(directory: Path) -> bool:
+    """Whether an open with the structure check would walk ``data.mdb`` now: the file is there, not
+    empty, and not unchanged since a verified clean close (``stamp_verified``). A quick look (a
+    stat, the stamp, the meta pages), without the lock: the walk itself still decides under it
+    (``verify_structure_at_rest``), skipping an environment another process has open."""
+    try:
+        if os.stat(directory / "data.mdb").st_size == 0:
+            return False
+    except OSError:
+        return False
+    return not _stamped_unchanged(directory)
 
 
 def verify_structure_at_rest(directory: Path, *, create_lock: bool = True) -> bool:
