@@ -1,5 +1,5 @@
 """How long ``OffloadEngine.start`` takes before the engine answers, at 10^4, 10^5 (and 10^6) chunks
-on disk, and with a large host pool.
+on disk (also after a writer was killed -9), and with a large host pool.
 
     python -m kvtier.tools.bench.startup [--dir DIR] [--million] [--rounds 3] [--record-bytes 64]
                                          [--pool-gib 2]
@@ -7,7 +7,8 @@ on disk, and with a large host pool.
 Per cache size a cache directory of that many small records (``--record-bytes`` each, so 10^6 fit
 in ~0.55 GB) is built once under ``--dir`` and reused by later runs. Each round starts an engine over
 it (a 4 MiB host pool, 256 KiB chunks) with the structure check (``lmdb_verify_on_open``, the
-default) walking the file (the first start after a writer that did not verify: one round), on a
+default) walking the file (the first start after a writer that did not verify, and the first after
+a writer killed -9 that had just put a record: one round each), on a
 file stamped by a verified clean close (the usual restart), and off, and reports (the median of
 the rounds): ``start`` (``await engine.start()``), ``first lookup`` (start to the
 first ``lookup`` answered), ``indexed`` (start to the end of the listing of every key:
@@ -24,6 +25,8 @@ import argparse
 import asyncio
 import hashlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +83,41 @@ class LoopGaps:
             self.longest_s = max(self.longest_s, time.perf_counter() - before)
 
 
+# A writer killed -9 after one put (it rewrites the cache's first record, so the count stays): the
+# file changed since the verified clean close and is never stamped again (what a crash, an OOM kill
+# or a power cut leaves).
+_KILLED_WRITER = """
+import asyncio, hashlib, sys
+from kvtier.tiers.base import ChunkMeta
+from kvtier.tiers.lmdb import LmdbTier
+async def main():
+    tier = await LmdbTier.open(sys.argv[1], segment_threshold_bytes=None, map_size_bytes=1 << 30,
+                               index_in_background=True)
+    size = int(sys.argv[2])
+    meta = ChunkMeta(b"kvtier-bench-startup", 0, 0, "uint8", (size,))
+    key = hashlib.blake2b((0).to_bytes(8, "little"), digest_size=32).digest()
+    await tier.put_many([(key, meta, memoryview(bytes(size)))])
+    print("put", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def kill_a_writer(path: Path, record_bytes: int) -> None:
+    """Run a writer on ``path`` that rewrites one record of ``build_cache``'s, and SIGKILL it once
+    its put returned (durable)."""
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path), str(record_bytes)],
+                             stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if line.strip() != b"put":
+            raise RuntimeError(f"the writer to kill said {line!r}")
+    finally:
+        child.kill()
+        child.wait()
+
+
 async def one_start(config: EngineConfig, expect_keys: int) -> Dict[str, float]:
     """One engine start over ``config``: seconds to start, to the first lookup, to indexed (and
     to the pools made), and the longest loop gap."""
@@ -119,6 +157,9 @@ async def run(where: Path, sizes: List[int], rounds: int, record_bytes: int, poo
             if verify:  # the first start after a writer that did not verify walks the whole file
                 (path / VERIFIED_STAMP).unlink(missing_ok=True)
                 results.append({"chunks": count, "verify": "walk", **await one_start(config, count)})
+                # and so does the first after a writer killed -9 (a real one: its put changed the file)
+                kill_a_writer(path, record_bytes)
+                results.append({"chunks": count, "verify": "killed", **await one_start(config, count)})
             rows = [await one_start(config, count) for _ in range(rounds)]
             results.append({"chunks": count, "verify": "stamped" if verify else "off", **_median(rows)})
     if pool_gib > 0:
