@@ -15,7 +15,8 @@ Until the tier is open: a read is a miss (``get_many_into`` answers ``None`` per
 ``contains_many`` ``False``), a recency hint is dropped, ``statistics`` are zeros and ``sequence``
 0; every call whose answer needs the tier (``put_many``, ``delete_many``, ``list_keys``,
 ``snapshot_keys``, ``flush``, ``check``) waits for the open and then forwards. No buffer a caller
-passed is touched before the open: a put cancelled while it waits ends at once, its buffers unread.
+passed is touched before the open; a put or delete cancelled while it waits is still handed to the
+tier once open, and the call ends only after it (the contract's cancellation and buffer rules).
 Removal subscriptions are handed to the tier when it opens. Once open, everything forwards (other
 attributes too, e.g. an ``LmdbTier``'s ``path``). An open that failed makes those waiting calls
 raise ``TierIOError`` (the failure its cause); reads stay misses. ``close`` waits for the open (its
@@ -30,6 +31,7 @@ from typing import Any, List, Optional, Sequence
 from kvtier.errors import ClosedError, KvtierError, TierIOError
 
 from .base import ChunkMeta, ChunkTier, GetItem, KeySnapshot, PutItem, RemovalCallback, StartedPut, TierStatistics, check_key
+from .owned_tasks import settle
 
 __all__ = ["DeferredTier"]
 
@@ -88,6 +90,14 @@ class DeferredTier(ChunkTier):
     # -- the contract ------------------------------------------------------------------------------
 
     async def put_many(self, items: Sequence[PutItem]) -> int:
+        # Handed to the tier even if the caller is cancelled while the open runs (the contract: a
+        # put still lands), so the call ends only once the put has (the buffer rule).
+        batch = list(items)
+        for key, _, _ in batch:
+            check_key(key)  # refused at once, not after the open
+        return await settle(self._put_when_open(batch))
+
+    async def _put_when_open(self, items: List[PutItem]) -> int:
         return await (await self._ready()).put_many(items)
 
     def start_put(self, items: Sequence[PutItem], *, after: "Optional[asyncio.Future[Any]]" = None) -> StartedPut:
@@ -105,6 +115,10 @@ class DeferredTier(ChunkTier):
         return await self._tier.get_many_into(items)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
+        batch = [check_key(key) for key in keys]
+        return await settle(self._delete_when_open(batch))  # a cancelled delete still happens
+
+    async def _delete_when_open(self, keys: List[bytes]) -> int:
         return await (await self._ready()).delete_many(keys)
 
     async def contains_many(self, keys: Sequence[bytes]) -> List[bool]:

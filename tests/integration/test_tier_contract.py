@@ -43,6 +43,7 @@ from kvtier.tiers.base import (
     Removal,
     TierStatistics,
 )
+from kvtier.tiers.deferred import DeferredTier
 from kvtier.tiers.files import FileTier
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig, encode_record
@@ -77,6 +78,12 @@ async def _open_lmdb_segments(path: Path, capacity_bytes: Optional[int]) -> Chun
 
 async def _open_files(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
     return await FileTier.open(path, capacity_bytes=capacity_bytes, io_threads=2)
+
+
+async def _open_deferred(path: Path, capacity_bytes: Optional[int]) -> ChunkTier:
+    # handed out while the LMDB tier is still opening (a start after an unclean close): the first
+    # calls meet the open in progress
+    return DeferredTier(asyncio.ensure_future(_open_lmdb(path, capacity_bytes)), name="lmdb")
 
 
 def _wrapped(open_inner: Callable[[Path, Optional[int]], Awaitable[ChunkTier]]):
@@ -150,6 +157,8 @@ TIERS: List[TierKind] = [
     TierKind("lmdb-segments", _open_lmdb_segments, corrupt_stored_record, _LMDB_WRITES),
     TierKind("lmdb-inline", _open_lmdb_inline, corrupt_stored_record, _LMDB_WRITES),
     TierKind("files", _open_files, corrupt_stored_record, _FILE_WRITES),
+    TierKind("deferred-lmdb", _open_deferred, lambda t, k: corrupt_stored_record(t.opened, k),
+             lambda t: _LMDB_WRITES(t.opened)),
     TierKind("faulty-lmdb", _wrapped(_open_lmdb), lambda t, k: corrupt_stored_record(t.inner, k), _LMDB_WRITES),
     TierKind("faulty-files", _wrapped(_open_files), lambda t, k: corrupt_stored_record(t.inner, k), _FILE_WRITES),
     TierKind("remote", _open_remote, _corrupt_remote, _break_remote_writes, bounded=False),
