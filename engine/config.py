@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
+from kvtier.tiers.admission import ADMISSION_NAMES
 from kvtier.tiers.eviction import eviction_policy_names
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
 from kvtier.tiers.lmdb.segments import DEFAULT_SEGMENT_THRESHOLD_BYTES, check_segment_threshold
@@ -356,6 +357,11 @@ class EngineConfig(StoreConfig):
     # so their union hits more: 1.30x / 1.16x / 1.11x LRU's hit rate at 2 / 5 / 10% of the
     # conversation trace's unique bytes, never lower at 1-100% there or on synthetic traces (README).
     host_eviction_policy: Optional[str] = "arc"
+    # Which newly stored chunks the disk tier is written (tiers/admission.py), when it has a
+    # disk_capacity_bytes: `all` (write-through), or `seen` (only a chunk stored before, evicted
+    # from host and disk since, and stored again; the others stay on the host only, so the disk
+    # keeps other chunks than the host and their union hits more). An unbounded disk takes all.
+    disk_admission: str = "all"
     # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
     # is not keeping up and waiting would only move the stall into the serving process.
     store_queue_max_chunks: int = 4096
@@ -396,6 +402,7 @@ class EngineConfig(StoreConfig):
         require_int("host_pools_wait_bytes", self.host_pools_wait_bytes, 0)
         if self.host_eviction_policy is not None:
             require_choice("host_eviction_policy", self.host_eviction_policy, HOST_EVICTION_POLICIES)
+        require_choice("disk_admission", self.disk_admission, ADMISSION_NAMES)
         require_int("store_queue_max_chunks", self.store_queue_max_chunks, 1)
         require_int("spill_batch_max_bytes", self.spill_batch_max_bytes, 1)
         require_int("spill_batch_max_chunks", self.spill_batch_max_chunks, 1)
