@@ -179,6 +179,16 @@ class StorePath:
         answers = admission.decide([e.key for e in entries])
         return frozenset(e.key for e, admit in zip(entries, answers) if not admit)
 
+    def write_back(self, entries: Sequence[ChunkEntry]) -> None:
+        """Hand READY host-only entries a load has just hit to the spill: under an admission that
+        kept them off the disk, the hit is the reuse it waits for. Nothing when every store is
+        written through (then a READY entry off the disk is one the disk refused or failed)."""
+        if self._spill is None or not entries or self._admission is None or isinstance(self._admission, AdmitAll):
+            return
+        for entry in entries:
+            self._book.pools[entry.group_index].mark_evictable(entry.slot, False)
+        self._spill.enqueue(entries)
+
     async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, ready,
                    refused: FrozenSet[bytes] = frozenset()) -> None:
         """The engine-owned copy task of one store: gather, then settle every entry's state."""

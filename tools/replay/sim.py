@@ -27,7 +27,8 @@ its work flushed after every request (the way engine mode replays):
 - a chunk evicted from disk stays on the host until evicted there; lookups see both;
 - admission (``NAME+seen``): of a store's new chunks, the disk is written only those the
   engine's own admission object (``tiers.admission``) admits, decided as the store is scheduled;
-  the others stay on the host only.
+  the others stay on the host only until a load hits them there: then each window writes its
+  host-only chunks to disk (after its touches), as the engine's load path hands them to the spill.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     # As the engine counts it (its payload sizes); it admits every write to an unbounded disk.
     admission = (make_admission(admission_name, capacity_chunks(host_slots, disk_capacity, spill_sizes))
                  if has_disk and disk_capacity is not None else AdmitAll())
+    write_back = not isinstance(admission, AdmitAll)
     n_req = len(work)
     hits = np.zeros(n_req, dtype=np.int64)
     read_host = np.zeros(n_req, dtype=np.int64)
@@ -221,6 +223,19 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             disk_group[key] = g
             dcount.stored_chunks += 1
             dcount.stored_bytes += chunk_bytes[g]
+
+    def spill(jobs: List[tuple]) -> None:
+        """Write (group, key) jobs to disk in the spill pipeline's batches."""
+        batch: List[tuple] = []
+        batch_bytes = 0
+        for g, key in jobs:
+            size = spill_sizes[g]
+            if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
+                write(batch)
+                batch, batch_bytes = [], 0
+            batch.append((g, key))
+            batch_bytes += size
+        write(batch)
 
     for r in range(n_req):
         ids = work.ids[r]
@@ -279,6 +294,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                         disk.touch(key)
                 for g, key in window:
                     host[g].touch(key)
+                if write_back:  # a host-only chunk a load hit has proved reuse: the disk gets it now
+                    spill([(g, key) for g, key in window if key in pinned[g] and key not in disk])
         new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
                if key not in host[g] and key not in disk]
         if new:
@@ -304,19 +321,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 stored[r] += chunk_bytes[g]
             if has_disk:
                 admitted = admission.decide([key for _, key in new])
-                batch: List[tuple] = []
-                batch_bytes = 0
-                for (g, key), admit in zip(new, admitted):
-                    if not admit:
-                        not_admitted += 1
-                        continue
-                    size = spill_sizes[g]
-                    if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
-                        write(batch)
-                        batch, batch_bytes = [], 0
-                    batch.append((g, key))
-                    batch_bytes += size
-                write(batch)
+                not_admitted += admitted.count(False)
+                spill([job for job, admit in zip(new, admitted) if admit])
         if progress is not None:
             progress(1)
         if steps is not None:
