@@ -24,7 +24,7 @@ from typing import Callable, Coroutine, Dict, FrozenSet, List, Optional, Sequenc
 from kvtier.errors import ClosedError
 from kvtier.policy import ModelLayout
 from kvtier.policy.retention import retention_speculative_limit, retention_store_chunk_indices
-from kvtier.tiers.admission import Admission, AdmitAll, capacity_chunks, make_admission
+from kvtier.tiers.admission import Admission, AdmitAll, make_admission, tier_chunks
 from kvtier.tiers.device import DeviceKVView
 
 from .config import EngineConfig
@@ -175,7 +175,7 @@ class StorePath:
             capacity = self._config.disk_capacity_bytes
             admission = self._admission = (AdmitAll() if capacity is None else make_admission(
                 self._config.disk_admission,
-                capacity_chunks([p.num_slots for p in self._book.pools], capacity, self._book.chunk_nbytes)))
+                *tier_chunks([p.num_slots for p in self._book.pools], capacity, self._book.chunk_nbytes)))
         answers = admission.decide([e.key for e in entries])
         return frozenset(e.key for e, admit in zip(entries, answers) if not admit)
 

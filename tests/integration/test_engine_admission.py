@@ -1,7 +1,8 @@
 """Disk-write admission in a real engine over a real LMDB tier (``disk_admission``): under ``seen``
 a chunk stored for the first time stays on the host only, one stored again after the host let
 it go is written to disk, and a host-only chunk a load hits is written to disk then; ``all``
-writes every chunk through, and an unbounded disk takes every chunk whatever the setting."""
+writes every chunk through, and so does ``seen`` over an unbounded disk or one more than
+``MAX_DISK_TO_HOST`` times the host (in chunks)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ CHUNK = 16  # tokens per chunk of FULL
 
 
 async def _engine(tmp_path, **overrides) -> OffloadEngine:
-    values = dict(cache_dir=str(tmp_path / "cache"), host_capacity_bytes=1, disk_capacity_bytes=64 << 20,
+    # Four host slots of 2 KiB chunks over a disk of four chunks' bytes: within MAX_DISK_TO_HOST.
+    values = dict(cache_dir=str(tmp_path / "cache"), host_capacity_bytes=1, disk_capacity_bytes=4 * 2048,
                   lmdb_map_size_bytes=256 << 20, pressure_poll_interval_s=3600.0, tier_timeout_s=5.0,
                   host_eviction_policy="lru", disk_admission="seen")
     values.update(overrides)
@@ -82,9 +84,10 @@ async def test_seen_writes_a_host_only_chunk_to_disk_when_a_load_hits_it(tmp_pat
     await _close(engine)
 
 
-@pytest.mark.parametrize("overrides", [dict(disk_admission="all"), dict(disk_capacity_bytes=None)])
+@pytest.mark.parametrize("overrides", [dict(disk_admission="all"), dict(disk_capacity_bytes=None),
+                                       dict(disk_capacity_bytes=64 << 20)])
 @pytest.mark.asyncio
-async def test_all_and_an_unbounded_disk_write_every_chunk_through(tmp_path, overrides):
+async def test_all_and_a_disk_much_larger_than_the_host_write_every_chunk_through(tmp_path, overrides):
     engine = await _engine(tmp_path, **overrides)
     scenario = OffloadScenario(engine)
     prompt = scenario.tokens(2 * CHUNK + 1)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.admission import (ADMISSION_NAMES, WINDOW_FACTOR, AdmitAll, SeenBefore, capacity_chunks,
-                                    make_admission)
+from kvtier.tiers.admission import (ADMISSION_NAMES, MAX_DISK_TO_HOST, WINDOW_FACTOR, AdmitAll, SeenBefore,
+                                    make_admission, tier_chunks)
 
 
 class SeenOracle:
@@ -78,13 +78,16 @@ def test_a_key_stored_two_windows_ago_is_forgotten():
 
 def test_make_admission_by_name_and_its_window():
     assert ADMISSION_NAMES == ("all", "seen")
-    assert isinstance(make_admission("all", 10), AdmitAll)
-    assert make_admission("all", 10).decide([1, 2]) == [True, True]
-    seen = make_admission("seen", 10)
-    assert isinstance(seen, SeenBefore) and seen.window == WINDOW_FACTOR * 10
+    assert isinstance(make_admission("all", 10, 10), AdmitAll)
+    assert make_admission("all", 10, 10).decide([1, 2]) == [True, True]
+    seen = make_admission("seen", 30, 10)
+    assert isinstance(seen, SeenBefore) and seen.window == WINDOW_FACTOR * 40
+    # A disk past MAX_DISK_TO_HOST times the host is written every chunk.
+    assert isinstance(make_admission("seen", 10, 10 * MAX_DISK_TO_HOST), SeenBefore)
+    assert isinstance(make_admission("seen", 10, 10 * MAX_DISK_TO_HOST + 1), AdmitAll)
     with pytest.raises(ValueError, match=r"unknown disk admission 'tiny'; valid names: 'all', 'seen'"):
-        make_admission("tiny", 10)
+        make_admission("tiny", 10, 10)
     with pytest.raises(ValueError, match="window must be a positive int, got 0"):
         SeenBefore(0)
-    # Host slots plus the disk's bytes at the mean chunk size.
-    assert capacity_chunks([4, 6], 1000, [100, 300]) == 15
+    # Host slots, and the disk's bytes at the mean chunk size.
+    assert tier_chunks([4, 6], 1000, [100, 300]) == (10, 5)

@@ -68,7 +68,7 @@ def _disk_round(name: str, chunks: int, steps: int, reuse: int) -> float:
 
 
 def _admission_round(chunks: int, steps: int, reuse: int) -> float:
-    admission = make_admission("seen", 2 * chunks)
+    admission = make_admission("seen", chunks, chunks)
     admission.decide(list(range(chunks)))
     started = time.perf_counter()
     for step in range(steps):

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 import numpy as np
 
 from kvtier.policy import ChunkState, ModelLayout, longest_hit
-from kvtier.tiers.admission import AdmitAll, capacity_chunks, make_admission
+from kvtier.tiers.admission import AdmitAll, make_admission, tier_chunks
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, ByteLru, make_byte_index
 
@@ -191,7 +191,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     caps = [max(1, s // 2) for s in host_slots]
     spill_sizes = list(chunk_bytes if spill_chunk_bytes is None else spill_chunk_bytes)
     # As the engine counts it (its payload sizes); it admits every write to an unbounded disk.
-    admission = (make_admission(admission_name, capacity_chunks(host_slots, disk_capacity, spill_sizes))
+    admission = (make_admission(admission_name, *tier_chunks(host_slots, disk_capacity, spill_sizes))
                  if has_disk and disk_capacity is not None else AdmitAll())
     write_back = not isinstance(admission, AdmitAll)
     n_req = len(work)
