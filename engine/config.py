@@ -360,7 +360,7 @@ class EngineConfig(StoreConfig):
     # disk_capacity_bytes: `all` (write-through), or `seen` (a chunk stored before and stored
     # again after host and disk let it go, or one a load hit on the host; the others stay on the
     # host only, their handles not durable). `seen`: the disk then keeps other chunks than the
-    # host, and their union hit 2.03x / 1.38x / 1.14x LRU's at 2 / 5 / 10% of the conversation
+    # host, and their union hit 2.04x / 1.38x / 1.14x LRU's at 2 / 5 / 10% of the conversation
     # trace's unique bytes, never lower at 1-100% there or on synthetic traces (README). An
     # unbounded disk, or one holding more chunks than the host, takes every chunk whatever this
     # says (there `seen` lost: a refused chunk's first reuse must come within the host's reach).
