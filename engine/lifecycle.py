@@ -23,7 +23,8 @@ disk tier or spill off) or the entry is dropped (copy failed, engine closing). T
 takes QUEUED to SPILLING, and SPILLING to READY whether the put succeeded (the key joins the disk
 index) or failed (the host copy stays usable; the drop is counted). A queued chunk whose key is
 already on disk (another process wrote it) goes straight QUEUED -> READY. A promotion creates
-LOADING, which ends READY or dropped. Only READY entries are evictable: a chunk never leaves the
+LOADING, which ends READY or dropped. A READY chunk that is not on disk (its store was not admitted
+to the disk, ``tiers/admission.py``) goes back to QUEUED when a load hits it. Only READY entries are evictable: a chunk never leaves the
 host before it reached the disk, or before the engine gave up writing it.
 
 The previous vocabularies map onto this one: ``statistics()["chunks_by_state"]`` keeps the three
@@ -59,7 +60,7 @@ TRANSITIONS: Mapping[HostState, FrozenSet[HostState]] = {
     HostState.PENDING: frozenset({HostState.QUEUED, HostState.READY}),
     HostState.QUEUED: frozenset({HostState.SPILLING, HostState.READY}),
     HostState.SPILLING: frozenset({HostState.READY}),
-    HostState.READY: frozenset(),
+    HostState.READY: frozenset({HostState.QUEUED}),
     HostState.LOADING: frozenset({HostState.READY}),
 }
 

@@ -56,8 +56,10 @@ class LoadPath:
     def __init__(self, book: HostBook, index: DiskIndex, tier: Optional[ChunkTier], *, layout: ModelLayout,
                  config: EngineConfig, device: DeviceKVView, executor: Executor, loop: asyncio.AbstractEventLoop,
                  metrics: EngineMetrics,
-                 events: EventLog, spawn: Callable[[Coroutine], asyncio.Task], closing: Callable[[], bool]) -> None:
+                 events: EventLog, spawn: Callable[[Coroutine], asyncio.Task], closing: Callable[[], bool],
+                 write_back: Callable[[Sequence[ChunkEntry]], None] = lambda entries: None) -> None:
         self._book = book
+        self._write_back = write_back  # host-only chunks a load hit, for the disk (StorePath.write_back)
         self._index = index
         self._tier = tier
         self._layout = layout
@@ -264,6 +266,10 @@ class LoadPath:
                 self._tier.touch_many(resident_on_disk)
             except Exception as exc:  # noqa: BLE001 - a recency hint: never a reason to fail the load
                 logger.debug("disk tier touch failed: %r", exc)
+        host_only = [e for e, on_host in zip(entries, found)
+                     if on_host is not None and e.state is HostState.READY and e.key not in index]
+        if host_only:
+            self._write_back(host_only)
         if len(entries) > len(promoted):  # the chunks this load found on the host tier
             self._metrics.loaded("host", len(entries) - len(promoted), host_bytes)
         return entries, len(promoted), None

@@ -19,11 +19,12 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Coroutine, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 from kvtier.errors import ClosedError
 from kvtier.policy import ModelLayout
 from kvtier.policy.retention import retention_speculative_limit, retention_store_chunk_indices
+from kvtier.tiers.admission import Admission, AdmitAll, make_admission, tier_chunks
 from kvtier.tiers.device import DeviceKVView
 
 from .config import EngineConfig
@@ -76,6 +77,7 @@ class StorePath:
         self._paused = paused
         self._closing = closing
         self.inflight = 0  # chunks whose device -> host copy has not reported yet
+        self._admission: Optional[Admission] = None  # made at the first store: the pools exist then
 
     def _plan(self, keys: RequestKeys, num_tokens: int, block_table: BlockTable):
         """Which chunks to copy, which are already stored or in flight (skipped), which of those
@@ -164,13 +166,39 @@ class StorePath:
         speculative = {(g, c) for g, c, _, _ in jobs if c < limits[g]}
         entries = book.add_entries([(g, c, k) for g, c, k, _ in jobs], HostState.PENDING, allocations, speculative)
         work = [(entry, entry.generation, blocks) for entry, (_, _, _, blocks) in zip(entries, jobs)]
+        refused = self._refused(entries)
         self.inflight += len(work)
         copied = self._loop.create_future()
         book.mark_busy([(g, blocks) for g, _, _, blocks in jobs], copied)
-        self._spawn(self._run(handle, work, copied, ready))
+        self._spawn(self._run(handle, work, copied, ready, refused))
         return handle
 
-    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, ready) -> None:
+    def _refused(self, entries: Sequence[ChunkEntry]) -> FrozenSet[bytes]:
+        """The keys of the entries the disk admission refuses (they stay on the host only); decided
+        as the store is scheduled, in store order, as replay's fast mode decides."""
+        if self._spill is None:
+            return frozenset()
+        admission = self._admission
+        if admission is None:
+            capacity = self._config.disk_capacity_bytes
+            admission = self._admission = (AdmitAll() if capacity is None else make_admission(
+                self._config.disk_admission,
+                *tier_chunks([p.num_slots for p in self._book.pools], capacity, self._book.chunk_nbytes)))
+        answers = admission.decide([e.key for e in entries])
+        return frozenset(e.key for e, admit in zip(entries, answers) if not admit)
+
+    def write_back(self, entries: Sequence[ChunkEntry]) -> None:
+        """Hand READY host-only entries a load has just hit to the spill: under an admission that
+        kept them off the disk, the hit is the reuse it waits for. Nothing when every store is
+        written through (then a READY entry off the disk is one the disk refused or failed)."""
+        if self._spill is None or not entries or self._admission is None or isinstance(self._admission, AdmitAll):
+            return
+        for entry in entries:
+            self._book.pools[entry.group_index].mark_evictable(entry.slot, False)
+        self._spill.enqueue(entries)
+
+    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, ready,
+                   refused: FrozenSet[bytes] = frozenset()) -> None:
         """The engine-owned copy task of one store: gather, then settle every entry's state."""
         book = self._book
         started = time.perf_counter()
@@ -201,9 +229,9 @@ class StorePath:
             nbytes += book.chunk_nbytes[entry.group_index]
             done.append(entry)
         if self._spill is not None:
-            self._spill.enqueue(done)
+            self._spill.enqueue(e for e in done if e.key not in refused)
         for entry in done:
-            if self._spill is None:
+            if self._spill is None or entry.key in refused:
                 book.settle_ready(entry)
                 self._watch.resolve(entry.key, False)
             book.resolve(entry, None)

@@ -78,7 +78,7 @@ def build_paths(host: HostBook, disk: Optional[ChunkTier], index: DiskIndex, wat
                                   metrics=metrics, events=events, spawn=spawn, closing=closing)
     stores = StorePath(host, index, watch, spill if config.spill_enabled else None, executor=d2h,
                        has_disk=disk is not None, drop_log=drop_log, paused=paused, **common)
-    loads = LoadPath(host, index, disk, executor=h2d, **common)
+    loads = LoadPath(host, index, disk, executor=h2d, write_back=stores.write_back, **common)
     return spill, stores, loads
 
 

@@ -98,6 +98,9 @@ def test_bad_options_are_one_line_errors(conversations, args, message):
     ("deepseek-v4", "3", "none", "lfuda"),
     ("gpt-oss-120b", "1", "0", "arc"),
     ("gpt-oss-120b", "3", "none", "arc-lfuda"),
+    ("full-attention", "0", "none", "lru+seen"),
+    ("gpt-oss-120b", "3", "none", "lru+seen"),
+    ("deepseek-v4", "3", "none", "lru+seen"),
 ])
 def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, conversations, layout, extra, retention,
                                                                       policy):
@@ -112,10 +115,13 @@ def test_engine_mode_agrees_with_the_fast_mode_and_every_byte_checks(capsys, con
     assert main_run["hit_rate"] == model["hit_rate"] == fast["hit_rate"] == engine["hit_rate"]
     assert main_run["hit_rate_by_tier"] == pytest.approx(model["hit_rate_by_tier"])
     assert main_run["wrong_bytes"] == 0 and main_run["chunks_verified"] > 0 and main_run["failed_loads"] == 0
+    # `seen` admission remembers keys in a Bloom filter, whose rare false positives depend on the
+    # key's hash (bytes in the engine, chunk ids in the fast mode): a few writes may differ.
+    same = (lambda value: pytest.approx(value, rel=0.01)) if policy.endswith("+seen") else (lambda value: value)
     for tier in ("host", "disk"):
-        assert main_run["tiers"][tier]["stored_bytes"] == model["tiers"][tier]["stored_bytes"]
-        assert main_run["tiers"][tier]["read_chunks"] == model["tiers"][tier]["read_chunks"]
-        assert main_run["tiers"][tier]["evicted_chunks"] == model["tiers"][tier]["evicted_chunks"]
+        assert main_run["tiers"][tier]["stored_bytes"] == same(model["tiers"][tier]["stored_bytes"])
+        assert main_run["tiers"][tier]["read_chunks"] == same(model["tiers"][tier]["read_chunks"])
+        assert main_run["tiers"][tier]["evicted_chunks"] == same(model["tiers"][tier]["evicted_chunks"])
     assert main_run["tiers"]["disk"]["read_chunks"] > 0 and main_run["tiers"]["host"]["read_chunks"] > 0
     assert main_run["tiers"]["disk"]["evicted_chunks"] > 0 and main_run["tiers"]["host"]["evicted_chunks"] > 0
     assert 0 < engine["hit_rate"] < 1

@@ -18,7 +18,8 @@ def test_defaults_are_valid_and_documented_values():
     config = EngineConfig()
     assert config.cache_dir is None
     assert config.host_capacity_bytes == 256 * MiB
-    assert config.eviction_policy == "lru" and config.host_eviction_policy == "arc" and config.host_policy() == "arc"
+    assert config.eviction_policy == "lru" and config.host_eviction_policy == "lru" and config.host_policy() == "lru"
+    assert config.disk_admission == "seen"
     assert config.disk_capacity_bytes is None
     assert config.lmdb_map_size_bytes == 1 * GiB
     assert config.store_queue_max_chunks == 4096
@@ -197,10 +198,15 @@ def test_eviction_policies_by_name_from_every_loader(tmp_path):
     path = tmp_path / "kvtier.toml"
     path.write_text('eviction_policy = "lru"\n')
     config = EngineConfig.from_toml(path)
-    assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", "arc", "arc")
+    assert (config.eviction_policy, config.host_eviction_policy, config.host_policy()) == ("lru", "lru", "lru")
     config = EngineConfig.from_env({"KVTIER_EVICTION_POLICY": "lru", "KVTIER_HOST_EVICTION_POLICY": "arc"})
     assert (config.eviction_policy, config.host_policy()) == ("lru", "arc")
     assert EngineConfig.from_env({"KVTIER_HOST_EVICTION_POLICY": "none"}).host_policy() == "lru"
+    assert EngineConfig.from_env({"KVTIER_DISK_ADMISSION": "all"}).disk_admission == "all"
+    path.write_text('disk_admission = "all"\n')
+    assert EngineConfig.from_toml(path).disk_admission == "all"
+    with pytest.raises(ValueError, match=r"disk_admission must be one of 'all', 'seen', got 'tiny'"):
+        EngineConfig.from_env({"KVTIER_DISK_ADMISSION": "tiny"})
     with pytest.raises(ValueError, match=r"eviction_policy must be one of 'arc-lfuda', 'lfuda', 'lru', got 'arc'"):
         EngineConfig(eviction_policy="arc")  # ARC has no disk-tier variant
 

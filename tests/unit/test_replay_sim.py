@@ -22,7 +22,7 @@ from kvtier.policy import AttentionGroup, ModelLayout
 from kvtier.tools.replay.command import parse_budget
 from kvtier.tools.replay.layouts import ReplayLayout, preset
 from kvtier.tools.replay.report import paired_bootstrap, summarize
-from kvtier.tools.replay.sim import policy_class, simulate_belady, simulate_engine, simulate_lru
+from kvtier.tools.replay.sim import policy_class, simulate_belady, simulate_engine, simulate_lru, split_policy
 from kvtier.tools.replay.trace import Request, Trace
 from kvtier.tools.replay.workload import Plans, Workload, host_slots
 
@@ -168,8 +168,11 @@ def test_budgets_parse_as_bytes_shares_or_unbounded():
 
 def test_an_unknown_policy_lists_the_valid_ones():
     assert policy_class("lfuda")(4).policy.name == "lfuda"
-    with pytest.raises(ValueError, match=r"--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru"):
+    with pytest.raises(ValueError, match=r"--policy 'fifo' is unknown; valid: arc, arc-lfuda, lfuda, lru, "
+                                         r"arc\+seen, arc-lfuda\+seen, lfuda\+seen, lru\+seen$"):
         policy_class("fifo")
+    assert split_policy("lru+seen") == ("lru", "seen") and split_policy("arc") == ("arc", "all")
+    assert policy_class("lru+seen")(4).policy.name == "lru"
 
 
 def test_an_unknown_preset_lists_the_valid_ones():

@@ -8,7 +8,9 @@ slots and the disk tier's byte index (``tiers.lru``) holding ``chunks`` keys, bo
 what a store of a new chunk costs the policy when the tier is full: the host evicts one victim
 (``evictable_victims`` with every slot evictable) and inserts the new chunk, then touches a chunk
 stored ``reuse`` steps before (a hit); the disk chooses and pops a victim for the new record, puts
-it and touches the same older key. The figure is the best of ``rounds`` rounds of ``steps`` steps,
+it and touches the same older key. Disk admission (``tiers.admission``): one ``decide`` of the new
+chunk's key by ``seen``, remembering ``WINDOW_FACTOR`` x twice ``chunks`` keys per generation, as
+for host and disk of ``chunks`` each; a ``reuse``-old key comes back every step. The figure is the best of ``rounds`` rounds of ``steps`` steps,
 in microseconds per step (the machine is shared: a neighbour only adds time), the median beside it.
 """
 
@@ -21,6 +23,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from kvtier.tiers.admission import make_admission
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, make_byte_index
 
@@ -64,6 +67,16 @@ def _disk_round(name: str, chunks: int, steps: int, reuse: int) -> float:
     return (time.perf_counter() - started) / steps * 1e6
 
 
+def _admission_round(chunks: int, steps: int, reuse: int) -> float:
+    admission = make_admission("seen", chunks, chunks)
+    admission.decide(list(range(chunks)))
+    started = time.perf_counter()
+    for step in range(steps):
+        key = chunks + step
+        admission.decide([key, key - reuse])
+    return (time.perf_counter() - started) / (2 * steps) * 1e6
+
+
 def measure_policies(*, chunks: int = 100_000, steps: int = 20_000, rounds: int = 5, reuse: int = 1000,
                      names: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, float]]:
     """Per policy name: ``host_us`` and ``disk_us`` per step (best round) and their medians."""
@@ -75,6 +88,8 @@ def measure_policies(*, chunks: int = 100_000, steps: int = 20_000, rounds: int 
             disk = [_disk_round(name, chunks, steps, reuse) for _ in range(rounds)]
             row.update(disk_us=min(disk), disk_median_us=statistics.median(disk))
         results[name] = row
+    admission = [_admission_round(chunks, steps, reuse) for _ in range(rounds)]
+    results["seen admission"] = {"admission_us": min(admission), "admission_median_us": statistics.median(admission)}
     return results
 
 
@@ -93,6 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"eviction bookkeeping per stored chunk at capacity ({options.chunks} chunks indexed; "
           f"evict one, insert, touch one), best of {options.rounds} rounds (median):")
     for name, row in results.items():
+        if "admission_us" in row:
+            print(f"  {name}: {row['admission_us']:.2f} us ({row['admission_median_us']:.2f}) per stored chunk's key")
+            continue
         disk = f", disk {row['disk_us']:.2f} us ({row['disk_median_us']:.2f})" if "disk_us" in row else ""
         print(f"  {name:>10}: host {row['host_us']:.2f} us ({row['host_median_us']:.2f}){disk}")
     return 0

@@ -34,7 +34,7 @@ from kvtier.tiers.device import DeviceKVView
 from kvtier.tiers.host import HostSlabPool
 
 from .layouts import ReplayLayout
-from .sim import Outcome, TierCounts, _step
+from .sim import Outcome, TierCounts, _step, split_policy
 from .trace import Trace, block_tokens
 
 __all__ = ["replay_engine", "chunk_bytes_of_key", "EngineReplayError"]
@@ -65,9 +65,12 @@ def _sized_pools(host_slots: List[int]) -> Callable[..., List[HostSlabPool]]:
 
 
 def policy_options(policy: str) -> Dict[str, str]:
-    """The engine settings ``--policy NAME`` stands for: the host pools' eviction, and the disk
-    tier's where the disk has that policy (ARC exists for the host alone; the disk keeps LRU)."""
-    return dict(eviction_policy=policy if policy in EVICTION_POLICIES else "lru", host_eviction_policy=policy)
+    """The engine settings ``--policy NAME`` stands for: the host pools' eviction, the disk tier's
+    where the disk has that policy (ARC exists for the host alone; the disk keeps LRU), and the
+    disk admission (``NAME+seen``: ``seen``; else ``all``)."""
+    eviction, admission = split_policy(policy)
+    return dict(eviction_policy=eviction if eviction in EVICTION_POLICIES else "lru",
+                host_eviction_policy=eviction, disk_admission=admission)
 
 
 def _request_tokens(trace: Trace, index: int) -> List[int]:

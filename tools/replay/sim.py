@@ -4,7 +4,9 @@ Primitives: ``Outcome`` (per request: hit tokens and bytes read per tier; per ti
 bytes stored, evicted, read), ``simulate_engine`` (kvtier's host slab pools and LMDB disk LRU,
 decision for decision), ``simulate_lru`` (a plain reference LRU: one cache, the same chunks and
 byte costs), ``simulate_belady`` (the offline bound: evict the chunk whose next use is farthest),
-``POLICIES`` / ``policy_class`` (eviction policies by name). Pure; any thread.
+``POLICIES`` / ``policy_class`` / ``split_policy`` (eviction policies by name, each also as
+``NAME+seen``: the same eviction with the disk writes admitted by ``tiers.admission``'s ``seen``).
+Pure; any thread.
 
 Every run uses the engine's own policy code: ``longest_hit`` over chunk states, the load plan and
 the retention store plan (``Plans``). What ``simulate_engine`` models, as the engine does it with
@@ -22,7 +24,11 @@ its work flushed after every request (the way engine mode replays):
   disk also holds (``ChunkTier.touch_many``), so a chunk hot on the host does not age out below.
   The tier applies uses at its next write or on a timer; engine mode flushes them after each
   load, so both orders agree;
-- a chunk evicted from disk stays on the host until evicted there; lookups see both.
+- a chunk evicted from disk stays on the host until evicted there; lookups see both;
+- admission (``NAME+seen``): of a store's new chunks, the disk is written only those the
+  engine's own admission object (``tiers.admission``) admits, decided as the store is scheduled;
+  the others stay on the host only until a load hits them there: then each window writes its
+  host-only chunks to disk (after its touches), as the engine's load path hands them to the spill.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 import numpy as np
 
 from kvtier.policy import ChunkState, ModelLayout, longest_hit
+from kvtier.tiers.admission import AdmitAll, make_admission, tier_chunks
 from kvtier.tiers.eviction import eviction_policy_names, make_eviction_policy
 from kvtier.tiers.lru import BYTE_INDEX_NAMES, ByteLru, make_byte_index
 
 from .workload import Plans, Workload
 
 __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate_belady", "POLICIES",
-           "policy_class", "HostOrder"]
+           "policy_class", "split_policy", "HostOrder"]
 
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
@@ -122,15 +129,26 @@ class HostOrder:
         return self.policy.evictable_victims(n, lambda key: key not in exclude) or []
 
 
-POLICIES = eviction_policy_names()
+# Each eviction policy alone (every stored chunk written to disk) and with ``seen`` admission.
+ADMITTED = "+seen"
+POLICIES = eviction_policy_names() + tuple(name + ADMITTED for name in eviction_policy_names())
+
+
+def split_policy(name: str) -> tuple:
+    """(eviction policy, disk admission) of a ``--policy`` name: ``lru+seen`` -> (``lru``,
+    ``seen``), ``lru`` -> (``lru``, ``all``). An unknown name lists the valid ones."""
+    if name not in POLICIES:
+        raise ValueError(f"--policy {name!r} is unknown; valid: {', '.join(POLICIES)}")
+    if name.endswith(ADMITTED):
+        return name[: -len(ADMITTED)], "seen"
+    return name, "all"
 
 
 def policy_class(name: str) -> Callable[[int], HostOrder]:
-    """The host eviction policy ``name`` (a pool's capacity -> its order); an unknown name lists
+    """The host eviction policy of ``name`` (a pool's capacity -> its order); an unknown name lists
     the valid ones."""
-    if name not in POLICIES:
-        raise ValueError(f"--policy {name!r} is unknown; valid: {', '.join(POLICIES)}")
-    return lambda capacity: HostOrder(name, capacity)
+    eviction, _ = split_policy(name)
+    return lambda capacity: HostOrder(eviction, capacity)
 
 
 def _step(hit: int, tiers: Dict[str, TierCounts]) -> tuple:
@@ -157,18 +175,25 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     layout = plans.layout
     num_groups = len(layout.groups)
     order_class = policy_class(policy)
+    eviction, admission_name = split_policy(policy)
     host = [order_class(slots) for slots in host_slots]
     disk: ByteLru[Hashable] = make_byte_index(disk_policy if disk_policy is not None else
-                           (policy if policy in BYTE_INDEX_NAMES else "lru"))
+                           (eviction if eviction in BYTE_INDEX_NAMES else "lru"))
+
     disk_capacity_bytes = disk_capacity
     disk_group: Dict[Hashable, int] = {}  # chunk id -> group, for what the byte index holds
     tiers = _new_counts(("host", "disk") if has_disk else ("host",))
     # Without a disk tier nothing is written or promoted, so its counts stay zero and unreported.
     hcount, dcount = tiers["host"], tiers["disk"] if has_disk else TierCounts()
     dropped = {"host_full": 0, "queue_full": 0, "tier_full": 0}
+    not_admitted = 0  # new chunks the disk admission kept on the host only
     failed_loads = 0
     caps = [max(1, s // 2) for s in host_slots]
     spill_sizes = list(chunk_bytes if spill_chunk_bytes is None else spill_chunk_bytes)
+    # As the engine counts it (its payload sizes); it admits every write to an unbounded disk.
+    admission = (make_admission(admission_name, *tier_chunks(host_slots, disk_capacity, spill_sizes))
+                 if has_disk and disk_capacity is not None else AdmitAll())
+    write_back = not isinstance(admission, AdmitAll)
     n_req = len(work)
     hits = np.zeros(n_req, dtype=np.int64)
     read_host = np.zeros(n_req, dtype=np.int64)
@@ -198,6 +223,19 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             disk_group[key] = g
             dcount.stored_chunks += 1
             dcount.stored_bytes += chunk_bytes[g]
+
+    def spill(jobs: List[tuple]) -> None:
+        """Write (group, key) jobs to disk in the spill pipeline's batches."""
+        batch: List[tuple] = []
+        batch_bytes = 0
+        for g, key in jobs:
+            size = spill_sizes[g]
+            if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
+                write(batch)
+                batch, batch_bytes = [], 0
+            batch.append((g, key))
+            batch_bytes += size
+        write(batch)
 
     for r in range(n_req):
         ids = work.ids[r]
@@ -256,6 +294,8 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                         disk.touch(key)
                 for g, key in window:
                     host[g].touch(key)
+                if write_back:  # a host-only chunk a load hit has proved reuse: the disk gets it now
+                    spill([(g, key) for g, key in window if key in pinned[g] and key not in disk])
         new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
                if key not in host[g] and key not in disk]
         if new:
@@ -280,16 +320,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                 hcount.stored_bytes += chunk_bytes[g]
                 stored[r] += chunk_bytes[g]
             if has_disk:
-                batch: List[tuple] = []
-                batch_bytes = 0
-                for g, key in new:
-                    size = spill_sizes[g]
-                    if batch and (len(batch) >= spill_batch_max_chunks or batch_bytes + size > spill_batch_max_bytes):
-                        write(batch)
-                        batch, batch_bytes = [], 0
-                    batch.append((g, key))
-                    batch_bytes += size
-                write(batch)
+                admitted = admission.decide([key for _, key in new])
+                not_admitted += admitted.count(False)
+                spill([job for job, admit in zip(new, admitted) if admit])
         if progress is not None:
             progress(1)
         if steps is not None:
@@ -298,7 +331,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
     if has_disk:
         read["disk"] = read_disk
     return Outcome("simulate", hits, np.asarray(work.tokens, dtype=np.int64), read, stored, tiers,
-                   {k: v for k, v in dropped.items() if v}, {"failed_loads": failed_loads})
+                   {k: v for k, v in dropped.items() if v}, {"failed_loads": failed_loads, "not_admitted": not_admitted})
 
 
 def _single_tier(work: Workload, plans: Plans):
