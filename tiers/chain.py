@@ -130,8 +130,10 @@ class ChainedTier(ChunkTier):
             removals_held=0,
         )
         self._hits_per_tier = [0] * len(self.tiers)
+        self._arrivals: List[Callable[[List[bytes], int], None]] = []
         for index, tier in enumerate(self.tiers):
             tier.subscribe_removals(self._removal_callback(index))
+            tier.subscribe_arrivals(self._on_tier_arrived)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -216,6 +218,22 @@ class ChainedTier(ChunkTier):
     def subscribe_removals(self, callback: Callable[[Sequence[Removal]], None]) -> None:
         """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
         self._removal_feed.subscribe(callback)
+
+    def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
+        """``callback(keys, sequence)`` when a tier reports keys another writer made readable
+        there (a shared remote's new-key notices), at the chain's sequence: taken on arrival, so
+        a removal the chain reports later (a tier's report comes after the arrival) wins."""
+        self._arrivals.append(callback)
+
+    def _on_tier_arrived(self, keys: List[bytes], _sequence: int) -> None:
+        if self._closed or not keys:
+            return
+        seq = self._next_sequence()
+        for callback in list(self._arrivals):
+            try:
+                callback(keys, seq)
+            except Exception:
+                logger.exception("chained tier: an arrivals callback failed")
 
     async def put_many(self, items: Sequence[PutItem]) -> int:
         """Store in the first tier (durable when it returns, all or nothing, its errors raised as

@@ -401,3 +401,40 @@ async def test_cancelling_flush_or_close_never_loses_a_removal_report(tmp_path, 
         assert [(r.key, r.reason) for r in removals] == [(evicted[0], "evicted")]
     finally:
         await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_chunks_another_host_writes_reach_this_index_without_a_listing(tmp_path, valkey_cluster):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    layout = DEFAULT_TEST_LAYOUT
+    namespace = f"arrive{os.getpid()}"
+
+    def config(name: str, **extra) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=valkey_cluster.url,
+                            remote_namespace=namespace, remote_listing_interval_s=3600.0, **extra)
+
+    device = make_cpu_device(layout)
+    async with OffloadEngine(layout, make_cpu_device(layout), config("b"), fingerprint=b"arrive-model") as b, \
+            OffloadEngine(layout, make_cpu_device(layout), config("c", remote_watch_new_keys=False),
+                          fingerprint=b"arrive-model") as c:
+        assert not b.disk_index.keys() and not c.disk_index.keys()
+        async with OffloadEngine(layout, device, config("a"), fingerprint=b"arrive-model") as a:
+            producer = OffloadScenario(a)
+            prompt = producer.tokens(33)
+            await producer.produce(prompt)
+            await a.disk_tier.flush()
+            written = set(a.disk_index.keys())
+            assert len(written) == 8
+            # B started before A wrote and never lists again: the new-key notices index A's
+            # chunks (within the bound), and B loads them bitwise from the cluster.
+            assert await wait_for(lambda: set(b.disk_index.keys()) == written, timeout_s=2.0)
+            assert b.disk_tier.tiers[1].statistics().extra["arrivals_notified"] >= 8
+            consumer = OffloadScenario(b)
+            consumer.producer_bytes = producer.producer_bytes
+            await consumer.consume(prompt + [1], expect_hit=32)
+            # C does not watch: the chunks reach it only through a listing.
+            assert c.lookup(prompt + [1]) == 0 and not c.disk_index.keys()
+            assert await c.refresh_disk_index() == (8, 0)
+            assert c.lookup(prompt + [1]) == 32

@@ -32,6 +32,12 @@ keyspace notifications (``notify-keyspace-events Ee``; node-local, so one subscr
 deletes made through this tier at once, and keys found gone by the periodic listing (``external``:
 another host's delete, a node restarted empty, a notification lost - pub/sub is at-most-once). Only
 keys this instance knows of (it wrote, listed or read them) are reported, each once.
+
+With ``watch_new_keys``, the same subscriptions carry ``__keyevent@0__:new`` (flag ``n``): each
+record another writer adds to this namespace reaches ``subscribe_arrivals`` callbacks on the loop,
+in the node's order with its evictions, so a reader indexes it without listing the namespace
+(a listing is O(keys); the notices are O(writes)). A lost notice costs a hit until the next
+listing, never a wrong one: a notice is sent once the record is written whole.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ class RemoteTier(ChunkTier):
                  codec: CodecConfig, timeout_s: float, connect_timeout_s: float, concurrency: int,
                  pipeline_max_bytes: int, breaker_failures: int, breaker_reset_s: float,
                  listing_interval_s: Optional[float], configure_notifications: bool,
-                 io_threads: int, direct_get: bool = True) -> None:
+                 io_threads: int, direct_get: bool = True, watch_new_keys: bool = False) -> None:
         self.address = address
         self.namespace = namespace
         self._direct_get = direct_get
@@ -119,8 +125,10 @@ class RemoteTier(ChunkTier):
         self._stats, self._extra = self._counters.stats, self._counters.extra
         self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
         wakeup = asyncio.Event()
+        self._arrivals: List[Callable[[List[bytes], int], None]] = []
         self._listener = EvictionListener(
             self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
+            on_new=self._on_new if watch_new_keys else None,
         )
         self._listing = Listing(
             self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s,
@@ -148,6 +156,7 @@ class RemoteTier(ChunkTier):
         io_threads: int = 2,
         require_connection: bool = True,
         direct_get: bool = True,
+        watch_new_keys: bool = False,
     ) -> "RemoteTier":
         """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
 
@@ -164,6 +173,8 @@ class RemoteTier(ChunkTier):
         ``direct_get``: read ``GET`` replies with kvtier's own reader, which lands each raw
         record's payload straight in the caller's buffer (``getreader.py``; the default);
         ``False`` reads them through redis-py's client like every other command.
+        ``watch_new_keys``: also subscribe to the primaries' new-key notices and hand this
+        namespace's new keys to ``subscribe_arrivals`` callbacks (module docstring).
 
         Cancelling it: nothing is left running; no tier is returned.
         """
@@ -189,7 +200,7 @@ class RemoteTier(ChunkTier):
             pipeline_max_bytes=pipeline_max_bytes, breaker_failures=breaker_failures,
             breaker_reset_s=float(breaker_reset_s), listing_interval_s=listing_interval_s,
             configure_notifications=configure_notifications, io_threads=io_threads,
-            direct_get=direct_get,
+            direct_get=direct_get, watch_new_keys=watch_new_keys,
         )
         try:
             try:
@@ -586,6 +597,25 @@ class RemoteTier(ChunkTier):
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
         self._keys.report(removals)
+
+    def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
+        """``callback(keys, sequence)`` on the loop for each burst of this namespace's keys that a
+        writer (another host, or this one) made readable, at this tier's ``sequence`` (a removal
+        reported later has a later one). Only with ``watch_new_keys``; otherwise never called."""
+        self._arrivals.append(callback)
+
+    def _on_new(self, names: List[bytes]) -> None:
+        keys = [k for k in (self._keys.chunk_key(name) for name in names) if k is not None]
+        if not keys or self._closed:
+            return
+        seq = self._keys.next_sequence()
+        self._keys.remember_new(keys, seq)  # known, so its eviction is reported
+        self._extra["arrivals_notified"] += len(keys)
+        for callback in list(self._arrivals):
+            try:
+                callback(keys, seq)
+            except Exception:
+                logger.exception("remote tier: an arrivals callback failed")
 
     # ----------------------------------------------------------------- evictions: the listing
 
