@@ -438,3 +438,44 @@ async def test_chunks_another_host_writes_reach_this_index_without_a_listing(tmp
             assert c.lookup(prompt + [1]) == 0 and not c.disk_index.keys()
             assert await c.refresh_disk_index() == (8, 0)
             assert c.lookup(prompt + [1]) == 32
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back_on_evict"])
+async def test_a_batch_the_lmdb_cannot_take_still_reaches_the_remote(tmp_path, valkey_factory, write_policy):
+    from kvtier.errors import TierIOError
+    from kvtier.tools.testing.faults import inject_io_faults, remove_io_faults
+
+    valkey_node = valkey_factory.node()
+    chain, ns = await open_chain(tmp_path, valkey_node.url, write_policy=write_policy, timeout_s=0.5)
+    lmdb, remote = chain.tiers
+    other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
+    try:
+        items = make_items(5, 64 << 10, seed=41)
+        keys = [k for k, _, _ in items]
+        plan = inject_io_faults(lmdb, fail_from=1)  # every LMDB read, put and commit fails (EIO)
+        # The LMDB put fails; the bytes are still the caller's, so the remote takes the batch and
+        # the put succeeds: the chunks are readable from the chain, not lost to the fleet.
+        seq = await chain.put_many(items)
+        assert seq == chain.sequence
+        assert plan.faults > 0
+        assert await remote.contains_many(keys) == [True] * 5
+        assert chain.statistics().extra["kept_below"] == 5
+        # Readable, bitwise, by another host (straight from the server) and through the chain.
+        metas, bufs = await read_back(other_host, items)
+        assert metas == [m for _, m, _ in items]
+        assert [bytes(b) for b in bufs] == [bytes(raw) for _, _, raw in items]
+        remove_io_faults(lmdb)
+        assert await lmdb.contains_many(keys) == [False] * 5
+        metas, bufs = await read_back(chain, items)
+        assert [bytes(b) for b in bufs] == [bytes(raw) for _, _, raw in items]
+
+        # No tier takes it (the remote's server gone too): the LMDB's error, raised as it is.
+        await other_host.close()
+        valkey_node.stop()
+        inject_io_faults(lmdb, fail_from=1)
+        with pytest.raises(TierIOError):
+            await chain.put_many(make_items(3, 64 << 10, seed=42))
+    finally:
+        remove_io_faults(lmdb)
+        await chain.close()

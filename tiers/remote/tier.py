@@ -308,8 +308,8 @@ class RemoteTier(ChunkTier):
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
         sequence, its exception the failure). With ``after``, nothing is sent before that future
         has succeeded; if it fails, the batch is dropped (``PutAbortedError``). The chained tier
-        writes behind with it: encoding overlaps the first tier's put, sending follows its success,
-        so a failed chained put is visible in no tier. Arguments are checked here, before anything
+        writes behind with it: encoding overlaps the first tier's put, sending follows its end
+        (the chain opens the gate on a tier failure too, so the batch still lands here). Arguments are checked here, before anything
         starts."""
         self._check_open()
         batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
