@@ -12,7 +12,8 @@ The engine takes it as its disk tier, so host -> LMDB -> remote needs no change 
   for them and succeeds when one holds all of it (``kept_below``), so the bytes, still on the
   host, are not lost to the fleet; it raises only when no tier took it.
 - A new-key notice of a lower tier (a shared remote: another host wrote the chunk) reaches
-  ``subscribe_arrivals`` with the chain's sequence.
+  ``subscribe_arrivals`` with the chain's sequence, and every hit is a use the tiers below it
+  hear of (``touch_many``): a chunk served from LMDB must not age out of the shared remote.
 - ``get_many_into`` asks the tiers in order for what is still missing; a hit in a lower tier is
   promoted into the first tier (a copy of the bytes is written in the background, so the call does
   not wait for the first tier's sync). An error of any tier is a miss there, never an error: a remote
@@ -230,8 +231,9 @@ class ChainedTier(ChunkTier):
 
     def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
         """``callback(keys, sequence)`` when a tier reports keys another writer made readable
-        there (a shared remote's new-key notices), at the chain's sequence: taken on arrival, so
-        a removal the chain reports later (a tier's report comes after the arrival) wins."""
+        there (a shared remote's new-key notices), and when a promotion into the first tier has
+        landed, at the chain's sequence: taken on arrival, so a removal the chain reports later
+        (a tier's report comes after the arrival) wins."""
         self._arrivals.append(callback)
 
     def _on_tier_arrived(self, keys: List[bytes], _sequence: int) -> None:
@@ -436,6 +438,11 @@ class ChainedTier(ChunkTier):
                 results[i] = meta
                 sources[i] = index
             self._hits_per_tier[index] += len(found)
+            if found:
+                # A use the tiers below hear of (their LRU), as the host's own touch: a chunk
+                # served from the first tier must not age out of a shared remote behind it.
+                for lower in self.tiers[index + 1:]:
+                    lower.touch_many([items[i][0] for i, _ in found])
             if index > 0 and found and self.promote:
                 copies = [(items[i][0], meta, memoryview(bytes(items[i][1]))) for i, meta in found]
                 self._spawn_background(self._promote(copies), "promotions_skipped")
@@ -462,6 +469,9 @@ class ChainedTier(ChunkTier):
         try:
             await self.tiers[0].put_many(items)
             self._extra["promotions"] += len(items)
+            # Readable in the first tier now: an index that dropped one of them meanwhile (the
+            # lower tier evicted it before this copy landed) hears of it as an arrival.
+            self._on_tier_arrived([key for key, _, _ in items], 0)
         except Exception as exc:
             self._extra["promotions_failed"] += len(items)
             logger.debug("promotion of %d chunks failed: %s", len(items), exc)

@@ -60,6 +60,8 @@ async def test_write_through_lands_in_both_and_reads_come_from_the_first(tmp_pat
 async def test_remote_only_chunks_are_seen_loaded_and_promoted(tmp_path, valkey_node):
     chain, ns = await open_chain(tmp_path, valkey_node.url)
     lmdb, remote = chain.tiers
+    arrived = []
+    chain.subscribe_arrivals(lambda keys, seq: arrived.append((sorted(keys), seq)))
     other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
     try:
         items = make_items(4, 32 << 10, seed=12)
@@ -72,6 +74,9 @@ async def test_remote_only_chunks_are_seen_loaded_and_promoted(tmp_path, valkey_
         assert all(bytes(b) == bytes(raw) for b, (_, _, raw) in zip(bufs, items))
         await chain.flush()
         assert await lmdb.contains_many(keys) == [True] * 4  # promoted remote -> LMDB
+        # The landed promotion is an arrival (an index that dropped a key meanwhile takes it back),
+        # at a sequence after every one the chain had given out before.
+        assert arrived[-1][0] == sorted(keys) and arrived[-1][1] == chain.sequence
         assert chain.statistics().extra["promotions"] == 4
         assert chain.statistics().extra["hits.remote"] == 4
     finally:
@@ -478,4 +483,25 @@ async def test_a_batch_the_lmdb_cannot_take_still_reaches_the_remote(tmp_path, v
             await chain.put_many(make_items(3, 64 << 10, seed=42))
     finally:
         remove_io_faults(lmdb)
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_served_from_lmdb_is_a_use_the_shared_remote_hears_of(tmp_path, valkey_node):
+    chain, _ = await open_chain(tmp_path, valkey_node.url)
+    lmdb, remote = chain.tiers
+    try:
+        items = make_items(4, 16 << 10, seed=51)
+        await chain.put_many(items)
+        await chain.flush()
+        await asyncio.sleep(2.1)  # the server's LRU clock counts whole seconds
+        idle = [int(valkey_node.command("OBJECT", "IDLETIME", remote.rkey(k))) for k, _, _ in items]
+        assert min(idle) >= 2
+        metas, bufs = await read_back(chain, items[:2])  # served by LMDB, not the remote
+        assert chain.statistics().extra["hits.lmdb"] == 2 and chain.statistics().extra["hits.remote"] == 0
+        await chain.flush()  # the touch runs in the background
+        idle = [int(valkey_node.command("OBJECT", "IDLETIME", remote.rkey(k))) for k, _, _ in items]
+        assert idle[:2] == [0, 0] and min(idle[2:]) >= 2, idle
+        assert remote.statistics().extra["touches"] == 2
+    finally:
         await chain.close()

@@ -81,6 +81,7 @@ __all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
+_TOUCHES_IN_FLIGHT = 4  # touch_many batches running at once; more are skipped (a hint)
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
@@ -126,6 +127,7 @@ class RemoteTier(ChunkTier):
         self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
         wakeup = asyncio.Event()
         self._arrivals: List[Callable[[List[bytes], int], None]] = []
+        self._touching = 0  # touch_many pipelines running
         self._listener = EvictionListener(
             self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
             on_new=self._on_new if watch_new_keys else None,
@@ -540,6 +542,36 @@ class RemoteTier(ChunkTier):
         if failures:
             self._stats["errors"] += 1
         return [r == 1 for r in replies]
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were just used from a copy above this tier (a host's slab or LMDB): a ``TOUCH``
+        of them (in the background, one pipeline per node) moves those the server holds to the
+        young end of its LRU, as a GET would, so a chunk hot on one host does not age out of the
+        shared server and miss on every other host (``ChunkTier.touch_many``). A recency hint:
+        never raises, skipped (counted in ``touches_skipped``) while ``_TOUCHES_IN_FLIGHT`` are
+        still running or once closed; ``flush`` waits for the ones running."""
+        if self._closed or not keys:
+            return
+        if self._touching >= _TOUCHES_IN_FLIGHT:
+            self._extra["touches_skipped"] += len(keys)
+            return
+        try:
+            rkeys = self._keys.rkeys(check_key(k) for k in keys)
+        except (ValueError, TypeError):
+            return
+        self._touching += 1
+        self._tasks.spawn(self._touch(rkeys))
+
+    async def _touch(self, rkeys: List[bytes]) -> None:
+        try:
+            _, failures = await self._fanout.each("TOUCH", rkeys)
+            self._extra["touches"] += len(rkeys)
+            if failures:
+                self._stats["errors"] += 1
+        except Exception as exc:  # a hint: a failed touch costs recency, nothing else
+            logger.debug("remote tier: touch failed: %r", exc)
+        finally:
+            self._touching -= 1
 
     async def list_keys(self) -> List[bytes]:
         """Every key of this namespace on the primaries reachable now (``SCAN``; a node that fails
