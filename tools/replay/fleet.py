@@ -274,7 +274,7 @@ def _size_cluster(cluster: Any, remote_bytes: int, record_bytes: int) -> int:
         used = int(node.info("memory")["used_memory"])
         node.command("CONFIG", "SET", "maxmemory", str(used + per_node * cost + (1 << 20)))
         node.command("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
-        node.command("CONFIG", "SET", "maxmemory-samples", "10")
+        node.command("CONFIG", "SET", "maxmemory-samples", "64")  # the most: allkeys-lru near a true LRU
     return per_node * len(cluster.nodes)
 
 
