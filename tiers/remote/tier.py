@@ -36,8 +36,9 @@ keys this instance knows of (it wrote, listed or read them) are reported, each o
 With ``watch_new_keys``, the same subscriptions carry ``__keyevent@0__:new`` (flag ``n``): each
 record another writer adds to this namespace reaches ``subscribe_arrivals`` callbacks on the loop,
 in the node's order with its evictions, so a reader indexes it without listing the namespace
-(a listing is O(keys); the notices are O(writes)). A lost notice costs a hit until the next
-listing, never a wrong one: a notice is sent once the record is written whole.
+(a listing is O(keys); the notices are O(writes)). A notice lost while a subscription was down
+costs hits until the backstop listing, which the re-subscription wakes, hands the keys it finds
+unannounced over the same way; never a wrong hit: a notice is sent once the record is written whole.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class RemoteTier(ChunkTier):
         self._listing = Listing(
             self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s,
             wakeup=wakeup, closed=lambda: self._closed,
+            on_new=(lambda keys: self._arrived(keys, "arrivals_listed")) if watch_new_keys else None,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -637,12 +639,17 @@ class RemoteTier(ChunkTier):
         self._arrivals.append(callback)
 
     def _on_new(self, names: List[bytes]) -> None:
-        keys = [k for k in (self._keys.chunk_key(name) for name in names) if k is not None]
+        self._arrived([k for k in (self._keys.chunk_key(name) for name in names) if k is not None],
+                      "arrivals_notified")
+
+    def _arrived(self, keys: List[bytes], counter: str) -> None:
+        """New keys of this namespace, from a notice or found by the backstop listing (a notice
+        lost while a subscription was down): known from now on, handed to the subscribers."""
         if not keys or self._closed:
             return
         seq = self._keys.next_sequence()
         self._keys.remember_new(keys, seq)  # known, so its eviction is reported
-        self._extra["arrivals_notified"] += len(keys)
+        self._extra[counter] += len(keys)
         for callback in list(self._arrivals):
             try:
                 callback(keys, seq)
