@@ -49,6 +49,8 @@ FLEET_FAULTS = ("kill", "stall", "corrupt", "disk")
 _REMOTE_TIMEOUT_S = 0.5
 _READY_TIMEOUT_S = 120.0
 _STEP_TIMEOUT_S = 120.0
+# A subscription that dropped comes back within its reconnect backoff (the listener's cap, 5 s).
+_NOTICE_BACKOFF_S = 5.0
 # When each fault runs, as a share of the run's steps: (start, end).
 _WINDOWS = {"kill": (0.2, 0.3), "stall": (0.45, 0.5), "corrupt": (0.6, 0.6), "disk": (0.7, 0.75)}
 
@@ -164,6 +166,9 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
                            else "unexplained: on this host but not hit")
             elif step.get("refresh_failed") or active:
                 out.append(f"fault: in the remote, not indexed ({','.join(active) or 'index refresh failed'})")
+            elif _unindexed_by_fault(history, step, host, began, ended):
+                out.append("fault: in the remote, not indexed (" + _unindexed_by_fault(history, step, host, began, ended)
+                           + ": a listing that skipped a node, or notices lost while a subscription was down)")
             elif any(began <= t <= ended for t, h in history.stores.get(key, []) if h != host):
                 out.append("stored by another host in the same step")
             elif step.get("indexed_at") is not None and max(
@@ -177,6 +182,18 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
             reason = f"fault: unreachable while a fault ran ({','.join(active)})"
         out.append(reason)
     return out
+
+
+def _unindexed_by_fault(history: History, step: Dict[str, Any], host: int, began: float, ended: float) -> str:
+    """The faults that can leave a chunk of the remote out of this host's index past their own
+    window: one that ran during this host's last index refresh (its listing skipped the node and
+    dropped the node's keys from the index until the next one), or one that ended within a
+    subscription's reconnect backoff before the step (new-key notices sent meanwhile are lost
+    until the listing that the re-subscription wakes). Empty when none."""
+    kinds = set(_active(history, began - _NOTICE_BACKOFF_S, ended, host))
+    if step.get("indexed_at") is not None:
+        kinds.update(_active(history, step["indexed_at"], step["indexed_at"], host))
+    return ",".join(sorted(kinds))
 
 
 def _failed_load(history: History, step: Dict[str, Any], count: int, host: int, began: float, ended: float,
