@@ -211,11 +211,14 @@ class DiskStore:
 
     def _arrived(self, keys: List[bytes], sequence: int) -> None:
         """Keys another writer made readable in the tier (a shared remote's new-key notices) join
-        the index at the tier's ``sequence``, as a listing would have found them; a removal the
-        tier reports later wins (its sequence is later)."""
+        the index at the tier's ``sequence``, as a put of them would: a key indexed already takes
+        the later sequence, so a removal of its older record that the tier reports after the
+        arrival (a chain checks its other tiers first) does not take the new one out; a removal
+        with a later sequence wins."""
         token = self.index.begin()
         try:
-            self.index.admit(keys, token, sequence)
+            for key in keys:
+                self.index.add(key, token, sequence)
         finally:
             self.index.end(token)
 
