@@ -536,6 +536,20 @@ async def test_new_keys_reach_a_watching_tier_by_notice_and_lost_notices_by_the_
         handed = list(arrived)
         await reader.reconcile()
         assert arrived == handed  # nothing handed over twice
+        # A key evicted while the listing runs is not handed over as new, though the scan found it
+        # (the eviction came after the cursor passed it; its notice before the listing ended).
+        third = make_items(1, 4096, seed=63)
+        await writer.put_many(third)
+        name = reader.rkey(third[0][0])
+
+        def evicted_during_scan(_node, commands) -> None:
+            if commands and commands[0][0] == "SCAN":
+                reader._on_evicted([name])  # the notice, as the listener hands it over
+
+        reader.set_call_hook(evicted_during_scan)
+        await reader.reconcile()
+        reader.set_call_hook(None)
+        assert arrived == handed and reader.statistics().extra["arrivals_listed"] == 2
         # An eviction after an arrival is reported: the key is known from its arrival on.
         removed = []
         reader.subscribe_removals(removed.extend)

@@ -85,7 +85,11 @@ class Listing:
         await self._router.refresh()
         await self._listener.sync()
         start_seq = keys.sequence
-        found, failed = await self.scan()
+        keys.watch_removals()
+        try:
+            found, failed = await self.scan()
+        finally:
+            evicted_meanwhile = keys.watched_removals()
 
         def lost_node(rkey: bytes) -> bool:
             node = self._router.owner(rkey)
@@ -94,7 +98,9 @@ class Listing:
         removals = keys.removed(keys.gone(start_seq, found, lost_node), "external")
         self._extra["removals_listed"] += len(removals)
         keys.report(removals)
-        fresh = [key for key in found if key not in keys.known] if self._on_new is not None else []
+        # Found and never announced - unless evicted while the listing ran (gone, or soon gone).
+        fresh = [key for key in found if key not in keys.known and key not in evicted_meanwhile] \
+            if self._on_new is not None else []
         keys.remember_new(found, start_seq)
         if fresh and self._on_new is not None:
             # Keys whose new-key notice was lost (a subscription that dropped): arrivals now.
