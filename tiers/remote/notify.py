@@ -6,8 +6,9 @@ are node-local, so there is one subscription per primary, each on its own connec
 connection cannot serve commands, and must not take a slot of the node's bounded pool). Pub/sub is
 at-most-once: a subscription that drops and comes back calls ``on_gap`` so the owner runs its
 listing (the backstop) soon. With ``on_new``, the same subscription also takes
-``__keyevent@0__:new`` (flag ``n``: a key that did not exist was written), so an owner learns of
-records other writers add without listing the namespace.
+``__keyevent@0__:new`` (flag ``n``: a key that did not exist was written) and ``:del`` (flag ``g``:
+another writer deleted one, e.g. a corrupt record it found), so an owner learns of records other
+writers add or delete without listing the namespace (a delete reaches ``on_keys`` as an eviction).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ logger = logging.getLogger("kvtier.tiers.remote")
 
 EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
 NEW_KEY_CHANNEL = b"__keyevent@0__:new"
+DEL_CHANNEL = b"__keyevent@0__:del"  # flag g: another host's delete (a corrupt record it found)
 _BACKOFF_S = (0.2, 5.0)  # reconnect delay: first, cap
 _DRAIN_MAX = 1000  # messages handed over in one burst
 
@@ -48,7 +50,7 @@ class EvictionListener:
         self._on_keys = on_keys
         self._on_gap = on_gap
         self._on_new = on_new
-        self._channels = EVICTION_CHANNELS + ((NEW_KEY_CHANNEL,) if on_new is not None else ())
+        self._channels = EVICTION_CHANNELS + ((NEW_KEY_CHANNEL, DEL_CHANNEL) if on_new is not None else ())
         self._tasks: Dict[str, "asyncio.Task[None]"] = {}
         self.enabled: Dict[str, bool] = {}  # node name -> notifications known to be on
         self.restarts = 0
@@ -84,8 +86,8 @@ class EvictionListener:
                 raise reply
             raw = reply.get(b"notify-keyspace-events", b"") if isinstance(reply, dict) else bytes(reply[1])
             flags = raw.decode()
-            needed = "Een" if self._on_new is not None else "Ee"  # "A" covers "e", never "n"
-            wanted = flags + "".join(c for c in needed if c not in flags and not (c == "e" and "A" in flags))
+            needed = "Eeng" if self._on_new is not None else "Ee"  # "A" covers "e" and "g", never "n"
+            wanted = flags + "".join(c for c in needed if c not in flags and not (c in "eg" and "A" in flags))
             if wanted != flags:
                 res = (await node.call([("CONFIG", "SET", "notify-keyspace-events", wanted)]))[0]
                 if isinstance(res, BaseException):
@@ -182,6 +184,7 @@ class EvictionListener:
             self._hand(run, new)
 
     def _hand(self, names: List[bytes], new: bool) -> None:
+        # A delete is handed over as an eviction: either way the record is gone.
         if new:
             assert self._on_new is not None
             self._on_new(names)
