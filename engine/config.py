@@ -151,6 +151,10 @@ class StoreConfig:
     # On: a chunk loaded from the remote is also written into LMDB (in the background), so the next
     # load of it on this host is local; off keeps LMDB for this host's own spills.
     remote_promote_to_disk: bool = True
+    # On: the remote also sends each host its namespace's new keys (notify-keyspace-events n), so
+    # chunks other hosts write become hits at once, without a listing of the namespace (O(keys) per
+    # refresh); off leaves them to disk_index_refresh_interval_s.
+    remote_watch_new_keys: bool = True
     # Off: the store writes its tier. On: the LMDB tier opens read-only (a read-only mount of a warmed
     # cache); nothing is written and a damaged directory is never moved aside (it is not ours).
     read_only: bool = False
@@ -243,6 +247,7 @@ class StoreConfig:
         require_seconds("remote_breaker_reset_s", self.remote_breaker_reset_s)
         require_seconds("remote_listing_interval_s", self.remote_listing_interval_s)
         require_bool("remote_promote_to_disk", self.remote_promote_to_disk)
+        require_bool("remote_watch_new_keys", self.remote_watch_new_keys)
 
     # -- conversions and loaders ----------------------------------------------------------------
 
@@ -502,7 +507,7 @@ _FLOAT_FIELDS = frozenset(
 )
 _BOOL_FIELDS = frozenset(
     {"spill_enabled", "compression_enabled", "quarantine_corrupt_cache_dir", "lmdb_verify_on_open",
-     "remote_promote_to_disk", "read_only"}
+     "remote_promote_to_disk", "remote_watch_new_keys", "read_only"}
 )
 _OPTIONAL_FIELDS = frozenset(
     {"cache_dir", "disk_capacity_bytes", "disk_index_refresh_interval_s", "disk_index_wait_s", "remote_url",

@@ -123,6 +123,7 @@ class DiskStore:
                 self._tier = await self._chain_remote(self._tier, self.config.remote_url)
             if self._tier is not None:
                 self._subscribe_removals(self._tier)
+                self._tier.subscribe_arrivals(self._arrived)
                 self._listing = asyncio.ensure_future(self._list_into_index(self._tier))
                 self._listing.add_done_callback(_outcome_read)
                 wait_s = self.config.disk_index_wait_s
@@ -209,6 +210,7 @@ class DiskStore:
             breaker_failures=config.remote_breaker_failures,
             breaker_reset_s=config.remote_breaker_reset_s,
             listing_interval_s=config.remote_listing_interval_s,
+            watch_new_keys=config.remote_watch_new_keys,
             require_connection=False,
         )
         if disk is None:
@@ -236,6 +238,19 @@ class DiskStore:
         if self._on_evicted is not None:
             # Deletes are asked for; the rest (capacity, quarantine, gone from a listing) are evictions.
             self._on_evicted(sum(1 for r in removals if r.reason != "deleted"))
+
+    def _arrived(self, keys: List[bytes], sequence: int) -> None:
+        """Keys another writer made readable in the tier (a shared remote's new-key notices) join
+        the index at the tier's ``sequence``, as a put of them would: a key indexed already takes
+        the later sequence, so a removal of its older record that the tier reports after the
+        arrival (a chain checks its other tiers first) does not take the new one out; a removal
+        with a later sequence wins."""
+        token = self.index.begin()
+        try:
+            for key in keys:
+                self.index.add(key, token, sequence)
+        finally:
+            self.index.end(token)
 
     async def _list_into_index(self, tier: ChunkTier) -> None:
         """The start-up listing (a task on the loop): the tier's snapshot, read on its worker, then

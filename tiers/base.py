@@ -403,6 +403,12 @@ class ChunkTier(abc.ABC):
         event loop that is running now (see ``RemovalFeed``). Default: a tier that never drops
         records reports nothing."""
 
+    def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
+        """Call ``callback(keys, sequence)`` on the event loop for keys another writer made readable
+        in this tier (a shared remote's new-key notices), at the tier's ``sequence``: a removal of
+        one of them reported later has a later sequence. Default: a tier that cannot tell reports
+        nothing (a listing finds such keys)."""
+
     async def flush(self) -> None:
         """Wait until every write queued so far has landed. Default: nothing is queued."""
 

@@ -7,7 +7,13 @@ The engine takes it as its disk tier, so host -> LMDB -> remote needs no change 
   encoded the caller's buffers, never for the network); ``write_back_on_evict`` copies a record down
   only when the first tier nears its capacity (``writeback_fill_fraction`` of ``capacity_bytes``),
   oldest first, read back from the first tier - a victim cache. A lower tier's failure never fails
-  the put: it is counted (``writebehind_failed``) and the chunk stays where it landed.
+  the put: it is counted (``writebehind_failed``) and the chunk stays where it landed. A first
+  tier's failure (full, I/O errors) does not keep the batch from the lower tiers: the put waits
+  for them and succeeds when one holds all of it (``kept_below``), so the bytes, still on the
+  host, are not lost to the fleet; it raises only when no tier took it.
+- A new-key notice of a lower tier (a shared remote: another host wrote the chunk) reaches
+  ``subscribe_arrivals`` with the chain's sequence, and every hit is a use the tiers below it
+  hear of (``touch_many``): a chunk served from LMDB must not age out of the shared remote.
 - ``get_many_into`` asks the tiers in order for what is still missing; a hit in a lower tier is
   promoted into the first tier (a copy of the bytes is written in the background, so the call does
   not wait for the first tier's sync). An error of any tier is a miss there, never an error: a remote
@@ -36,7 +42,7 @@ import logging
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, KvtierError
 
 from .base import (
     ChunkMeta,
@@ -65,11 +71,15 @@ _MAX_BACKGROUND = 64
 
 
 def _settle(gate: "asyncio.Future[None]", primary: "asyncio.Future[Any]") -> None:
+    """Open ``gate`` once the first tier's put has ended: on its success, and on a tier failure
+    too (full, I/O errors: the lower tiers still get the bytes); closed for good (the lower stores
+    dropped) when it was cancelled or refused the batch itself (a caller's mistake)."""
     if gate.done():
         return
     if primary.cancelled():
         gate.cancel()
-    elif (exc := primary.exception()) is not None:
+    elif (exc := primary.exception()) is not None and (
+            isinstance(exc, ClosedError) or not isinstance(exc, (KvtierError, OSError))):
         gate.set_exception(exc)
     else:
         gate.set_result(None)
@@ -127,11 +137,13 @@ class ChainedTier(ChunkTier):
         self._extra: Dict[str, float] = dict(
             writebehind_batches=0, writebehind_chunks=0, writebehind_failed=0, writebehind_skipped=0,
             promotions=0, promotions_failed=0, promotions_skipped=0, writeback_lost=0,
-            removals_held=0,
+            removals_held=0, kept_below=0,
         )
         self._hits_per_tier = [0] * len(self.tiers)
+        self._arrivals: List[Callable[[List[bytes], int], None]] = []
         for index, tier in enumerate(self.tiers):
             tier.subscribe_removals(self._removal_callback(index))
+            tier.subscribe_arrivals(self._on_tier_arrived)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -217,11 +229,30 @@ class ChainedTier(ChunkTier):
         """``callback(removals)`` when a key is gone from every tier; on the loop running now."""
         self._removal_feed.subscribe(callback)
 
+    def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
+        """``callback(keys, sequence)`` when a tier reports keys another writer made readable
+        there (a shared remote's new-key notices), and when a promotion into the first tier has
+        landed, at the chain's sequence: taken on arrival, so a removal the chain reports later
+        (a tier's report comes after the arrival) wins."""
+        self._arrivals.append(callback)
+
+    def _on_tier_arrived(self, keys: List[bytes], _sequence: int) -> None:
+        if self._closed or not keys:
+            return
+        seq = self._next_sequence()
+        for callback in list(self._arrivals):
+            try:
+                callback(keys, seq)
+            except Exception:
+                logger.exception("chained tier: an arrivals callback failed")
+
     async def put_many(self, items: Sequence[PutItem]) -> int:
-        """Store in the first tier (durable when it returns, all or nothing, its errors raised as
-        they are) and write behind to the lower tiers (their failures are counted, never raised).
-        Returns the chain's sequence for the batch, taken when the call began: every removal the
-        chain reports after that has a later one.
+        """Store in the first tier (durable when it returns, all or nothing) and write behind to the
+        lower tiers (their failures are counted, never raised). When the first tier fails (full,
+        I/O errors), the lower tiers still store the batch and the call waits for them: it returns
+        when one of them holds all of it (readable from the chain; counted in ``kept_below``),
+        else it raises the first tier's error as it is. Returns the chain's sequence for the
+        batch, taken when the call began: every removal the chain reports after that has a later one.
 
         Cancelling it: the first tier's put and the lower tiers' stores run on as they do for those
         tiers; the call returns (re-raising ``CancelledError``) only once every tier has finished
@@ -252,37 +283,73 @@ class ChainedTier(ChunkTier):
     async def _put_all(self, items: List[PutItem]) -> None:
         """The first tier's put, and the lower tiers' stores started behind it (``put_many``)."""
         first = self.tiers[0]
-        # Lower tiers encode while the first tier writes, but send only after it succeeded: a
-        # failed put is then visible in no tier (all or nothing for the chain too).
+        # Lower tiers encode while the first tier writes and send once it has ended (``_settle``):
+        # a healthy put costs what the first tier's does, and a batch the first tier could not take
+        # still lands below it, the caller's bytes being at hand.
         gate: "asyncio.Future[None]" = self._loop.create_future()
-        lower_started: List["asyncio.Future[Any]"] = []
+        lower: List[Tuple["asyncio.Future[Any]", "asyncio.Future[Any]"]] = []
         if self.write_policy == "write_through":
-            lower_started = [self._write_behind(tier, items, gate) for tier in self.tiers[1:]]
+            lower = [self._write_behind(tier, items, gate) for tier in self.tiers[1:]]
         primary = asyncio.ensure_future(first.put_many(items))
         primary.add_done_callback(lambda p: _settle(gate, p))
+        failure: Optional[BaseException] = None
         try:
             await asyncio.shield(primary)
+        except ClosedError:
+            raise
+        except (KvtierError, OSError) as exc:
+            failure = exc
         finally:
             # The buffer rule, cancelled or not: wait until every tier has stopped reading them.
             cancelled = await wait_through_cancel(primary)
-            for fut in lower_started:
+            for fut, _ in lower:
                 cancelled = await wait_through_cancel(fut) or cancelled
             if cancelled:
                 raise asyncio.CancelledError
+        if failure is not None and not await self._kept_below(items, [landed for _, landed in lower]):
+            raise failure
+
+    async def _kept_below(self, items: List[PutItem], landed: List["asyncio.Future[Any]"]) -> bool:
+        """After the first tier failed a batch: True once a lower tier holds all of it - a write-behind
+        started for it that landed, or (no write-behind: ``write_back_on_evict``, or one skipped)
+        a store of it made now. Cancelling it: a store made now runs to its end first (the
+        lower tier's buffer rule)."""
+        kept = False
+        for task in landed:
+            try:
+                if await asyncio.shield(task) is not None:
+                    kept = True
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # counted by the write-behind's own callback
+                pass
+        if not kept:
+            for tier in self.tiers[1:]:
+                try:
+                    await tier.put_many(items)
+                    kept = True
+                    break
+                except (KvtierError, OSError) as exc:
+                    self._extra["writebehind_failed"] += len(items)
+                    logger.debug("store of %d chunks below a failed first tier failed: %s", len(items), exc)
+        if kept:
+            self._extra["kept_below"] += len(items)
+        return kept
 
     def _write_behind(self, tier: ChunkTier, items: List[PutItem], gate: "asyncio.Future[None]"
-                      ) -> "asyncio.Future[Any]":
+                      ) -> Tuple["asyncio.Future[Any]", "asyncio.Future[Any]"]:
         """Start a lower tier's store that lands once ``gate`` succeeded (``ChunkTier.start_put``:
         the remote tier encodes meanwhile; a tier without its own split runs its whole put after the
-        gate); returns a future done once the caller's buffers are no longer read."""
+        gate); returns (done once the caller's buffers are no longer read, the store's own task:
+        its result is the tier's sequence, ``None`` for a store skipped here)."""
         if len(self._background) >= _MAX_BACKGROUND:
             self._extra["writebehind_skipped"] += 1
             done: "asyncio.Future[Any]" = self._loop.create_future()
             done.set_result(None)
-            return done
+            return done, done
         encoded, task = tier.start_put(items, after=gate)
         self._track_lower_put(task, len(items))
-        return encoded
+        return encoded, task
 
     def _track_lower_put(self, task: "asyncio.Future[Any]", count: int) -> None:
         self._background.spawn(task)  # the lower tier's task joins the chain's own work
@@ -371,6 +438,11 @@ class ChainedTier(ChunkTier):
                 results[i] = meta
                 sources[i] = index
             self._hits_per_tier[index] += len(found)
+            if found:
+                # A use the tiers below hear of (their LRU), as the host's own touch: a chunk
+                # served from the first tier must not age out of a shared remote behind it.
+                for lower in self.tiers[index + 1:]:
+                    lower.touch_many([items[i][0] for i, _ in found])
             if index > 0 and found and self.promote:
                 copies = [(items[i][0], meta, memoryview(bytes(items[i][1]))) for i, meta in found]
                 self._spawn_background(self._promote(copies), "promotions_skipped")
@@ -397,6 +469,9 @@ class ChainedTier(ChunkTier):
         try:
             await self.tiers[0].put_many(items)
             self._extra["promotions"] += len(items)
+            # Readable in the first tier now: an index that dropped one of them meanwhile (the
+            # lower tier evicted it before this copy landed) hears of it as an arrival.
+            self._on_tier_arrived([key for key, _, _ in items], 0)
         except Exception as exc:
             self._extra["promotions_failed"] += len(items)
             logger.debug("promotion of %d chunks failed: %s", len(items), exc)

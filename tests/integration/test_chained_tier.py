@@ -60,6 +60,8 @@ async def test_write_through_lands_in_both_and_reads_come_from_the_first(tmp_pat
 async def test_remote_only_chunks_are_seen_loaded_and_promoted(tmp_path, valkey_node):
     chain, ns = await open_chain(tmp_path, valkey_node.url)
     lmdb, remote = chain.tiers
+    arrived = []
+    chain.subscribe_arrivals(lambda keys, seq: arrived.append((sorted(keys), seq)))
     other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
     try:
         items = make_items(4, 32 << 10, seed=12)
@@ -72,6 +74,9 @@ async def test_remote_only_chunks_are_seen_loaded_and_promoted(tmp_path, valkey_
         assert all(bytes(b) == bytes(raw) for b, (_, _, raw) in zip(bufs, items))
         await chain.flush()
         assert await lmdb.contains_many(keys) == [True] * 4  # promoted remote -> LMDB
+        # The landed promotion is an arrival (an index that dropped a key meanwhile takes it back),
+        # at a sequence after every one the chain had given out before.
+        assert arrived[-1][0] == sorted(keys) and arrived[-1][1] == chain.sequence
         assert chain.statistics().extra["promotions"] == 4
         assert chain.statistics().extra["hits.remote"] == 4
     finally:
@@ -399,5 +404,104 @@ async def test_cancelling_flush_or_close_never_loses_a_removal_report(tmp_path, 
         gate.release()
         await getattr(chain, wait)()  # waits for the same work, uncancelled
         assert [(r.key, r.reason) for r in removals] == [(evicted[0], "evicted")]
+    finally:
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_chunks_another_host_writes_reach_this_index_without_a_listing(tmp_path, valkey_cluster):
+    from kvtier.engine import OffloadEngine
+    from kvtier.tools.testing.scenario import DEFAULT_TEST_LAYOUT, OffloadScenario, make_cpu_device
+
+    layout = DEFAULT_TEST_LAYOUT
+    namespace = f"arrive{os.getpid()}"
+
+    def config(name: str, **extra) -> EngineConfig:
+        return EngineConfig(cache_dir=str(tmp_path / name), host_capacity_bytes=1 << 20, remote_url=valkey_cluster.url,
+                            remote_namespace=namespace, remote_listing_interval_s=3600.0, **extra)
+
+    device = make_cpu_device(layout)
+    async with OffloadEngine(layout, make_cpu_device(layout), config("b"), fingerprint=b"arrive-model") as b, \
+            OffloadEngine(layout, make_cpu_device(layout), config("c", remote_watch_new_keys=False),
+                          fingerprint=b"arrive-model") as c:
+        assert not b.disk_index.keys() and not c.disk_index.keys()
+        async with OffloadEngine(layout, device, config("a"), fingerprint=b"arrive-model") as a:
+            producer = OffloadScenario(a)
+            prompt = producer.tokens(33)
+            await producer.produce(prompt)
+            await a.disk_tier.flush()
+            written = set(a.disk_index.keys())
+            assert len(written) == 8
+            # B started before A wrote and never lists again: the new-key notices index A's
+            # chunks (within the bound), and B loads them bitwise from the cluster.
+            assert await wait_for(lambda: set(b.disk_index.keys()) == written, timeout_s=2.0)
+            assert b.disk_tier.tiers[1].statistics().extra["arrivals_notified"] >= 8
+            consumer = OffloadScenario(b)
+            consumer.producer_bytes = producer.producer_bytes
+            await consumer.consume(prompt + [1], expect_hit=32)
+            # C does not watch: the chunks reach it only through a listing.
+            assert c.lookup(prompt + [1]) == 0 and not c.disk_index.keys()
+            assert await c.refresh_disk_index() == (8, 0)
+            assert c.lookup(prompt + [1]) == 32
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back_on_evict"])
+async def test_a_batch_the_lmdb_cannot_take_still_reaches_the_remote(tmp_path, valkey_factory, write_policy):
+    from kvtier.errors import TierIOError
+    from kvtier.tools.testing.faults import inject_io_faults, remove_io_faults
+
+    valkey_node = valkey_factory.node()
+    chain, ns = await open_chain(tmp_path, valkey_node.url, write_policy=write_policy, timeout_s=0.5)
+    lmdb, remote = chain.tiers
+    other_host = await RemoteTier.open(valkey_node.url, namespace=ns, fingerprint=FP)
+    try:
+        items = make_items(5, 64 << 10, seed=41)
+        keys = [k for k, _, _ in items]
+        plan = inject_io_faults(lmdb, fail_from=1)  # every LMDB read, put and commit fails (EIO)
+        # The LMDB put fails; the bytes are still the caller's, so the remote takes the batch and
+        # the put succeeds: the chunks are readable from the chain, not lost to the fleet.
+        seq = await chain.put_many(items)
+        assert seq == chain.sequence
+        assert plan.faults > 0
+        assert await remote.contains_many(keys) == [True] * 5
+        assert chain.statistics().extra["kept_below"] == 5
+        # Readable, bitwise, by another host (straight from the server) and through the chain.
+        metas, bufs = await read_back(other_host, items)
+        assert metas == [m for _, m, _ in items]
+        assert [bytes(b) for b in bufs] == [bytes(raw) for _, _, raw in items]
+        remove_io_faults(lmdb)
+        assert await lmdb.contains_many(keys) == [False] * 5
+        metas, bufs = await read_back(chain, items)
+        assert [bytes(b) for b in bufs] == [bytes(raw) for _, _, raw in items]
+
+        # No tier takes it (the remote's server gone too): the LMDB's error, raised as it is.
+        await other_host.close()
+        valkey_node.stop()
+        inject_io_faults(lmdb, fail_from=1)
+        with pytest.raises(TierIOError):
+            await chain.put_many(make_items(3, 64 << 10, seed=42))
+    finally:
+        remove_io_faults(lmdb)
+        await chain.close()
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_served_from_lmdb_is_a_use_the_shared_remote_hears_of(tmp_path, valkey_node):
+    chain, _ = await open_chain(tmp_path, valkey_node.url)
+    lmdb, remote = chain.tiers
+    try:
+        items = make_items(4, 16 << 10, seed=51)
+        await chain.put_many(items)
+        await chain.flush()
+        await asyncio.sleep(2.1)  # the server's LRU clock counts whole seconds
+        idle = [int(valkey_node.command("OBJECT", "IDLETIME", remote.rkey(k))) for k, _, _ in items]
+        assert min(idle) >= 2
+        metas, bufs = await read_back(chain, items[:2])  # served by LMDB, not the remote
+        assert chain.statistics().extra["hits.lmdb"] == 2 and chain.statistics().extra["hits.remote"] == 0
+        await chain.flush()  # the touch runs in the background
+        idle = [int(valkey_node.command("OBJECT", "IDLETIME", remote.rkey(k))) for k, _, _ in items]
+        assert idle[:2] == [0, 0] and min(idle[2:]) >= 2, idle
+        assert remote.statistics().extra["touches"] == 2
     finally:
         await chain.close()

@@ -148,3 +148,25 @@ async def test_a_damaged_directory_is_moved_aside_unless_read_only(tmp_path: Pat
     with pytest.raises(CorruptCacheError):
         await DiskStore.open(StoreConfig(cache_dir=str(cache), read_only=True), fingerprint=FP)
     assert (cache / "data.mdb").read_bytes().startswith(b"not an LMDB file")  # left alone
+
+
+@pytest.mark.asyncio
+async def test_an_arrival_outlives_the_late_report_of_its_older_records_removal(tmp_path: Path):
+    from kvtier.tiers.base import Removal
+
+    store = await DiskStore.open(StoreConfig(cache_dir=str(tmp_path / "kv"), compression_enabled=False),
+                                 fingerprint=FP)
+    try:
+        [a, b] = keys(["a", "b"])
+        store._arrived([a], 3)  # another writer's record of "a", announced at the tier's sequence 3
+        assert a in store.index
+        # The server evicted that record (the tier's sequence 5 for the removal), and another
+        # writer wrote "a" again (sequence 6): the new arrival reaches the store before the
+        # removal does (a chain asks its other tiers before it reports one).
+        store._arrived([a, b], 6)
+        store._removed([Removal(a, 5, "evicted")])
+        assert a in store.index and b in store.index  # the removal was of the older record
+        store._removed([Removal(a, 7, "evicted")])
+        assert a not in store.index and b in store.index
+    finally:
+        await store.close()

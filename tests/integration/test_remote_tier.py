@@ -503,3 +503,61 @@ def test_breaker_states():
     assert b.state == CLOSED and b.allow()
     b.trip()
     assert b.state == OPEN
+
+
+@pytest.mark.asyncio
+async def test_new_keys_reach_a_watching_tier_by_notice_and_lost_notices_by_the_listing(valkey_factory):
+    node = valkey_factory.node()
+    ns = namespace()
+    reader = await RemoteTier.open(node.url, namespace=ns, fingerprint=FP, watch_new_keys=True,
+                                   listing_interval_s=None)
+    writer = await RemoteTier.open(node.url, namespace=ns, fingerprint=FP)
+    flags = node.command("CONFIG", "GET", "notify-keyspace-events")[b"notify-keyspace-events"]
+    assert b"n" in flags and b"g" in flags  # the watching tier turned new-key and delete notices on
+    arrived: List[Tuple[List[bytes], int]] = []
+    reader.subscribe_arrivals(lambda keys, seq: arrived.append((sorted(keys), seq)))
+    try:
+        first = make_items(3, 4096, seed=61)
+        await writer.put_many(first)
+        assert await wait_for(lambda: sum(len(k) for k, _ in arrived) == 3, timeout_s=2.0)
+        assert sorted(k for keys, _ in arrived for k in keys) == sorted(k for k, _, _ in first)
+        assert reader.statistics().extra["arrivals_notified"] == 3
+        # Notices lost (the server stops sending them): the listing hands the unannounced keys over,
+        # once, at a later sequence.
+        node.command("CONFIG", "SET", "notify-keyspace-events", "Ee")
+        second = make_items(2, 4096, seed=62)
+        await writer.put_many(second)
+        await asyncio.sleep(0.2)
+        assert sum(len(k) for k, _ in arrived) == 3
+        before = arrived[-1][1]
+        await reader.reconcile()
+        assert arrived[-1][0] == sorted(k for k, _, _ in second) and arrived[-1][1] > before
+        assert reader.statistics().extra["arrivals_listed"] == 2
+        handed = list(arrived)
+        await reader.reconcile()
+        assert arrived == handed  # nothing handed over twice
+        # A key evicted while the listing runs is not handed over as new, though the scan found it
+        # (the eviction came after the cursor passed it; its notice before the listing ended).
+        third = make_items(1, 4096, seed=63)
+        await writer.put_many(third)
+        name = reader.rkey(third[0][0])
+
+        def evicted_during_scan(_node, commands) -> None:
+            if commands and commands[0][0] == "SCAN":
+                reader._on_evicted([name])  # the notice, as the listener hands it over
+
+        reader.set_call_hook(evicted_during_scan)
+        await reader.reconcile()
+        reader.set_call_hook(None)
+        assert arrived == handed and reader.statistics().extra["arrivals_listed"] == 2
+        # Another writer's delete reaches the reader as a removal by its notice (flag g), no listing
+        # needed: the key is known from its arrival on.
+        node.command("CONFIG", "SET", "notify-keyspace-events", "Eeng")
+        removed = []
+        reader.subscribe_removals(removed.extend)
+        await writer.delete_many([second[0][0]])
+        assert await wait_for(lambda: [r.key for r in removed] == [second[0][0]], timeout_s=2.0)
+        assert await reader.reconcile() == 0
+    finally:
+        await writer.close()
+        await reader.close()

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvtier.tools.cli import main
-from kvtier.tools.replay.fleet import History, classify_misses
+from kvtier.tools.replay.fleet import Fault, History, classify_misses
 from kvtier.tools.testing.valkey import require_valkey
 
 
@@ -96,3 +96,23 @@ def test_absent_chunks_are_explained_by_who_stored_them_and_who_removed_them():
     # "b" left the remote with nobody saying so: the ground truth cannot explain it.
     assert classify_misses(pooled, _step(["a", "b"], {k: v[:2] for k, v in where.items()}), 0, 2.5, 3.0, 512) == [
         "evicted by the remote (server maxmemory)", "unexplained: gone from the remote"]
+
+
+def test_a_chunk_left_out_of_the_index_by_a_fault_is_explained_only_near_that_fault():
+    # "aa": another host stored it at 1.0; this host's last index refresh (at 2.0) and the lookup
+    # (at 20.0) saw it in the remote and not indexed.
+    history = _history(True)
+    history.stores["aa"] = [(1.0, 1)]
+    step = dict(_step(["aa"], {"h": [False], "d": [False], "r": [True]}), indexed_at=2.0)
+    assert classify_misses(history, step, 0, 20.0, 20.1, 512) == ["unexplained: in the remote but not hit"]
+    # A primary stopped during that refresh (its listing skipped the node): explained.
+    history.faults.append(Fault("stall", 1, 1.5, 2.5))
+    assert classify_misses(history, step, 0, 20.0, 20.1, 512) == [
+        "fault: in the remote, not indexed (stall: a listing that skipped a node, or notices lost while a "
+        "subscription was down)"]
+    # A primary killed and restarted 4 s before the lookup (its subscription's backoff): explained.
+    history.faults[:] = [Fault("kill", 0, 10.0, 20.0 - 4.0 - history.grace_s)]
+    assert classify_misses(history, step, 0, 20.0, 20.1, 512)[0].startswith("fault: in the remote, not indexed (kill")
+    # Long after either: unexplained again.
+    history.faults[:] = [Fault("kill", 0, 5.0, 10.0)]
+    assert classify_misses(history, step, 0, 20.0, 20.1, 512) == ["unexplained: in the remote but not hit"]

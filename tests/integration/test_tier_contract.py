@@ -148,8 +148,18 @@ def _corrupt_chain(tier: ChunkTier, key: bytes) -> None:
 
 
 def _break_chain_writes(tier: ChunkTier) -> Callable[[], None]:
+    # Both tiers: a first tier failing alone still lands the batch in the remote (the put succeeds).
+    # The remote refuses it as a server whose value limit is below every record (no breaker opens,
+    # so healing is immediate).
     heal_lmdb = _LMDB_WRITES(tier.tiers[0])  # type: ignore[attr-defined]
-    return heal_lmdb  # the first tier failing fails the chain's put; nothing reaches the remote
+    remote = _remote_of(tier)
+    limit, remote._max_value_bytes = remote._max_value_bytes, 1  # type: ignore[attr-defined]
+
+    def heal() -> None:
+        heal_lmdb()
+        remote._max_value_bytes = limit  # type: ignore[attr-defined]
+
+    return heal
 
 
 TIERS: List[TierKind] = [

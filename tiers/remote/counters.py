@@ -29,7 +29,8 @@ class RemoteCounters:
         self.extra: Dict[str, float] = dict(
             put_bytes=0, get_bytes=0, put_seconds=0.0, get_seconds=0.0, put_seconds_max=0.0,
             get_seconds_max=0.0, get_batches=0, timeouts=0, full=0, breaker_rejected=0,
-            evictions_notified=0, removals_listed=0, listings=0,
+            evictions_notified=0, arrivals_notified=0, arrivals_listed=0, touches=0, touches_skipped=0,
+            removals_listed=0, listings=0,
             rollbacks=0, moved=0, get_direct=0,
         )
 

@@ -34,6 +34,8 @@ class Keyspace:
         self.feed = RemovalFeed()
         self._writing = KeyCounts()
         self._evicted_while_writing: Set[bytes] = set()
+        self._removed_while_listing: Optional[Set[bytes]] = None  # see watch_removals
+        self._watchers = 0
 
     # -- names -----------------------------------------------------------------------------------
 
@@ -80,10 +82,29 @@ class Keyspace:
         for key in keys:
             self.known.setdefault(key, (self.sequence, 0))
 
+    def watch_removals(self) -> None:
+        """Note every key ``removed`` from now on, known or not, until ``watched_removals``: a
+        listing that found a key it did not know must not take a key evicted meanwhile for new.
+        Listings may overlap: each watch lasts until its own ``watched_removals``."""
+        if self._removed_while_listing is None:
+            self._removed_while_listing = set()
+        self._watchers += 1
+
+    def watched_removals(self) -> Set[bytes]:
+        """The keys ``removed`` since the oldest watch still open (at least this one's)."""
+        watched = set(self._removed_while_listing or ())
+        self._watchers -= 1
+        if self._watchers <= 0:
+            self._watchers, self._removed_while_listing = 0, None
+        return watched
+
     def removed(self, keys: Iterable[bytes], reason: str) -> List[Removal]:
         """Forget ``keys`` and build one Removal per key this instance knew (each reported once)."""
         out: List[Removal] = []
+        watching = self._removed_while_listing
         for key in keys:
+            if watching is not None:
+                watching.add(key)
             entry = self.known.pop(key, None)
             if entry is not None:
                 self.known_bytes -= entry[1]

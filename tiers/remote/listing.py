@@ -4,7 +4,7 @@ Primitive: ``Listing`` (event-loop thread only). ``scan`` lists the namespace on
 reachable now (``SCAN``). ``reconcile`` is one round of the backstop: refresh the slot map, (re)start
 the eviction listeners for new primaries, list, and report each known key found gone
 (``external``: another host's delete, a node restarted empty, a notification lost - pub/sub is
-at-most-once). ``start`` runs rounds every ``interval_s``, or sooner when woken (a listener that lost
+at-most-once), and, with ``on_new``, hands over the keys it found that no notice announced. ``start`` runs rounds every ``interval_s``, or sooner when woken (a listener that lost
 its subscription wakes it).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from kvtier.errors import ClosedError, TierIOError
 
@@ -34,7 +34,7 @@ class Listing:
 
     def __init__(self, router: NodeRouter, listener: EvictionListener, keys: Keyspace,
                  counters: RemoteCounters, *, interval_s: Optional[float], wakeup: asyncio.Event,
-                 closed: Callable[[], bool]) -> None:
+                 closed: Callable[[], bool], on_new: Optional[Callable[[List[bytes]], None]] = None) -> None:
         self._router = router
         self._listener = listener
         self._keys = keys
@@ -42,6 +42,7 @@ class Listing:
         self._interval_s = interval_s
         self._wakeup = wakeup
         self._closed = closed
+        self._on_new = on_new
         self._task: Optional["asyncio.Task[None]"] = None
 
     async def scan(self) -> Tuple[Set[bytes], Set[str]]:
@@ -84,7 +85,11 @@ class Listing:
         await self._router.refresh()
         await self._listener.sync()
         start_seq = keys.sequence
-        found, failed = await self.scan()
+        keys.watch_removals()
+        try:
+            found, failed = await self.scan()
+        finally:
+            evicted_meanwhile = keys.watched_removals()
 
         def lost_node(rkey: bytes) -> bool:
             node = self._router.owner(rkey)
@@ -93,7 +98,13 @@ class Listing:
         removals = keys.removed(keys.gone(start_seq, found, lost_node), "external")
         self._extra["removals_listed"] += len(removals)
         keys.report(removals)
+        # Found and never announced - unless evicted while the listing ran (gone, or soon gone).
+        fresh = [key for key in found if key not in keys.known and key not in evicted_meanwhile] \
+            if self._on_new is not None else []
         keys.remember_new(found, start_seq)
+        if fresh and self._on_new is not None:
+            # Keys whose new-key notice was lost (a subscription that dropped): arrivals now.
+            self._on_new(fresh)
         return len(removals)
 
     def start(self) -> None:

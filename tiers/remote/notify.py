@@ -5,24 +5,29 @@ publishes each evicted (and expired) key on ``__keyevent@0__:evicted`` / ``:expi
 are node-local, so there is one subscription per primary, each on its own connection (a pub/sub
 connection cannot serve commands, and must not take a slot of the node's bounded pool). Pub/sub is
 at-most-once: a subscription that drops and comes back calls ``on_gap`` so the owner runs its
-listing (the backstop) soon.
+listing (the backstop) soon. With ``on_new``, the same subscription also takes
+``__keyevent@0__:new`` (flag ``n``: a key that did not exist was written) and ``:del`` (flag ``g``:
+another writer deleted one, e.g. a corrupt record it found), so an owner learns of records other
+writers add or delete without listing the namespace (a delete reaches ``on_keys`` as an eviction).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import redis.asyncio as aioredis
 
 from .router import NodeRouter, RemoteNode
 
-__all__ = ["EvictionListener", "EVICTION_CHANNELS"]
+__all__ = ["EvictionListener", "EVICTION_CHANNELS", "NEW_KEY_CHANNEL"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
 EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
+NEW_KEY_CHANNEL = b"__keyevent@0__:new"
+DEL_CHANNEL = b"__keyevent@0__:del"  # flag g: another host's delete (a corrupt record it found)
 _BACKOFF_S = (0.2, 5.0)  # reconnect delay: first, cap
 _DRAIN_MAX = 1000  # messages handed over in one burst
 
@@ -30,18 +35,22 @@ _DRAIN_MAX = 1000  # messages handed over in one burst
 class EvictionListener:
     """Keeps one subscription per primary of ``router``; ``on_keys(names)`` gets the evicted key
     names (raw server names; the owner filters its namespace), ``on_gap()`` is called after a
-    subscription was re-established. ``configure``: add ``Ee`` to each primary's
+    subscription was re-established; ``on_new(names)``, when given, the names of keys written new
+    (``NEW_KEY_CHANNEL``). ``configure``: add ``Ee`` (and ``n`` with ``on_new``) to each primary's
     ``notify-keyspace-events`` (keeping its other flags). Its timeouts are the router's. Event-loop
-    thread only; ``on_keys`` and ``on_gap`` are called there."""
+    thread only; the callbacks are called there, each node's in the order the node sent them."""
 
     def __init__(self, router: NodeRouter, *, configure: bool,
-                 on_keys: Callable[[List[bytes]], None], on_gap: Callable[[], None]) -> None:
+                 on_keys: Callable[[List[bytes]], None], on_gap: Callable[[], None],
+                 on_new: Optional[Callable[[List[bytes]], None]] = None) -> None:
         self._router = router
         self._timeout_s = router.timeout_s
         self._connect_timeout_s = router.connect_timeout_s
         self._configure = configure
         self._on_keys = on_keys
         self._on_gap = on_gap
+        self._on_new = on_new
+        self._channels = EVICTION_CHANNELS + ((NEW_KEY_CHANNEL, DEL_CHANNEL) if on_new is not None else ())
         self._tasks: Dict[str, "asyncio.Task[None]"] = {}
         self.enabled: Dict[str, bool] = {}  # node name -> notifications known to be on
         self.restarts = 0
@@ -77,7 +86,8 @@ class EvictionListener:
                 raise reply
             raw = reply.get(b"notify-keyspace-events", b"") if isinstance(reply, dict) else bytes(reply[1])
             flags = raw.decode()
-            wanted = flags + "".join(c for c in "Ee" if c not in flags and not (c == "e" and "A" in flags))
+            needed = "Eeng" if self._on_new is not None else "Ee"  # "A" covers "e" and "g", never "n"
+            wanted = flags + "".join(c for c in needed if c not in flags and not (c in "eg" and "A" in flags))
             if wanted != flags:
                 res = (await node.call([("CONFIG", "SET", "notify-keyspace-events", wanted)]))[0]
                 if isinstance(res, BaseException):
@@ -99,7 +109,7 @@ class EvictionListener:
                                     decode_responses=False)
             pubsub = client.pubsub()
             try:
-                await asyncio.wait_for(pubsub.subscribe(*EVICTION_CHANNELS), self._timeout_s)
+                await asyncio.wait_for(pubsub.subscribe(*self._channels), self._timeout_s)
                 # SUBSCRIBE's confirmations: only from them on does the server send this
                 # connection the channels' messages (redis-py does not wait for them).
                 await self._confirmed(pubsub)
@@ -120,7 +130,7 @@ class EvictionListener:
                         if more is None:
                             break
                         batch.append(more)
-                    self._on_keys(_names(batch))
+                    self._deliver(batch)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection lost, node down: retry later
@@ -144,7 +154,7 @@ class EvictionListener:
         deadline = loop.time() + self._timeout_s
         confirmed = 0
         early: List[Dict[str, Any]] = []
-        while confirmed < len(EVICTION_CHANNELS):
+        while confirmed < len(self._channels):
             message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=0.05)
             if message is None:
                 if loop.time() > deadline:
@@ -154,7 +164,32 @@ class EvictionListener:
             else:
                 early.append(message)
         if early:
-            self._on_keys(_names(early))
+            self._deliver(early)
+
+    def _deliver(self, messages: List[Dict[str, Any]]) -> None:
+        """Hand one burst over in the node's order: a run of evictions to ``on_keys``, a run of new
+        keys to ``on_new`` (a key written, evicted and written again stays in that order)."""
+        run: List[bytes] = []
+        new = False
+        for m in messages:
+            if m.get("type") != "message":
+                continue
+            is_new = bytes(m.get("channel") or b"") == NEW_KEY_CHANNEL
+            if run and is_new != new:
+                self._hand(run, new)
+                run = []
+            new = is_new
+            run.append(bytes(m["data"]))
+        if run:
+            self._hand(run, new)
+
+    def _hand(self, names: List[bytes], new: bool) -> None:
+        # A delete is handed over as an eviction: either way the record is gone.
+        if new:
+            assert self._on_new is not None
+            self._on_new(names)
+        else:
+            self._on_keys(names)
 
     async def close(self) -> None:
         self._closed = True
@@ -163,7 +198,3 @@ class EvictionListener:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-
-
-def _names(messages: List[Dict[str, Any]]) -> List[bytes]:
-    return [bytes(m["data"]) for m in messages if m.get("type") == "message"]

