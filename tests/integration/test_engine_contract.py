@@ -767,13 +767,9 @@ async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_
 # ----------------------------------------------------------------- host hits and the disk's LRU
 
 
-@pytest.mark.asyncio
-async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
-    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
-    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
-    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
-    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
-    # it again).
+async def _raw_record_bytes(tmp_path):
+    """(chunk bytes, record bytes, codec) of one FULL chunk stored uncompressed, so a test can
+    size an LMDB tier in chunks."""
     from kvtier.tiers.base import ChunkMeta
     from kvtier.tiers.record_format import CodecConfig, encode_record
 
@@ -783,6 +779,17 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     dtype, shape = probe.engine.host.metas[0]
     await probe.close()
     record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
+    return nbytes, record, raw
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
+    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
+    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
+    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
+    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
+    # it again).
+    nbytes, record, raw = await _raw_record_bytes(tmp_path)
     inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
     # The scenario spells out the host's LRU order (the default ARC would keep H, used twice).
     r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes, host_eviction_policy="lru")
@@ -799,4 +806,32 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     assert set(removed) == keys["a"]
     assert not any(k in r.engine.host.entries for k in keys["hot"])
     assert (await r.scenario.consume(hot + [1], expect_hit=64)).ok  # from the disk, bitwise
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_finding_a_chunk_on_the_host_alone_keeps_it_there(tmp_path):
+    # Host: 8 chunks (LRU); disk: 4 records. B's store evicts A from the disk; the host keeps A.
+    # A's next store finds A on the host alone and skips it (not durable), but counts it as a use
+    # there, as one cache would take A in again: C's store then evicts B from the host, not A.
+    # The store used to leave A the host's oldest chunk, so C's store dropped it for good (on a
+    # hybrid layout: a window of sliding chunks lost while the full-attention chunks stored with
+    # it stayed, so the next hit stopped at the first chunk).
+    nbytes, record, raw = await _raw_record_bytes(tmp_path)
+    inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=4 * record, codec=raw)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes, host_eviction_policy="lru")
+    removed = []
+    inner.subscribe_removals(lambda removals: removed.extend(x.key for x in removals))
+    a, b, c = (r.scenario.tokens(17 * 4) for _ in range(3))
+    keys = {name: r.engine.request_keys(p).keys[0][:4] for name, p in (("a", a), ("b", b))}
+    for prompt in (a, b):
+        assert (await r.scenario.produce(prompt)).durable is True
+    await r.engine.flush()
+    assert set(removed) == set(keys["a"]) and all(k in r.engine.host.entries for k in keys["a"])
+    assert (await r.scenario.produce(a, expect_stored={})).durable is False  # on the host alone
+    await r.scenario.produce(c)
+    await r.engine.flush()
+    assert all(k in r.engine.host.entries for k in keys["a"])
+    assert not any(k in r.engine.host.entries for k in keys["b"])
+    assert (await r.scenario.consume(a + [1], expect_hit=64)).ok  # from the host, bitwise
     await r.close()
