@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "after-warm-up figures (default 0.1)")
     parser.add_argument("--no-references", action="store_true", help="skip the reference LRU and the Belady bound")
     parser.add_argument("--sweep", action="store_true", help="R in {0,1,3} x retention {dense, 0} x budgets "
-                        "{2,5,10,20,50}%% in the fast mode, with paired bootstrap intervals")
+                        "{2,5,10,20,50}%% in the fast mode (kvtier with LRU on the host and the disk, whatever "
+                        "--policy, beside the plain LRU), with paired bootstrap intervals")
     parser.add_argument("--compare-policies", metavar="NAMES",
                         help="comma-separated eviction policies beside lru and the Belady bound, on --sweep-layouts at "
                         "R in {0,3} and budgets {2,5,10}%% in the fast mode, with paired bootstrap intervals")

@@ -22,20 +22,24 @@ from .sim import simulate_engine, simulate_lru
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
 
-__all__ = ["SWEEP_R", "SWEEP_RETENTIONS", "SWEEP_BUDGETS", "SWEEP_LAYOUTS", "run_sweep", "format_sweep"]
+__all__ = ["SWEEP_R", "SWEEP_RETENTIONS", "SWEEP_BUDGETS", "SWEEP_LAYOUTS", "SWEEP_POLICY", "run_sweep", "format_sweep"]
 
 SWEEP_R = (0, 1, 3)
 SWEEP_RETENTIONS = (None, 0)
 SWEEP_BUDGETS = (0.02, 0.05, 0.10, 0.20, 0.50)
 SWEEP_LAYOUTS = ("gpt-oss-120b", "gemma-3-27b", "deepseek-v4")
+# kvtier's engine with LRU on the host and the disk (not the host's default ARC): set beside the
+# plain LRU, the difference is what the per-group pools and the hierarchy cost, not the policy.
+SWEEP_POLICY = "lru"
 
 
 def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: Sequence[float] = SWEEP_BUDGETS,
               r_values: Sequence[int] = SWEEP_R, retentions: Sequence[Optional[int]] = SWEEP_RETENTIONS,
               bootstrap: int = 1000,
               progress: Optional[Callable[[int], None]] = None) -> List[JsonObject]:
-    """One row per (layout, retention, budget, R): hit rate (the engine model, and ``lru_``: one
-    plain LRU cache of the budget over the same chunks), bytes stored per request, and the deltas
+    """One row per (layout, retention, budget, R): hit rate (the engine model with
+    ``SWEEP_POLICY`` on the host and the disk, and ``lru_``: one plain LRU cache of the budget over
+    the same chunks), bytes stored per request, and the deltas
     against ``R = r_values[0]`` with their 95% intervals."""
     rows: List[JsonObject] = []
     for name in layouts:
@@ -54,7 +58,7 @@ def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: 
                     plans = Plans(layout, retention)
                     outcome = simulate_engine(work, plans, host_slots=host_slots(capacity, chunk_bytes, plans),
                                               chunk_bytes=chunk_bytes, disk_capacity=int(budget * work.unique_bytes(records)),
-                                              disk_record_bytes=records)
+                                              disk_record_bytes=records, policy=SWEEP_POLICY)
                     outcomes[r] = outcome
                     # The same chunks and bytes in one plain LRU cache of the budget: what R costs
                     # apart from how the engine splits its host pools.
