@@ -246,6 +246,11 @@ def test_sweep_at_chosen_budgets(capsys, conversations):
                          "20", "--limit", "30", "--sweep-budgets", "1,7.5%")
     assert sorted({r["budget"] for r in result["rows"]}) == [0.01, 0.075]
     assert len(result["rows"]) == 3 * 2 * 2 and {r["layout"] for r in result["rows"]} == {"deepseek-v4"}
+    # One retention alone: the same rows as in the run of both.
+    alone = replay_json(capsys, "--trace", conversations, "--sweep", "--sweep-layouts", "deepseek-v4", "--bootstrap",
+                        "20", "--limit", "30", "--sweep-budgets", "1,7.5%", "--sweep-retentions", "0")
+    strip = [{k: v for k, v in row.items() if k != "seconds"} for row in alone["rows"]]
+    assert strip == [{k: v for k, v in row.items() if k != "seconds"} for row in result["rows"] if row["retention"] == 0]
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason="the Mooncake trace is not beside this checkout")
