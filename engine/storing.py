@@ -81,8 +81,11 @@ class StorePath:
 
     def _plan(self, keys: RequestKeys, num_tokens: int, block_table: BlockTable):
         """Which chunks to copy, which are already stored or in flight (skipped), which of those
-        the handle must still wait for, and whether one of them can never become durable."""
+        the handle must still wait for, and whether one of them can never become durable. A
+        skipped chunk on the host alone, with a disk tier that evicted it, counts as a use on the
+        host."""
         entries, index, layout = self._book.entries, self._index, self._layout
+        spill, touch = self._spill, self._book.touch
         jobs: List[StoreJob] = []
         skipped: List[Tuple[int, int]] = []
         wait_for: List[bytes] = []  # skipped chunks whose spill is still to land
@@ -111,6 +114,10 @@ class StorePath:
                         wait_for.append(key)
                     else:
                         never_durable = True
+                        if spill is not None:
+                            # On the host only (the disk evicted it): kept there as long as the
+                            # chunks stored with it, which one byte LRU would have taken in again.
+                            touch(entry)
                     continue
                 blocks = (cast(List[int], table[chunk * per_chunk : (chunk + 1) * per_chunk]) if checked  # no None
                           else check_store_blocks(gi, chunk, per_chunk, table, limit))

@@ -767,13 +767,10 @@ async def test_cancelling_a_file_tier_wait_does_not_cancel_an_in_flight_put(tmp_
 # ----------------------------------------------------------------- host hits and the disk's LRU
 
 
-@pytest.mark.asyncio
-async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
-    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
-    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
-    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
-    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
-    # it again).
+async def _rig_in_chunks(tmp_path, host_chunks: int, disk_chunks: int):
+    """A rig whose host holds ``host_chunks`` FULL chunks (LRU: the tests spell out its order; the
+    default ARC would keep a chunk used twice) over an LMDB tier of ``disk_chunks`` uncompressed
+    records, and the list of keys that tier removes, as it removes them."""
     from kvtier.tiers.base import ChunkMeta
     from kvtier.tiers.record_format import CodecConfig, encode_record
 
@@ -783,11 +780,21 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     dtype, shape = probe.engine.host.metas[0]
     await probe.close()
     record = len(encode_record(b"k" * 32, ChunkMeta(FINGERPRINT, 0, 0, dtype, tuple(shape)), memoryview(bytes(nbytes)), raw))
-    inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=12 * record, codec=raw)
-    # The scenario spells out the host's LRU order (the default ARC would keep H, used twice).
-    r = await rig(tmp_path, inner=inner, host_capacity_bytes=8 * nbytes, host_eviction_policy="lru")
-    removed = []
+    inner = await LmdbTier.open(tmp_path / "lmdb", capacity_bytes=disk_chunks * record, codec=raw)
+    r = await rig(tmp_path, inner=inner, host_capacity_bytes=host_chunks * nbytes, host_eviction_policy="lru")
+    removed: List[bytes] = []
     inner.subscribe_removals(lambda removals: removed.extend(x.key for x in removals))
+    return r, removed
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_path):
+    # Host: 8 chunks; disk: 12 records. H is stored, then A; H is used again from the host. When
+    # the disk must evict four records, the oldest use is A's, not H's: the load told the disk
+    # tier of the host hit (touch_many). Without that, the disk evicted H while the host dropped
+    # its copy too, and H was gone for good (a store that finds a chunk on the host never writes
+    # it again).
+    r, removed = await _rig_in_chunks(tmp_path, 8, 12)
     hot, a, b, c = (r.scenario.tokens(17 * 4) for _ in range(4))
     for prompt in (hot, a):
         await r.scenario.produce(prompt)
@@ -799,4 +806,28 @@ async def test_a_chunk_kept_hot_on_the_host_does_not_age_out_of_the_disk(tmp_pat
     assert set(removed) == keys["a"]
     assert not any(k in r.engine.host.entries for k in keys["hot"])
     assert (await r.scenario.consume(hot + [1], expect_hit=64)).ok  # from the disk, bitwise
+    await r.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_finding_a_chunk_on_the_host_alone_keeps_it_there(tmp_path):
+    # Host: 8 chunks (LRU); disk: 4 records. B's store evicts A from the disk; the host keeps A.
+    # A's next store finds A on the host alone and skips it (not durable), but counts it as a use
+    # there, as one cache would take A in again: C's store then evicts B from the host, not A.
+    # The store used to leave A the host's oldest chunk, so C's store dropped it for good (on a
+    # hybrid layout: a window of sliding chunks lost while the full-attention chunks stored with
+    # it stayed, so the next hit stopped at the first chunk).
+    r, removed = await _rig_in_chunks(tmp_path, 8, 4)
+    a, b, c = (r.scenario.tokens(17 * 4) for _ in range(3))
+    keys = {name: r.engine.request_keys(p).keys[0][:4] for name, p in (("a", a), ("b", b))}
+    for prompt in (a, b):
+        assert (await r.scenario.produce(prompt)).durable is True
+    await r.engine.flush()
+    assert set(removed) == set(keys["a"]) and all(k in r.engine.host.entries for k in keys["a"])
+    assert (await r.scenario.produce(a, expect_stored={})).durable is False  # on the host alone
+    await r.scenario.produce(c)
+    await r.engine.flush()
+    assert all(k in r.engine.host.entries for k in keys["a"])
+    assert not any(k in r.engine.host.entries for k in keys["b"])
+    assert (await r.scenario.consume(a + [1], expect_hit=64)).ok  # from the host, bitwise
     await r.close()

@@ -163,6 +163,14 @@ def test_hit_rates_do_not_depend_on_the_bytes_scale(capsys, conversations):
                             result["references"]["belady"]["hit_rate"])
         assert rates["1"] == rates["0.01"] == rates["0.002"], (layout, rates)
         assert rates["1"][0] > 0
+        # Engine mode moves real bytes: at two scales, the same hits from the same tiers as the
+        # fast mode at the model's true bytes.
+        for scale in ("0.01", "0.002"):
+            engine = replay_json(capsys, "--trace", conversations, "--layout", layout, "-R", "3", "--bytes-scale", scale,
+                                 "--host-bytes", "30%", "--disk-bytes", "20%", "--no-references")
+            assert engine["hit_rate"] == rates["1"][0], (layout, scale)
+            assert engine["main"]["hit_rate_by_tier"] == pytest.approx(rates["1"][1]), (layout, scale)
+            assert engine["main"]["wrong_bytes"] == 0 and engine["main"]["chunks_verified"] > 0
 
 
 def test_prompt_jsonl_in_engine_mode(capsys, tmp_path):
@@ -244,6 +252,11 @@ def test_sweep_at_chosen_budgets(capsys, conversations):
                          "20", "--limit", "30", "--sweep-budgets", "1,7.5%")
     assert sorted({r["budget"] for r in result["rows"]}) == [0.01, 0.075]
     assert len(result["rows"]) == 3 * 2 * 2 and {r["layout"] for r in result["rows"]} == {"deepseek-v4"}
+    # One retention alone: the same rows as in the run of both.
+    alone = replay_json(capsys, "--trace", conversations, "--sweep", "--sweep-layouts", "deepseek-v4", "--bootstrap",
+                        "20", "--limit", "30", "--sweep-budgets", "1,7.5%", "--sweep-retentions", "0")
+    strip = [{k: v for k, v in row.items() if k != "seconds"} for row in alone["rows"]]
+    assert strip == [{k: v for k, v in row.items() if k != "seconds"} for row in result["rows"] if row["retention"] == 0]
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason="the Mooncake trace is not beside this checkout")

@@ -120,6 +120,23 @@ def test_the_engine_model_host_alone_is_an_lru_of_its_slots(trace, slots):
     assert set(model.tiers) == {"host"} and not model.dropped_stores
 
 
+def test_the_engine_model_keeps_on_the_host_a_chunk_a_store_finds_there_alone():
+    # Host 8 chunks, disk 4 (chunks of one block). B's store evicts A's four chunks from the disk
+    # (the host keeps them); X's evicts a1 from the host. A again: its hit stops at a1 (0 tokens);
+    # its store takes a1 in and finds a2-a4 on the host alone: uses there, so a1's slot comes from
+    # B's oldest chunk and A's next request hits all four. Without the use, a1's slot was a2's:
+    # the next hit stopped after a1 (4 tokens).
+    prompts = [[1, 2, 3, 4, 10], [5, 6, 7, 8], [9], [1, 2, 3, 4, 10], [1, 2, 3, 4, 10]]
+    lengths = [17, 16, 4, 17, 17]
+    trace = Trace("t", "mooncake", [Request(i, float(i), n, 0, block_ids=np.asarray(b, dtype=np.int64))
+                                    for i, (b, n) in enumerate(zip(prompts, lengths))], block_tokens=BLOCK)
+    work = Workload.prepare(trace, LAYOUT)
+    model = simulate_engine(work, Plans(LAYOUT, None), host_slots=[8], chunk_bytes=[10], disk_capacity=40,
+                            disk_record_bytes=[10])
+    assert model.hit_tokens.tolist() == [0, 0, 0, 0, 16]
+    assert model.tiers["host"].evicted_chunks == 2 and model.tiers["disk"].evicted_chunks == 6
+
+
 def test_unique_chunks_count_each_chunk_once():
     blocks = [[1, 2, 3], [1, 2, 4], [1, 2, 3]]
     trace = Trace("t", "mooncake", [Request(i, 0.0, len(b) * BLOCK - (1 if i == 1 else 0), 0,

@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "after-warm-up figures (default 0.1)")
     parser.add_argument("--no-references", action="store_true", help="skip the reference LRU and the Belady bound")
     parser.add_argument("--sweep", action="store_true", help="R in {0,1,3} x retention {dense, 0} x budgets "
-                        "{2,5,10,20,50}%% in the fast mode, with paired bootstrap intervals")
+                        "{2,5,10,20,50}%% in the fast mode (kvtier with LRU on the host and the disk, whatever "
+                        "--policy, beside the plain LRU), with paired bootstrap intervals")
     parser.add_argument("--compare-policies", metavar="NAMES",
                         help="comma-separated eviction policies beside lru and the Belady bound, on --sweep-layouts at "
                         "R in {0,3} and budgets {2,5,10}%% in the fast mode, with paired bootstrap intervals")
@@ -102,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated presets for --sweep")
     parser.add_argument("--sweep-budgets", default="2,5,10,20,50", metavar="PERCENTS",
                         help="comma-separated budgets for --sweep, in %% of the trace's unique bytes (default 2,5,10,20,50)")
+    parser.add_argument("--sweep-retentions", default="dense,0", metavar="LIST",
+                        help="comma-separated retention intervals for --sweep: dense (none) or tokens (default dense,0)")
     parser.add_argument("--bootstrap", type=_positive, default=1000, help="bootstrap resamples for --sweep (default 1000)")
     parser.add_argument("--plot", metavar="PNG", help="with --sweep: write a plot of hit rate against budget (needs matplotlib)")
     parser.add_argument("--through-vllm", action="store_true",
@@ -379,14 +382,21 @@ def _sweep_budgets(text: str) -> Tuple[float, ...]:
 
 
 def _run_sweep(args, trace: Trace) -> int:
-    from .sweep import SWEEP_R, SWEEP_RETENTIONS, format_sweep, run_sweep
+    from .sweep import SWEEP_R, format_sweep, run_sweep
 
     names = _layout_names(args)
     budgets = _sweep_budgets(args.sweep_budgets)
-    total = len(names) * len(SWEEP_R) * len(SWEEP_RETENTIONS) * len(budgets)
+    try:
+        retentions = tuple(_retention(part.strip()) for part in args.sweep_retentions.split(",") if part.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--sweep-retentions {args.sweep_retentions!r}: {exc}") from None
+    if not retentions:
+        raise ValueError(f"--sweep-retentions names no retention interval: {args.sweep_retentions!r}")
+    total = len(names) * len(SWEEP_R) * len(retentions) * len(budgets)
     started = time.perf_counter()
     with _progress(total, args.no_progress or args.json, "kvtier replay --sweep") as bar:
-        rows = run_sweep(trace, layouts=names, budgets=budgets, bootstrap=args.bootstrap, progress=bar.update)
+        rows = run_sweep(trace, layouts=names, budgets=budgets, retentions=retentions, bootstrap=args.bootstrap,
+                         progress=bar.update)
     if args.plot:
         plot_sweep(rows, args.plot)
     if args.json:

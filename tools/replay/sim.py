@@ -17,6 +17,8 @@ its work flushed after every request (the way engine mode replays):
   ``store_queue_max_chunks``: the store is dropped); a load pins its host chunks, promotes the
   disk-only ones into new slots and touches them all, in windows of half a pool, holding the hit's
   host-only chunks from its start;
+- a store skips the chunks the host or the disk holds; one on the host alone (the disk evicted it)
+  counts as a use on the host, so it stays as long as the chunks stored with it;
 - disk: every stored chunk is written behind in batches (``spill_batch_max_*``); the LMDB tier's
   byte index (``tiers.lru``: LRU, or LFU-DA under ``lfuda``) counts record bytes, keeps the batch
   being written, and sees each use as a touch: a
@@ -296,8 +298,14 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                     host[g].touch(key)
                 if write_back:  # a host-only chunk a load hit has proved reuse: the disk gets it now
                     spill([(g, key) for g, key in window if key in pinned[g] and key not in disk])
-        new = [(g, key) for g in range(num_groups) for key in ids[g].take(plans.store(g, n))
-               if key not in host[g] and key not in disk]
+        new = []
+        for g in range(num_groups):
+            for key in ids[g].take(plans.store(g, n)):
+                if key not in host[g]:
+                    if key not in disk:
+                        new.append((g, key))
+                elif has_disk and key not in disk:
+                    host[g].touch(key)  # on the host alone: the store is a use there
         if new:
             need = [0] * num_groups
             for g, _ in new:
