@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .layouts import preset
 from .report import JsonObject, paired_bootstrap
-from .sim import simulate_engine, simulate_lru
+from .sim import Outcome, simulate_engine, simulate_lru
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes
 
@@ -50,7 +50,8 @@ def run_sweep(trace: Trace, *, layouts: Sequence[str] = SWEEP_LAYOUTS, budgets: 
         unique = work.unique_bytes(chunk_bytes)
         for retention in retentions:
             for budget in budgets:
-                outcomes, lrus = {}, {}
+                outcomes: Dict[int, Outcome] = {}
+                lrus: Dict[int, Outcome] = {}
                 planned: Dict[int, Plans] = {}
                 for r in r_values:
                     layout = preset(name, r)
