@@ -164,8 +164,10 @@ def test_eviction_policy_cost_bench_covers_every_policy(capsys):
     from kvtier.tools.bench.policies import main, measure_policies
 
     results = measure_policies(chunks=300, steps=200, rounds=1, reuse=50)
+    admission = results.pop("seen admission")
+    assert admission["admission_us"] > 0
     assert set(results) == set(eviction_policy_names())
     for name, row in results.items():
         assert row["host_us"] > 0 and ("disk_us" in row) == (name in BYTE_INDEX_NAMES)
     assert main(["--chunks", "100", "--steps", "50", "--rounds", "1", "--json"]) == 0
-    assert set(json.loads(capsys.readouterr().out)) == set(eviction_policy_names())
+    assert set(json.loads(capsys.readouterr().out)) == set(eviction_policy_names()) | {"seen admission"}
