@@ -191,6 +191,8 @@ class StorePath:
             admission = self._admission = (AdmitAll() if capacity is None else make_admission(
                 self._config.disk_admission,
                 *tier_chunks([p.num_slots for p in self._book.pools], capacity, self._book.chunk_nbytes)))
+        if isinstance(admission, AdmitAll):  # every store written through: nothing to ask per chunk
+            return frozenset()
         answers = admission.decide([e.key for e in entries])
         return frozenset(e.key for e, admit in zip(entries, answers) if not admit)
 
