@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from kvtier.engine.config import StoreConfig, store_config_of
 from kvtier.errors import KvtierError
+from kvtier.tiers.admission import ADMISSION_NAMES
 from kvtier.tiers.lmdb.compaction import check_live_fraction
 from kvtier.tiers.lmdb.segments import check_segment_threshold
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
@@ -59,6 +60,11 @@ class VllmTierConfig:
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
     ``CorruptCacheError``, and leaves the directory alone). ``eviction_policy``: the LMDB tier's
     capacity eviction, as ``EngineConfig``'s (``arc-lfuda``: LFU-DA, ``lfuda`` or ``lru``).
+    ``disk_admission``: which chunks vLLM cascades down are written, by ``tiers/admission.py``'s
+    name (``all``: every one; ``seen``: only a chunk stored once before, so a first store is
+    declined, reported done with 0 bytes written, and never indexed). ``seen`` holds only while
+    the disk holds at most as many rows as vLLM's CPU tier (``make_admission``), and only with a
+    ``disk_capacity_bytes`` (an unbounded disk takes every chunk).
 
     The store's keys default to ``StoreConfig``'s (the engine's) defaults, and ``store_config``
     turns them into the ``StoreConfig`` the tier opens its ``DiskStore`` with; every store setting
@@ -83,6 +89,7 @@ class VllmTierConfig:
     lmdb_verify_on_open: bool = _STORE.lmdb_verify_on_open
     quarantine_corrupt_cache_dir: bool = _STORE.quarantine_corrupt_cache_dir
     eviction_policy: str = _STORE.eviction_policy
+    disk_admission: str = "all"
     read_only: bool = _STORE.read_only
 
     def __post_init__(self) -> None:
@@ -124,6 +131,8 @@ class VllmTierConfig:
                 raise bad(name, "a bool")
         if self.eviction_policy not in BYTE_INDEX_NAMES:
             raise bad("eviction_policy", f"one of {', '.join(BYTE_INDEX_NAMES)}")
+        if self.disk_admission not in ADMISSION_NAMES:
+            raise bad("disk_admission", f"one of {', '.join(ADMISSION_NAMES)}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
             raise bad("locality", "LOCAL, REMOTE or null")
         try:

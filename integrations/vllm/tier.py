@@ -31,7 +31,10 @@ the disk tier removed (eviction, quarantine) - loads that missed, ordered by the
 sequence (a removal reported after a newer record of the key landed does not take it out). The
 loop thread changes it; the caller's thread only reads it (``in``, ``len``). ``lookup`` answers
 RETRY while a store of the key is in flight, HIT only for an indexed key, MISS otherwise or when
-the tier is closed. A record can still vanish between the HIT and the load (eviction,
+the tier is closed. A key the disk admission declines (``disk_admission``: vLLM cascades every
+chunk it stores into its CPU tier, so ``seen`` declines a chunk's first store) is neither written
+nor in flight nor indexed: its lookup is a MISS; the job is reported successful with 0 bytes
+written, so vLLM counts no cascade failure and its back-pressure detector skips it. A record can still vanish between the HIT and the load (eviction,
 corruption): the load then reports the key failed, vLLM recomputes it, and the key leaves the
 index; no byte of a failed key is ever reported loaded.
 """
@@ -64,6 +67,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.engine.store import DiskStore
 from kvtier.errors import KvtierError
+from kvtier.tiers.admission import AdmitAll, make_admission, tier_chunks
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import read_with_sources
 
@@ -129,6 +133,11 @@ class KvtierTier(SecondaryTierManager):
         # with events on: the vLLM key of every chunk a stored event announced (for its removal)
         self._announced: Dict[bytes, OffloadKey] = {}
         self._closed = False
+        # Which cascaded chunks are written: asked on the caller's thread, in submit order (vLLM
+        # never enters the tier twice at once); the CPU tier's rows against the disk's.
+        cap = self.config.disk_capacity_bytes
+        self._admission = AdmitAll() if cap is None else make_admission(
+            self.config.disk_admission, *tier_chunks([len(primary_kv_view)], cap, [self._row_bytes]))
         self.counters: Counter = Counter()
         # per kvtier tier ("disk", "remote"): hits (chunks), hit_tokens, hit_bytes, load_s (sum)
         self.tier_hits: Counter = Counter()
@@ -383,8 +392,13 @@ class KvtierTier(SecondaryTierManager):
         if self._outstanding >= self.config.max_inflight_jobs:
             return self._fail_now(job_id, "stores_refused_busy")
         items = []
-        for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids):
-            if chunk_key in self._index or chunk_key in self._storing:
+        new = [(key, chunk_key, chunk_id) for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids)
+               if chunk_key not in self._index and chunk_key not in self._storing]
+        admitted = [True] * len(new) if isinstance(self._admission, AdmitAll) else \
+            self._admission.decide([chunk_key for _, chunk_key, _ in new])
+        for (key, chunk_key, chunk_id), admit in zip(new, admitted):
+            if not admit:
+                self.counters["stores_declined"] += 1
                 continue
             items.append((chunk_key, self._meta(key, job_metadata.req_context), self._row(chunk_id)))
             self._storing[chunk_key] += 1
@@ -478,8 +492,11 @@ class KvtierTier(SecondaryTierManager):
                 successful_keys = loaded or None
                 self.counters["promotions_failed"] += 1
             self.counters[f"{job.kind}s_{'ok' if done.success else 'failed'}"] += 1
+            # A store's bytes as written, 0 included (nothing written: declined or already held),
+            # so vLLM's back-pressure detector does not time bytes that never moved.
+            nbytes = done.transfer_bytes if job.kind == "store" else done.transfer_bytes or None
             results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
-                                     transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))
+                                     transfer_time=done.transfer_s or None, transfer_bytes=nbytes))
         return results
 
     @classmethod
