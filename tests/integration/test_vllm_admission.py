@@ -124,3 +124,18 @@ def test_seen_writes_through_where_the_disk_outreaches_vllms_cpu_tier(tmp_path, 
         assert rig.run(CONSUMER).external_hit_tokens == 32
     finally:
         rig.shutdown()
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("lru", {"cpu": "lru", "eviction_policy": "lru", "disk_admission": "all"}),
+    ("lru+seen", {"cpu": "lru", "eviction_policy": "lru", "disk_admission": "seen"}),
+    ("lfuda+seen", {"cpu": "lru", "eviction_policy": "lfuda", "disk_admission": "seen"}),
+    ("arc", {"cpu": "arc", "eviction_policy": "lru", "disk_admission": "all"}),
+    ("arc-lfuda+seen", {"cpu": "arc", "eviction_policy": "arc-lfuda", "disk_admission": "seen"}),
+])
+def test_replay_through_vllm_policy_names_set_vllms_cpu_tier_and_the_tier(policy, expected):
+    """``kvtier replay --through-vllm --policy NAME``: vLLM's CPU tier takes its own ``lru`` or
+    ``arc``; ``KvtierTier`` the disk eviction and admission the engine's disk takes for NAME."""
+    from kvtier.tools.replay.vllm_mode import vllm_policies
+
+    assert vllm_policies(policy) == expected
