@@ -67,11 +67,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.engine.store import DiskStore
 from kvtier.errors import KvtierError
-from kvtier.tiers.admission import AdmitAll, make_admission, tier_chunks
+from kvtier.tiers.admission import WINDOW_FACTOR, Admission, AdmitAll, SeenBefore, make_admission, tier_chunks
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import read_with_sources
 
-from .config import VllmTierConfig, VllmTierConfigError
+from .config import SEEN_TAIL, VllmTierConfig, VllmTierConfigError
 from .jobs import TIER_NAMES, Done, Job, count_hits, metric_definitions
 from .keys import VllmLayout, split_offload_key
 from .layout import layout_from_spec, parallel_sharing_note, vllm_key_scheme
@@ -135,9 +135,8 @@ class KvtierTier(SecondaryTierManager):
         self._closed = False
         # Which cascaded chunks are written: asked on the caller's thread, in submit order (vLLM
         # never enters the tier twice at once); the CPU tier's rows against the disk's.
-        cap = self.config.disk_capacity_bytes
-        self._admission = AdmitAll() if cap is None else make_admission(
-            self.config.disk_admission, *tier_chunks([len(primary_kv_view)], cap, [self._row_bytes]))
+        self._tails_only = self.config.disk_admission == SEEN_TAIL
+        self._admission = self._make_admission(len(primary_kv_view))
         self.counters: Counter = Counter()
         # per kvtier tier ("disk", "remote"): hits (chunks), hit_tokens, hit_bytes, load_s (sum)
         self.tier_hits: Counter = Counter()
@@ -174,6 +173,35 @@ class KvtierTier(SecondaryTierManager):
         self.disk_tier = cast(ChunkTier, store.local_tier)
 
     # ------------------------------------------------------------------------------ construction
+
+    def _make_admission(self, cpu_rows: int) -> Admission:
+        """``disk_admission``'s object, over vLLM's CPU tier rows and the disk's capacity in rows
+        (``seen-tail``: ``seen``'s Bloom generations whatever the disk's size)."""
+        cap = self.config.disk_capacity_bytes
+        if cap is None:
+            return AdmitAll()
+        rows, disk = tier_chunks([cpu_rows], cap, [self._row_bytes])
+        if self._tails_only:
+            return SeenBefore(max(1, WINDOW_FACTOR * (rows + disk)))
+        return make_admission(self.config.disk_admission, rows, disk)
+
+    def _admitted(self, keys: Sequence[OffloadKey], chunk_keys: Sequence[bytes], new: Sequence[Any],
+                  req_context: ReqContext) -> List[bool]:
+        """Per new (key, chunk key, row) of a store job, whether it is written (the admission's
+        answer; under ``seen-tail`` only the job's last key per group is asked, by the end-token
+        positions ``req_context`` records)."""
+        if isinstance(self._admission, AdmitAll):
+            return [True] * len(new)
+        answers = self._admission.decide([chunk_key for _, chunk_key, _ in new])
+        if not self._tails_only:
+            return answers
+        last: Dict[int, Any] = {}  # group id -> (end token, chunk key) of the job's last key
+        for key, chunk_key in zip(keys, chunk_keys):
+            group, end = split_offload_key(key)[1], req_context.get_offload_key_position(key) or 0
+            if group not in last or end > last[group][0]:
+                last[group] = (end, chunk_key)
+        tails = {chunk_key for _, chunk_key in last.values()}
+        return [admit or chunk_key not in tails for (_, chunk_key, _), admit in zip(new, answers)]
 
     def _events_enabled(self, spec: Any) -> bool:
         if not self.config.enable_kv_events:
@@ -394,8 +422,7 @@ class KvtierTier(SecondaryTierManager):
         items = []
         new = [(key, chunk_key, chunk_id) for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids)
                if chunk_key not in self._index and chunk_key not in self._storing]
-        admitted = [True] * len(new) if isinstance(self._admission, AdmitAll) else \
-            self._admission.decide([chunk_key for _, chunk_key, _ in new])
+        admitted = self._admitted(keys, chunk_keys, new, job_metadata.req_context)
         for (key, chunk_key, chunk_id), admit in zip(new, admitted):
             if not admit:
                 self.counters["stores_declined"] += 1

@@ -33,8 +33,8 @@ BACKPRESSURE = {"backpressure_cls": "EMABackpressureDetector", "high_water_s": 0
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"disk_admission": "tinylfu"}, r"^KvtierTier disk_admission must be one of all, seen, got 'tinylfu'$"),
-        ({"disk_admission": None}, r"^KvtierTier disk_admission must be one of all, seen, got None$"),
+        ({"disk_admission": "tinylfu"}, r"^KvtierTier disk_admission must be one of all, seen, seen-tail, got 'tinylfu'$"),
+        ({"disk_admission": None}, r"^KvtierTier disk_admission must be one of all, seen, seen-tail, got None$"),
         ({"eviction_policy": "arc"}, r"^KvtierTier eviction_policy must be one of arc-lfuda, lfuda, lru, got 'arc'$"),
     ],
 )
@@ -43,13 +43,16 @@ def test_an_unknown_policy_name_is_a_typed_error_listing_the_valid_ones(tmp_path
         make_rig(tmp_path, **extra)
 
 
-def _spied(tier):
-    """The offload keys of every store vLLM submits to ``tier`` and every result it hands vLLM."""
+def _spied(tier, positions=None):
+    """The offload keys of every store vLLM submits to ``tier`` and every result it hands vLLM
+    (and into ``positions``, each key's end token as the job's ReqContext records it)."""
     stores, results = [], []
     submit, finished = tier.submit_store, tier.get_finished_jobs
 
     def submit_store(job):
         stores.append(list(job.keys))
+        if positions is not None:
+            positions.update((key, job.req_context.get_offload_key_position(key)) for key in job.keys)
         return submit(job)
 
     def get_finished_jobs():
@@ -106,6 +109,36 @@ def test_seen_declines_a_first_store_misses_it_and_lands_the_second_exactly(tmp_
             total.aggregate(OffloadingConnectorStats(data=payload))
         _, values = total.metric_sections()
         assert TieringOffloadingMetrics.CASCADE_JOB_FAILURES not in values
+    finally:
+        rig.shutdown()
+
+
+def test_seen_tail_declines_only_each_groups_last_chunk_of_a_first_store(tmp_path):
+    """``seen-tail`` over a disk larger than vLLM's CPU tier (where ``seen`` writes everything):
+    of the producer's one store job, the last chunk of each group (end token 32 of the 33-token
+    prompt: FA chunk 1, SWA chunk 7) is declined and misses; the other two land. Recomputed after
+    a wipe, the two tails are stored again and land: all four keys are in LMDB."""
+    rig = make_rig(tmp_path, disk_admission="seen-tail", disk_capacity_bytes=64 * ROW, compression=0)
+    try:
+        tier = rig.secondary_tiers[0]
+        assert isinstance(tier._admission, SeenBefore)
+        positions = {}
+        stores, results = _spied(tier, positions)
+        rig.run(PROMPT)
+        assert len(stores) == 1 and len(stores[0]) == 4
+        tails = {key for key, end in positions.items() if end == 32}
+        assert len(tails) == 2 and sorted(positions.values()) == [16, 28, 32, 32]
+        landed = set(tier.run_on_loop(tier.disk_tier.list_keys()))
+        assert landed == set(tier.layout.chunk_keys([k for k in stores[0] if k not in tails]))
+        assert tier.counters["stores_declined"] == 2
+        assert [tier.lookup(key, ReqContext(req_id="probe")) for key in tails] == [LookupResult.MISS] * 2
+        assert [(r.success, r.transfer_bytes) for r in results] == [(True, 2 * ROW)]
+        rig.wipe()
+        rig.run(PROMPT)
+        landed = set(tier.run_on_loop(tier.disk_tier.list_keys()))
+        assert landed == set(tier.layout.chunk_keys(stores[0])) == tier.store.index.keys()
+        # the first store, the promotion of the two chunks that landed, the store of the two tails
+        assert [(r.success, r.transfer_bytes) for r in results] == [(True, 2 * ROW)] * 3
     finally:
         rig.shutdown()
 
