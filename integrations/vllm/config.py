@@ -15,11 +15,12 @@ from typing import Any, Dict, Mapping, Optional
 
 from kvtier.engine.config import StoreConfig, store_config_of
 from kvtier.errors import KvtierError
+from kvtier.tiers.admission import ADMISSION_NAMES
 from kvtier.tiers.lmdb.compaction import check_live_fraction
 from kvtier.tiers.lmdb.segments import check_segment_threshold
 from kvtier.tiers.lru import BYTE_INDEX_NAMES
 
-__all__ = ["VllmTierConfig", "VllmTierConfigError"]
+__all__ = ["VllmTierConfig", "VllmTierConfigError", "DISK_ADMISSIONS", "SEEN_TAIL"]
 
 
 class VllmTierConfigError(KvtierError, ValueError):
@@ -28,6 +29,11 @@ class VllmTierConfigError(KvtierError, ValueError):
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# tiers/admission.py's names, and the tier's own: ``seen-tail`` writes every chunk but a store
+# job's last one per group (the request's tail, by the positions vLLM's ReqContext records),
+# which is written only when seen before.
+SEEN_TAIL = "seen-tail"
+DISK_ADMISSIONS = tuple(sorted(ADMISSION_NAMES + (SEEN_TAIL,)))
 # The store's defaults, the engine's: a key left out means what it means for an OffloadEngine.
 _STORE = StoreConfig()
 
@@ -59,6 +65,12 @@ class VllmTierConfig:
     directory is moved aside and replaced by an empty one (off: the tier refuses to start, with
     ``CorruptCacheError``, and leaves the directory alone). ``eviction_policy``: the LMDB tier's
     capacity eviction, as ``EngineConfig``'s (``arc-lfuda``: LFU-DA, ``lfuda`` or ``lru``).
+    ``disk_admission``: which chunks vLLM cascades down are written, by ``tiers/admission.py``'s
+    name (``all``: every one; ``seen``: only a chunk stored once before, so a first store is
+    declined, reported done with 0 bytes written, and never indexed), or ``seen-tail`` (every
+    chunk but each store job's last one per group, which ``seen`` decides, at any disk size).
+    ``seen`` holds only while the disk holds at most as many rows as vLLM's CPU tier
+    (``make_admission``); both need a ``disk_capacity_bytes`` (an unbounded disk takes every chunk).
 
     The store's keys default to ``StoreConfig``'s (the engine's) defaults, and ``store_config``
     turns them into the ``StoreConfig`` the tier opens its ``DiskStore`` with; every store setting
@@ -83,6 +95,7 @@ class VllmTierConfig:
     lmdb_verify_on_open: bool = _STORE.lmdb_verify_on_open
     quarantine_corrupt_cache_dir: bool = _STORE.quarantine_corrupt_cache_dir
     eviction_policy: str = _STORE.eviction_policy
+    disk_admission: str = "all"
     read_only: bool = _STORE.read_only
 
     def __post_init__(self) -> None:
@@ -124,6 +137,8 @@ class VllmTierConfig:
                 raise bad(name, "a bool")
         if self.eviction_policy not in BYTE_INDEX_NAMES:
             raise bad("eviction_policy", f"one of {', '.join(BYTE_INDEX_NAMES)}")
+        if self.disk_admission not in DISK_ADMISSIONS:
+            raise bad("disk_admission", f"one of {', '.join(DISK_ADMISSIONS)}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
             raise bad("locality", "LOCAL, REMOTE or null")
         try:

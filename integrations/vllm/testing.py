@@ -215,7 +215,8 @@ class VllmCpuRig:
     vLLM's ``prefix_cache_retention_interval``. ``kv_events``: vLLM's KV cache events on, kept by
     ``self.kv_events`` (a ``RecordingEventPublisher``). ``log_stats``: vLLM's scheduler stats on;
     each step's KV connector stats payload (what vLLM's Prometheus logger reads) is kept in
-    ``self.connector_stats``.
+    ``self.connector_stats``. ``cpu_eviction_policy``: vLLM's CPU tier eviction (its ``lru`` or
+    ``arc``).
     """
 
     _engine_counter = 0
@@ -234,6 +235,7 @@ class VllmCpuRig:
         model_dir: Optional[Path] = None,
         kv_events: bool = False,
         log_stats: bool = False,
+        cpu_eviction_policy: str = "lru",
     ) -> None:
         self.group_specs = list(group_specs)
         pages = {s.page_size_bytes for s in self.group_specs}
@@ -262,6 +264,7 @@ class VllmCpuRig:
             "spec_name": "CpuTieringOffloadingSpec",
             "spec_module_path": __name__,
             "cpu_bytes_to_use": kv_bytes_per_chunk * cpu_chunks,
+            "eviction_policy": cpu_eviction_policy,
             "secondary_tiers": [dict(t) for t in secondary_tiers],
         }
         if blocks_per_chunk > 1:  # vLLM takes the offloaded block size only when the groups share one

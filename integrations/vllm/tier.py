@@ -31,7 +31,10 @@ the disk tier removed (eviction, quarantine) - loads that missed, ordered by the
 sequence (a removal reported after a newer record of the key landed does not take it out). The
 loop thread changes it; the caller's thread only reads it (``in``, ``len``). ``lookup`` answers
 RETRY while a store of the key is in flight, HIT only for an indexed key, MISS otherwise or when
-the tier is closed. A record can still vanish between the HIT and the load (eviction,
+the tier is closed. A key the disk admission declines (``disk_admission``: vLLM cascades every
+chunk it stores into its CPU tier, so ``seen`` declines a chunk's first store) is neither written
+nor in flight nor indexed: its lookup is a MISS; the job is reported successful with 0 bytes
+written, so vLLM counts no cascade failure and its back-pressure detector skips it. A record can still vanish between the HIT and the load (eviction,
 corruption): the load then reports the key failed, vLLM recomputes it, and the key leaves the
 index; no byte of a failed key is ever reported loaded.
 """
@@ -64,10 +67,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.engine.store import DiskStore
 from kvtier.errors import KvtierError
+from kvtier.tiers.admission import WINDOW_FACTOR, Admission, AdmitAll, SeenBefore, make_admission, tier_chunks
 from kvtier.tiers.base import ChunkMeta, ChunkTier
 from kvtier.tiers.chain import read_with_sources
 
-from .config import VllmTierConfig, VllmTierConfigError
+from .config import SEEN_TAIL, VllmTierConfig, VllmTierConfigError
 from .jobs import TIER_NAMES, Done, Job, count_hits, metric_definitions
 from .keys import VllmLayout, split_offload_key
 from .layout import layout_from_spec, parallel_sharing_note, vllm_key_scheme
@@ -129,6 +133,10 @@ class KvtierTier(SecondaryTierManager):
         # with events on: the vLLM key of every chunk a stored event announced (for its removal)
         self._announced: Dict[bytes, OffloadKey] = {}
         self._closed = False
+        # Which cascaded chunks are written: asked on the caller's thread, in submit order (vLLM
+        # never enters the tier twice at once); the CPU tier's rows against the disk's.
+        self._tails_only = self.config.disk_admission == SEEN_TAIL
+        self._admission = self._make_admission(len(primary_kv_view))
         self.counters: Counter = Counter()
         # per kvtier tier ("disk", "remote"): hits (chunks), hit_tokens, hit_bytes, load_s (sum)
         self.tier_hits: Counter = Counter()
@@ -165,6 +173,35 @@ class KvtierTier(SecondaryTierManager):
         self.disk_tier = cast(ChunkTier, store.local_tier)
 
     # ------------------------------------------------------------------------------ construction
+
+    def _make_admission(self, cpu_rows: int) -> Admission:
+        """``disk_admission``'s object, over vLLM's CPU tier rows and the disk's capacity in rows
+        (``seen-tail``: ``seen``'s Bloom generations whatever the disk's size)."""
+        cap = self.config.disk_capacity_bytes
+        if cap is None:
+            return AdmitAll()
+        rows, disk = tier_chunks([cpu_rows], cap, [self._row_bytes])
+        if self._tails_only:
+            return SeenBefore(max(1, WINDOW_FACTOR * (rows + disk)))
+        return make_admission(self.config.disk_admission, rows, disk)
+
+    def _admitted(self, keys: Sequence[OffloadKey], chunk_keys: Sequence[bytes], new: Sequence[Any],
+                  req_context: ReqContext) -> List[bool]:
+        """Per new (key, chunk key, row) of a store job, whether it is written (the admission's
+        answer; under ``seen-tail`` only the job's last key per group is asked, by the end-token
+        positions ``req_context`` records)."""
+        if isinstance(self._admission, AdmitAll):
+            return [True] * len(new)
+        answers = self._admission.decide([chunk_key for _, chunk_key, _ in new])
+        if not self._tails_only:
+            return answers
+        last: Dict[int, Any] = {}  # group id -> (end token, chunk key) of the job's last key
+        for key, chunk_key in zip(keys, chunk_keys):
+            group, end = split_offload_key(key)[1], req_context.get_offload_key_position(key) or 0
+            if group not in last or end > last[group][0]:
+                last[group] = (end, chunk_key)
+        tails = {chunk_key for _, chunk_key in last.values()}
+        return [admit or chunk_key not in tails for (_, chunk_key, _), admit in zip(new, answers)]
 
     def _events_enabled(self, spec: Any) -> bool:
         if not self.config.enable_kv_events:
@@ -383,8 +420,12 @@ class KvtierTier(SecondaryTierManager):
         if self._outstanding >= self.config.max_inflight_jobs:
             return self._fail_now(job_id, "stores_refused_busy")
         items = []
-        for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids):
-            if chunk_key in self._index or chunk_key in self._storing:
+        new = [(key, chunk_key, chunk_id) for key, chunk_key, chunk_id in zip(keys, chunk_keys, job_metadata.chunk_ids)
+               if chunk_key not in self._index and chunk_key not in self._storing]
+        admitted = self._admitted(keys, chunk_keys, new, job_metadata.req_context)
+        for (key, chunk_key, chunk_id), admit in zip(new, admitted):
+            if not admit:
+                self.counters["stores_declined"] += 1
                 continue
             items.append((chunk_key, self._meta(key, job_metadata.req_context), self._row(chunk_id)))
             self._storing[chunk_key] += 1
@@ -478,8 +519,11 @@ class KvtierTier(SecondaryTierManager):
                 successful_keys = loaded or None
                 self.counters["promotions_failed"] += 1
             self.counters[f"{job.kind}s_{'ok' if done.success else 'failed'}"] += 1
+            # A store's bytes as written, 0 included (nothing written: declined or already held),
+            # so vLLM's back-pressure detector does not time bytes that never moved.
+            nbytes = done.transfer_bytes if job.kind == "store" else done.transfer_bytes or None
             results.append(JobResult(job_id=done.job_id, success=done.success, successful_keys=successful_keys,
-                                     transfer_time=done.transfer_s or None, transfer_bytes=done.transfer_bytes or None))
+                                     transfer_time=done.transfer_s or None, transfer_bytes=nbytes))
         return results
 
     @classmethod

@@ -332,7 +332,7 @@ def _run_through_vllm(args) -> int:
     try:
         with _progress(2 * len(trace), args.no_progress or args.json, "kvtier replay --through-vllm") as bar:
             result = replay_through_vllm(trace, total_chunks=args.vllm_chunks, cpu_chunks=args.vllm_cpu_chunks,
-                                         progress=bar.update)
+                                         policy=args.policy, progress=bar.update)
     except EngineReplayError as exc:
         print(f"kvtier: error: wrong bytes loaded: {exc}", file=sys.stderr)
         return 1

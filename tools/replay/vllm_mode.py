@@ -34,13 +34,13 @@ import numpy as np
 
 from kvtier.policy import ModelLayout
 
-from .engine_mode import EngineReplayError, _request_tokens, replay_engine
+from .engine_mode import EngineReplayError, _request_tokens, policy_options, replay_engine
 from .layouts import ReplayLayout, _group
 from .report import JsonObject
 from .trace import Trace
 from .workload import REPLAY_FINGERPRINT, record_bytes
 
-__all__ = ["replay_through_vllm", "rig_layout", "VLLM_BLOCK", "CHUNK_BLOCKS"]
+__all__ = ["replay_through_vllm", "rig_layout", "vllm_policies", "VLLM_BLOCK", "CHUNK_BLOCKS"]
 
 VLLM_BLOCK = 16  # tokens per vLLM (GPU) block
 CHUNK_BLOCKS = 32  # vLLM blocks per offloaded block: 512-token chunks, the trace's blocks
@@ -59,7 +59,16 @@ def _vllm_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _rig(cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_dir: Path):
+def vllm_policies(policy: str) -> Dict[str, str]:
+    """What ``--policy NAME`` sets under vLLM: its CPU tier's eviction (vLLM has ``lru`` and
+    ``arc``; the ARC names take ``arc``, every other ``lru``) and ``KvtierTier``'s
+    ``eviction_policy`` and ``disk_admission`` (as ``policy_options`` sets the engine's disk)."""
+    disk = policy_options(policy)
+    return {"cpu": "arc" if disk["host_eviction_policy"].startswith("arc") else "lru",
+            "eviction_policy": disk["eviction_policy"], "disk_admission": disk["disk_admission"]}
+
+
+def _rig(cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_dir: Path, cpu_policy: str = "lru"):
     _vllm_env()
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -69,15 +78,15 @@ def _rig(cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_di
     spec = FullAttentionSpec(block_size=VLLM_BLOCK, num_kv_heads=_HEADS, head_size=_HEAD_SIZE, dtype=torch.bfloat16)
     return VllmCpuRig([spec], tiers, retention=0, num_gpu_blocks=2 * (max_len // VLLM_BLOCK) + 4,
                       cpu_chunks=cpu_chunks, blocks_per_chunk=CHUNK_BLOCKS, max_model_len=max_len,
-                      model_dir=model_dir)
+                      model_dir=model_dir, cpu_eviction_policy=cpu_policy)
 
 
 def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max_len: int, model_dir: Path,
-              progress: Optional[Callable[[int], None]]) -> JsonObject:
+              progress: Optional[Callable[[int], None]], cpu_policy: str = "lru") -> JsonObject:
     """Every request of ``trace`` through one rig; per request the hit tokens, split by the tier
     that served them (chunks kvtier promoted into vLLM's CPU tier during the request, the rest
     from the CPU tier)."""
-    rig = _rig(cpu_chunks, tiers, max_len, model_dir)
+    rig = _rig(cpu_chunks, tiers, max_len, model_dir, cpu_policy)
     chunk_tokens = VLLM_BLOCK * CHUNK_BLOCKS
     promoted = [0]
     jobs: Dict[int, int] = {}
@@ -147,10 +156,11 @@ def _run_vllm(trace: Trace, cpu_chunks: int, tiers: List[Dict[str, object]], max
             "kvtier_failed_promotions": int(stats.get("vllm_promotions_failed", 0)), "kvtier_stats": stats}
 
 
-def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,
+def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int, policy: str = "lru",
                         progress: Optional[Callable[[int], None]] = None) -> JsonObject:
     """The three runs (module docstring) on ``trace``; ``total_chunks`` chunks of total budget of
-    which ``cpu_chunks`` are vLLM's CPU tier in the run with kvtier. The result's
+    which ``cpu_chunks`` are vLLM's CPU tier in the run with kvtier; ``policy``: a ``--policy``
+    name (``vllm_policies``; the engine run takes it as engine mode does). The result's
     ``agreement_points`` is 100 x (vLLM with kvtier - engine mode) token-weighted hit rate."""
     if not 4 <= cpu_chunks < total_chunks:
         raise ValueError(f"--vllm-cpu-chunks must be >= 4 and below --vllm-chunks ({total_chunks}), got {cpu_chunks}")
@@ -160,12 +170,14 @@ def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,
     max_len = max(r.input_length for r in trace.requests) + VLLM_BLOCK
     work = Path(tempfile.mkdtemp(prefix="kvtier-replay-vllm-"))
     try:
-        alone = _run_vllm(trace, total_chunks, [], max_len, work / "model", progress)
+        under = vllm_policies(policy)
+        alone = _run_vllm(trace, total_chunks, [], max_len, work / "model", progress, under["cpu"])
         tier = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "cache_dir": str(work / "kv"),
-                "disk_capacity_bytes": disk_chunks * record, "compression": 0}
-        with_kvtier = _run_vllm(trace, cpu_chunks, [tier], max_len, work / "model", progress)
+                "disk_capacity_bytes": disk_chunks * record, "compression": 0,
+                "eviction_policy": under["eviction_policy"], "disk_admission": under["disk_admission"]}
+        with_kvtier = _run_vllm(trace, cpu_chunks, [tier], max_len, work / "model", progress, under["cpu"])
         engine = asyncio.run(replay_engine(trace, layout, host_slots=[cpu_chunks], disk_bytes=disk_chunks * record,
-                                           cache_dir=str(work / "engine"), retention_interval=0))
+                                           cache_dir=str(work / "engine"), retention_interval=0, policy=policy))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     engine_tiers = {name: int(v.sum()) for name, v in engine.read_bytes.items()}
@@ -177,6 +189,7 @@ def replay_through_vllm(trace: Trace, *, total_chunks: int, cpu_chunks: int,
     return {
         "requests": len(trace), "input_tokens": tokens, "chunk_tokens": chunk_tokens, "chunk_bytes": chunk,
         "record_bytes": record, "total_chunks": total_chunks, "cpu_chunks": cpu_chunks, "disk_chunks": disk_chunks,
+        "policy": policy, "vllm_policies": under,
         "vllm_cpu": alone, "vllm_kvtier": with_kvtier,
         "engine": {"hit_tokens": engine_hits, "hit_rate": engine_hits / tokens, "served_tokens": engine_served,
                    "chunks_verified": engine.extra["chunks_verified"], "wrong_bytes": 0,
@@ -199,6 +212,9 @@ def format_vllm_report(result: JsonObject) -> str:
                      str(served.get("kvtier_host", "-")), str(served.get("kvtier_disk", "-")), str(verified)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    under = result["vllm_policies"]
+    lines.append(f"--policy {result['policy']}: vLLM's CPU tier {under['cpu']}, KvtierTier eviction_policy "
+                 f"{under['eviction_policy']}, disk_admission {under['disk_admission']}")
     lines.append(f"{result['requests']} requests, {result['input_tokens']} input tokens, chunks of "
                  f"{result['chunk_tokens']} tokens; vLLM + kvtier - engine mode: {result['agreement_points']:+.3f} "
                  f"points; vLLM + kvtier - vLLM alone: {result['kvtier_gain_points']:+.3f} points; 0 wrong bytes")
