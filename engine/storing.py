@@ -177,8 +177,23 @@ class StorePath:
         self.inflight += len(work)
         copied = self._loop.create_future()
         book.mark_busy([(g, blocks) for g, _, _, blocks in jobs], copied)
-        self._spawn(self._run(handle, work, copied, ready, refused))
+        self._spawn(self._run(handle, work, copied, self._start_copy(work, ready), time.perf_counter(), refused))
         return handle
+
+    def _start_copy(self, work, ready) -> "asyncio.Future[object]":
+        """Hand the store's copy to the device -> host executor now, not when its task first runs:
+        the copy then runs beside the bookkeeping of the stores scheduled after it in the same
+        loop turn instead of after all of them. A refused submission (an executor shut down) is
+        the copy's failure, reported by the task as any copy error is."""
+        book = self._book
+        batch = [(e.group_index, blocks, book.view(e)) for e, _, blocks in work]
+        try:
+            gather = functools.partial(self._device.gather_many_groups, batch, ready_event=ready)
+            return self._loop.run_in_executor(self._executor, gather)
+        except Exception as exc:  # noqa: BLE001 - reported by _run as the copy's failure
+            failed = self._loop.create_future()
+            failed.set_exception(exc)
+            return failed
 
     def _refused(self, entries: Sequence[ChunkEntry]) -> FrozenSet[bytes]:
         """The keys of the entries the disk admission refuses (they stay on the host only); decided
@@ -206,16 +221,14 @@ class StorePath:
             self._book.pools[entry.group_index].mark_evictable(entry.slot, False)
         self._spill.enqueue(entries)
 
-    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, ready,
-                   refused: FrozenSet[bytes] = frozenset()) -> None:
-        """The engine-owned copy task of one store: gather, then settle every entry's state."""
+    async def _run(self, handle: StoreHandle, work, copied: asyncio.Future, copy: "asyncio.Future[object]",
+                   started: float, refused: FrozenSet[bytes] = frozenset()) -> None:
+        """The engine-owned task of one store: wait for its copy (``_start_copy``) to end, then
+        settle every entry's state and release the caller's device blocks."""
         book = self._book
-        started = time.perf_counter()
-        batch = [(e.group_index, blocks, book.view(e)) for e, _, blocks in work]
         error: Optional[BaseException] = None
         try:
-            gather = functools.partial(self._device.gather_many_groups, batch, ready_event=ready)
-            await settle(self._loop.run_in_executor(self._executor, gather))
+            await settle(copy)
         except asyncio.CancelledError:  # only an engine bug cancels its own task; finish the books
             error = ClosedError("store cancelled")
         except Exception as exc:  # the copy failed: nothing it wrote is trusted

@@ -11,7 +11,7 @@ Primitives (the backend that hides cpu/cuda, ``DeviceBackend``, and ``CopyHandle
   ``scatter_many_groups`` take items of several groups and by default block until done. On CUDA a
   batch waits for a ready event (the caller's, or one recorded on the compute stream when called),
   then per layer one ``index_select`` / ``index_copy_`` over the batch into device staging and one
-  host copy per chunk, on the view's own copy stream; a batch failing partway waits for what it
+  host copy per chunk (per span of back-to-back host slots), on the view's own copy stream; a batch failing partway waits for what it
   queued before raising. ``tools/testing/device.RecordingBackend`` runs that path on CPU.
 
 Threads: the view holds no mutable Python state, and torch's current-stream context is per thread,
@@ -36,7 +36,7 @@ from kvtier.errors import DeviceError
 from kvtier.policy import ModelLayout
 
 from .device_backend import CopyHandle, DeviceBackend
-from .device_groups import GroupTensors, Run, block_runs, host_array, typed_slot, validate_group
+from .device_groups import GroupTensors, Run, adjacent_span, block_runs, check_bits_slot, typed_slot, validate_group
 
 __all__ = ["DeviceKVView", "GatherItem", "ScatterItem", "GroupGatherItem", "GroupScatterItem"]
 
@@ -54,8 +54,8 @@ GroupGatherItem = Tuple[int, Sequence[int], torch.Tensor]  # (group_index, block
 GroupScatterItem = Tuple[int, torch.Tensor, Sequence[Optional[int]]]
 # (group, runs, host slot seen as the chunk's dtype and shape, the caller's host tensor)
 _Plan = Tuple[GroupTensors, List[Run], torch.Tensor, torch.Tensor]
-# CPU fast path: (group index, runs, host slot as a numpy array of the chunk's shape)
-_CpuPlan = Tuple[int, List[Run], np.ndarray]
+# CPU fast path: (group index, runs, the caller's host slot, checked)
+_CpuPlan = Tuple[int, List[Run], torch.Tensor]
 
 
 class DeviceKVView:
@@ -270,7 +270,8 @@ class DeviceKVView:
                               seen={} if to_host else seen.setdefault(gi, {}))
             label = f"{what} (item {index})"
             if self._np_layers is not None:
-                cpu_plans.append((gi, runs, host_array(gi, group, host, label, self._np_layers[gi][0].dtype)))
+                check_bits_slot(gi, group, host, label, self._np_layers[gi][0].dtype)
+                cpu_plans.append((gi, runs, host))
             else:
                 plans.append((group, runs, typed_slot(gi, group, host, label), host))
         if self._np_layers is not None:
@@ -281,18 +282,43 @@ class DeviceKVView:
         return handle
 
     def _cpu_copy(self, plans: List["_CpuPlan"], to_host: bool) -> CopyHandle:
-        """CPU: copy every run of every layer with numpy (inline, on the calling thread; the copies
-        release the GIL). Validation of the whole batch happened before the first byte moved."""
+        """CPU: copy with numpy (inline, on the calling thread; the copies release the GIL).
+        Validation of the whole batch happened before the first byte moved. Consecutive items of
+        one group whose host slots lie back to back and whose blocks continue one another (a store
+        of consecutive chunks into consecutive slots) are one span: one copy per layer for the
+        span, not per chunk; the calling thread then takes the GIL a few times per batch instead
+        of a few times per chunk (beside a busy event loop each take can wait its switch
+        interval). Any other item: one copy per run of blocks per layer."""
         np_layers = self._np_layers
         assert np_layers is not None
-        for gi, runs, host in plans:
-            for li, layer in enumerate(np_layers[gi]):
-                host_layer = host[li]
-                for pos, block, length in runs:
+        hosts = [host for _, _, host in plans]
+        joins = [False] + [_continues(self._groups[after[0]].blocks_per_chunk, before, after)
+                           for before, after in zip(plans, plans[1:])]
+        i = 0
+        while i < len(plans):
+            gi, runs, host = plans[i]
+            group, layers = self._groups[gi], np_layers[gi]
+            bits = layers[0].dtype
+            count, span = adjacent_span(hosts, i, group.chunk_nbytes, joins)
+            if span is not None:
+                per, first = group.blocks_per_chunk, runs[0][1]
+                spanned = span.numpy().view(bits).reshape((count, *group.chunk_shape))
+                for li, layer in enumerate(layers):
+                    blocks = _split_blocks(layer[first : first + count * per], count, per)
                     if to_host:
-                        np.copyto(host_layer[pos : pos + length], layer[block : block + length])
+                        np.copyto(spanned[:, li], blocks)
                     else:
-                        np.copyto(layer[block : block + length], host_layer[pos : pos + length])
+                        np.copyto(blocks, spanned[:, li])
+            else:
+                chunk = host.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
+                for li, layer in enumerate(layers):
+                    host_layer = chunk[li]
+                    for pos, block, length in runs:
+                        if to_host:
+                            np.copyto(host_layer[pos : pos + length], layer[block : block + length])
+                        else:
+                            np.copyto(layer[block : block + length], host_layer[pos : pos + length])
+            i += count
         return CopyHandle(self.backend, None)
 
     def _enqueue(self, plans: List[_Plan], stream: Any, ready: Any, to_host: bool) -> CopyHandle:
@@ -328,8 +354,8 @@ class DeviceKVView:
     def _copy_window(self, gi: int, window: List[_Plan], stream: Any, to_host: bool) -> List[torch.Tensor]:
         """One window of chunks of group ``gi``: one ``index_select`` (d2h) or ``index_copy_``
         (h2d) per layer over every block of the window, a transpose between the per-layer and the
-        per-chunk staging when the window has several chunks, and one host copy per chunk. Returns
-        the tensors the queued work uses."""
+        per-chunk staging when the window has several chunks, and one host copy per chunk or span of
+        back-to-back host slots. Returns the tensors the queued work uses."""
         backend = self.backend
         group = self._groups[gi]
         layers = self._bit_layers[gi]
@@ -355,11 +381,22 @@ class DeviceKVView:
                 torch.index_select(layer, 0, block_index, out=by_layer[li])
             if count > 1:
                 by_chunk.copy_(by_layer.view(num_layers, count, per, *group.block_shape).transpose(0, 1))
-            for c, (_, _, typed, _) in enumerate(window):
-                backend.copy(typed.view(bits), by_chunk[c])
+        # One host copy per span of back-to-back host slots (the engine's slots of one store are
+        # usually consecutive), else per chunk.
+        hosts = [host for _, _, _, host in window]
+        c = 0
+        while c < count:
+            spanned, span = adjacent_span(hosts, c, group.chunk_nbytes)
+            host_side = (window[c][2].view(bits) if span is None
+                         else span.view(bits).view(spanned, num_layers, per, *group.block_shape))
+            device_side = by_chunk[c] if span is None else by_chunk[c : c + spanned]
+            if to_host:
+                backend.copy(host_side, device_side)
+            else:
+                backend.copy(device_side, host_side)
+            c += spanned
+        if to_host:
             return keep
-        for c, (_, _, typed, _) in enumerate(window):
-            backend.copy(by_chunk[c], typed.view(bits))
         if count > 1:
             by_layer.view(num_layers, count, per, *group.block_shape).copy_(by_chunk.transpose(0, 1))
         row_index = None if len(rows) == count * per else backend.index_tensor(rows, device, keep)
@@ -367,3 +404,21 @@ class DeviceKVView:
             source = by_layer[li] if row_index is None else by_layer[li].index_select(0, row_index)
             layer.index_copy_(0, block_index, source)
         return keep
+
+
+def _continues(per: int, before: "_CpuPlan", after: "_CpuPlan") -> bool:
+    """Whether ``after`` may join ``before`` in one span: the same group, each chunk one run of all
+    its blocks, ``after``'s blocks right behind ``before``'s."""
+    (gi_before, runs_before, _), (gi_after, runs_after, _) = before, after
+    return (gi_before == gi_after and len(runs_before) == 1 and len(runs_after) == 1
+            and runs_before[0][2] == per and runs_after[0][2] == per
+            and runs_after[0][1] == runs_before[0][1] + per)
+
+
+def _split_blocks(blocks: np.ndarray, count: int, per: int) -> np.ndarray:
+    """``blocks`` (``count * per`` consecutive blocks of a layer) seen as ``count`` chunks of
+    ``per`` blocks: a view (splitting an axis never copies; assigning ``shape`` raises if it would,
+    so a scatter can never write into a copy)."""
+    view = blocks.view()
+    view.shape = (count, per, *blocks.shape[1:])
+    return view

@@ -3,7 +3,9 @@
 Primitives: ``GroupTensors`` (a group's layer tensors and shared geometry), ``validate_group``
 (the checks on a group's layer tensors), ``block_runs`` (one chunk's block ids checked and
 coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``host_array`` (a host
-slot checked, seen as the chunk's dtype and shape, or as a numpy array of same-size integers).
+slot checked, seen as the chunk's dtype and shape, or as a numpy array of same-size integers),
+``adjacent_span`` (how many host slots from a position lie back to back in one buffer, and the
+memory they span as one tensor).
 Every failure is a ``DeviceError`` that names the group, and the layer, block or item at fault.
 Plain functions of their arguments, safe on any thread; ``DeviceKVView`` (``tiers.device``) calls
 them to validate a whole batch before it queues any copy.
@@ -21,7 +23,8 @@ import torch
 
 from kvtier.errors import DeviceError
 
-__all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array"]
+__all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array",
+           "check_bits_slot", "adjacent_span"]
 
 # (position in the chunk, first device block, number of consecutive blocks)
 Run = Tuple[int, int, int]
@@ -178,11 +181,17 @@ def host_array(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits
     """CPU fast path: the host slot as a numpy array of the chunk's shape, in same-size integers
     (a view, no copy), ``bits`` the numpy dtype of the group's layers. Checks exactly what
     ``typed_slot`` checks, with the same errors."""
+    check_bits_slot(gi, group, slot, what, bits)
+    # uint8 tensors never require grad, so numpy() always hands out the view.
+    return slot.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
+
+
+def check_bits_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> None:
+    """``host_array``'s checks without making the array (a slot copied as part of a span of
+    adjacent slots is never seen on its own)."""
     check_slot(gi, group, slot, what)
     if slot.data_ptr() % bits.itemsize:
         raise DeviceError(f"group {gi}: {what} cannot be viewed as {group.dtype} (misaligned start?)")
-    # uint8 tensors never require grad, so numpy() always hands out the view.
-    return slot.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
 
 
 def typed_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> torch.Tensor:
@@ -215,3 +224,26 @@ def check_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> N
         )
     if not slot.is_contiguous():
         raise DeviceError(f"group {gi}: {what} must be contiguous")
+
+
+def adjacent_span(hosts: Sequence[torch.Tensor], start: int, nbytes: int,
+                  joins: Optional[Sequence[bool]] = None) -> Tuple[int, Optional[torch.Tensor]]:
+    """How many of ``hosts`` from ``start`` on (checked slots of ``nbytes`` each) lie back to back
+    in one buffer, and, when more than one does, that memory as one ``uint8`` tensor over the first
+    slot's storage (``None`` for a span of one). ``joins[i]`` false keeps slot ``i`` from joining
+    the slot before it (a caller's further condition). The engine's host slots of a store are
+    usually consecutive slots of one slab: a span is copied in one call instead of one per slot."""
+    first = hosts[start]
+    end = start + 1
+    ptr = first.data_ptr() + nbytes
+    while end < len(hosts) and hosts[end].data_ptr() == ptr and (joins is None or joins[end]):
+        end += 1
+        ptr += nbytes
+    count = end - start
+    if count == 1:
+        return 1, None
+    try:
+        # Within the first slot's storage (the bounds are checked): the span is that storage's memory.
+        return count, first.as_strided((count * nbytes,), (1,), first.storage_offset())
+    except RuntimeError:  # adjacent memory of another allocation: slot by slot
+        return 1, None

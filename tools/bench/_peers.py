@@ -407,7 +407,7 @@ def peer_specs(directory_probe: Optional[Path] = None, *, peers: bool = True) ->
     False: the O_DIRECT limit only."""
     PEER_SKIPS.clear()
     if not peers:
-        PEER_SKIPS.append("peers (vLLM fs, LMCache disk, SGLang file): not in this run (--quick; the full run has them)")
+        PEER_SKIPS.append("peers (vLLM fs, LMCache disk, SGLang file): not in this run (peers off)")
     specs: List[SubjectSpec] = []
     if directory_probe is not None and not _direct_io_works(directory_probe):
         PEER_SKIPS.append(f"O_DIRECT limit: skipped, {directory_probe} does not take O_DIRECT")

@@ -25,12 +25,8 @@ from ._machine import drop_caches_possible, drop_page_cache, filesystem_of, pref
 from ._report import BenchReport, BenchRow, format_report, judge, ratio_of
 from ._rounds import run_paired
 from ._settings import (
-    FULL_TOTAL_BYTES,
     LAYERS,
     MiB,
-    QUICK_ROUNDS,
-    QUICK_TOTAL_BYTES,
-    ROUNDS,
     SIZES,
     TARGET_BOOKKEEPING_US,
     TARGET_LONGEST_HIT_MS,
@@ -38,6 +34,7 @@ from ._settings import (
     TARGET_STAGING_VS_MEMCPY,
     label_of,
     mb_s,
+    run_plan,
 )
 from ._peers import PEER_SKIPS, peer_specs
 from ._release import measure_engine_release
@@ -72,26 +69,28 @@ async def run_bench(
     ``"policy"`` (longest_hit and coverage), ``"compression"`` and ``"remote"`` (Valkey node and
     cluster against memcpy and LMDB, engine load from the remote: ``tools/bench/_remote.py``); ``total_bytes`` overrides the
     bytes moved per chunk size, ``rounds`` the paired rounds per size (default 4, quick 2: the same
-    256 MiB rounds, fewer of them). ``peers`` (default: not
-    ``quick``) adds vLLM's, LMCache's and SGLang's disk tiers where importable (their imports alone
-    take 10-20 s on 2 busy cores); the O_DIRECT limit always runs with the tiers. ``busy_kinds``
+    256 MiB rounds, fewer of them: ``_settings.run_plan``). ``peers`` (default: true, quick or not,
+    so both runs' rounds hold the same subjects in the same order) adds vLLM's, LMCache's and
+    SGLang's disk tiers where importable (their imports alone take 10-20 s on 2 busy cores); the
+    O_DIRECT limit always runs with the tiers. ``busy_kinds``
     (default: ``("threads",)``, none with ``quick``): after the quiet paired rounds of a size, the
     same rounds again beside CPU-bound workers of each kind (``_busy``), their rows named so. The cache directory gets a
     fresh ``kvtier-bench-*`` subdirectory, removed at the end. Torch runs one intra-op thread
     meanwhile (restored after): on 2 cores its second thread only adds wake-up jitter to the copies,
     and the tiers' own threads need the other core."""
+    plan = run_plan(quick)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return await _run_bench(quick=quick, cache_dir=cache_dir, sizes=sizes, total_bytes=total_bytes,
-                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds or (QUICK_ROUNDS if quick else ROUNDS), progress=progress,
-                                peers=not quick if peers is None else peers,
-                                busy_kinds=tuple(("threads",) if busy_kinds is None and not quick else busy_kinds or ()))
+        return await _run_bench(quick=quick, cache_dir=cache_dir, sizes=sizes, total_bytes=total_bytes or plan.total_bytes,
+                                parts=parts, gemma_seq_len=gemma_seq_len, rounds=rounds or plan.rounds, progress=progress,
+                                peers=plan.peers if peers is None else peers,
+                                busy_kinds=tuple(plan.busy if busy_kinds is None else busy_kinds))
     finally:
         torch.set_num_threads(threads)
 
 
-async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: Optional[int],
+async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[int], total_bytes: int,
                      parts: Optional[Set[str]], gemma_seq_len: Optional[int], rounds: int,
                      progress: bool, peers: bool, busy_kinds: Sequence[str]) -> BenchReport:
     all_parts = {"tiers", "engine", "bookkeeping", "policy", "compression", "remote"}
@@ -103,7 +102,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
         if kind not in BUSY_KINDS:
             raise ValueError(f"unknown busy kind {kind!r}; choose from {list(BUSY_KINDS)}")
     say = _progress(progress)
-    total = total_bytes or (QUICK_TOTAL_BYTES if quick else FULL_TOTAL_BYTES)
+    total = total_bytes
     for size in sizes:
         KVGeometry.for_chunk(size)  # validates
         if total < size:
@@ -128,6 +127,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
             "quick": quick,
             "bytes_per_chunk_size": total,
             "paired_rounds_per_size": rounds,
+            "peers": peers,
             "busy": [busy_label(kind).lstrip(", ") for kind in busy_kinds],
             "torch_threads": 1,
             "noise": {},
@@ -200,7 +200,7 @@ async def _run_bench(*, quick: bool, cache_dir: Optional[str], sizes: Sequence[i
                         )
         if "compression" in parts:
             say("compression on Gemma3 KV")
-            seq = gemma_seq_len or (1024 if quick else 2048)
+            seq = gemma_seq_len or 2048  # the same KV in both runs: a quick run repeats less, on the same bytes
             kv_u8 = gemma3_kv_bytes(seq)
             report.machine["gemma3_kv_bytes"] = kv_u8.numel()
             for size in sizes:
@@ -283,9 +283,9 @@ async def _bench_size(report: BenchReport, work: Path, kv: torch.Tensor, size: i
         report.add(f"engine store until released {name}", released, "MB/s",
                    ratio_of(released, memcpy) if memcpy else None, "memcpy" if memcpy else None)
         if staging and kind is None:
-            alone = await measure_engine_release(view, geometry, n, repeats=1 if quick else 3)
+            alone, paired = await measure_engine_release(view, geometry, slots, ranges)
             judge(report.add(f"engine store until released, host tier only {label}", alone, "MB/s",
-                             ratio_of(alone, staging), "staging device->host (no spill competing)",
+                             paired, "staging device->host of the same chunks, paired rounds (no spill competing)",
                              target=f">= {TARGET_RELEASE_VS_STAGING}x"), TARGET_RELEASE_VS_STAGING)
     del pool, slots, chunks, outs, restore, restore_raw
     gc.collect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Tuple
 
 KiB = 1 << 10
@@ -53,3 +54,27 @@ def label_of(nbytes: int) -> str:
 
 def mb_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e6 if seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run measures per chunk size, quick or full: the paired rounds (each ``round_bytes``,
+    the subjects in one order: raw, kvtier's tiers, ``peers`` when true, the engine), and the
+    engine's store until released, paired against the staging copy in ``rounds`` rounds of the
+    same length. A quick run is the full run's plan with fewer rounds (and no busy repeat, which
+    runs after the quiet rounds): its ratios estimate the same figures, less precisely."""
+
+    sizes: Tuple[int, ...]
+    round_bytes: int
+    rounds: int
+    peers: bool
+    busy: Tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rounds * self.round_bytes
+
+
+def run_plan(quick: bool) -> RunPlan:
+    """The default plan of ``kvtier bench`` (``--quick`` or not)."""
+    return RunPlan(SIZES, ROUND_BYTES, QUICK_ROUNDS if quick else ROUNDS, True, () if quick else ("threads",))
