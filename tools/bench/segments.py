@@ -33,6 +33,7 @@ import xxhash
 
 from kvtier.tiers.host import HostSlabPool
 
+from ._busy import BUSY_KINDS, busy
 from ._kv import make_kv_bytes
 from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs, in_flight
 from ._rounds import run_paired
@@ -178,11 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sizes-kib", default="256,1024,4096")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's fs tier + fsync (needs vllm)")
     parser.add_argument("--dir", default=None, help="where to measure (default: a temporary directory)")
+    parser.add_argument("--busy", choices=BUSY_KINDS, default=None,
+                        help="run the rounds beside CPU-bound workers of this kind (as `kvtier bench --busy`)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvtier-segments-", dir=args.dir))
     try:
         for kib in (int(x) for x in args.sizes_kib.split(",")):
-            result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib), args.vllm))
+            with busy(args.busy):
+                result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib), args.vllm))
             print(f"{label_of(kib << 10)}: " + ", ".join(f"{k} {v}" for k, v in result.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
