@@ -15,7 +15,9 @@ Promises and how they are kept:
   ``segments`` table), truncated by ``reclaim_orphans`` at the next writable open;
 - power loss: segment data and a new segment's directory entry are synced before the commit; a
   new segment becomes the active one only once its name is synced (a failed sync is
-  ``TierIOError``, the file is removed and never appended to);
+  ``TierIOError``, the file is removed and never appended to); a batch's ``fdatasync`` runs on the writer's
+  sync thread once its direct writes are done, and after one failed, every later batch of that
+  segment fails too: the error is reported to one sync of the open file only);
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
