@@ -8,7 +8,7 @@ Primitives:
   share a ``group`` runner are handed to it together (group commit: one fsync for many batches);
   the runner may also take the next such group queued behind (``more``), to start its work before
   it finishes the first one's (the LMDB tier begins batch n+1's payload writes before it commits
-  batch n).
+  batch n), and may wait in ``more`` until either such a group arrives or its own work is done.
   Results go back through the job's ``done(result, exc)`` callback, called on the writer thread.
 - ``loop_callback(loop, fut)``: a ``done`` that resolves an asyncio future on its loop with
   ``loop.call_soon_threadsafe``, guarded by ``fut.done()`` so a cancelled caller (or a closed loop)
@@ -43,14 +43,15 @@ Done = Callable[[Any, Optional[BaseException]], None]
 @dataclass
 class Job:
     """A closure for the writer. ``group``, when set, runs a list of consecutive jobs with an equal
-    ``group`` and must call every job's ``done``; its second argument, ``more()``, returns the
-    next group of such jobs queued right now (empty when the next job is another kind, or none is
-    queued), whose ``done`` it must then call too; ``weight`` (bytes) bounds how much one group
-    takes. Built on any thread; ``run`` and ``finish`` run on the writer thread only."""
+    ``group`` and must call every job's ``done``; its second argument, ``more(until=None)``,
+    returns the next group of such jobs queued (empty when the next job is another kind, or none
+    is queued), whose ``done`` it must then call too; with ``until`` (a future) it waits for such
+    a group until ``until`` is done, instead of answering at once; ``weight`` (bytes) bounds how
+    much one group takes. Built on any thread; ``run`` and ``finish`` run on the writer thread only."""
 
     fn: Callable[[], Any]
     done: Done
-    group: Optional[Callable[[List["Job"], Callable[[], List["Job"]]], None]] = None
+    group: Optional[Callable[[List["Job"], Callable[..., List["Job"]]], None]] = None
     weight: int = 0
 
     def run(self) -> None:
@@ -107,6 +108,7 @@ class WriterThread:
         self._max_group_jobs = max_group_jobs
         self._max_group_weight = max_group_weight
         self._held: Any = None  # writer thread: a job taken from the queue, to run next
+        self._arrived = threading.Event()  # set by each submit (and stop): wakes a waiting ``more``
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -120,6 +122,7 @@ class WriterThread:
             if self._stopped:
                 raise ClosedError("the tier's writer thread has stopped")
             self._queue.put(job)
+        self._arrived.set()
 
     def submit_async(self, fn: Callable[[], T], **job_kw: Any) -> "asyncio.Future[T]":
         """Queue ``fn`` and return a future of its result on the running loop (loop thread only)."""
@@ -149,6 +152,7 @@ class WriterThread:
             if not self._stopped:
                 self._stopped = True
                 self._queue.put(_STOP)
+        self._arrived.set()
         if threading.get_ident() != self._thread.ident:
             self._thread.join()
 
@@ -164,7 +168,7 @@ class WriterThread:
             group = self._group_from(job)
             runner = job.group
             try:
-                runner(group, lambda: self._more(runner))
+                runner(group, lambda until=None: self._more(runner, until))
             except BaseException as exc:  # noqa: BLE001 - the runner failed as a whole
                 log.exception("kvtier writer: group runner failed")
                 for j in group:
@@ -189,16 +193,25 @@ class WriterThread:
                 break
         return group
 
-    def _more(self, runner: Callable[..., None]) -> List[Job]:
+    def _more(self, runner: Callable[..., None], until: "Optional[concurrent.futures.Future[Any]]" = None) -> List[Job]:
         """Writer thread, inside ``runner``: the next group of ``runner``'s jobs if one is queued
-        right now and nothing else is ahead of it (order is kept: a held job of another kind, or
-        ``stop``, ends the look-ahead)."""
-        if self._held is not None:
-            return []
-        try:
-            nxt = self._queue.get_nowait()
-        except queue.Empty:
-            return []
+        and nothing else is ahead of it (order is kept: a held job of another kind, or ``stop``,
+        ends the look-ahead). Without ``until`` it answers at once; with it, it waits for a job
+        until ``until`` is done (then answers [] if none came)."""
+        if until is not None:
+            until.add_done_callback(lambda _f: self._arrived.set())
+        while True:
+            if self._held is not None:
+                return []
+            self._arrived.clear()  # before looking: a job or ``until`` after this wakes the wait
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                if until is None or until.done():
+                    return []
+                self._arrived.wait()
+                continue
+            break
         if nxt is _STOP or nxt.group is None or nxt.group != runner:
             self._held = nxt
             return []

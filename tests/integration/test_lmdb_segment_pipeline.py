@@ -1,19 +1,22 @@
-"""The LMDB tier's pipelined put path: batch n+1's segment writes run while batch n commits, and
-each batch is still acknowledged (and its pointers committed) only once its own payload is synced.
+"""The LMDB tier's pipelined put path: batch n+1's segment writes begin as soon as it is queued --
+while batch n's own writes are still in flight, and while batch n syncs and commits -- and each
+batch is still acknowledged (and its pointers committed) only once its own payload is synced.
 
 The payload I/O is held at a real blocking point: the segment writer's hook runs on the lane
-thread right before each ``pwritev`` and on the writer thread before each ``fdatasync``; the tier's
-I/O hook runs before each commit. The test records that order."""
+thread right before each ``pwritev`` and on the sync thread before each ``fdatasync``; the tier's
+I/O hook runs before each commit. The tests record that order."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from pathlib import Path
 from typing import List
 
 import pytest
 
+from kvtier.errors import TierIOError
 from kvtier.tiers.base import IOHook
 from kvtier.tiers.lmdb import LmdbTier
 from kvtier.tiers.record_format import CodecConfig
@@ -23,12 +26,13 @@ from segment_checks import assert_served
 THRESHOLD = 16 << 10
 WAIT_S = 10.0
 A_RUNS = 3  # batch A's direct writes: its 3 records, one run each (split so 3 lanes have one)
+B_RUNS = 3
 
 
 class _Order(IOHook):
     """Records "write" / "sync" (segment writer) and "commit" (tier); holds the first segment write
-    (batch A's) until ``release_a``, the first write after A's (batch B's) until ``release_b``,
-    and the first commit (A's) until B's write is held (``overlapped``: it was, in time)."""
+    (batch A's) until ``release_a`` and the first write after A's (batch B's) until
+    ``release_b``."""
 
     def __init__(self) -> None:
         self.events: List[str] = []
@@ -37,14 +41,9 @@ class _Order(IOHook):
         self.release_a = threading.Event()
         self.b_held = threading.Event()
         self.release_b = threading.Event()
-        self.overlapped = False
 
     def before(self, op: str) -> None:  # the tier's hook: puts, commits, reads
         if op == "commit":
-            if "commit" not in self.events:
-                # A's commit waits until B's first write is in flight: it is, at once, when B's
-                # writes were begun before this commit (without the overlap it never comes).
-                self.overlapped = self.b_held.wait(WAIT_S)
             self._add("commit")
 
     def segment(self, op: str) -> None:  # the segment writer's hook
@@ -68,9 +67,22 @@ class _Order(IOHook):
         with self._lock:
             self.events.append(event)
 
+    def count(self, event: str) -> int:
+        with self._lock:
+            return self.events.count(event)
+
+
+async def _until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
 
 @pytest.mark.asyncio
-async def test_next_batch_writes_overlap_the_commit_and_each_ack_waits_for_its_own_sync(tmp_path: Path) -> None:
+async def test_next_batch_writes_begin_while_the_batch_before_is_written_and_each_ack_waits_for_its_own_sync(
+        tmp_path: Path) -> None:
     warm = make_batch(1, 0, [65536])
     a = make_batch(2, 1, [65536, 65536, 65536])
     b = make_batch(3, 2, [65536, 65536, 65536])
@@ -82,28 +94,82 @@ async def test_next_batch_writes_overlap_the_commit_and_each_ack_waits_for_its_o
         tier._writes.segment_writer.hook = order.segment
         put_a = asyncio.ensure_future(tier.put_many(a))
         assert await asyncio.to_thread(order.a_held.wait, WAIT_S)
+        await _until(lambda: order.count("write") == A_RUNS, "A's three writes begun")
         put_b = asyncio.ensure_future(tier.put_many(b))
-        for _ in range(1000):  # B encoded and queued behind A on the writer
-            if tier._writer._queue.qsize() >= 1:
-                break
-            await asyncio.sleep(0.005)
-        assert tier._writer._queue.qsize() >= 1
+        # B's first write begins while A's first write is still held: the writer does not wait for
+        # a batch's slowest write before it starts the next batch.
+        assert await asyncio.to_thread(order.b_held.wait, WAIT_S)
+        assert not put_a.done() and not put_b.done()
+        assert order.count("sync") == 0 and order.count("commit") == 0
+        assert await tier.contains_many([key for key, _, _ in a + b]) == [False] * 6
         order.release_a.set()
-        # A is acknowledged while B's payload write is still held ...
+        # A is acknowledged while B's payload write is still held, after its own sync ...
         assert await asyncio.wait_for(put_a, 3 * WAIT_S) > 0
         assert order.b_held.is_set() and not put_b.done()
-        # ... because B's writes began before A's commit (the overlap), and A's sync came before it.
-        assert order.overlapped
-        assert order.events[:A_RUNS].count("write") == A_RUNS  # A's writes all came first
-        assert order.events.index("B write held") < order.events.index("commit")
         assert order.events.index("sync") < order.events.index("commit")
-        assert order.events.count("commit") == 1
-        # B is not visible (no pointer to its unwritten bytes) until its own sync and commit.
+        assert order.count("commit") == 1 and order.count("sync") == 1
+        # ... and B is not visible (no pointer to its unwritten bytes) until its own sync and commit.
         assert await tier.contains_many([key for key, _, _ in b]) == [False] * 3
         order.release_b.set()
         await asyncio.wait_for(put_b, WAIT_S)
         tail = order.events[order.events.index("commit") + 1:]
         assert tail[-2:] == ["sync", "commit"] and "write" not in tail[tail.index("sync"):]
+        assert order.count("write") + order.count("B write held") == A_RUNS + B_RUNS
         tier._io_hook = IOHook()
         await assert_served(tier, warm + a + b)
+        assert await tier.check() == []
+
+
+class _FailFirstSync:
+    """The segment writer's hook: the first ``fdatasync`` (batch A's) waits until B's writes are
+    all done, then fails with EIO; every later one proceeds (a real ``fdatasync`` after it may
+    return 0: the kernel reports a writeback error once per open file)."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+        self.writes = 0
+        self._lock = threading.Lock()
+        self.a_sync_held = threading.Event()
+        self.b_written = threading.Event()
+
+    def __call__(self, op: str) -> None:
+        with self._lock:
+            if op == "write":
+                self.writes += 1
+                if self.writes == A_RUNS + B_RUNS:
+                    self.b_written.set()
+                return
+            self.syncs += 1
+            first = self.syncs == 1
+        if first:
+            self.a_sync_held.set()
+            self.b_written.wait(WAIT_S)
+            raise OSError(errno.EIO, "injected fdatasync failure")
+
+
+@pytest.mark.asyncio
+async def test_a_failed_sync_fails_every_batch_of_its_segment_begun_behind_it(tmp_path: Path) -> None:
+    warm = make_batch(1, 0, [65536])
+    a = make_batch(2, 1, [65536, 65536, 65536])
+    b = make_batch(3, 2, [65536, 65536, 65536])
+    c = make_batch(4, 3, [65536, 65536])
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
+                                   segment_threshold_bytes=THRESHOLD) as tier:
+        await tier.put_many(warm)
+        segment = tier._writes.active_segment
+        hook = _FailFirstSync()
+        tier._writes.segment_writer.hook = hook
+        put_a = asyncio.ensure_future(tier.put_many(a))
+        assert await asyncio.to_thread(hook.a_sync_held.wait, WAIT_S)
+        put_b = asyncio.ensure_future(tier.put_many(b))  # begun in A's segment, synced after A's failed
+        with pytest.raises(TierIOError, match="injected fdatasync failure"):
+            await asyncio.wait_for(put_a, WAIT_S)
+        with pytest.raises(TierIOError, match="an earlier fdatasync of segment"):
+            await asyncio.wait_for(put_b, WAIT_S)
+        assert hook.syncs == 1  # B's sync was refused, not tried: a 0 from it would prove nothing
+        assert await tier.contains_many([key for key, _, _ in a + b]) == [False] * 6
+        tier._writes.segment_writer.hook = lambda op: None
+        await tier.put_many(c)  # a fresh segment: the failed one is never appended to again
+        assert tier._writes.active_segment != segment
+        await assert_served(tier, warm + c)
         assert await tier.check() == []

@@ -15,7 +15,9 @@ Promises and how they are kept:
   ``segments`` table), truncated by ``reclaim_orphans`` at the next writable open;
 - power loss: segment data and a new segment's directory entry are synced before the commit; a
   new segment becomes the active one only once its name is synced (a failed sync is
-  ``TierIOError``, the file is removed and never appended to);
+  ``TierIOError``, the file is removed and never appended to); a batch's ``fdatasync`` runs on the writer's
+  sync thread once its direct writes are done, and after one failed, every later batch of that
+  segment fails too: the error is reported to one sync of the open file only);
 - space returns by segment: the ``segments`` table holds each segment's live bytes, records and
   committed end, changed in the same transaction as the pointers; a segment whose live records
   drop to 0 is deleted after the commit, unless a writer still holds its ``flock`` (its active
@@ -58,10 +60,11 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import lmdb
 
@@ -241,8 +244,15 @@ class SegmentWriter:
         self._allocate = True  # False once fallocate is unsupported on the active segment's filesystem
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
         self._lanes: Optional[ThreadPoolExecutor] = None  # the direct writes' threads (never state)
+        # One thread runs each batch's fdatasync once its writes are done, in that order, so the
+        # writer thread meanwhile begins the next batches and commits the ones already synced.
+        self._syncer: Optional[ThreadPoolExecutor] = None
+        # Segments whose fdatasync failed once (sync thread): no later batch in them is durable,
+        # even when its own sync returns 0 (the kernel reports a writeback error only once per
+        # open file, and every batch's descriptor is a dup of one).
+        self._sync_failed: Set[str] = set()
         # Called with "write" before each direct write (on its lane thread) and "sync" before each
-        # fdatasync (writer thread): a test's point to observe or hold the payload I/O.
+        # fdatasync (on the sync thread): a test's point to observe, hold or fail the payload I/O.
         self.hook: Callable[[str], None] = _no_hook
 
     @property
@@ -357,19 +367,44 @@ class SegmentWriter:
         runs = adjacent_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
         if self._lanes is None:
             self._lanes = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvtier-segment-write")
+            self._syncer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-segment-sync")
         lanes = [runs[k::WRITES_IN_FLIGHT] for k in range(min(len(runs), WRITES_IN_FLIGHT))]
         futures = [self._lanes.submit(self._write_runs, fd, placed, pointers, lane) for lane in lanes]
-        return PendingAppend(fd, pointers, futures)
+        pending = PendingAppend(fd, pointers, futures)
+        pending.when_written(self._queue_sync)
+        return pending
 
-    def finish(self, pending: "PendingAppend") -> List[SegmentPointer]:
-        """Wait for EVERY direct write of ``pending`` (none may still be in flight once the batch is
-        given up) and ``fdatasync`` it; returns its pointers, which may then be committed. A
-        failure rotates (if the batch's segment is still the active one: later appends go to a
-        fresh file) and raises ``TierFullError`` / ``TierIOError``. Writer thread."""
+    def _queue_sync(self, pending: "PendingAppend") -> None:
+        """Once every direct write of ``pending`` succeeded (on the lane thread that finished
+        last): its ``fdatasync`` goes to the sync thread."""
+        assert self._syncer is not None
         try:
-            pending.wait_written()
+            self._syncer.submit(pending.run_sync, self._sync)
+        except RuntimeError as exc:  # shut down by close(): no sync, so never durable
+            pending.durable.set_exception(OSError(errno.EIO, f"segment writer closed before the sync: {exc}"))
+
+    def _sync(self, pending: "PendingAppend") -> None:
+        """Sync thread: ``fdatasync`` of ``pending``'s segment, unless an earlier sync of that
+        segment failed (then this batch fails too: the kernel reported that error to the earlier
+        call only, so a 0 here would not mean these bytes are on disk)."""
+        name = pending.pointers[0].name if pending.pointers else ""
+        if name in self._sync_failed:
+            raise OSError(errno.EIO, f"an earlier fdatasync of segment {name} failed")
+        try:
             self.hook("sync")
             os.fdatasync(pending.fd)
+        except OSError:
+            self._sync_failed.add(name)
+            raise
+
+    def finish(self, pending: "PendingAppend") -> List[SegmentPointer]:
+        """Wait until ``pending``'s direct writes are all done (none may still be in flight once
+        the batch is given up) and its ``fdatasync`` (the sync thread's) succeeded; returns its
+        pointers, which may then be committed. A failure rotates (if the batch's segment is still
+        the active one: later appends go to a fresh file) and raises ``TierFullError`` /
+        ``TierIOError``. Writer thread."""
+        try:
+            pending.wait_durable()
         except OSError as exc:
             # The tail may hold part of the batch: never append there again; reclaim_orphans
             # truncates it later.
@@ -395,21 +430,58 @@ class SegmentWriter:
     def close(self) -> None:
         self.rotate()
         if self._lanes is not None:
-            self._lanes.shutdown(wait=True)
+            self._lanes.shutdown(wait=True)  # the last writes queue their syncs first
             self._lanes = None
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
 
 
 class PendingAppend:
     """One batch's direct writes in flight (``SegmentWriter.begin``): its own descriptor of the
     segment, its pointers (not to be committed before ``SegmentWriter.finish`` returned them),
-    and the lanes' futures. ``release`` (after the commit of its pointers, or after giving up)
-    closes the descriptor; idempotent."""
+    the lanes' futures, and ``durable``, done once the batch's ``fdatasync`` returned (or with
+    the first failure: of a write, or of the sync). ``release`` (after the commit of its
+    pointers, or after giving up) closes the descriptor; idempotent."""
 
     def __init__(self, fd: int, pointers: List[SegmentPointer], futures: List["Future[None]"]) -> None:
         self.fd = fd
         self.pointers = pointers
         self.futures = futures
+        self.durable: "Future[None]" = Future()
         self._released = False
+
+    def when_written(self, then: Callable[["PendingAppend"], None]) -> None:
+        """Call ``then(self)`` once every write succeeded (on the thread that finished the last
+        one); a failed write completes ``durable`` with it instead."""
+        left = [len(self.futures)]
+        lock = threading.Lock()
+
+        def one_done(_fut: "Future[None]") -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                self.wait_written()
+            except BaseException as exc:  # noqa: BLE001 - the batch's outcome, raised by finish
+                self.durable.set_exception(exc)
+                return
+            then(self)
+
+        if not self.futures:
+            then(self)
+        for fut in self.futures:
+            fut.add_done_callback(one_done)
+
+    def run_sync(self, sync: Callable[["PendingAppend"], None]) -> None:
+        """Sync thread: ``sync(self)``, its outcome into ``durable``."""
+        try:
+            sync(self)
+        except BaseException as exc:  # noqa: BLE001 - the batch's outcome, raised by finish
+            self.durable.set_exception(exc)
+        else:
+            self.durable.set_result(None)
 
     def wait_written(self) -> None:
         """Wait for every lane (none is left running), then raise the first lane's failure, if
@@ -422,11 +494,17 @@ class PendingAppend:
         if first is not None:
             raise first
 
+    def wait_durable(self) -> None:
+        """Wait until the batch is synced; raise its first failure. Every write has ended then."""
+        self.wait_written()
+        self.durable.result()
+
     def release(self) -> None:
         if not self._released:
             self._released = True
             for fut in self.futures:  # never close the descriptor under a write still in flight
                 fut.exception()
+            self.durable.exception()  # nor under its fdatasync
             try:
                 os.close(self.fd)
             except OSError as exc:

@@ -17,6 +17,7 @@ segment, it tells its ``SegmentWatcher`` (compaction's triggers; ``watch``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -42,9 +43,14 @@ from .segment_files import remove_dead
 from .segments import Ledger, PendingAppend, SegmentPointer, SegmentWriter, is_pointer, stored_size
 from .tables import ATIME, bump_sequence, take_segment_number
 
-__all__ = ["WriterSide", "PutJob", "SegmentWatcher"]
+__all__ = ["WriterSide", "PutJob", "SegmentWatcher", "STAGED_GROUPS"]
 
 log = logging.getLogger(__name__)
+
+# Put groups in the write pipeline at once (the one committing next included): a bound on the
+# payload bytes pinned and the direct writes queued ahead of a commit, never reached by the
+# engine's spill (two batches in flight).
+STAGED_GROUPS = 4
 
 T = TypeVar("T")
 
@@ -77,17 +83,11 @@ class _StagedGroup:
     put: Optional[_StagedPut] = None
     error: Optional[Exception] = None
 
-    def written(self) -> bool:
-        """Wait until the payload's direct writes are done (True: none failed; not yet synced)."""
-        if self.put is None or self.error is not None:
-            return False
-        if self.put.pending is None:
-            return True
-        try:
-            self.put.pending.wait_written()
-        except Exception:  # noqa: BLE001 - finish_append raises it again, typed
-            return False
-        return True
+    def synced(self) -> "Optional[concurrent.futures.Future[None]]":
+        """The future of the payload's sync (None: nothing to wait for, or staging failed)."""
+        if self.put is None or self.error is not None or self.put.pending is None:
+            return None
+        return self.put.pending.durable
 
     def durable(self, side: "WriterSide") -> bool:
         """Wait until the payload is synced (True), or record why not (False)."""
@@ -270,24 +270,28 @@ class WriterSide:
 
         self.write(body)
 
-    def run_put_group(self, group: List[Job], more: Callable[[], List[Job]] = lambda: []) -> None:
+    def run_put_group(self, group: List[Job], more: Callable[..., List[Job]] = lambda until=None: []) -> None:
         """Writer thread: commit consecutive put batches in one transaction (they share its
         sequence); if that fails, run each alone so every caller gets its own outcome.
 
-        Pipelined: once this group's direct writes are done, the next group queued (``more``) is
-        staged -- its direct writes begun -- before this group's fdatasync and commit, so the disk
-        keeps working while this group syncs and LMDB commits. Each group is still acknowledged only after its own payload was synced
-        and its own commit succeeded, and commits keep the queue's order."""
-        current: Optional[_StagedGroup] = self._stage_group(group)
-        while current is not None:
-            upcoming = None
-            if current.written():
-                following = more()
-                if following:
-                    upcoming = self._stage_group(following)
-            current.durable(self)  # its fdatasync, while the next group's writes run
+        Pipelined: while a group's payload is being written and synced (the lanes, then the sync
+        thread), every put group that arrives (``more``) is staged at once -- its direct writes
+        begun behind the ones in flight -- up to ``STAGED_GROUPS`` ahead, so the disk's queue never
+        drains between batches while this thread waits for a sync or commits. Each group is still
+        acknowledged only after its own payload was synced and its own commit succeeded, and
+        commits keep the queue's order."""
+        pipeline: Deque[_StagedGroup] = deque([self._stage_group(group)])
+        while pipeline:
+            current = pipeline[0]
+            synced = current.synced()
+            while len(pipeline) < STAGED_GROUPS:
+                following = more(synced)  # waits for a group until this one's payload is synced
+                if not following:
+                    break
+                pipeline.append(self._stage_group(following))
+            current.durable(self)
             self._commit_group(current)
-            current = upcoming
+            pipeline.popleft()
 
     def _stage_group(self, group: List[Job]) -> "_StagedGroup":
         jobs = [j for j in group if isinstance(j, PutJob)]

@@ -33,6 +33,7 @@ import xxhash
 
 from kvtier.tiers.host import HostSlabPool
 
+from ._busy import BUSY_KINDS, busy
 from ._kv import make_kv_bytes
 from ._peers import DIRECT_IN_FLIGHT, DirectLimit, VllmFs, in_flight
 from ._rounds import run_paired
@@ -127,7 +128,7 @@ class SegmentProbe(PooledSubject):
 SEGMENT_THRESHOLD_BYTES = 4 << 10
 
 
-async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> Dict[str, float]:
+async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool, inline: bool = True) -> Dict[str, float]:
     n = total // size
     kv = make_kv_bytes(total)
     pool = HostSlabPool(size, n)
@@ -144,13 +145,15 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
     outs = [restore[i * size : (i + 1) * size].numpy().data for i in range(n)]
     label = label_of(size)
     subjects: List[DiskSubject] = [
-        RawFile(work / f"raw-{label}", chunks, outs),
         DirectLimit(work / f"direct-{label}", chunks, outs),
-        TierSubject(work / f"lmdb-{label}", chunks, outs, kind="lmdb", compress=False, segment_threshold_bytes=None),
         TierSubject(work / f"lmdbseg-{label}", chunks, outs, kind="lmdb", compress=False,
                     segment_threshold_bytes=SEGMENT_THRESHOLD_BYTES),
         SegmentProbe(work / f"segments-{label}", chunks, outs),
     ]
+    if inline:  # the page-cache paths: slow here (0.1-0.5 GB/s), most of the probe's time
+        subjects[:0] = [RawFile(work / f"raw-{label}", chunks, outs),
+                        TierSubject(work / f"lmdb-{label}", chunks, outs, kind="lmdb", compress=False,
+                                    segment_threshold_bytes=None)]
     if vllm:
         subjects.append(VllmFs(work / f"vllm-{label}", chunks, outs, fsync=True))
     step = n // rounds
@@ -160,14 +163,17 @@ async def _probe(size: int, total: int, rounds: int, work: Path, vllm: bool) -> 
         raise RuntimeError("; ".join(failures))
     out: Dict[str, float] = {}
     for kind in ("write", "read"):
-        names = ["raw", "O_DIRECT", "lmdb inline raw", "lmdb segments raw", "segments"] + (["vllm fs +fsync"] if vllm else [])
-        for s in names:
+        pagecache = ["raw", "lmdb inline raw"] if inline else []
+        peer = ["vllm fs +fsync"] if vllm else []
+        for s in pagecache + ["O_DIRECT", "lmdb segments raw", "segments"] + peer:
             out[f"{s} {kind} MB/s"] = round(times.mb_s(s, kind))
-        for s in ["lmdb inline raw", "O_DIRECT"] + (["vllm fs +fsync"] if vllm else []):
+        for s in pagecache[1:] + ["O_DIRECT"] + peer:
             out[f"lmdb-segments/{s} {kind}"] = round(times.ratio("lmdb segments raw", kind, s), 2)
-        out[f"segments/lmdb {kind}"] = round(times.ratio("segments", kind, "lmdb inline raw"), 2)
+        if inline:
+            out[f"segments/lmdb {kind}"] = round(times.ratio("segments", kind, "lmdb inline raw"), 2)
         out[f"segments/O_DIRECT {kind}"] = round(times.ratio("segments", kind, "O_DIRECT"), 2)
-        out[f"lmdb/O_DIRECT {kind}"] = round(times.ratio("lmdb inline raw", kind, "O_DIRECT"), 2)
+        if inline:
+            out[f"lmdb/O_DIRECT {kind}"] = round(times.ratio("lmdb inline raw", kind, "O_DIRECT"), 2)
     return out
 
 
@@ -178,11 +184,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sizes-kib", default="256,1024,4096")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's fs tier + fsync (needs vllm)")
     parser.add_argument("--dir", default=None, help="where to measure (default: a temporary directory)")
+    parser.add_argument("--no-inline", action="store_true",
+                        help="leave out the page-cache rows (raw write, the all-inline tier): the slow part of a run")
+    parser.add_argument("--busy", choices=BUSY_KINDS, default=None,
+                        help="run the rounds beside CPU-bound workers of this kind (as `kvtier bench --busy`)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvtier-segments-", dir=args.dir))
     try:
         for kib in (int(x) for x in args.sizes_kib.split(",")):
-            result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib), args.vllm))
+            with busy(args.busy):
+                result = asyncio.run(_probe(kib << 10, args.total_mib * MiB, args.rounds, work / str(kib), args.vllm,
+                                            inline=not args.no_inline))
             print(f"{label_of(kib << 10)}: " + ", ".join(f"{k} {v}" for k, v in result.items()), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
