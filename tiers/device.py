@@ -36,7 +36,8 @@ from kvtier.errors import DeviceError
 from kvtier.policy import ModelLayout
 
 from .device_backend import CopyHandle, DeviceBackend
-from .device_groups import GroupTensors, Run, adjacent_span, block_runs, check_bits_slot, typed_slot, validate_group
+from .device_groups import (GroupTensors, Run, adjacent_span, block_runs, check_bits_slot, host_array, typed_slot,
+                            validate_group)
 
 __all__ = ["DeviceKVView", "GatherItem", "ScatterItem", "GroupGatherItem", "GroupScatterItem"]
 
@@ -310,7 +311,7 @@ class DeviceKVView:
                     else:
                         np.copyto(blocks, spanned[:, li])
             else:
-                chunk = host.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
+                chunk = host_array(group, host, bits)
                 for li, layer in enumerate(layers):
                     host_layer = chunk[li]
                     for pos, block, length in runs:

@@ -2,8 +2,9 @@
 
 Primitives: ``GroupTensors`` (a group's layer tensors and shared geometry), ``validate_group``
 (the checks on a group's layer tensors), ``block_runs`` (one chunk's block ids checked and
-coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``host_array`` (a host
-slot checked, seen as the chunk's dtype and shape, or as a numpy array of same-size integers),
+coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``check_bits_slot`` /
+``host_array`` (a host slot checked, seen as the chunk's dtype and shape, or as a numpy array of
+same-size integers),
 ``adjacent_span`` (how many host slots from a position lie back to back in one buffer, and the
 memory they span as one tensor).
 Every failure is a ``DeviceError`` that names the group, and the layer, block or item at fault.
@@ -177,21 +178,20 @@ def block_runs(
     return runs
 
 
-def host_array(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> np.ndarray:
-    """CPU fast path: the host slot as a numpy array of the chunk's shape, in same-size integers
-    (a view, no copy), ``bits`` the numpy dtype of the group's layers. Checks exactly what
-    ``typed_slot`` checks, with the same errors."""
-    check_bits_slot(gi, group, slot, what, bits)
-    # uint8 tensors never require grad, so numpy() always hands out the view.
-    return slot.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
-
-
 def check_bits_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> None:
-    """``host_array``'s checks without making the array (a slot copied as part of a span of
-    adjacent slots is never seen on its own)."""
+    """CPU fast path: checks exactly what ``typed_slot`` checks, with the same errors, for a slot
+    to be seen in same-size integers ``bits`` (the numpy dtype of the group's layers) by
+    ``host_array``, or copied as part of a span of adjacent slots."""
     check_slot(gi, group, slot, what)
     if slot.data_ptr() % bits.itemsize:
         raise DeviceError(f"group {gi}: {what} cannot be viewed as {group.dtype} (misaligned start?)")
+
+
+def host_array(group: GroupTensors, slot: torch.Tensor, bits: np.dtype) -> np.ndarray:
+    """A slot ``check_bits_slot`` passed as a numpy array of the chunk's shape, in same-size
+    integers ``bits`` (a view, no copy)."""
+    # uint8 tensors never require grad, so numpy() always hands out the view.
+    return slot.numpy().reshape(-1).view(bits).reshape(group.chunk_shape)
 
 
 def typed_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> torch.Tensor:
