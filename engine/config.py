@@ -370,7 +370,8 @@ class EngineConfig(StoreConfig):
     # host, and their union hit 2.04x / 1.38x / 1.14x LRU's at 2 / 5 / 10% of the conversation
     # trace's unique bytes, never lower at 1-100% there or on synthetic traces (README). An
     # unbounded disk, or one holding more chunks than the host, takes every chunk whatever this
-    # says (there `seen` lost: a refused chunk's first reuse must come within the host's reach).
+    # says (there `seen` lost: a refused chunk's first reuse must come within the host's reach);
+    # so does a disk with a remote tier behind it (the fleet shares only what the disk is written).
     disk_admission: str = "seen"
     # 4096 chunks of queued stores (1-16 GiB of host slots at 256 KiB - 4 MiB): past that the disk
     # is not keeping up and waiting would only move the stall into the serving process.

@@ -203,7 +203,10 @@ class StorePath:
         admission = self._admission
         if admission is None:
             capacity = self._config.disk_capacity_bytes
-            admission = self._admission = (AdmitAll() if capacity is None else make_admission(
+            # A remote tier is fed through the disk tier's writes, and a fleet shares a chunk only
+            # once it is there: under a remote every chunk is written, whatever the admission says.
+            shared = self._config.remote_url is not None
+            admission = self._admission = (AdmitAll() if capacity is None or shared else make_admission(
                 self._config.disk_admission,
                 *tier_chunks([p.num_slots for p in self._book.pools], capacity, self._book.chunk_nbytes)))
         if isinstance(admission, AdmitAll):  # every store written through: nothing to ask per chunk

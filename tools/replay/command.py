@@ -22,11 +22,27 @@ from .sim import POLICIES, simulate_belady, simulate_engine, simulate_lru
 from .trace import Trace, read_trace
 from .workload import REPLAY_FINGERPRINT, Plans, Workload, host_slots, record_bytes, scaled_layout
 
-__all__ = ["add_arguments", "run", "run_replay", "parse_budget"]
+__all__ = ["add_arguments", "run", "run_replay", "parse_budget", "budget_texts"]
 
-DEFAULT_HOST = "2%"
-DEFAULT_DISK = "10%"
+# Each tier's budget when neither is given; one given alone is given to both, so that "a replay
+# at P% of the unique bytes" is host P% over disk P%, against one LRU cache of P% (what a peer's
+# write-through LRU host over an LRU disk of P% each holds).
+DEFAULT_BUDGET = "2%"
 # (in help texts a % is written %%: argparse formats them)
+
+
+def budget_texts(host: Optional[str], disk: Optional[str]) -> Tuple[str, str]:
+    """(host, disk) budget texts of ``--host-bytes`` / ``--disk-bytes`` as given (``None``: not
+    given): a tier not given gets the other's budget, or ``DEFAULT_BUDGET`` where the other is
+    none to copy (not given, ``0`` or ``unbounded``)."""
+    def copyable(text: Optional[str]) -> bool:
+        return text is not None and text.strip().lower() not in ("0", "unbounded")
+
+    if host is None:
+        host = disk if copyable(disk) else DEFAULT_BUDGET
+    if disk is None:
+        disk = host
+    return host, disk
 
 
 def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]]:
@@ -78,11 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bytes-scale", type=_scale, default=1.0, metavar="F",
                         help="shrink every chunk's bytes by F (0 < F <= 1) so the budgets fit this machine; budgets and "
                         "reported bytes stay the model's true ones and hit rates do not depend on F")
-    parser.add_argument("--host-bytes", default=DEFAULT_HOST, metavar="SIZE|P%",
-                        help=f"host tier budget: bytes (4GiB) or a share of the trace's unique bytes (default {DEFAULT_HOST}%)")
-    parser.add_argument("--disk-bytes", default=DEFAULT_DISK, metavar="SIZE|P%|unbounded|0",
-                        help=f"disk tier budget, as --host-bytes; 0: no disk tier (default {DEFAULT_DISK}%)")
-    parser.add_argument("--policy", default="lru", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default lru)")
+    parser.add_argument("--host-bytes", metavar="SIZE|P%",
+                        help="host tier budget: bytes (4GiB) or a share of the trace's unique bytes (default: "
+                        f"--disk-bytes' budget, else {DEFAULT_BUDGET}%)")
+    parser.add_argument("--disk-bytes", metavar="SIZE|P%|unbounded|0",
+                        help="disk tier budget, as --host-bytes; 0: no disk tier (default: --host-bytes' budget)")
+    parser.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default: EngineConfig's "
+                        "defaults, the name printed with the budgets)")
     parser.add_argument("--simulate", action="store_true",
                         help="fast mode: the engine's decisions over byte costs, no bytes moved (the whole trace in seconds)")
     parser.add_argument("--cache-dir", help="engine mode: LMDB directory (default: a temporary one, removed afterwards); "
@@ -156,7 +174,8 @@ class Budgets:
                         for g, size in enumerate(record_bytes(layout, REPLAY_FINGERPRINT))]
         self.chunk_bytes = true_chunks
         self.unique_bytes = work.unique_bytes(true_chunks)
-        host_size, host_share = parse_budget(args.host_bytes, "--host-bytes")
+        host_text, disk_text = budget_texts(args.host_bytes, args.disk_bytes)
+        host_size, host_share = parse_budget(host_text, "--host-bytes")
         if host_share is not None:
             self.host_bytes = max(1, int(host_share * self.unique_bytes))
         elif host_size is not None:
@@ -164,7 +183,7 @@ class Budgets:
         else:
             raise ValueError("--host-bytes cannot be unbounded: the host tier is a preallocated slab")
         self.host_slots = host_slots(self.host_bytes, true_chunks, plans)
-        disk_size, disk_share = parse_budget(args.disk_bytes, "--disk-bytes")
+        disk_size, disk_share = parse_budget(disk_text, "--disk-bytes")
         self.has_disk = not (disk_size == 0 and disk_share is None)
         self.disk_bytes = disk_size if disk_share is None else max(1, int(disk_share * work.unique_bytes(true_records)))
         if not self.has_disk:
@@ -243,6 +262,9 @@ def run_replay(args, trace: Trace, layout: ReplayLayout) -> JsonObject:
                                 warmup_fraction=warm),
         }
         result["reference_capacity_bytes"] = capacity
+        lru = result["references"]["lru"]["hit_rate"]
+        main_rate = result["main"]["hit_rate"]
+        result["vs_reference_lru"] = {"ratio": main_rate / lru if lru else None, "points": 100 * (main_rate - lru)}
     result["hit_rate"] = result["main"]["hit_rate"]
     result["wall_s"] = time.perf_counter() - started
     return result
@@ -255,8 +277,12 @@ def run(args) -> int:
         raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
     if args.extra_retained_tokens < 0:
         raise ValueError(f"--extra-retained-tokens must be >= 0, got {args.extra_retained_tokens}")
-    from .sim import policy_class
+    from .sim import engine_default_policy, policy_class
 
+    if args.policy is None:
+        # Each mode measures what ships: the engine's defaults, or with --through-vllm the vLLM
+        # tier's (LRU, every cascaded chunk written: `lru`).
+        args.policy = "lru" if args.through_vllm else engine_default_policy()
     policy_class(args.policy)
     if args.plot and not args.sweep:
         raise ValueError("--plot goes with --sweep (a plot of hit rate against budget)")

@@ -92,6 +92,10 @@ def format_report(result: JsonObject) -> str:
         lines.append(f"  {run['mode']:<16}{run['hit_rate']:>9.1%}{cell('host')}{cell('disk')}{cell('remote')}   "
                      f"{run['hit_rate_after_warmup']:>13.1%}")
     main = result["main"]
+    versus = result.get("vs_reference_lru")
+    if versus is not None:
+        ratio = "-" if versus["ratio"] is None else f"{versus['ratio']:.2f}x"
+        lines.append(f"  {main['mode']} against reference-lru: {ratio}, {versus['points']:+.2f} points")
     lines.append("")
     for name, t in main["tiers"].items():
         lines.append(f"  {name:<6} stored {t['stored_chunks']:,} chunks / {_mib(t['stored_bytes'])}, evicted "

@@ -50,7 +50,7 @@ from kvtier.tiers.lru import BYTE_INDEX_NAMES, ByteLru, make_byte_index
 from .workload import Plans, Workload
 
 __all__ = ["Outcome", "TierCounts", "simulate_engine", "simulate_lru", "simulate_belady", "POLICIES",
-           "policy_class", "split_policy", "HostOrder"]
+           "policy_class", "split_policy", "engine_default_policy", "HostOrder"]
 
 _READY = ChunkState.READY
 _MISSING = ChunkState.MISSING
@@ -144,6 +144,20 @@ def split_policy(name: str) -> tuple:
     if name.endswith(ADMITTED):
         return name[: -len(ADMITTED)], "seen"
     return name, "all"
+
+
+def engine_default_policy() -> str:
+    """The ``--policy`` name of ``EngineConfig``'s defaults (host eviction, disk admission), so
+    that a replay without ``--policy`` measures the engine as it ships."""
+    from kvtier.engine import EngineConfig
+
+    defaults = EngineConfig()
+    name = defaults.host_policy() + (ADMITTED if defaults.disk_admission == "seen" else "")
+    eviction, _ = split_policy(name)
+    if (eviction if eviction in BYTE_INDEX_NAMES else "lru") != defaults.eviction_policy:
+        raise RuntimeError(f"EngineConfig's defaults (host {defaults.host_policy()!r}, disk {defaults.eviction_policy!r}) "
+                           "have no --policy name")
+    return name
 
 
 def policy_class(name: str) -> Callable[[int], HostOrder]:
