@@ -1,8 +1,8 @@
 """Disk-write admission in a real engine over a real LMDB tier (``disk_admission``): under ``seen``
 a chunk stored for the first time stays on the host only, one stored again after the host let
 it go is written to disk, and a host-only chunk a load hits is written to disk then; ``all``
-writes every chunk through, and so does ``seen`` over an unbounded disk or one more than
-``MAX_DISK_TO_HOST`` times the host (in chunks)."""
+writes every chunk through, and so does ``seen`` over an unbounded disk, one more than
+``MAX_DISK_TO_HOST`` times the host (in chunks), or one with a remote tier behind it."""
 
 from __future__ import annotations
 
@@ -100,3 +100,23 @@ async def test_all_and_a_disk_much_larger_than_the_host_write_every_chunk_throug
 def test_an_unknown_admission_is_refused_with_the_valid_names():
     with pytest.raises(ValueError, match=r"disk_admission must be one of 'all', 'seen', got 'lfu'"):
         EngineConfig(disk_admission="lfu")
+
+
+@pytest.mark.asyncio
+async def test_seen_under_a_remote_tier_writes_every_chunk_for_the_fleet_to_share(tmp_path, valkey_node):
+    from kvtier.tiers.remote import RemoteTier
+
+    namespace = f"admission-{tmp_path.name}"
+    engine = await _engine(tmp_path, remote_url=valkey_node.url, remote_namespace=namespace)
+    scenario = OffloadScenario(engine)
+    prompt = scenario.tokens(2 * CHUNK + 1)
+    keys = engine.request_keys(prompt)
+    stored = await scenario.produce(prompt, expect_stored={0: range(2)})
+    await engine.flush()
+    assert stored.durable and _on_disk(engine, keys) == {0, 1}
+    other_host = await RemoteTier.open(valkey_node.url, namespace=namespace, fingerprint=b"admission")
+    try:
+        assert await other_host.contains_many(list(keys.keys[0][:2])) == [True, True]
+    finally:
+        await other_host.close()
+    await _close(engine)

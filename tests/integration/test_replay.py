@@ -158,7 +158,7 @@ def test_hit_rates_do_not_depend_on_the_bytes_scale(capsys, conversations):
         rates = {}
         for scale in ("1", "0.01", "0.002"):
             result = replay_json(capsys, "--trace", conversations, "--layout", layout, "-R", "3", "--simulate",
-                                 "--bytes-scale", scale, "--host-bytes", "30%", "--disk-bytes", "20%")
+                                 "--bytes-scale", scale, "--host-bytes", "30%", "--disk-bytes", "20%", "--policy", "lru")
             rates[scale] = (result["hit_rate"], result["main"]["hit_rate_by_tier"], result["references"]["lru"]["hit_rate"],
                             result["references"]["belady"]["hit_rate"])
         assert rates["1"] == rates["0.01"] == rates["0.002"], (layout, rates)
@@ -167,7 +167,7 @@ def test_hit_rates_do_not_depend_on_the_bytes_scale(capsys, conversations):
         # fast mode at the model's true bytes.
         for scale in ("0.01", "0.002"):
             engine = replay_json(capsys, "--trace", conversations, "--layout", layout, "-R", "3", "--bytes-scale", scale,
-                                 "--host-bytes", "30%", "--disk-bytes", "20%", "--no-references")
+                                 "--host-bytes", "30%", "--disk-bytes", "20%", "--policy", "lru", "--no-references")
             assert engine["hit_rate"] == rates["1"][0], (layout, scale)
             assert engine["main"]["hit_rate_by_tier"] == pytest.approx(rates["1"][1]), (layout, scale)
             assert engine["main"]["wrong_bytes"] == 0 and engine["main"]["chunks_verified"] > 0
@@ -301,3 +301,31 @@ def test_a_wrong_loaded_byte_fails_the_run(capsys, monkeypatch, tmp_path, conver
     assert main(args) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("kvtier: error: wrong bytes loaded: request ") and "differ from what the chunk's key stands for" in error
+
+
+def test_a_replay_without_policy_or_budgets_runs_the_engines_defaults_at_2_percent_each(capsys, conversations):
+    from kvtier.engine import EngineConfig
+    from kvtier.tools.replay.command import budget_texts
+    from kvtier.tools.replay.engine_mode import policy_options
+
+    plain = replay_json(capsys, "--trace", conversations, "--simulate")
+    assert plain["policy"] == "lru+seen"
+    defaults = EngineConfig()
+    assert policy_options(plain["policy"]) == dict(eviction_policy=defaults.eviction_policy,
+                                                   host_eviction_policy=defaults.host_policy(),
+                                                   disk_admission=defaults.disk_admission)
+    explicit = replay_json(capsys, "--trace", conversations, "--simulate", "--policy", "lru+seen",
+                           "--host-bytes", "2%", "--disk-bytes", "2%")
+    assert plain["hit_rate"] == explicit["hit_rate"] and plain["host_slots"] == explicit["host_slots"]
+    assert plain["disk_bytes"] == explicit["disk_bytes"]
+    versus = plain["vs_reference_lru"]
+    lru = plain["references"]["lru"]["hit_rate"]
+    assert versus["ratio"] == pytest.approx(plain["hit_rate"] / lru)
+    assert versus["points"] == pytest.approx(100 * (plain["hit_rate"] - lru))
+    # One tier's budget alone is both tiers'; no disk or an unbounded one leaves the host at 2%.
+    assert budget_texts(None, "5%") == ("5%", "5%") and budget_texts("3GiB", None) == ("3GiB", "3GiB")
+    assert budget_texts(None, "0") == ("2%", "0") and budget_texts(None, "unbounded") == ("2%", "unbounded")
+    assert budget_texts(None, None) == ("2%", "2%") and budget_texts("1%", "7%") == ("1%", "7%")
+    one = replay_json(capsys, "--trace", conversations, "--simulate", "--disk-bytes", "30%")
+    both = replay_json(capsys, "--trace", conversations, "--simulate", "--host-bytes", "30%", "--disk-bytes", "30%")
+    assert one["host_slots"] == both["host_slots"] and one["hit_rate"] == both["hit_rate"]

@@ -280,9 +280,10 @@ def run(args) -> int:
     from .sim import engine_default_policy, policy_class
 
     if args.policy is None:
-        # Each mode measures what ships: the engine's defaults, or with --through-vllm the vLLM
-        # tier's (LRU, every cascaded chunk written: `lru`).
-        args.policy = "lru" if args.through_vllm else engine_default_policy()
+        # A single host measures what ships: the engine's defaults. With --through-vllm, the vLLM
+        # tier's (LRU, every cascaded chunk written: `lru`); with --fleet, `lru` too, so that the
+        # pooled run (whose remote tier takes every chunk) and the local one differ by the pool alone.
+        args.policy = "lru" if args.through_vllm or args.fleet else engine_default_policy()
     policy_class(args.policy)
     if args.plot and not args.sweep:
         raise ValueError("--plot goes with --sweep (a plot of hit rate against budget)")
