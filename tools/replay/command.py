@@ -35,14 +35,13 @@ def budget_texts(host: Optional[str], disk: Optional[str]) -> Tuple[str, str]:
     """(host, disk) budget texts of ``--host-bytes`` / ``--disk-bytes`` as given (``None``: not
     given): a tier not given gets the other's budget, or ``DEFAULT_BUDGET`` where the other is
     none to copy (not given, ``0`` or ``unbounded``)."""
-    def copyable(text: Optional[str]) -> bool:
-        return text is not None and text.strip().lower() not in ("0", "unbounded")
-
-    if host is None:
-        host = disk if copyable(disk) else DEFAULT_BUDGET
-    if disk is None:
-        disk = host
-    return host, disk
+    if host is not None:
+        host_text = host
+    elif disk is not None and disk.strip().lower() not in ("0", "unbounded"):
+        host_text = disk
+    else:
+        host_text = DEFAULT_BUDGET
+    return host_text, host_text if disk is None else disk
 
 
 def parse_budget(text: str, option: str) -> Tuple[Optional[int], Optional[float]]:
