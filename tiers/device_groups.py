@@ -6,7 +6,8 @@ coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``
 ``host_array`` (a host slot checked, seen as the chunk's dtype and shape, or as a numpy array of
 same-size integers),
 ``adjacent_span`` (how many host slots from a position lie back to back in one buffer, and the
-memory they span as one tensor).
+memory they span as one tensor), ``stacked_layers`` (a group's layers seen as one tensor when they
+are evenly spaced slices of one allocation).
 Every failure is a ``DeviceError`` that names the group, and the layer, block or item at fault.
 Plain functions of their arguments, safe on any thread; ``DeviceKVView`` (``tiers.device``) calls
 them to validate a whole batch before it queues any copy.
@@ -25,7 +26,7 @@ import torch
 from kvtier.errors import DeviceError
 
 __all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array",
-           "check_bits_slot", "adjacent_span"]
+           "check_bits_slot", "adjacent_span", "stacked_layers"]
 
 # (position in the chunk, first device block, number of consecutive blocks)
 Run = Tuple[int, int, int]
@@ -247,3 +248,29 @@ def adjacent_span(hosts: Sequence[torch.Tensor], start: int, nbytes: int,
         return count, first.as_strided((count * nbytes,), (1,), first.storage_offset())
     except RuntimeError:  # adjacent memory of another allocation: slot by slot
         return 1, None
+
+
+def stacked_layers(layers: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The layer tensors (``validate_group`` passed them) as one view ``[num_layers, num_blocks,
+    *block_shape]`` when they are slices of one storage at evenly spaced offsets, with the same
+    strides, none overlapping the next: a KV cache allocated as one tensor and handed over layer by
+    layer (the bench's geometry; vLLM's and SGLang's per-layer allocations are not). Then a copy
+    moves every layer of a run of blocks in one call instead of one per layer. ``None`` otherwise
+    (separate allocations, uneven spacing, negative strides, a single layer)."""
+    if len(layers) < 2:
+        return None
+    first = layers[0]
+    strides = first.stride()
+    if any(st <= 0 for st in strides):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    step = layers[1].storage_offset() - first.storage_offset()
+    # The last element of a layer lies this many elements past its first: the next layer must start beyond it.
+    extent = sum((size - 1) * st for size, st in zip(first.shape, strides)) + 1
+    if step < extent:
+        return None
+    for li, layer in enumerate(layers):
+        if (layer.untyped_storage().data_ptr() != storage or layer.stride() != strides
+                or layer.storage_offset() != first.storage_offset() + li * step):
+            return None
+    return first.as_strided((len(layers), *first.shape), (step, *strides), first.storage_offset())
