@@ -270,12 +270,13 @@ class DeviceKVView:
         seen: Dict[int, Dict[int, int]] = {}
         cpu_plans: List[_CpuPlan] = []
         plans: List[_Plan] = []
+        groups = self._groups
         for index, item in enumerate(items):
             if to_host:
                 gi, block_ids, host = item
             else:
                 gi, host, block_ids = item
-            group = self._group(gi)
+            group = groups[gi] if type(gi) is int and 0 <= gi < len(groups) else self._group(gi)
             runs = block_runs(gi, group, block_ids, allow_none=not to_host,
                               seen={} if to_host else seen.setdefault(gi, {}))
             label = f"{what} (item {index})"
