@@ -152,37 +152,15 @@ def block_runs(
     num_blocks = group.num_blocks
     for pos, raw in enumerate(block_ids):
         if type(raw) is int and 0 <= raw < num_blocks and raw not in seen:  # the usual block id
-            seen[raw] = pos
-            if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == raw:
-                start_pos, start_block, length = runs[-1]
-                runs[-1] = (start_pos, start_block, length + 1)
-            else:
-                runs.append((pos, raw, 1))
-            continue
-        if raw is None:
+            block = raw
+        elif raw is None:
             if not allow_none:
                 raise DeviceError(
                     f"group {gi}: block_ids[{pos}] is None; gather needs every block"
                 )
             continue
-        try:
-            if isinstance(raw, bool):
-                raise TypeError
-            block = operator.index(raw)
-        except TypeError:
-            raise DeviceError(
-                f"group {gi}: block_ids[{pos}] = {raw!r} is not an int"
-            ) from None
-        if not 0 <= block < group.num_blocks:
-            raise DeviceError(
-                f"group {gi}: block id {block} (block_ids[{pos}]) out of range "
-                f"[0, {group.num_blocks})"
-            )
-        if block in seen:
-            raise DeviceError(
-                f"group {gi}: block id {block} (block_ids[{pos}]) appears twice in one "
-                "chunk or batch"
-            )
+        else:
+            block = _checked_block(gi, group, raw, pos, seen)
         seen[block] = pos
         if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == block:
             start_pos, start_block, length = runs[-1]
@@ -190,6 +168,30 @@ def block_runs(
         else:
             runs.append((pos, block, 1))
     return runs
+
+
+def _checked_block(gi: int, group: GroupTensors, raw: object, pos: int, seen: Dict[int, int]) -> int:
+    """``block_ids[pos]`` that is not a plain int in range seen for the first time: an int-like
+    in range and new (returned as an int), else the ``DeviceError`` saying why not."""
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        block = operator.index(raw)  # type: ignore[arg-type]
+    except TypeError:
+        raise DeviceError(
+            f"group {gi}: block_ids[{pos}] = {raw!r} is not an int"
+        ) from None
+    if not 0 <= block < group.num_blocks:
+        raise DeviceError(
+            f"group {gi}: block id {block} (block_ids[{pos}]) out of range "
+            f"[0, {group.num_blocks})"
+        )
+    if block in seen:
+        raise DeviceError(
+            f"group {gi}: block id {block} (block_ids[{pos}]) appears twice in one "
+            "chunk or batch"
+        )
+    return block
 
 
 def check_bits_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> None:

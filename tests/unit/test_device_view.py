@@ -431,18 +431,24 @@ def test_adjacent_slots_are_copied_as_spans_bitwise(make_view, blocks_per_chunk)
     pool.close()
 
 
+def _numpy_copies(monkeypatch) -> List[Tuple[int, ...]]:
+    """The destination shape of every ``np.copyto`` from now on (the copies still run)."""
+    import numpy as np
+
+    calls: List[Tuple[int, ...]] = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src: (calls.append(dst.shape), real(dst, src))[1])
+    return calls
+
+
 def test_a_span_on_the_numpy_path_takes_one_copy_per_layer(monkeypatch) -> None:
     # 8 consecutive chunks into 8 consecutive slots: one numpy copy per layer, not one per chunk
     # per layer (the copy thread then takes the GIL 2 times for the batch, not 16).
-    import numpy as np
-
     layers = random_layers(2, 8, (4,), torch.float16, seed=32)
     view = DeviceKVView(layout_of(1), [layers])
     pool = HostSlabPool(view.chunk_nbytes(0), 8)
     slots = [pool.view(s) for s in pool.allocate(8).slots]
-    calls = []
-    real = np.copyto
-    monkeypatch.setattr(np, "copyto", lambda dst, src: (calls.append(dst.shape), real(dst, src))[1])
+    calls = _numpy_copies(monkeypatch)
     view.gather_many_groups([(0, [c], slot) for c, slot in enumerate(slots)])
     assert calls == [(8, 1, 4), (8, 1, 4)]
     assert all(torch.equal(slot, _chunk_bytes(layers, [c])) for c, slot in enumerate(slots))
@@ -511,15 +517,11 @@ def test_layers_of_one_allocation_round_trip_bitwise(make_view, gap_blocks) -> N
 
 
 def test_layers_of_one_allocation_take_one_numpy_copy_per_span_or_run(monkeypatch) -> None:
-    import numpy as np
-
     _, layers = _one_allocation(4, 8, (4,), gap_blocks=1, seed=46)
     view = DeviceKVView(layout_of(1), [layers])
     pool = HostSlabPool(view.chunk_nbytes(0), 8)
     slots = [pool.view(s) for s in pool.allocate(8).slots]
-    calls = []
-    real = np.copyto
-    monkeypatch.setattr(np, "copyto", lambda dst, src: (calls.append(dst.shape), real(dst, src))[1])
+    calls = _numpy_copies(monkeypatch)
     view.gather_many_groups([(0, [c], slot) for c, slot in enumerate(slots[:6])])
     assert calls == [(6, 4, 1, 4)]  # one span of 6 chunks, every layer at once
     calls.clear()
