@@ -1,6 +1,6 @@
 """The engine's chunk events, bounded.
 
-Primitives: ``EventLog`` (``append``, ``take``, ``dropped``). Event-loop thread only.
+Primitives: ``EventLog`` (``append``, ``extend``, ``take``, ``dropped``). Event-loop thread only.
 
 An embedder that never calls ``take_events()`` (the README example does not) must not pay ~3
 entries per chunk forever: the log keeps the newest ``max_events`` and counts what it dropped, so a
@@ -10,7 +10,7 @@ router that does consume them can tell it fell behind (``kvtier_events_dropped_t
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from .records import ChunkEvent
 
@@ -32,6 +32,16 @@ class EventLog:
             if self._on_drop is not None:
                 self._on_drop(1)
         events.append((kind, key, group_index, tier))
+
+    def extend(self, kind: str, entries: Sequence[Any], tier: str) -> None:
+        """``append`` of one event per entry (a ``ChunkEntry``: its key and group), in order."""
+        events = self._events
+        room = events.maxlen - len(events) if events.maxlen is not None else len(entries)
+        if len(entries) > room:
+            self.dropped += len(entries) - room
+            if self._on_drop is not None:
+                self._on_drop(len(entries) - room)
+        events.extend([(kind, e.key, e.group_index, tier) for e in entries])
 
     def take(self) -> List[ChunkEvent]:
         """Every event kept since the last call, oldest first."""

@@ -160,6 +160,21 @@ class HostBook:
         if pool.unpin(entry.slot) == 0 and entry.dead:
             pool.release(entry.slot)
 
+    def unpin_all(self, entries: Sequence[ChunkEntry]) -> None:
+        """``unpin`` each entry, a pool's slots in one call (a store's completion)."""
+        pools = self.pools
+        if len(pools) == 1:
+            pools[0].unpin_many([e.slot for e in entries])
+        else:
+            by_group: Dict[int, List[int]] = {}
+            for e in entries:
+                by_group.setdefault(e.group_index, []).append(e.slot)
+            for gi, slots in by_group.items():
+                pools[gi].unpin_many(slots)
+        for e in entries:
+            if e.dead and self.pins(e) == 0:
+                self.pools[e.group_index].release(e.slot)
+
     def pins(self, entry: ChunkEntry) -> int:
         return self.pools[entry.group_index].pin_count(entry.slot)
 
@@ -178,6 +193,18 @@ class HostBook:
         """``entry``'s bytes are valid and nothing is in flight: READY, and evictable."""
         move(entry, HostState.READY)
         self.pools[entry.group_index].mark_evictable(entry.slot, True)
+
+    def settle_ready_all(self, entries: Sequence[ChunkEntry]) -> None:
+        """``settle_ready`` for each entry, a pool's slots marked evictable in one call."""
+        by_group: Dict[int, List[int]] = {}
+        for e in entries:
+            move(e, HostState.READY)
+            slots = by_group.get(e.group_index)
+            if slots is None:
+                slots = by_group[e.group_index] = []
+            slots.append(e.slot)
+        for gi, slots in by_group.items():
+            self.pools[gi].mark_evictable_many(slots)
 
     def drop(self, entry: ChunkEntry, reason: Optional[str]) -> None:
         """Remove an entry from the index; its slot is released when its last pin goes. Handles

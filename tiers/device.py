@@ -10,9 +10,11 @@ Primitives (the backend that hides cpu/cuda, ``DeviceBackend``, and ``CopyHandle
   They return a ``CopyHandle`` as soon as the copies are queued. ``gather_many_groups`` /
   ``scatter_many_groups`` take items of several groups and by default block until done. On CUDA a
   batch waits for a ready event (the caller's, or one recorded on the compute stream when called),
-  then per layer one ``index_select`` / ``index_copy_`` over the batch into device staging and one
-  host copy per chunk (per span of back-to-back host slots), on the view's own copy stream; a batch failing partway waits for what it
-  queued before raising. ``tools/testing/device.RecordingBackend`` runs that path on CPU.
+  then per layer one ``index_select`` / ``index_copy_`` over the batch into device staging (one for
+  every layer when the layers are evenly spaced slices of one allocation: ``stacked_layers``) and
+  one host copy per chunk (per span of back-to-back host slots), on the view's own copy stream; a
+  batch failing partway waits for what it queued before raising. On CPU: one numpy copy per layer
+  per span (or run of blocks), one for every layer when they are stacked. ``tools/testing/device.RecordingBackend`` runs that path on CPU.
 
 Threads: the view holds no mutable Python state, and torch's current-stream context is per thread,
 so calls may come from any thread. The intended use is the engine's: one copy thread per direction
@@ -36,8 +38,8 @@ from kvtier.errors import DeviceError
 from kvtier.policy import ModelLayout
 
 from .device_backend import CopyHandle, DeviceBackend
-from .device_groups import (GroupTensors, Run, adjacent_span, block_runs, check_bits_slot, host_array, typed_slot,
-                            validate_group)
+from .device_groups import (GroupTensors, Run, adjacent_span, block_runs, check_bits_slot, host_array,
+                            stacked_layers, typed_slot, validate_group)
 
 __all__ = ["DeviceKVView", "GatherItem", "ScatterItem", "GroupGatherItem", "GroupScatterItem"]
 
@@ -129,6 +131,13 @@ class DeviceKVView:
             tuple(layer.detach().view(_BITS_DTYPES[g.layers[0].element_size()]) for layer in g.layers)
             for g in self._groups
         )
+        # Per group, the same layers as one tensor when they are evenly spaced slices of one
+        # allocation (``stacked_layers``), else None: then one copy (CPU) or one index_select /
+        # index_copy_ (CUDA) moves a run of blocks of every layer. On CPU that is one GIL take per
+        # span instead of one per layer, each of which can wait a switch interval beside a busy loop.
+        self._bit_stacked = tuple(stacked_layers(layers) for layers in self._bit_layers)
+        self._np_stacked = (tuple(None if t is None else t.numpy() for t in self._bit_stacked)
+                            if self._np_layers is not None else None)
 
     def _numpy_layers(self) -> Optional[Tuple[Tuple[np.ndarray, ...], ...]]:
         """Per group, each layer tensor seen as a numpy array of same-size integers (bit copies);
@@ -261,12 +270,13 @@ class DeviceKVView:
         seen: Dict[int, Dict[int, int]] = {}
         cpu_plans: List[_CpuPlan] = []
         plans: List[_Plan] = []
+        groups = self._groups
         for index, item in enumerate(items):
             if to_host:
                 gi, block_ids, host = item
             else:
                 gi, host, block_ids = item
-            group = self._group(gi)
+            group = groups[gi] if type(gi) is int and 0 <= gi < len(groups) else self._group(gi)
             runs = block_runs(gi, group, block_ids, allow_none=not to_host,
                               seen={} if to_host else seen.setdefault(gi, {}))
             label = f"{what} (item {index})"
@@ -290,35 +300,41 @@ class DeviceKVView:
         span, not per chunk; the calling thread then takes the GIL a few times per batch instead
         of a few times per chunk (beside a busy event loop each take can wait its switch
         interval). Any other item: one copy per run of blocks per layer."""
-        np_layers = self._np_layers
-        assert np_layers is not None
+        np_layers, np_stacked = self._np_layers, self._np_stacked
+        assert np_layers is not None and np_stacked is not None
         hosts = [host for _, _, host in plans]
         joins = [False] + [_continues(self._groups[after[0]].blocks_per_chunk, before, after)
                            for before, after in zip(plans, plans[1:])]
         i = 0
         while i < len(plans):
             gi, runs, host = plans[i]
-            group, layers = self._groups[gi], np_layers[gi]
+            group, layers, stacked = self._groups[gi], np_layers[gi], np_stacked[gi]
             bits = layers[0].dtype
             count, span = adjacent_span(hosts, i, group.chunk_nbytes, joins)
+            # (host side, device side) numpy views of equal shape, one copy each.
+            pairs: List[Tuple[np.ndarray, np.ndarray]]
             if span is not None:
                 per, first = group.blocks_per_chunk, runs[0][1]
                 spanned = span.numpy().view(bits).reshape((count, *group.chunk_shape))
-                for li, layer in enumerate(layers):
-                    blocks = _split_blocks(layer[first : first + count * per], count, per)
-                    if to_host:
-                        np.copyto(spanned[:, li], blocks)
-                    else:
-                        np.copyto(blocks, spanned[:, li])
+                if stacked is not None:  # [count, layers, per, ...] on both sides
+                    pairs = [(spanned, _split_blocks(stacked[:, first : first + count * per], count, per, 1)
+                              .swapaxes(0, 1))]
+                else:
+                    pairs = [(spanned[:, li], _split_blocks(layer[first : first + count * per], count, per))
+                             for li, layer in enumerate(layers)]
             else:
                 chunk = host_array(group, host, bits)
-                for li, layer in enumerate(layers):
-                    host_layer = chunk[li]
-                    for pos, block, length in runs:
-                        if to_host:
-                            np.copyto(host_layer[pos : pos + length], layer[block : block + length])
-                        else:
-                            np.copyto(layer[block : block + length], host_layer[pos : pos + length])
+                if stacked is not None:
+                    pairs = [(chunk[:, pos : pos + length], stacked[:, block : block + length])
+                             for pos, block, length in runs]
+                else:
+                    pairs = [(chunk[li, pos : pos + length], layer[block : block + length])
+                             for li, layer in enumerate(layers) for pos, block, length in runs]
+            for host_side, device_side in pairs:
+                if to_host:
+                    np.copyto(host_side, device_side)
+                else:
+                    np.copyto(device_side, host_side)
             i += count
         return CopyHandle(self.backend, None)
 
@@ -377,9 +393,13 @@ class DeviceKVView:
         by_chunk = by_layer.view(1, num_layers, per, *group.block_shape) if count == 1 else torch.empty(
             (count, num_layers, per, *group.block_shape), dtype=bits, device=device)
         keep += [by_layer, by_chunk]
+        stacked = self._bit_stacked[gi]
         if to_host:
-            for li, layer in enumerate(layers):
-                torch.index_select(layer, 0, block_index, out=by_layer[li])
+            if stacked is not None:  # every layer in one kernel
+                torch.index_select(stacked, 1, block_index, out=by_layer)
+            else:
+                for li, layer in enumerate(layers):
+                    torch.index_select(layer, 0, block_index, out=by_layer[li])
             if count > 1:
                 by_chunk.copy_(by_layer.view(num_layers, count, per, *group.block_shape).transpose(0, 1))
         # One host copy per span of back-to-back host slots (the engine's slots of one store are
@@ -401,6 +421,9 @@ class DeviceKVView:
         if count > 1:
             by_layer.view(num_layers, count, per, *group.block_shape).copy_(by_chunk.transpose(0, 1))
         row_index = None if len(rows) == count * per else backend.index_tensor(rows, device, keep)
+        if stacked is not None:
+            stacked.index_copy_(1, block_index, by_layer if row_index is None else by_layer.index_select(1, row_index))
+            return keep
         for li, layer in enumerate(layers):
             source = by_layer[li] if row_index is None else by_layer[li].index_select(0, row_index)
             layer.index_copy_(0, block_index, source)
@@ -416,10 +439,10 @@ def _continues(per: int, before: "_CpuPlan", after: "_CpuPlan") -> bool:
             and runs_after[0][1] == runs_before[0][1] + per)
 
 
-def _split_blocks(blocks: np.ndarray, count: int, per: int) -> np.ndarray:
-    """``blocks`` (``count * per`` consecutive blocks of a layer) seen as ``count`` chunks of
-    ``per`` blocks: a view (splitting an axis never copies; assigning ``shape`` raises if it would,
-    so a scatter can never write into a copy)."""
+def _split_blocks(blocks: np.ndarray, count: int, per: int, axis: int = 0) -> np.ndarray:
+    """``blocks`` (``count * per`` consecutive blocks of a layer along ``axis``; 1 for the stacked
+    layers) seen as ``count`` chunks of ``per`` blocks: a view (splitting an axis never copies;
+    assigning ``shape`` raises if it would, so a scatter can never write into a copy)."""
     view = blocks.view()
-    view.shape = (count, per, *blocks.shape[1:])
+    view.shape = (*blocks.shape[:axis], count, per, *blocks.shape[axis + 1 :])
     return view

@@ -6,7 +6,8 @@ coalesced into runs of consecutive blocks), ``check_slot`` / ``typed_slot`` / ``
 ``host_array`` (a host slot checked, seen as the chunk's dtype and shape, or as a numpy array of
 same-size integers),
 ``adjacent_span`` (how many host slots from a position lie back to back in one buffer, and the
-memory they span as one tensor).
+memory they span as one tensor), ``stacked_layers`` (a group's layers seen as one tensor when they
+are evenly spaced slices of one allocation).
 Every failure is a ``DeviceError`` that names the group, and the layer, block or item at fault.
 Plain functions of their arguments, safe on any thread; ``DeviceKVView`` (``tiers.device``) calls
 them to validate a whole batch before it queues any copy.
@@ -15,7 +16,9 @@ them to validate a whole batch before it queues any copy.
 from __future__ import annotations
 
 import operator
+from collections import abc
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,7 +28,7 @@ import torch
 from kvtier.errors import DeviceError
 
 __all__ = ["GroupTensors", "Run", "validate_group", "block_runs", "check_slot", "typed_slot", "host_array",
-           "check_bits_slot", "adjacent_span"]
+           "check_bits_slot", "adjacent_span", "stacked_layers"]
 
 # (position in the chunk, first device block, number of consecutive blocks)
 Run = Tuple[int, int, int]
@@ -43,11 +46,11 @@ class GroupTensors:
     blocks_per_chunk: int
     block_nbytes: int  # bytes of one block of one layer
 
-    @property
+    @cached_property  # asked per chunk of every copy batch
     def chunk_shape(self) -> Tuple[int, ...]:
         return (len(self.layers), self.blocks_per_chunk, *self.block_shape)
 
-    @property
+    @cached_property
     def chunk_nbytes(self) -> int:
         return len(self.layers) * self.blocks_per_chunk * self.block_nbytes
 
@@ -134,7 +137,9 @@ def block_runs(
 ) -> List[Run]:
     """Validate one chunk's block ids and coalesce consecutive ones into runs (one copy per run
     per layer instead of one per block: block tables are often consecutive)."""
-    if isinstance(block_ids, (str, bytes, torch.Tensor)) or not isinstance(block_ids, Sequence):
+    # list and tuple first: the abstract Sequence check costs ~1 us a chunk, as much as the rest.
+    if type(block_ids) is not list and type(block_ids) is not tuple and (
+            isinstance(block_ids, (str, bytes, torch.Tensor)) or not isinstance(block_ids, abc.Sequence)):
         raise DeviceError(
             f"group {gi}: block ids must be a sequence of ints, got {type(block_ids).__name__}"
         )
@@ -144,31 +149,18 @@ def block_runs(
             f"{len(block_ids)} block id(s)"
         )
     runs: List[Run] = []
+    num_blocks = group.num_blocks
     for pos, raw in enumerate(block_ids):
-        if raw is None:
+        if type(raw) is int and 0 <= raw < num_blocks and raw not in seen:  # the usual block id
+            block = raw
+        elif raw is None:
             if not allow_none:
                 raise DeviceError(
                     f"group {gi}: block_ids[{pos}] is None; gather needs every block"
                 )
             continue
-        try:
-            if isinstance(raw, bool):
-                raise TypeError
-            block = operator.index(raw)
-        except TypeError:
-            raise DeviceError(
-                f"group {gi}: block_ids[{pos}] = {raw!r} is not an int"
-            ) from None
-        if not 0 <= block < group.num_blocks:
-            raise DeviceError(
-                f"group {gi}: block id {block} (block_ids[{pos}]) out of range "
-                f"[0, {group.num_blocks})"
-            )
-        if block in seen:
-            raise DeviceError(
-                f"group {gi}: block id {block} (block_ids[{pos}]) appears twice in one "
-                "chunk or batch"
-            )
+        else:
+            block = _checked_block(gi, group, raw, pos, seen)
         seen[block] = pos
         if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == block:
             start_pos, start_block, length = runs[-1]
@@ -176,6 +168,30 @@ def block_runs(
         else:
             runs.append((pos, block, 1))
     return runs
+
+
+def _checked_block(gi: int, group: GroupTensors, raw: object, pos: int, seen: Dict[int, int]) -> int:
+    """``block_ids[pos]`` that is not a plain int in range seen for the first time: an int-like
+    in range and new (returned as an int), else the ``DeviceError`` saying why not."""
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        block = operator.index(raw)  # type: ignore[arg-type]
+    except TypeError:
+        raise DeviceError(
+            f"group {gi}: block_ids[{pos}] = {raw!r} is not an int"
+        ) from None
+    if not 0 <= block < group.num_blocks:
+        raise DeviceError(
+            f"group {gi}: block id {block} (block_ids[{pos}]) out of range "
+            f"[0, {group.num_blocks})"
+        )
+    if block in seen:
+        raise DeviceError(
+            f"group {gi}: block id {block} (block_ids[{pos}]) appears twice in one "
+            "chunk or batch"
+        )
+    return block
 
 
 def check_bits_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str, bits: np.dtype) -> None:
@@ -213,7 +229,7 @@ def check_slot(gi: int, group: GroupTensors, slot: torch.Tensor, what: str) -> N
         raise DeviceError(f"group {gi}: {what} must be a tensor, got {type(slot).__name__}")
     if slot.dtype != torch.uint8:
         raise DeviceError(f"group {gi}: {what} must have dtype torch.uint8, got {slot.dtype}")
-    if slot.device.type != "cpu":
+    if not slot.is_cpu:
         raise DeviceError(
             f"group {gi}: {what} must be in host memory, got device {slot.device}"
         )
@@ -247,3 +263,29 @@ def adjacent_span(hosts: Sequence[torch.Tensor], start: int, nbytes: int,
         return count, first.as_strided((count * nbytes,), (1,), first.storage_offset())
     except RuntimeError:  # adjacent memory of another allocation: slot by slot
         return 1, None
+
+
+def stacked_layers(layers: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The layer tensors (``validate_group`` passed them) as one view ``[num_layers, num_blocks,
+    *block_shape]`` when they are slices of one storage at evenly spaced offsets, with the same
+    strides, none overlapping the next: a KV cache allocated as one tensor and handed over layer by
+    layer (the bench's geometry; vLLM's and SGLang's per-layer allocations are not). Then a copy
+    moves every layer of a run of blocks in one call instead of one per layer. ``None`` otherwise
+    (separate allocations, uneven spacing, negative strides, a single layer)."""
+    if len(layers) < 2:
+        return None
+    first = layers[0]
+    strides = first.stride()
+    if any(st <= 0 for st in strides):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    step = layers[1].storage_offset() - first.storage_offset()
+    # The last element of a layer lies this many elements past its first: the next layer must start beyond it.
+    extent = sum((size - 1) * st for size, st in zip(first.shape, strides)) + 1
+    if step < extent:
+        return None
+    for li, layer in enumerate(layers):
+        if (layer.untyped_storage().data_ptr() != storage or layer.stride() != strides
+                or layer.storage_offset() != first.storage_offset() + li * step):
+            return None
+    return first.as_strided((len(layers), *first.shape), (step, *strides), first.storage_offset())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -364,6 +364,34 @@ class HostSlabPool:
             if self._evictable_flag[slot]:  # allocated (checked above) and now unpinned
                 self._num_evictable += 1
         return pins
+
+    def unpin_many(self, slots: Iterable[int]) -> None:
+        """``unpin`` each of ``slots`` in order (a slot listed twice loses two pins): a store's
+        completion unpins a batch of slots at once. A slot ``unpin`` would refuse raises its error,
+        the slots before it already unpinned."""
+        pins, flags, allocated, num_slots = self._pins, self._evictable_flag, self._allocated, self._num_slots
+        for slot in slots:
+            if not (type(slot) is int and 0 <= slot < num_slots and allocated[slot] and pins[slot]):
+                self.unpin(slot)  # the checks and errors of one unpin
+                continue
+            left = pins[slot] - 1
+            pins[slot] = left
+            if left == 0:
+                self._num_pinned -= 1
+                if flags[slot]:
+                    self._num_evictable += 1
+
+    def mark_evictable_many(self, slots: Iterable[int]) -> None:
+        """``mark_evictable(slot, True)`` for each of ``slots`` (a store's chunks settling READY)."""
+        pins, flags, allocated, num_slots = self._pins, self._evictable_flag, self._allocated, self._num_slots
+        for slot in slots:
+            if not (type(slot) is int and 0 <= slot < num_slots and allocated[slot]):
+                self.mark_evictable(slot, True)
+                continue
+            if not flags[slot]:
+                flags[slot] = True
+                if pins[slot] == 0:
+                    self._num_evictable += 1
 
     def pin_count(self, slot: int) -> int:
         self._check_slot(slot)

@@ -431,19 +431,102 @@ def test_adjacent_slots_are_copied_as_spans_bitwise(make_view, blocks_per_chunk)
     pool.close()
 
 
+def _numpy_copies(monkeypatch) -> List[Tuple[int, ...]]:
+    """The destination shape of every ``np.copyto`` from now on (the copies still run)."""
+    import numpy as np
+
+    calls: List[Tuple[int, ...]] = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src: (calls.append(dst.shape), real(dst, src))[1])
+    return calls
+
+
 def test_a_span_on_the_numpy_path_takes_one_copy_per_layer(monkeypatch) -> None:
     # 8 consecutive chunks into 8 consecutive slots: one numpy copy per layer, not one per chunk
     # per layer (the copy thread then takes the GIL 2 times for the batch, not 16).
-    import numpy as np
-
     layers = random_layers(2, 8, (4,), torch.float16, seed=32)
     view = DeviceKVView(layout_of(1), [layers])
     pool = HostSlabPool(view.chunk_nbytes(0), 8)
     slots = [pool.view(s) for s in pool.allocate(8).slots]
-    calls = []
-    real = np.copyto
-    monkeypatch.setattr(np, "copyto", lambda dst, src: (calls.append(dst.shape), real(dst, src))[1])
+    calls = _numpy_copies(monkeypatch)
     view.gather_many_groups([(0, [c], slot) for c, slot in enumerate(slots)])
     assert calls == [(8, 1, 4), (8, 1, 4)]
     assert all(torch.equal(slot, _chunk_bytes(layers, [c])) for c, slot in enumerate(slots))
+    pool.close()
+
+
+def _one_allocation(num_layers: int, num_blocks: int, block_shape: Tuple[int, ...], gap_blocks: int,
+                    seed: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """A random-bits tensor and layer tensors that are slices of it, ``gap_blocks`` unused blocks
+    between one layer's blocks and the next's (a KV cache allocated as one tensor)."""
+    whole = random_layers(1, num_layers * (num_blocks + gap_blocks), block_shape, torch.bfloat16, seed)[0]
+    step = num_blocks + gap_blocks
+    return whole, [whole[li * step : li * step + num_blocks] for li in range(num_layers)]
+
+
+def test_stacked_layers_only_for_evenly_spaced_slices_of_one_allocation() -> None:
+    from kvtier.tiers.device_groups import stacked_layers
+
+    whole, layers = _one_allocation(3, 5, (2, 4), gap_blocks=2, seed=41)
+    stacked = stacked_layers(layers)
+    assert stacked is not None and stacked.shape == (3, 5, 2, 4)
+    assert all(torch.equal(as_bytes(stacked[li]), as_bytes(layer)) for li, layer in enumerate(layers))
+    assert stacked_layers(random_layers(3, 5, (2, 4), torch.bfloat16, seed=42)) is None  # three allocations
+    uneven = [whole[0:5], whole[7:12], whole[15:20]]
+    assert stacked_layers(uneven) is None
+    overlapping = [whole[0:5], whole[3:8], whole[6:11]]
+    assert stacked_layers(overlapping) is None
+    assert stacked_layers(layers[:1]) is None
+    # K and V interleaved per block ([blocks, 2, ...] seen as two strided layers): each layer's
+    # blocks are not contiguous, and the next layer starts inside the first one's extent.
+    kv = random_layers(1, 6, (2, 3, 4), torch.bfloat16, seed=43)[0]
+    assert stacked_layers([kv[:, 0], kv[:, 1]]) is None
+
+
+@pytest.mark.parametrize("gap_blocks", [0, 3])
+def test_layers_of_one_allocation_round_trip_bitwise(make_view, gap_blocks) -> None:
+    # Spans (adjacent slots, continuing blocks) and single chunks with scattered runs, both ways.
+    p = 2
+    _, layers = _one_allocation(4, 16, (3, 5), gap_blocks, seed=44)
+    view = make_view(layout_of(p), [layers])
+    pool = HostSlabPool(view.chunk_nbytes(0), 8)
+    granted = pool.allocate(8).slots
+    slots = [pool.view(granted[i]) for i in (0, 1, 2, 5)]
+    chunk_blocks = [[0, 1], [2, 3], [4, 5], [9, 7]]  # a span of three, then a chunk of two runs
+    view.gather_many_groups([(0, blocks, slot) for blocks, slot in zip(chunk_blocks, slots)])
+    for blocks, slot in zip(chunk_blocks, slots):
+        assert torch.equal(slot, _chunk_bytes(layers, blocks))
+    whole, fresh = _one_allocation(4, 16, (3, 5), gap_blocks, seed=45)
+    before = as_bytes(whole).clone()
+    back = make_view(layout_of(p), [fresh])
+    targets = [[8, 9], [10, 11], [12, 13], [None, 3]]
+    back.scatter_many_groups([(0, slot, blocks) for slot, blocks in zip(slots, targets)])
+    written = set()
+    for source, target in zip(chunk_blocks, targets):
+        for s_block, t_block in zip(source, target):
+            if t_block is not None:
+                written.add(t_block)
+                assert all(torch.equal(as_bytes(r[t_block]), as_bytes(l[s_block])) for l, r in zip(layers, fresh))
+    # Every other block of the allocation (the other blocks of each layer, and the gaps between
+    # layers, which are no layer's) keeps its bytes.
+    step = 16 + gap_blocks
+    written_rows = {li * step + b for li in range(4) for b in written}
+    kept = [row for row in range(4 * step) if row not in written_rows]
+    assert torch.equal(as_bytes(whole[kept]), before[kept])
+    pool.close()
+
+
+def test_layers_of_one_allocation_take_one_numpy_copy_per_span_or_run(monkeypatch) -> None:
+    _, layers = _one_allocation(4, 8, (4,), gap_blocks=1, seed=46)
+    view = DeviceKVView(layout_of(1), [layers])
+    pool = HostSlabPool(view.chunk_nbytes(0), 8)
+    slots = [pool.view(s) for s in pool.allocate(8).slots]
+    calls = _numpy_copies(monkeypatch)
+    view.gather_many_groups([(0, [c], slot) for c, slot in enumerate(slots[:6])])
+    assert calls == [(6, 4, 1, 4)]  # one span of 6 chunks, every layer at once
+    calls.clear()
+    view.gather_many_groups([(0, [7], slots[7])])
+    assert calls == [(4, 1, 4)]  # a lone chunk: one copy for its run of every layer
+    assert all(torch.equal(slot, _chunk_bytes(layers, [c])) for c, slot in enumerate(slots[:6]))
+    assert torch.equal(slots[7], _chunk_bytes(layers, [7]))
     pool.close()

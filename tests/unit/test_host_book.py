@@ -143,3 +143,17 @@ async def test_the_engine_takes_its_host_pools_from_a_factory():
         assert calls == [([device.chunk_nbytes(0), device.chunk_nbytes(1)], "cpu", config.host_policy())]
         engine.check()
     assert all(p.closed for p in engine.host.pools)
+
+
+def test_event_log_extend_keeps_the_newest_and_counts_what_it_dropped() -> None:
+    from types import SimpleNamespace
+
+    drops = []
+    log = EventLog(3, on_drop=drops.append)
+    log.append("removed", b"a", 0, "disk")
+    log.extend("stored", [SimpleNamespace(key=k, group_index=g) for k, g in ((b"b", 0), (b"c", 1), (b"d", 0))], "host")
+    assert [(e.kind, e.key, e.group_index, e.tier) for e in log.take()] == [
+        ("stored", b"b", 0, "host"), ("stored", b"c", 1, "host"), ("stored", b"d", 0, "host")]
+    assert log.dropped == 1 and drops == [1]
+    log.extend("stored", [], "host")
+    assert len(log) == 0 and drops == [1]

@@ -437,3 +437,32 @@ async def test_the_engine_splits_its_host_budget_by_stored_bytes_per_token(reten
         counts = [p.num_slots for p in engine.host.pools]
     assert counts == host_slot_counts(budget, sizes, host_split_weights(layout, sizes, retention))
     assert counts[1] > 2 * counts[0] if retention is None else counts[1] < counts[0]
+
+
+def test_batch_unpin_and_mark_evictable_keep_the_counts_of_one_call_each() -> None:
+    # A store's completion: slots pinned for the copy, unpinned and marked evictable in one call each.
+    pool, twin = make_pool(4), make_pool(4)
+    slots, twin_slots = pool.allocate(3).slots, twin.allocate(3).slots
+    for p, ss in ((pool, slots), (twin, twin_slots)):
+        for s in ss:
+            p.pin(s)
+        p.pin(ss[0])  # a second reader of the first slot
+    pool.unpin_many(slots)
+    pool.mark_evictable_many(slots)
+    for s in twin_slots:
+        twin.unpin(s)
+        twin.mark_evictable(s, True)
+    assert pool.statistics() == twin.statistics()
+    assert pool.statistics()["pinned_slots"] == 1 and pool.statistics()["evictable_slots"] == 2
+    assert [pool.pin_count(s) for s in slots] == [1, 0, 0]
+    pool.unpin_many([slots[0]])
+    assert pool.statistics()["evictable_slots"] == 3
+    # A refused slot raises unpin's own error; the slots before it were unpinned.
+    pool.pin(slots[1])
+    with pytest.raises(SlotStateError, match="cannot unpin slot .*: it is not pinned"):
+        pool.unpin_many([slots[1], slots[2]])
+    assert pool.pin_count(slots[1]) == 0
+    (free,) = set(range(4)) - set(slots)
+    with pytest.raises(SlotStateError, match=f"cannot mark slot {free}: it is free"):
+        pool.mark_evictable_many([free])
+    pool.check()

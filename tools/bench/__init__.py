@@ -28,6 +28,7 @@ run 4, so both reach the same steady state and the quick run is only less precis
   dropped page cache, lookup + load of every request into device blocks). Restored bytes are
   checked against the originals; a mismatch fails the run.
 - Engine bookkeeping per chunk (``tools.bench.engine``); ``longest_hit`` on a 131072-token request.
+  The host-only store-until-released figure also runs alone: ``python -m kvtier.tools.bench.release``.
 - Coverage: SWA store bytes on a DeepSeek-V4-like layout at 100K tokens against storing every
   chunk and against a brute-force minimal set (they must be equal: exit code 1 otherwise).
 - Compression: zstd byte planes on real bf16 KV of a tiny random-init Gemma3 (built from a
