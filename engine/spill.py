@@ -19,7 +19,10 @@ Rules this module keeps:
 
 Up to ``BATCHES_IN_FLIGHT`` batches are in flight at once, so the disk tier encodes the next batch
 on its pool while its writer thread commits the previous one; awaiting one batch at a time left
-the disk idle during every encode.
+the disk idle during every encode. Four, not two: with two, the third batch reached the tier only
+once the first was acknowledged, so the disk idled through two index commits and the next batch's
+staging (measured: 1.1 GB/s with two in flight, 1.5-1.9 GB/s with four, 1 MiB chunks); four is the
+LMDB tier's ``writes.STAGED_GROUPS``, what its writer stages at once.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ __all__ = ["SpillPipeline", "BATCHES_IN_FLIGHT"]
 
 logger = logging.getLogger("kvtier.engine")
 
-BATCHES_IN_FLIGHT = 2
+BATCHES_IN_FLIGHT = 4
 
 
 class SpillPipeline:

@@ -675,6 +675,40 @@ def test_adjacent_runs_partition_in_order_within_the_bounds() -> None:
             assert len(a) == segments._RUN_RECORDS or sum(extents[k] for k in a) + extents[b.start] > limit
 
 
+def test_write_runs_partition_in_order_balanced_over_the_lanes() -> None:
+    """write_runs against its definition: a partition in order, at most _RUN_RECORDS records a run,
+    a multiple of the lanes of runs about WRITE_RUN_BYTES each, and -- dealt round-robin as
+    SegmentWriter.begin deals them -- every lane within one record of its share of the bytes."""
+    import random
+
+    mib, page = 1 << 20, 4096
+    # The spill's 64 MiB batches: one write of about 16 MiB per lane, whatever the record size.
+    assert segments.write_runs([4 * mib + page] * 16, lanes=4) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+    assert [len(r) for r in segments.write_runs([mib + page] * 64, lanes=4)] == [16, 16, 16, 16]
+    assert [len(r) for r in segments.write_runs([mib + page] * 128, lanes=4)] == [16] * 8
+    assert segments.write_runs([mib + page] * 5, lanes=4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert segments.write_runs([], lanes=4) == []
+    # a batch of fewer records than lanes: one write each, whatever their sizes
+    assert segments.write_runs([69632, 303104, 204800], lanes=4) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert segments.write_runs([64 * mib], lanes=4) == [range(0, 1)]  # a record is never split
+
+    rng = random.Random(5)
+    for _ in range(500):
+        extents = [rng.choice([4096, 65536, 266240, 1 << 20, 4 << 20, 5 << 20]) for _ in range(rng.randrange(0, 1200))]
+        lanes = rng.randrange(1, 9)
+        runs = segments.write_runs(extents, lanes=lanes)
+        assert [k for run in runs for k in run] == list(range(len(extents)))
+        assert all(1 <= len(run) <= segments._RUN_RECORDS for run in runs)
+        total, unit = sum(extents), lanes * segments.WRITE_RUN_BYTES
+        count = lanes * max(1, (total + unit // 2) // unit)
+        if extents and max(extents) * count <= total and all(len(run) < segments._RUN_RECORDS for run in runs):
+            # no record above a run's share, no run cut by the record bound: exactly ``count``
+            # runs, each ending within a record of its share, so each lane near its own
+            assert len(runs) == count
+            per_lane = [sum(extents[k] for run in runs[i::lanes] for k in run) for i in range(lanes)]
+            assert max(per_lane) - min(per_lane) <= 2 * max(extents) * (count // lanes)
+
+
 def _format_marker(path: Path) -> bytes:
     import lmdb
 

@@ -98,6 +98,9 @@ __all__ = [
     "stored_size",
     "segment_name",
     "adjacent_runs",
+    "write_runs",
+    "RUN_BYTES",
+    "WRITE_RUN_BYTES",
     "DEFAULT_SEGMENT_MAX_BYTES",
     "DEFAULT_SEGMENT_THRESHOLD_BYTES",
     "check_segment_threshold",
@@ -117,6 +120,13 @@ _MAX_HEAD = 10 + MAX_HEADER_BYTES  # a record's prefix and largest header
 # record per I/O keeps the virtual disk's queue busy with small requests; runs of records reach
 # the throughput of large ones. Bounded by the iovec limit too (at most 3 pieces a record).
 RUN_BYTES = 4 << 20
+# A direct *write* covers adjacent records up to this many bytes (a 64 MiB batch: one pwritev per
+# lane). Every return from a pwritev waits for the GIL, and in a serving process the GIL is held by
+# its scheduler and tokenizer threads, up to the 5 ms switch interval at a time, while the lane's
+# share of the disk queue sits empty: fewer, larger writes wait fewer times. Measured (256 MiB
+# O_DIRECT over 4 threads, into allocated blocks, then fdatasync; median of 4): beside two CPU-bound
+# Python threads 374 MB/s in 4 MiB writes, 668 MB/s in 16 MiB ones; quiet 1733 / 1787 MB/s.
+WRITE_RUN_BYTES = 16 << 20
 _RUN_RECORDS = max(1, (os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024) // 3)
 DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # Records of at least this many encoded bytes go to segments by default (LmdbTier, EngineConfig, the
@@ -364,7 +374,7 @@ class SegmentWriter:
             self.rotate()
             raise io_error(exc, f"segment write under {self._dir} failed") from exc
         self._end = pos
-        runs = adjacent_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
+        runs = write_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
         if self._lanes is None:
             self._lanes = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvtier-segment-write")
             self._syncer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-segment-sync")
@@ -576,6 +586,34 @@ def adjacent_runs(extents: Sequence[int], *, lanes: int = 1) -> List[range]:
             start, size = k, 0
         size += extent
     if extents:
+        runs.append(range(start, len(extents)))
+    return runs
+
+
+def write_runs(extents: Sequence[int], *, lanes: int) -> List[range]:
+    """Split a batch's records (``extents`` in file order) into runs for one vectored direct write
+    each, balanced over ``lanes``: a multiple of ``lanes`` runs (runs per lane: the whole number
+    nearest to the batch's bytes over ``lanes * WRITE_RUN_BYTES``, at least 1), each ending at the
+    record where the batch's bytes so far first reach its share, and at most ``_RUN_RECORDS``
+    records; a batch of no more records than that is written a record a run. Dealt round-robin, every lane then writes about as many bytes: runs cut at a fixed
+    bound leave some lanes a run more (16 records of 4 MiB plus a head page fit 3 to a 16 MiB
+    run: 6 runs, so two lanes wrote twice as long as the others)."""
+    total = sum(extents)
+    unit = lanes * WRITE_RUN_BYTES
+    count = lanes * max(1, (total + unit // 2) // unit)
+    if len(extents) <= count:  # a small batch: every record its own write, side by side
+        return [range(k, k + 1) for k in range(len(extents))]
+    runs: List[range] = []
+    start, done = 0, 0
+    for k, extent in enumerate(extents):
+        if k > start and k - start >= _RUN_RECORDS:
+            runs.append(range(start, k))
+            start = k
+        done += extent
+        if done * count >= total * (len(runs) + 1):  # this run's share of the batch is reached
+            runs.append(range(start, k + 1))
+            start = k + 1
+    if start < len(extents):
         runs.append(range(start, len(extents)))
     return runs
 

@@ -48,8 +48,8 @@ __all__ = ["WriterSide", "PutJob", "SegmentWatcher", "STAGED_GROUPS"]
 log = logging.getLogger(__name__)
 
 # Put groups in the write pipeline at once (the one committing next included): a bound on the
-# payload bytes pinned and the direct writes queued ahead of a commit, never reached by the
-# engine's spill (two batches in flight).
+# payload bytes pinned and the direct writes queued ahead of a commit; the engine's spill keeps as
+# many batches in flight (``engine.spill.BATCHES_IN_FLIGHT``), so each of them is staged on arrival.
 STAGED_GROUPS = 4
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 each as shipped and with a per-file fsync added to its write path, and the O_DIRECT limit of the disk.
 
 Primitives: ``DirectLimit`` (aligned direct writes and reads of runs of adjacent chunks up to
-``DIRECT_RUN_BYTES``, ``DIRECT_IN_FLIGHT`` in flight),
+``DIRECT_WRITE_RUN_BYTES`` / ``DIRECT_RUN_BYTES``, ``DIRECT_IN_FLIGHT`` in flight),
 ``VllmFs``, ``LmcacheDisk``, ``SglangFile`` (``DiskSubject``s driving each peer's own I/O code),
 ``peer_specs()`` (the ``SubjectSpec``s of the peers importable here) and ``PEER_SKIPS`` (one line per
 peer that is not, with the reason). Every subject runs its I/O on its own threads; the bench's event
@@ -33,14 +33,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from kvtier.tiers.lmdb.segments import RUN_BYTES, WRITE_RUN_BYTES
+
 from ._report import judge
 from ._settings import MiB
 from ._subjects import DiskSubject, PooledSubject, RowContext, SubjectSpec
 
-__all__ = ["DirectLimit", "direct_runs", "DIRECT_RUN_BYTES", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT"]
+__all__ = ["DirectLimit", "direct_runs", "DIRECT_RUN_BYTES", "DIRECT_WRITE_RUN_BYTES", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT"]
 
 DIRECT_IN_FLIGHT = 4  # direct I/Os in flight for the limit (more adds nothing on these disks)
-DIRECT_RUN_BYTES = 4 * MiB  # the limit's largest I/O: kvtier's segments.RUN_BYTES
+DIRECT_RUN_BYTES = RUN_BYTES  # the limit's largest read: kvtier's segments.RUN_BYTES (4 MiB)
+# ... and its largest write: kvtier's segments.WRITE_RUN_BYTES (16 MiB; beside CPU-bound threads
+# the larger writes move more, so a limit of 4 MiB writes would be a weaker one than kvtier's)
+DIRECT_WRITE_RUN_BYTES = WRITE_RUN_BYTES
 VLLM_THREADS = 16  # FileSystemTierManager's n_read_threads / n_write_threads defaults
 VLLM_JOB_BYTES = 16 * MiB  # one store/load job: a request's new blocks over one scheduler step
 PAGE = mmap.PAGESIZE
@@ -73,20 +78,21 @@ def in_flight(indices: range, each: Callable[[int], None]) -> List[Callable[[], 
     return [job(p) for p in range(DIRECT_IN_FLIGHT)]
 
 
-def direct_runs(indices: range, chunk_bytes: int) -> List[range]:
-    """``indices`` cut into runs of adjacent chunks of at most ``DIRECT_RUN_BYTES`` (one chunk at
-    least), as kvtier's segments move adjacent records: one vectored direct I/O a run."""
-    per = max(1, DIRECT_RUN_BYTES // chunk_bytes)
+def direct_runs(indices: range, chunk_bytes: int, run_bytes: int = DIRECT_RUN_BYTES) -> List[range]:
+    """``indices`` cut into runs of adjacent chunks of at most ``run_bytes`` (one chunk at least),
+    as kvtier's segments move adjacent records: one vectored direct I/O a run."""
+    per = max(1, run_bytes // chunk_bytes)
     return [range(i, min(i + per, indices.stop)) for i in range(indices.start, indices.stop, per)]
 
 
 class DirectLimit(PooledSubject):
     """The disk's O_DIRECT limit, moved the way kvtier's segments could best move it: one file per
     round, its blocks allocated first (``fallocate``), adjacent chunks in runs of up to
-    ``DIRECT_RUN_BYTES`` (4 MiB: a 256 KiB chunk is one of 16 in an I/O, a 4 MiB one alone), each
-    run one aligned ``pwritev`` straight from the page-aligned host slots, ``DIRECT_IN_FLIGHT``
-    threads, one ``fdatasync`` at the end; read back with one aligned ``preadv`` a run into the
-    page-aligned restore buffers, as many in flight. (Chunk-sized I/Os would make the limit at
+    ``DIRECT_WRITE_RUN_BYTES`` (16 MiB, kvtier's write runs), each run one aligned ``pwritev``
+    straight from the page-aligned host slots, ``DIRECT_IN_FLIGHT`` threads, one ``fdatasync`` at
+    the end; read back in runs of up to ``DIRECT_RUN_BYTES`` (4 MiB: a 256 KiB chunk is one of 16 in
+    an I/O, a 4 MiB one alone), one aligned ``preadv`` a run into the page-aligned restore buffers,
+    as many in flight. (Chunk-sized I/Os would make the limit at
     256 KiB a limit of small requests, which the tier, reading runs of adjacent records, beats.)"""
 
     name = "O_DIRECT"
@@ -97,8 +103,9 @@ class DirectLimit(PooledSubject):
     def _path(self, indices: range) -> str:
         return str(self.directory / f"direct-{indices.start}.bin")
 
-    def _jobs(self, indices: range, each: Callable[[range], None]) -> List[Callable[[], None]]:
-        runs = direct_runs(indices, self.chunks[0].nbytes)
+    def _jobs(self, indices: range, each: Callable[[range], None], run_bytes: int = DIRECT_RUN_BYTES
+              ) -> List[Callable[[], None]]:
+        runs = direct_runs(indices, self.chunks[0].nbytes, run_bytes)
 
         def lane(part: List[range]) -> Callable[[], None]:
             def run() -> None:
@@ -121,7 +128,7 @@ class DirectLimit(PooledSubject):
                     raise OSError("short direct write")
 
             started = time.perf_counter()
-            await self.run_threads(self._jobs(indices, put))
+            await self.run_threads(self._jobs(indices, put, DIRECT_WRITE_RUN_BYTES))
             os.fdatasync(fd)
             return time.perf_counter() - started
         finally:
@@ -354,9 +361,12 @@ _KVTIER = "lmdb raw"  # kvtier's disk tier as shipped for these rows (TIER_SUBJE
 
 def _direct_rows(ctx: RowContext) -> None:
     label = ctx.label
-    io = f"{DIRECT_IN_FLIGHT} x {max(ctx.size, DIRECT_RUN_BYTES) // MiB} MiB I/Os in flight"
-    ctx.add(f"O_DIRECT write+fdatasync, {io} {label}", "O_DIRECT", "write", "raw", "raw fdatasync write")
-    ctx.add(f"O_DIRECT cold read, {io} {label}", "O_DIRECT", "read", "raw", "raw cold read")
+    def io(run_bytes: int) -> str:
+        return f"{DIRECT_IN_FLIGHT} x {max(ctx.size, run_bytes) // MiB} MiB I/Os in flight"
+
+    ctx.add(f"O_DIRECT write+fdatasync, {io(DIRECT_WRITE_RUN_BYTES)} {label}", "O_DIRECT", "write", "raw",
+            "raw fdatasync write")
+    ctx.add(f"O_DIRECT cold read, {io(DIRECT_RUN_BYTES)} {label}", "O_DIRECT", "read", "raw", "raw cold read")
     row = ctx.add(f"kvtier lmdb write vs O_DIRECT limit {label}", _KVTIER, "write", "O_DIRECT", "O_DIRECT write")
     if ctx.size >= 1 * MiB:
         row.target = f">= {TARGET_WRITE_VS_DIRECT}x"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from kvtier.engine.spill import BATCHES_IN_FLIGHT
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -39,9 +41,8 @@ COVERAGE_TOKEN_BYTES = 1024
 COVERAGE_TOKENS = 100_000
 LONGEST_HIT_TOKENS = 131072
 BASELINE_FILES_IN_FLIGHT = 256
-# The engine's spill keeps two batches in flight (engine._SPILL_BATCHES_IN_FLIGHT); the tier figures
-# drive the tiers the same way.
-SPILL_BATCHES_IN_FLIGHT = 2
+# The tier figures drive the tiers as the engine's spill does: this many batches in flight.
+SPILL_BATCHES_IN_FLIGHT = BATCHES_IN_FLIGHT
 
 
 def label_of(nbytes: int) -> str:
