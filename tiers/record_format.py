@@ -61,7 +61,6 @@ from .record_layout import (
     read_header,
 )
 from .record_layout import checksum as _checksum
-from .record_layout import checksum_holding_gil
 from .record_planes import compress_planes, merge_planes
 
 __all__ = [
@@ -196,7 +195,7 @@ def _validate_split(key: bytes, head: BytesLike, payload: memoryview, max_raw_by
     if header.raw_length > max_raw_bytes:
         raise RecordFormatError(f"raw length {header.raw_length} exceeds the limit of {max_raw_bytes} bytes")
     body = buf[PREFIX.size : payload_start - CHECKSUM_BYTES]
-    if checksum_holding_gil(bytes(key), buf[: PREFIX.size], body, payload) != header.checksum:
+    if _checksum(bytes(key), buf[: PREFIX.size], body, payload) != header.checksum:
         raise RecordChecksumError("record checksum mismatch (corrupt bytes, or stored under another key)")
     return header
 

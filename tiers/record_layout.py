@@ -1,8 +1,7 @@
 """The chunk record's layout: constants, the header's encoding and parsing, and the checksum.
 
 Primitives: ``RecordHeader`` (what a header says), ``encode_header`` (the header's fields as bytes),
-``checksum`` (XXH3-128 over key, prefix, header and payload; ``checksum_holding_gil`` the same for a
-read's check), ``parse_header`` (prefix and header
+``checksum`` (XXH3-128 over key, prefix, header and payload), ``parse_header`` (prefix and header
 structurally validated, before any allocation of the chunk's size), ``header_end_of`` /
 ``read_header`` / ``read_head``, ``element_size``, and the format's constants. Plain functions,
 safe on any thread. ``tiers.record_format`` builds encoding and decoding on them and is the
@@ -39,7 +38,6 @@ import xxhash
 from kvtier.errors import RecordFormatError
 
 from .base import ChunkMeta
-from .checksum_held import digest_parts
 
 __all__ = [
     "RecordHeader", "encode_header", "checksum", "parse_header", "header_end_of", "read_header",
@@ -173,12 +171,6 @@ def checksum(key: BytesLike, prefix: BytesLike, header_body: BytesLike, *payload
     for part in payload:
         h.update(part)
     return h.digest()
-
-
-def checksum_holding_gil(key: bytes, prefix: BytesLike, header_body: BytesLike, payload: memoryview) -> bytes:
-    """``checksum`` of one contiguous payload, computed without letting go of the GIL where the
-    xxHash C library is found (``checksum_held``): what a read verifies, on the reading thread."""
-    return digest_parts(b"".join((U32.pack(len(key)), key, prefix, header_body)), payload)
 
 
 class _Cursor:
