@@ -61,12 +61,15 @@ def map_slices(
     *,
     workers: int,
     min_slice_bytes: int,
+    ranges: Optional[Sequence[range]] = None,
 ) -> "concurrent.futures.Future[List[Any]]":
     """Run ``fn`` over the slices of ``jobs`` on ``executor``; the returned future holds the
-    results in job order, or the first slice's exception. Raises ``RuntimeError`` if the executor
-    is shut down before the first slice was submitted; slices that could not be submitted later
-    fail the future with that error."""
-    ranges = plan_slices(sizes, workers, min_slice_bytes)
+    results in job order, or the first slice's exception. The slices are ``plan_slices``' unless
+    ``ranges`` gives them (contiguous, covering ``jobs`` in order: a caller that knows its I/O
+    units). Raises ``RuntimeError`` if the executor is shut down before the first slice was
+    submitted; slices that could not be submitted later fail the future with that error."""
+    if ranges is None:
+        ranges = plan_slices(sizes, workers, min_slice_bytes)
     result: "concurrent.futures.Future[List[Any]]" = concurrent.futures.Future()
     if not ranges:
         result.set_result([])

@@ -83,6 +83,22 @@ def test_map_slices_keeps_job_order_and_fails_with_the_first_error():
             f.result(5)
 
 
+def test_map_slices_runs_the_ranges_it_is_given_in_order():
+    seen: List[List[int]] = []
+    lock = threading.Lock()
+
+    def record(part):
+        with lock:
+            seen.append(part)
+        return [x + 1 for x in part]
+
+    with ThreadPoolExecutor(2) as pool:
+        f = map_slices(pool, record, list(range(7)), [1] * 7, workers=2, min_slice_bytes=1,
+                       ranges=[range(0, 3), range(3, 4), range(4, 7)])
+        assert f.result(5) == [x + 1 for x in range(7)]
+    assert sorted(seen) == [[0, 1, 2], [3], [4, 5, 6]]
+
+
 @pytest.mark.asyncio
 async def test_a_cancelled_wait_returns_only_after_the_running_slices_end():
     started, release = threading.Event(), threading.Event()

@@ -28,8 +28,8 @@ from ..record_format import CodecConfig, decode_record, encode_record
 from .environment import LmdbEnv
 from .readahead import advise_willneed
 from .segment_reader import SegmentReader
-from .segment_records import encode_for_segments
-from .segments import RUN_BYTES, is_pointer
+from .segment_records import _ALIGN, _round_up, encode_for_segments
+from .segments import adjacent_runs, is_pointer
 
 __all__ = ["ReaderSide", "CorruptEntry"]
 
@@ -40,8 +40,6 @@ R = TypeVar("R")
 # (key, xxh3 of the stored value, why): a record a read found bad, quarantined only if the key
 # still holds that value.
 CorruptEntry = Tuple[bytes, int, str]
-# A read slice's bytes: one vectored direct read of adjacent segment records (segments.RUN_BYTES).
-READ_SLICE_BYTES = RUN_BYTES
 
 
 def _nbytes(buf: object) -> int:
@@ -115,23 +113,27 @@ class ReaderSide:
             raise self._closed() from exc
 
     async def get_many_into(self, checked: List[GetItem]) -> List[Optional[ChunkMeta]]:
-        """Decode each record into its buffer, the batch split into slices of about
-        ``READ_SLICE_BYTES`` (at least ``read_workers`` of them), one read transaction each, that
-        the read pool's threads take in turn (event-loop thread). Cancelling it: slices not yet started are abandoned,
-        running ones finish into the buffers, and only then does it re-raise ``CancelledError``."""
+        """Decode each record into its buffer, the batch split into slices of one read run each
+        (``segments.adjacent_runs`` of the records' extents, at least ``read_workers`` of them),
+        one read transaction each, that the read pool's threads take in turn (event-loop thread).
+        Cancelling it: slices not yet started are abandoned, running ones finish into the buffers,
+        and only then does it re-raise ``CancelledError``."""
         sizes = [_nbytes(buf) for _, buf in checked]
-        # Slices of about one run each (READ_SLICE_BYTES), queued on the pool, rather than one
-        # slice per worker: a worker that finishes takes the next slice, so the batch no longer
-        # waits on its slowest quarter while the other workers (and the disk) idle.
-        slices = max(self.read_workers, sum(sizes) // READ_SLICE_BYTES)
+        # A slice is cut where the segment reader would cut its vectored read (a record's extent:
+        # its head page, then its payload pages), so a batch written in order is read with one
+        # preadv a slice: slices of plain bytes straddled runs and cost a second, short read
+        # (and, in a busy process, a second wait for the GIL). Several slices per worker: one
+        # that finishes takes the next, so the batch does not wait on its slowest quarter.
+        ranges = adjacent_runs([_ALIGN + _round_up(size) for size in sizes], lanes=self.read_workers)
         try:
             reading = map_slices(
                 self._pool,
                 self._read_slice,
                 checked,
                 sizes,
-                workers=slices,
+                workers=len(ranges),
                 min_slice_bytes=1,
+                ranges=ranges,
             )
         except RuntimeError as exc:  # the pool is shut down: close() ran
             raise self._closed() from exc
