@@ -11,7 +11,8 @@ slots, so a hit larger than the pool still loads; a read or a copy failing with 
 fails the load with a reason and leaves nothing LOADING or pinned; a promotion whose read stalls
 past ``tier_timeout_s`` is abandoned -- its waiters fail, lookup answers from the disk index
 again -- while its slots stay pinned until the tier lets go of the buffers (it may still write
-into them); an executor copy is awaited to its end before its pins go (``tasks.settle``).
+into them); an executor copy is awaited to its end before its pins go (``tasks.settle``); the
+host-only chunks a load served go to the disk once its last window is done (``_hand_to_disk``).
 """
 
 from __future__ import annotations
@@ -156,14 +157,19 @@ class LoadPath:
         """The load's engine-owned task; ``held``: entries pinned for the whole load (released at
         its end), which its windows then need not pin again."""
         loaded: List[Tuple[int, int]] = []
+        host_only: List[ChunkEntry] = []  # READY chunks off the disk that the windows served
         from_disk = 0
+        reason: Optional[str] = None
         try:
             for window in self._load_windows(jobs):
-                reason, read = await self._load_window(window, loaded, ready, held)
+                reason, read = await self._load_window(window, loaded, ready, held, host_only)
                 from_disk += read
                 if reason is not None:
-                    self._metrics.miss(reason)
-                    return LoadResult(hit_tokens, False, (), reason=reason)
+                    break
+            self._hand_to_disk(host_only)
+            if reason is not None:
+                self._metrics.miss(reason)
+                return LoadResult(hit_tokens, False, (), reason=reason)
             return LoadResult(
                 hit_tokens, True, tuple(loaded), chunks_from_disk=from_disk, chunks_from_host=len(jobs) - from_disk
             )
@@ -173,13 +179,15 @@ class LoadPath:
             if not finished.done():
                 finished.set_result(None)
 
-    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready,
-                           held: AbstractSet[ChunkEntry]) -> Tuple[Optional[str], int]:
-        """Acquire, copy and release one window of a load. Returns (failure reason, chunks read)."""
+    async def _load_window(self, window, loaded: List[Tuple[int, int]], ready, held: AbstractSet[ChunkEntry],
+                           host_only: List[ChunkEntry]) -> Tuple[Optional[str], int]:
+        """Acquire, copy and release one window of a load (its host-only chunks join
+        ``host_only``). Returns (failure reason, chunks read)."""
         book = self._book
         pinned: List[ChunkEntry] = []
         try:
-            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned, held)
+            entries, from_disk, reason = await self._acquire_chunks([(g, c, k) for g, c, k, _ in window], pinned, held,
+                                                                    host_only)
             if reason is not None:
                 return reason, from_disk
             if self._closing():
@@ -209,10 +217,11 @@ class LoadPath:
             for entry in pinned:
                 book.unpin(entry)
 
-    async def _acquire_chunks(self, wanted, pinned: List[ChunkEntry], held: AbstractSet[ChunkEntry]):
+    async def _acquire_chunks(self, wanted, pinned: List[ChunkEntry], held: AbstractSet[ChunkEntry],
+                              host_only: List[ChunkEntry]):
         """Pin a host entry for every wanted chunk (an entry in ``held`` is pinned already),
-        promoting disk-only chunks (single flight). Returns (entries, chunks read from disk,
-        failure reason or None)."""
+        promoting disk-only chunks (single flight); the READY ones the disk does not hold join
+        ``host_only``. Returns (entries, chunks read from disk, failure reason or None)."""
         book, index = self._book, self._index
         found: List[Optional[ChunkEntry]] = []  # None: to promote
         to_promote = []
@@ -266,10 +275,8 @@ class LoadPath:
                 self._tier.touch_many(resident_on_disk)
             except Exception as exc:  # noqa: BLE001 - a recency hint: never a reason to fail the load
                 logger.debug("disk tier touch failed: %r", exc)
-        host_only = [e for e, on_host in zip(entries, found)
-                     if on_host is not None and e.state is HostState.READY and e.key not in index]
-        if host_only:
-            self._write_back(host_only)
+        host_only.extend(e for e, on_host in zip(entries, found)
+                         if on_host is not None and e.state is HostState.READY and e.key not in index)
         if len(entries) > len(promoted):  # the chunks this load found on the host tier
             self._metrics.loaded("host", len(entries) - len(promoted), host_bytes)
         return entries, len(promoted), None
@@ -343,6 +350,17 @@ class LoadPath:
             if "remote" in served:
                 self._metrics.loaded("remote", *served["remote"])
                 self._metrics.latency("remote", "get", elapsed)
+
+    def _hand_to_disk(self, host_only: Sequence[ChunkEntry]) -> None:
+        """Hand the host-only chunks a load served to the disk (``StorePath.write_back``), once its
+        last window is done: their writes, and the disk evictions that make room for them, then
+        follow every read and touch of the load (the disk's LRU hears of those before it picks a
+        victim), and cannot evict a chunk a later window of the same load is about to read. Each
+        chunk still READY and off the disk (another load may have handed it over meanwhile)."""
+        index = self._index
+        ready = [e for e in host_only if e.state is HostState.READY and not e.dead and e.key not in index]
+        if ready:
+            self._write_back(ready)
 
     def _abandon(self, entry: ChunkEntry, reason: str) -> None:
         """Give up on an in-flight read: waiters fail now; the slot stays reserved (pinned by the

@@ -4,6 +4,7 @@ Primitives: ``replay_engine`` (async; returns an ``Outcome``), ``chunk_bytes_of_
 caller's event loop; copies and disk I/O run on the engine's threads.
 
 Per request, in trace order: ``lookup`` -> ``load`` of the hit into the request's device blocks ->
+``flush`` (the disk writes the load handed to the spill land before the store is planned) ->
 every restored block compared with the bytes its key stands for -> the rest counts as prefilled:
 the prompt's blocks are filled with their keys' bytes -> ``store`` of the prompt (the engine picks
 exactly the chunks the coverage contract and the retention interval store) -> ``flush``, so the
@@ -189,6 +190,10 @@ async def replay_engine(
                 # Chunks that came to the host during the load were promoted from disk (a chunk
                 # an earlier window of the load evicted comes back that way too).
                 promoted = take_events(engine)
+                # The host-only chunks the load hit are on their way to the disk, and the disk
+                # evictions that make room for them decide which of the prompt's chunks the store
+                # finds gone: the store waits for them, as the fast mode writes them first.
+                await engine.flush()
                 if disk_tier is not None:
                     await disk_tier.flush()
                 if remote_url is not None and promoted:

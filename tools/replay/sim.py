@@ -29,8 +29,9 @@ its work flushed after every request (the way engine mode replays):
 - a chunk evicted from disk stays on the host until evicted there; lookups see both;
 - admission (``NAME+seen``): of a store's new chunks, the disk is written only those the
   engine's own admission object (``tiers.admission``) admits, decided as the store is scheduled;
-  the others stay on the host only until a load hits them there: then each window writes its
-  host-only chunks to disk (after its touches), as the engine's load path hands them to the spill.
+  the others stay on the host only until a load hits them there: then, after its last window
+  (and its touches), the load writes the host-only chunks its windows served to disk, as the
+  engine's load path hands them to the spill; engine mode waits for that spill before the store.
 """
 
 from __future__ import annotations
@@ -274,6 +275,7 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
             windows.append(current)
             # The load holds the hit's host-only chunks from its start: no window evicts them.
             held: List[Set[int]] = [set() for _ in range(num_groups)]
+            served_host_only: List[tuple] = []  # written to disk once the windows are done
             for g, key in jobs:
                 if key in host[g] and key not in disk:
                     held[g].add(key)
@@ -310,8 +312,9 @@ def simulate_engine(work: Workload, plans: Plans, *, host_slots: Sequence[int], 
                         disk.touch(key)
                 for g, key in window:
                     host[g].touch(key)
-                if write_back:  # a host-only chunk a load hit has proved reuse: the disk gets it now
-                    spill([(g, key) for g, key in window if key in pinned[g] and key not in disk])
+                served_host_only.extend((g, key) for g, key in window if key in pinned[g] and key not in disk)
+            if write_back and served_host_only:  # a host-only chunk a load hit has proved reuse
+                spill(served_host_only)
         new = []
         for g in range(num_groups):
             for key in ids[g].take(plans.store(g, n)):
