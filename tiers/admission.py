@@ -22,6 +22,8 @@ from __future__ import annotations
 import abc
 from typing import Dict, Hashable, Iterable, List, Sequence, Tuple, Type
 
+import xxhash
+
 __all__ = ["Admission", "AdmitAll", "SeenBefore", "make_admission", "tier_chunks", "ADMISSION_NAMES", "WINDOW_FACTOR",
            "MAX_DISK_TO_HOST"]
 
@@ -81,7 +83,7 @@ class SeenBefore(Admission):
 
     def _positions(self, key: object) -> Tuple[int, int, int, int]:
         # Four probes by double hashing (Kirsch & Mitzenmacher): as good as four hash functions.
-        h = (hash(key) * _GOLDEN) & _MASK64
+        h = (_stable_hash(key) * _GOLDEN) & _MASK64
         bits = self._bits
         step = (h >> 32) | 1
         first = h % bits
@@ -113,6 +115,18 @@ class SeenBefore(Admission):
             current[d >> 3] |= 1 << (d & 7)
             self._taken += 1
         return answers
+
+
+def _stable_hash(key: object) -> int:
+    """A key's hash, the same in every process: Python salts ``hash`` of bytes per process
+    (PYTHONHASHSEED), which made the engine's false positives, and so its disk writes and hit
+    rate, change from one run of a trace to the next. Bytes keys (the engine's) by xxh3; ints
+    (replay's chunk ids) are their own hash; other keys fall back to ``hash``."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return xxhash.xxh3_64_intdigest(key)
+    if isinstance(key, int):
+        return key
+    return hash(key)
 
 
 _ADMISSIONS: Dict[str, Type[Admission]] = {AdmitAll.name: AdmitAll, SeenBefore.name: SeenBefore}

@@ -91,3 +91,24 @@ def test_make_admission_by_name_and_its_window():
         SeenBefore(0)
     # Host slots, and the disk's bytes at the mean chunk size.
     assert tier_chunks([4, 6], 1000, [100, 300]) == (10, 5)
+
+
+def test_seen_before_answers_the_same_in_every_process():
+    """Bytes keys are hashed by xxh3, not by Python's ``hash`` (salted per process): a filter small
+    enough for false positives gives the same answers under two hash seeds."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("from kvtier.tiers.admission import SeenBefore\n"
+              "s = SeenBefore(64, bits_per_key=2)\n"
+              "s.decide([b'key-%d' % i for i in range(64)])\n"
+              "print(''.join('1' if a else '0' for a in s.decide([b'other-%d' % i for i in range(200)])))\n")
+    answers = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        answers.add(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                   check=True).stdout.strip())
+    assert len(answers) == 1
+    (bits,) = answers
+    assert len(bits) == 200 and 0 < bits.count("1") < 200  # false positives there are, and the same ones
