@@ -37,6 +37,11 @@ WINDOW_FACTOR = 4
 # points at 5% / 10% of the unique bytes but lost 1.02 at 10% / 20%; at 4x, 5.70 points at 5% / 20%.
 MAX_DISK_TO_HOST = 1
 
+# The disk is counted at the mean payload size while its capacity counts records, each with its
+# header: budgets of equal bytes then give the disk a few more chunks than the host. A disk up to
+# 1/16 past the ratio (headers of up to 1/16 of a chunk) still counts as within it.
+RECORD_HEADER_SLACK = 16
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads sequential ids (replay's chunk ids) over the bits
 
@@ -141,7 +146,7 @@ def make_admission(name: str, host_chunks: int, disk_chunks: int) -> Admission:
     reach is the larger one (write-through is then ``AdmitAll``). Unknown ``name``: ValueError
     listing the valid names."""
     if name == SeenBefore.name:
-        if disk_chunks > MAX_DISK_TO_HOST * host_chunks:
+        if RECORD_HEADER_SLACK * disk_chunks > (RECORD_HEADER_SLACK + 1) * MAX_DISK_TO_HOST * host_chunks:
             return AdmitAll()
         return SeenBefore(max(1, WINDOW_FACTOR * (int(host_chunks) + int(disk_chunks))))
     if name == AdmitAll.name:

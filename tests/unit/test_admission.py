@@ -85,6 +85,10 @@ def test_make_admission_by_name_and_its_window():
     # A disk past MAX_DISK_TO_HOST times the host is written every chunk.
     assert isinstance(make_admission("seen", 10, 10 * MAX_DISK_TO_HOST), SeenBefore)
     assert isinstance(make_admission("seen", 10, 10 * MAX_DISK_TO_HOST + 1), AdmitAll)
+    # Equal budgets in bytes give the disk a few more chunks (its records carry headers): within
+    # 1/16 of the ratio the disk still counts as the host's size.
+    assert isinstance(make_admission("seen", 16, 17 * MAX_DISK_TO_HOST), SeenBefore)
+    assert isinstance(make_admission("seen", 16, 18 * MAX_DISK_TO_HOST), AdmitAll)
     with pytest.raises(ValueError, match=r"unknown disk admission 'tiny'; valid names: 'all', 'seen'"):
         make_admission("tiny", 10, 10)
     with pytest.raises(ValueError, match="window must be a positive int, got 0"):
