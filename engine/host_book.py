@@ -162,15 +162,8 @@ class HostBook:
 
     def unpin_all(self, entries: Sequence[ChunkEntry]) -> None:
         """``unpin`` each entry, a pool's slots in one call (a store's completion)."""
-        pools = self.pools
-        if len(pools) == 1:
-            pools[0].unpin_many([e.slot for e in entries])
-        else:
-            by_group: Dict[int, List[int]] = {}
-            for e in entries:
-                by_group.setdefault(e.group_index, []).append(e.slot)
-            for gi, slots in by_group.items():
-                pools[gi].unpin_many(slots)
+        for gi, slots in _slots_by_group(entries).items():
+            self.pools[gi].unpin_many(slots)
         for e in entries:
             if e.dead and self.pins(e) == 0:
                 self.pools[e.group_index].release(e.slot)
@@ -196,14 +189,9 @@ class HostBook:
 
     def settle_ready_all(self, entries: Sequence[ChunkEntry]) -> None:
         """``settle_ready`` for each entry, a pool's slots marked evictable in one call."""
-        by_group: Dict[int, List[int]] = {}
         for e in entries:
             move(e, HostState.READY)
-            slots = by_group.get(e.group_index)
-            if slots is None:
-                slots = by_group[e.group_index] = []
-            slots.append(e.slot)
-        for gi, slots in by_group.items():
+        for gi, slots in _slots_by_group(entries).items():
             self.pools[gi].mark_evictable_many(slots)
 
     def drop(self, entry: ChunkEntry, reason: Optional[str]) -> None:
@@ -328,3 +316,14 @@ class HostBook:
             except KvtierError as exc:
                 problems.append(f"group {gi} host pool: {exc}")
         return problems
+
+
+def _slots_by_group(entries: Sequence[ChunkEntry]) -> Dict[int, List[int]]:
+    """The entries' slots per group, in the entries' order (one pool call per group)."""
+    by_group: Dict[int, List[int]] = {}
+    for e in entries:
+        slots = by_group.get(e.group_index)
+        if slots is None:
+            slots = by_group[e.group_index] = []
+        slots.append(e.slot)
+    return by_group

@@ -819,3 +819,9 @@ async def test_a_batch_read_in_run_slices_is_bitwise_finds_one_bad_record_and_su
         assert [bytes(o) for o in outs] == [chunk_content(it[0]) for it in good]
         _assert_ledger_matches(tier)
         assert await tier.check() == []
+
+
+def test_split_extent_is_the_extent_of_a_split_record_with_a_one_page_head() -> None:
+    for payload in (1, 4096, 5000, 1 << 20):
+        pointer = SegmentPointer(pid=1, counter=0, offset=0, length=300 + payload, head=300)
+        assert segments.split_extent(payload) == pointer.extent

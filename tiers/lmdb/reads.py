@@ -28,8 +28,8 @@ from ..record_format import CodecConfig, decode_record, encode_record
 from .environment import LmdbEnv
 from .readahead import advise_willneed
 from .segment_reader import SegmentReader
-from .segment_records import _ALIGN, _round_up, encode_for_segments
-from .segments import adjacent_runs, is_pointer
+from .segment_records import encode_for_segments
+from .segments import adjacent_runs, is_pointer, split_extent
 
 __all__ = ["ReaderSide", "CorruptEntry"]
 
@@ -124,7 +124,7 @@ class ReaderSide:
         # preadv a slice: slices of plain bytes straddled runs and cost a second, short read
         # (and, in a busy process, a second wait for the GIL). Several slices per worker: one
         # that finishes takes the next, so the batch does not wait on its slowest quarter.
-        ranges = adjacent_runs([_ALIGN + _round_up(size) for size in sizes], lanes=self.read_workers)
+        ranges = adjacent_runs([split_extent(size) for size in sizes], lanes=self.read_workers)
         try:
             reading = map_slices(
                 self._pool,

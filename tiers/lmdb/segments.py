@@ -99,6 +99,7 @@ __all__ = [
     "segment_name",
     "adjacent_runs",
     "write_runs",
+    "split_extent",
     "RUN_BYTES",
     "WRITE_RUN_BYTES",
     "DEFAULT_SEGMENT_MAX_BYTES",
@@ -590,14 +591,21 @@ def adjacent_runs(extents: Sequence[int], *, lanes: int = 1) -> List[range]:
     return runs
 
 
+def split_extent(payload_nbytes: int) -> int:
+    """The segment bytes of a split record (``SegmentPointer.extent``) whose payload is
+    ``payload_nbytes``, its head taking one page (every header of a KV chunk does)."""
+    return _ALIGN + _round_up(payload_nbytes)
+
+
 def write_runs(extents: Sequence[int], *, lanes: int) -> List[range]:
     """Split a batch's records (``extents`` in file order) into runs for one vectored direct write
     each, balanced over ``lanes``: a multiple of ``lanes`` runs (runs per lane: the whole number
     nearest to the batch's bytes over ``lanes * WRITE_RUN_BYTES``, at least 1), each ending at the
     record where the batch's bytes so far first reach its share, and at most ``_RUN_RECORDS``
-    records; a batch of no more records than that is written a record a run. Dealt round-robin, every lane then writes about as many bytes: runs cut at a fixed
-    bound leave some lanes a run more (16 records of 4 MiB plus a head page fit 3 to a 16 MiB
-    run: 6 runs, so two lanes wrote twice as long as the others)."""
+    records; a batch of no more records than that is written a record a run. Dealt round-robin,
+    every lane then writes about as many bytes: runs cut at a fixed bound leave some lanes a run
+    more (16 records of 4 MiB plus a head page fit 3 to a 16 MiB run: 6 runs, so two lanes wrote
+    twice as long as the others)."""
     total = sum(extents)
     unit = lanes * WRITE_RUN_BYTES
     count = lanes * max(1, (total + unit // 2) // unit)
