@@ -86,7 +86,7 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
     assert any(s.startswith("peers (vLLM fs") for s in skipped)  # peers=False
     if not any(s.startswith("O_DIRECT limit") for s in skipped):  # the limit runs where O_DIRECT works
         assert "O_DIRECT write+fdatasync, 4 x 16 MiB I/Os in flight 64KiB" in names
-        assert "O_DIRECT cold read, 4 x 4 MiB I/Os in flight 64KiB" in names
+        assert "O_DIRECT cold read, 8 x 4 MiB I/Os in flight 64KiB" in names
         assert "kvtier lmdb cold read vs O_DIRECT limit 64KiB" in names
     assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
     text = format_report(report)

@@ -35,6 +35,10 @@ __all__ = ["ReaderSide", "CorruptEntry"]
 
 log = logging.getLogger(__name__)
 
+# Slices a put batch's encode is cut into, at most: encoding is CPU work, where a slice beyond the
+# cores only adds a thread hop (the read threads exist for the I/Os in flight, not for this).
+ENCODE_SLICES = 4
+
 T = TypeVar("T")
 R = TypeVar("R")
 # (key, xxh3 of the stored value, why): a record a read found bad, quarantined only if the key
@@ -106,7 +110,7 @@ class ReaderSide:
                                else encode_for_segments(key, meta, raw, codec, threshold)) for key, meta, raw in part],
                 batch,
                 [memoryview(raw).nbytes for _, _, raw in batch],
-                workers=self.read_workers,
+                workers=min(self.read_workers, ENCODE_SLICES),
                 min_slice_bytes=MIN_SLICE_BYTES,
             )
         except RuntimeError as exc:  # the pool is shut down: close() ran

@@ -102,6 +102,7 @@ __all__ = [
     "split_extent",
     "RUN_BYTES",
     "WRITE_RUN_BYTES",
+    "WRITES_IN_FLIGHT",
     "DEFAULT_SEGMENT_MAX_BYTES",
     "DEFAULT_SEGMENT_THRESHOLD_BYTES",
     "check_segment_threshold",
@@ -136,7 +137,7 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # 256 KiB, but 0.62-0.84x at 64 KiB and 0.38-0.53x at 16 KiB (one LMDB transaction beats an extra
 # aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
-WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (as the bench's O_DIRECT limit)
+WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (the bench's O_DIRECT limit writes as many)
 
 
 def _no_hook(_op: str) -> None:

@@ -95,10 +95,12 @@ log = logging.getLogger(__name__)
 PathLike = Union[str, "os.PathLike[str]"]
 
 _MIN_MAP_SIZE = 1 << 20
-# Read (and encode) threads. A segment record's direct read blocks its thread for the whole I/O, so
-# this is also the reads in flight: 4, as the bench's O_DIRECT read limit (2 left cold 256 KiB
-# restores at ~0.6x of that limit, 4 brought them to ~0.9x in the same runs).
-DEFAULT_READ_WORKERS = 4
+# Read threads. A segment record's direct read blocks its thread for the whole I/O, so this is also
+# the reads in flight: cold restores of a batch ran at 0.73-0.87x of vLLM's 16 reader threads with
+# 4, and at 0.79-1.38x with 8, in alternating runs on this project's virtual disk. Each holds a read
+# transaction while its I/O runs (the pointers it read stay valid), and LMDB's 126 reader slots are
+# shared by every process on the directory: 8 leaves room for a tensor-parallel group of 8.
+DEFAULT_READ_WORKERS = 8
 # Recorded reads waiting for the writer; past this many a flush is queued at once (bounds memory).
 _ACCESS_FLUSH_BACKLOG = 1 << 16
 # Counters with a TierStatistics field of their own, and the LMDB-only ones (in ``extra``).

@@ -2,7 +2,7 @@
 each as shipped and with a per-file fsync added to its write path, and the O_DIRECT limit of the disk.
 
 Primitives: ``DirectLimit`` (aligned direct writes and reads of runs of adjacent chunks up to
-``DIRECT_WRITE_RUN_BYTES`` / ``DIRECT_RUN_BYTES``, ``DIRECT_IN_FLIGHT`` in flight),
+``DIRECT_WRITE_RUN_BYTES`` / ``DIRECT_RUN_BYTES``, ``DIRECT_IN_FLIGHT`` / ``DIRECT_READ_IN_FLIGHT`` in flight),
 ``VllmFs``, ``LmcacheDisk``, ``SglangFile`` (``DiskSubject``s driving each peer's own I/O code),
 ``peer_specs()`` (the ``SubjectSpec``s of the peers importable here) and ``PEER_SKIPS`` (one line per
 peer that is not, with the reason). Every subject runs its I/O on its own threads; the bench's event
@@ -33,15 +33,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from kvtier.tiers.lmdb.segments import RUN_BYTES, WRITE_RUN_BYTES
+from kvtier.tiers.lmdb.segments import RUN_BYTES, WRITE_RUN_BYTES, WRITES_IN_FLIGHT
+from kvtier.tiers.lmdb.tier import DEFAULT_READ_WORKERS
 
 from ._report import judge
 from ._settings import MiB
 from ._subjects import DiskSubject, PooledSubject, RowContext, SubjectSpec
 
-__all__ = ["DirectLimit", "direct_runs", "DIRECT_RUN_BYTES", "DIRECT_WRITE_RUN_BYTES", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT"]
+__all__ = ["DirectLimit", "direct_runs", "DIRECT_RUN_BYTES", "DIRECT_WRITE_RUN_BYTES", "VllmFs", "LmcacheDisk", "SglangFile", "peer_specs", "PEER_SKIPS", "DIRECT_IN_FLIGHT",
+           "DIRECT_READ_IN_FLIGHT"]
 
-DIRECT_IN_FLIGHT = 4  # direct I/Os in flight for the limit (more adds nothing on these disks)
+DIRECT_IN_FLIGHT = WRITES_IN_FLIGHT  # direct writes in flight for the limit: as kvtier's segment writes
+# ... and direct reads: as many as kvtier's read threads (each has one read in flight), so the limit
+# reads the way the tier can at best
+DIRECT_READ_IN_FLIGHT = DEFAULT_READ_WORKERS
 DIRECT_RUN_BYTES = RUN_BYTES  # the limit's largest read: kvtier's segments.RUN_BYTES (4 MiB)
 # ... and its largest write: kvtier's segments.WRITE_RUN_BYTES (16 MiB; beside CPU-bound threads
 # the larger writes move more, so a limit of 4 MiB writes would be a weaker one than kvtier's)
@@ -92,18 +97,19 @@ class DirectLimit(PooledSubject):
     straight from the page-aligned host slots, ``DIRECT_IN_FLIGHT`` threads, one ``fdatasync`` at
     the end; read back in runs of up to ``DIRECT_RUN_BYTES`` (4 MiB: a 256 KiB chunk is one of 16 in
     an I/O, a 4 MiB one alone), one aligned ``preadv`` a run into the page-aligned restore buffers,
-    as many in flight. (Chunk-sized I/Os would make the limit at
+    ``DIRECT_READ_IN_FLIGHT`` in flight (the tier's read threads). (Chunk-sized I/Os would make the limit at
     256 KiB a limit of small requests, which the tier, reading runs of adjacent records, beats.)"""
 
     name = "O_DIRECT"
 
     def __init__(self, directory: Path, chunks: Sequence[memoryview], outs: Sequence[memoryview]) -> None:
-        super().__init__(directory, chunks, outs, threads=DIRECT_IN_FLIGHT, thread_name_prefix="bench-direct")
+        super().__init__(directory, chunks, outs, threads=max(DIRECT_IN_FLIGHT, DIRECT_READ_IN_FLIGHT),
+                         thread_name_prefix="bench-direct")
 
     def _path(self, indices: range) -> str:
         return str(self.directory / f"direct-{indices.start}.bin")
 
-    def _jobs(self, indices: range, each: Callable[[range], None], run_bytes: int = DIRECT_RUN_BYTES
+    def _jobs(self, indices: range, each: Callable[[range], None], run_bytes: int, lanes: int
               ) -> List[Callable[[], None]]:
         runs = direct_runs(indices, self.chunks[0].nbytes, run_bytes)
 
@@ -113,7 +119,7 @@ class DirectLimit(PooledSubject):
                     each(r)
             return run
 
-        return [lane(runs[k::DIRECT_IN_FLIGHT]) for k in range(min(len(runs), DIRECT_IN_FLIGHT))]
+        return [lane(runs[k::lanes]) for k in range(min(len(runs), lanes))]
 
     async def write(self, indices: range) -> float:
         size = self.chunks[0].nbytes
@@ -128,7 +134,7 @@ class DirectLimit(PooledSubject):
                     raise OSError("short direct write")
 
             started = time.perf_counter()
-            await self.run_threads(self._jobs(indices, put, DIRECT_WRITE_RUN_BYTES))
+            await self.run_threads(self._jobs(indices, put, DIRECT_WRITE_RUN_BYTES, DIRECT_IN_FLIGHT))
             os.fdatasync(fd)
             return time.perf_counter() - started
         finally:
@@ -143,7 +149,7 @@ class DirectLimit(PooledSubject):
                     raise OSError("short direct read")
 
             started = time.perf_counter()
-            await self.run_threads(self._jobs(indices, get))
+            await self.run_threads(self._jobs(indices, get, DIRECT_RUN_BYTES, DIRECT_READ_IN_FLIGHT))
             return time.perf_counter() - started
         finally:
             os.close(fd)
@@ -361,12 +367,13 @@ _KVTIER = "lmdb raw"  # kvtier's disk tier as shipped for these rows (TIER_SUBJE
 
 def _direct_rows(ctx: RowContext) -> None:
     label = ctx.label
-    def io(run_bytes: int) -> str:
-        return f"{DIRECT_IN_FLIGHT} x {max(ctx.size, run_bytes) // MiB} MiB I/Os in flight"
+    def io(run_bytes: int, lanes: int) -> str:
+        return f"{lanes} x {max(ctx.size, run_bytes) // MiB} MiB I/Os in flight"
 
-    ctx.add(f"O_DIRECT write+fdatasync, {io(DIRECT_WRITE_RUN_BYTES)} {label}", "O_DIRECT", "write", "raw",
-            "raw fdatasync write")
-    ctx.add(f"O_DIRECT cold read, {io(DIRECT_RUN_BYTES)} {label}", "O_DIRECT", "read", "raw", "raw cold read")
+    ctx.add(f"O_DIRECT write+fdatasync, {io(DIRECT_WRITE_RUN_BYTES, DIRECT_IN_FLIGHT)} {label}", "O_DIRECT", "write",
+            "raw", "raw fdatasync write")
+    ctx.add(f"O_DIRECT cold read, {io(DIRECT_RUN_BYTES, DIRECT_READ_IN_FLIGHT)} {label}", "O_DIRECT", "read", "raw",
+            "raw cold read")
     row = ctx.add(f"kvtier lmdb write vs O_DIRECT limit {label}", _KVTIER, "write", "O_DIRECT", "O_DIRECT write")
     if ctx.size >= 1 * MiB:
         row.target = f">= {TARGET_WRITE_VS_DIRECT}x"
