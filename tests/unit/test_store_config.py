@@ -23,7 +23,7 @@ def test_the_engine_holds_the_store_settings_with_their_defaults():
     # Every store setting is an engine setting of the same name (the TOML/env keys stay flat).
     assert set(StoreConfig.field_names()) < set(EngineConfig.field_names())
     assert StoreConfig().lmdb_verify_on_open is True and StoreConfig().quarantine_corrupt_cache_dir is True
-    assert StoreConfig().read_only is False and StoreConfig().read_workers == 4
+    assert StoreConfig().read_only is False and StoreConfig().read_workers == 8
 
 
 def test_store_config_from_toml_env_and_dict(tmp_path):
