@@ -170,3 +170,34 @@ async def test_an_arrival_outlives_the_late_report_of_its_older_records_removal(
         assert a not in store.index and b in store.index
     finally:
         await store.close()
+
+
+@pytest.mark.asyncio
+async def test_problems_names_a_ghost_and_waits_for_a_quarantine_in_flight(tmp_path: Path):
+    from kvtier.tools.testing.faults import corrupt_stored_record
+
+    config = StoreConfig(cache_dir=str(tmp_path / "kv"), compression_enabled=False)
+    store = await DiskStore.open(config, fingerprint=FP)
+    try:
+        batch = items(["a", "b"])
+        token = store.index.begin()
+        sequence = await store.tier.put_many(batch)
+        for key, _, _ in batch:
+            assert store.index.add(key, token, sequence)
+        ghost = items(["never-stored"])[0][0]
+        assert store.index.add(ghost, token, sequence)  # indexed, never written: a lookup would lie
+        store.index.end(token)
+        assert await store.problems() == [f"1 indexed keys are not on the disk tier (first {ghost.hex()[:12]})"]
+        store.index.discard(ghost)
+        assert await store.problems() == []
+
+        # A load finds a's record corrupt: the quarantine runs on the writer thread and its removal
+        # report comes back through the loop. Asked at once, the check waits for both.
+        a = batch[0][0]
+        await asyncio.get_running_loop().run_in_executor(None, corrupt_stored_record, store.tier, a)
+        out = bytearray(CHUNK)
+        assert await store.tier.get_many_into([(a, memoryview(out))]) == [None]
+        assert await store.problems() == []
+        assert store.index.keys() == keys(["b"])
+    finally:
+        await store.close()
