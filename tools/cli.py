@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="benchmark tiers and engine against raw baselines measured in the same run")
-    bench.add_argument("--quick", action="store_true", help="fewer paired rounds (2 of the full run's 4, same length, same subjects), quiet only")
+    bench.add_argument("--quick", action="store_true", help="fewer paired rounds (3 of the full run's 4, same length, same subjects), quiet only")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--cache-dir", help="directory on the filesystem to measure (default: a temporary one)")
     bench.add_argument("--busy", metavar="KINDS", help="also run the disk rounds beside 2 CPU-bound workers of each "

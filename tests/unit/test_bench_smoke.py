@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import statistics
 
 import pytest
 import torch
 
 from kvtier.tools.bench import (
     BenchReport,
+    RawFile,
     deepseek_v4_like_layout,
     format_report,
     gemma3_kv_bytes,
@@ -23,6 +26,7 @@ from kvtier.tools.bench import (
     measure_coverage,
     measure_longest_hit,
     run_bench,
+    run_paired,
 )
 from kvtier.tools.bench._figures import _brute_force_minimal
 from kvtier.tools.bench.engine import measure_bookkeeping
@@ -56,6 +60,8 @@ def _check_schema(report: BenchReport) -> dict:
             assert row["ratio_to"], f"{row['name']}: a ratio must say what it is a ratio to"
         if row.get("target") is not None:
             assert isinstance(row["met"], bool)
+        if "per_round" in row:  # a paired ratio: its median over the rounds, each listed
+            assert row["ratio"] == pytest.approx(statistics.median(row["per_round"]), rel=1e-3), row
     return doc
 
 
@@ -82,6 +88,10 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
         "engine store until released, host tier only 64KiB",
     ):
         assert expected in names
+    rows = {row["name"]: row for row in doc["results"]}
+    for paired in ("lmdb spill raw codec 64KiB", "lmdb cold restore zstd codec 64KiB",
+                   "engine cold load (zstd) 64KiB", "engine store until released, host tier only 64KiB"):
+        assert len(rows[paired]["per_round"]) == 2, paired  # rounds=2, one ratio each
     skipped = report.machine.get("peers_skipped", [])
     assert any(s.startswith("peers (vLLM fs") for s in skipped)  # peers=False
     if not any(s.startswith("O_DIRECT limit") for s in skipped):  # the limit runs where O_DIRECT works
@@ -91,6 +101,46 @@ def test_tiers_and_engine_on_tiny_sizes(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the run's subdirectory is gone
     text = format_report(report)
     assert "targets:" in text and "machine:" in text
+
+
+def test_paired_rounds_write_back_each_subjects_pages_before_the_next_subject_writes(tmp_path, monkeypatch):
+    """A subject that does not sync leaves dirty pages; the rounds write them back (untimed) right
+    after its write, so the kernel never writes them back inside another subject's timed round."""
+    events = []
+    real_sync = os.sync
+
+    def sync() -> None:
+        events.append("sync")
+        real_sync()
+
+    class Unsynced(RawFile):
+        name = "unsynced"
+
+        async def write(self, indices: range) -> float:
+            events.append(f"{self.name} {indices.start}")
+            fd = os.open(self._path(indices), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for i in indices:
+                    os.write(fd, self.chunks[i])
+            finally:
+                os.close(fd)
+            return 1e-3
+
+    class Logged(RawFile):
+        async def write(self, indices: range) -> float:
+            events.append(f"{self.name} {indices.start}")
+            return await super().write(indices)
+
+    monkeypatch.setattr(os, "sync", sync)
+    chunks = [memoryview(bytes([i]) * (64 << 10)) for i in range(4)]
+    outs = [memoryview(bytearray(64 << 10)) for _ in range(4)]
+    subjects = [Logged(tmp_path / "raw", chunks, outs), Unsynced(tmp_path / "unsynced", chunks, outs)]
+    times, failures = asyncio.run(run_paired(subjects, [range(0, 2), range(2, 4)], 64 << 10, outs, chunks))
+    assert failures == []
+    # the reference first in even rounds, last in odd ones; a writeback after every subject's write
+    assert events[:8] == ["raw 0", "sync", "unsynced 0", "sync", "unsynced 2", "sync", "raw 2", "sync"]
+    assert times.round_ratios("unsynced", "write", "raw") == [times.write["raw"][k] / 1e-3 for k in range(2)]
+    assert times.ratio("unsynced", "write", "raw") == statistics.median(times.round_ratios("unsynced", "write", "raw"))
 
 
 def test_busy_rounds_report_quiet_and_busy_rows_of_each_kind(tmp_path):

@@ -8,7 +8,7 @@ engine use their own threads as in production.
 
 Every figure is a ratio against a limit or a baseline measured in the same run, because these
 machines are shared and noisy (absolute speeds drift by 2x within minutes). Per chunk size
-(256 KiB, 1 MiB, 4 MiB; paired rounds of 256 MiB each: ``--quick`` runs 2 of them per size, the full
+(256 KiB, 1 MiB, 4 MiB; paired rounds of 256 MiB each: ``--quick`` runs 3 of them per size, the full
 run 4, so both reach the same steady state and the quick run is only less precise):
 
 - Limits: ``memcpy`` of each chunk into a preallocated, pre-faulted buffer (``torch`` ``copy_``,

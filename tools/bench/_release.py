@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from typing import List, Sequence, Tuple
 
@@ -70,9 +69,9 @@ def _stage_round(view: DeviceKVView, geometry: KVGeometry, slots: Sequence[torch
 
 
 async def measure_engine_release(view: DeviceKVView, geometry: KVGeometry, slots: Sequence[torch.Tensor],
-                                 rounds: Sequence[range], *, seed: int = 0) -> Tuple[float, float]:
-    """(MB/s of the engine's store until released over every round, median over ``rounds`` of its
-    speed over the staging copy's of the same chunks in the same round); module docstring."""
+                                 rounds: Sequence[range], *, seed: int = 0) -> Tuple[float, List[float]]:
+    """(MB/s of the engine's store until released over every round, per round its speed over the
+    staging copy's of the same chunks in that round: the figure is their median); module docstring."""
     rng = random.Random(seed)
     engine_s: List[float] = []
     ratios: List[float] = []
@@ -86,4 +85,4 @@ async def measure_engine_release(view: DeviceKVView, geometry: KVGeometry, slots
         engine_s.append(stored)
         ratios.append(staged / stored)
     nbytes = sum(len(r) for r in rounds) * geometry.chunk_bytes
-    return mb_s(nbytes, sum(engine_s)), statistics.median(ratios)
+    return mb_s(nbytes, sum(engine_s)), ratios

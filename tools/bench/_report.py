@@ -21,12 +21,19 @@ class BenchRow:
     ratio_to: Optional[str]
     target: Optional[str] = None
     met: Optional[bool] = None
+    # A paired ratio's value in each round, in round order (``ratio`` is their median): how far
+    # the rounds spread, and whether later rounds drift from the first ones (a quick run has fewer).
+    per_round: Optional[List[float]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
         for k in ("value", "ratio"):
             if isinstance(out[k], float):
                 out[k] = round(out[k], 4)
+        if out["per_round"] is None:
+            del out["per_round"]
+        else:
+            out["per_round"] = [round(x, 4) for x in out["per_round"]]
         return out
 
 

@@ -1,15 +1,22 @@
 """Paired rounds: every disk figure comes from the same rounds (see ``run_paired``).
 
 The chunks are cut into ``rounds`` equal ranges and, round after round, each subject writes its
-range (the reference first in even rounds, last in odd ones); then, after a restart of what has one,
-round after round the page cache is dropped and each subject reads its range back. A subject's
-ratio to a reference is the median over rounds of (its speed / the reference's speed in the same
-round): both saw the same disk, the same noisy neighbours and the same state of the VM's memory
-within seconds of each other.
+range (the reference first in even rounds, last in odd ones), and the page cache's dirty pages are
+written back (``os.sync``, untimed) before the next subject writes; then, after a restart of what
+has one, round after round the page cache is dropped and each subject reads its range back. A
+subject's ratio to a reference is the median over rounds of (its speed / the reference's speed in
+the same round): both saw the same disk, the same noisy neighbours and the same state of the VM's
+memory within seconds of each other. Each row also lists the per-round ratios
+(``PairedTimes.round_ratios``).
+
+Why the writeback after each write: a subject that does not sync (the peers as shipped, without
+their "+fsync" variants) leaves up to a round of dirty pages, which the kernel would write back during
+the *next* subjects' timed rounds, charging one subject's writeback to another.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -46,10 +53,14 @@ class PairedTimes:
         times = (self.write if kind == "write" else self.read)[name]
         return mb_s(sum(self.round_bytes), sum(times))
 
+    def round_ratios(self, name: str, kind: str, reference: str) -> List[float]:
+        """Per round, this subject's speed over the reference's in that round."""
+        table = self.write if kind == "write" else self.read
+        return [ref / own for own, ref in zip(table[name], table[reference])]
+
     def ratio(self, name: str, kind: str, reference: str) -> float:
         """Median over rounds of this subject's speed over the reference's, same round."""
-        table = self.write if kind == "write" else self.read
-        return statistics.median(ref / own for own, ref in zip(table[name], table[reference]))
+        return statistics.median(self.round_ratios(name, kind, reference))
 
 
 async def run_paired(subjects: Sequence[DiskSubject], rounds: Sequence[range], chunk_bytes: int,
@@ -66,6 +77,7 @@ async def run_paired(subjects: Sequence[DiskSubject], rounds: Sequence[range], c
             say(f"write round {i + 1}/{len(rounds)}")
             for s in subjects if i % 2 == 0 else list(reversed(subjects)):
                 times.write[s.name].append(await s.write(r))
+                os.sync()  # its dirty pages are its own: never written back in another's round
         for s in subjects:
             await s.restart()
         paths = [p for s in subjects for p in s.paths()]

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 from typing import Optional, Sequence
 
@@ -22,7 +23,7 @@ from kvtier.tiers.host import HostSlabPool
 
 from ._kv import KVGeometry, make_kv_bytes
 from ._release import measure_engine_release
-from ._settings import KiB, ROUND_BYTES, label_of
+from ._settings import QUICK_ROUNDS, KiB, ROUND_BYTES, label_of
 
 __all__ = ["main"]
 
@@ -31,7 +32,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.tools.bench.release",
                                      description="Engine store until released (host tier only) vs the staging copy.")
     parser.add_argument("--chunk-kib", type=int, default=256, help="chunk size in KiB (default 256)")
-    parser.add_argument("--rounds", type=int, default=2, help="paired rounds of 256 MiB (default 2, the quick run's)")
+    parser.add_argument("--rounds", type=int, default=QUICK_ROUNDS,
+                        help=f"paired rounds of 256 MiB (default {QUICK_ROUNDS}, the quick run's)")
     parser.add_argument("--json", action="store_true")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -46,9 +48,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         view.gather_many_groups([(0, geometry.block_ids(c), slot) for c, slot in enumerate(slots)])  # pre-fault
         step = n // rounds
         ranges = [range(r * step, (r + 1) * step) for r in range(rounds)]
-        mb_s, ratio = asyncio.run(measure_engine_release(view, geometry, slots, ranges))
+        mb_s, per_round = asyncio.run(measure_engine_release(view, geometry, slots, ranges))
+    ratio = statistics.median(per_round)
     result = {"chunk": label_of(size), "rounds": rounds, "mb_s": round(mb_s, 1), "ratio_to_staging": round(ratio, 4),
-              "load_average": os.getloadavg()[0]}
+              "per_round": [round(x, 4) for x in per_round], "load_average": os.getloadavg()[0]}
     print(json.dumps(result, sort_keys=True) if options.json else
           f"engine store until released, host tier only {result['chunk']}: {mb_s:.0f} MB/s, {ratio:.2f}x the staging "
           f"copy (median of {rounds} paired rounds; load average {result['load_average']:.1f})")
