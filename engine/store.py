@@ -343,13 +343,20 @@ class DiskStore:
         lookup would admit a hit that the load fails) and the tier's own ``check()``. Meant for
         an idle store; it ``settle``s first, so a removal still on its way (a corrupt record a last
         load found, quarantined on the writer thread, its report queued on the loop) is not
-        counted as a disagreement. Cancelling it drops the answer only."""
+        counted as a disagreement; after listing the tier it waits for the removals the tier had
+        not heard of yet (``ChunkTier.sync_removals``: a shared remote's eviction notices in
+        flight), so a record another host's write evicted just before is not one either.
+        Cancelling it drops the answer only."""
         if self._tier is None:
             return []
         await self.settle()
         problems: List[str] = []
         before = self.index.keys()
         listed = set(await self._tier.list_keys())
+        # A record gone before the listing whose report was still on its way (a shared remote's
+        # eviction notice) leaves the index now: the tier's reports of it, then one loop turn.
+        await self._tier.sync_removals()
+        await asyncio.sleep(0)
         # Keys indexed before and after the listing (a removal meanwhile takes a key out).
         ghosts = [k for k in before if k in self.index and k not in listed]
         if ghosts:

@@ -412,6 +412,13 @@ class ChunkTier(abc.ABC):
     async def flush(self) -> None:
         """Wait until every write queued so far has landed. Default: nothing is queued."""
 
+    async def sync_removals(self) -> None:
+        """Wait until every record that stopped being readable before the call, and that this tier
+        can learn of without a listing, has been reported to the subscribers (queued on their
+        loops): a tier told of removals from elsewhere (a shared server's notices) waits for those
+        in flight. Cancelling it stops the wait only. Default: a tier reports its removals as it
+        makes them, so there is nothing to wait for."""
+
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """``keys`` were just used from a faster copy above this tier (the engine's host slab): a
         tier that evicts by recency moves the ones it holds to the young end, as a read of them

@@ -554,6 +554,17 @@ class ChainedTier(ChunkTier):
         for tier in self.tiers:
             await tier.flush()
 
+    async def sync_removals(self) -> None:
+        """Each tier's ``sync_removals``, then the chain's removal checks of what they reported: a
+        tier's report reaches the chain in two loop turns (the tier's feed, then the hop onto the
+        chain's loop) and is published once no other tier holds the key. Cancelling it stops only
+        this wait: the checks run on."""
+        for tier in self.tiers:
+            await tier.sync_removals()
+        for _ in range(2):
+            await asyncio.sleep(0)
+        await self._background.wait_all()
+
     async def check(self) -> List[str]:
         problems: List[str] = []
         for tier in self.tiers:

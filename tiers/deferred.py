@@ -138,6 +138,9 @@ class DeferredTier(ChunkTier):
     async def flush(self) -> None:
         await (await self._ready()).flush()
 
+    async def sync_removals(self) -> None:
+        await (await self._ready()).sync_removals()
+
     async def check(self) -> List[str]:
         return await (await self._ready()).check()
 

@@ -202,3 +202,36 @@ async def test_problems_names_a_ghost_and_nothing_right_after_a_load_found_a_rec
         assert store.index.keys() == keys(["b"])
     finally:
         await store.close()
+
+
+@pytest.mark.asyncio
+async def test_problems_waits_for_a_remote_eviction_notice_still_on_its_way(tmp_path: Path, valkey_factory):
+    from kvtier.tiers.remote import RemoteTier
+    from kvtier.tools.testing.valkey import wait_for
+
+    node = valkey_factory.node()
+    namespace = f"store{tmp_path.name[-12:]}".replace("_", "-")
+    config = StoreConfig(cache_dir=str(tmp_path / "kv"), compression_enabled=False, remote_url=node.url,
+                         remote_namespace=namespace)
+    store = await DiskStore.open(config, fingerprint=FP)
+    other_host = await RemoteTier.open(node.url, namespace=namespace, fingerprint=FP, listing_interval_s=None)
+    try:
+        batch = items(["a", "b", "c"])
+        await other_host.put_many(batch)  # another host's records: indexed here by their notices
+        assert await wait_for(lambda: store.index.keys() == keys(["a", "b", "c"]), timeout_s=5.0)
+        # The server drops "b" as the check lists the tier: its notice is on its way, the listing
+        # does not find it, and the index still holds it when the listing ends.
+        remote = store.tier.tiers[1]
+        dropped = []
+
+        def drop_while_listing(_node, commands) -> None:
+            if commands and commands[0][0] == "SCAN" and not dropped:
+                dropped.append(node.command("DEL", other_host.rkey(batch[1][0])))
+
+        remote.set_call_hook(drop_while_listing)
+        assert await store.problems() == []
+        remote.set_call_hook(None)
+        assert dropped == [1] and store.index.keys() == keys(["a", "c"])
+    finally:
+        await other_host.close()
+        await store.close()

@@ -561,3 +561,46 @@ async def test_new_keys_reach_a_watching_tier_by_notice_and_lost_notices_by_the_
     finally:
         await writer.close()
         await reader.close()
+
+
+@pytest.mark.asyncio
+async def test_sync_removals_returns_once_every_notice_sent_before_it_is_reported(valkey_factory):
+    from redis.crc import key_slot
+
+    cluster = valkey_factory.cluster(3)
+    ns = namespace()
+    reader = await RemoteTier.open(cluster.url, namespace=ns, fingerprint=FP, watch_new_keys=True,
+                                   listing_interval_s=None, timeout_s=0.5)
+    writer = await RemoteTier.open(cluster.url, namespace=ns, fingerprint=FP, listing_interval_s=None)
+    removed: List[bytes] = []
+    reader.subscribe_removals(lambda removals: removed.extend(r.key for r in removals))
+    try:
+        items = make_items(24, 4096, seed=71)
+        await writer.put_many(items)
+        keys = [k for k, _, _ in items]
+        assert sorted(await reader.list_keys()) == sorted(keys)  # known: their removal is reported
+        node_of = {k: cluster.node_for_slot(key_slot(reader.rkey(k))) for k in keys}
+        assert len({n.port for n in node_of.values()}) == 3
+        gone: List[bytes] = []
+        for victims in (keys[0:3], keys[3:9], keys[9:10]):
+            # Deleted by another client without a loop turn in between: every notice is still on
+            # its way (unread on the reader's subscriptions) when the barrier is asked for.
+            for key in victims:
+                assert node_of[key].command("DEL", reader.rkey(key)) == 1
+            await reader.sync_removals()
+            await asyncio.sleep(0)  # the removal feed's subscribers are called on the loop
+            gone += victims
+            assert sorted(removed) == sorted(gone)
+        # A stalled primary: the barrier skips it within its bound and still waits for the others.
+        stalled_node = node_of[keys[10]]
+        survivor = next(k for k in keys[11:] if node_of[k].port != stalled_node.port)
+        with stalled_node.stalled():
+            assert node_of[survivor].command("DEL", reader.rkey(survivor)) == 1
+            began = time.monotonic()
+            await reader.sync_removals()
+            waited = time.monotonic() - began
+            await asyncio.sleep(0)
+        assert removed[-1] == survivor and waited < 3 * 0.5 + 1.0, waited
+    finally:
+        await reader.close()
+        await writer.close()

@@ -9,13 +9,18 @@ listing (the backstop) soon. With ``on_new``, the same subscription also takes
 ``__keyevent@0__:new`` (flag ``n``: a key that did not exist was written) and ``:del`` (flag ``g``:
 another writer deleted one, e.g. a corrupt record it found), so an owner learns of records other
 writers add or delete without listing the namespace (a delete reaches ``on_keys`` as an eviction).
+
+``barrier`` tells an owner when the notices sent so far have all arrived: it publishes a marker on a
+channel of the listener's own on each primary, and a primary writes a subscriber's messages in the
+order it generated them, so the marker comes back after every notice the primary sent before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Dict, List, Optional
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import redis.asyncio as aioredis
 
@@ -28,6 +33,7 @@ logger = logging.getLogger("kvtier.tiers.remote")
 EVICTION_CHANNELS = (b"__keyevent@0__:evicted", b"__keyevent@0__:expired")
 NEW_KEY_CHANNEL = b"__keyevent@0__:new"
 DEL_CHANNEL = b"__keyevent@0__:del"  # flag g: another host's delete (a corrupt record it found)
+MARKER_CHANNEL_PREFIX = b"__kvtier__:marker:"  # one channel per listener: its own barrier markers
 _BACKOFF_S = (0.2, 5.0)  # reconnect delay: first, cap
 _DRAIN_MAX = 1000  # messages handed over in one burst
 
@@ -50,7 +56,13 @@ class EvictionListener:
         self._on_keys = on_keys
         self._on_gap = on_gap
         self._on_new = on_new
-        self._channels = EVICTION_CHANNELS + ((NEW_KEY_CHANNEL, DEL_CHANNEL) if on_new is not None else ())
+        self._marker_channel = MARKER_CHANNEL_PREFIX + uuid.uuid4().hex.encode()
+        self._channels = (EVICTION_CHANNELS + ((NEW_KEY_CHANNEL, DEL_CHANNEL) if on_new is not None else ())
+                          + (self._marker_channel,))
+        self._subscribed: Set[str] = set()  # nodes whose subscription is established now
+        # marker -> (the node whose subscription must bring it back, the barrier waiting for it)
+        self._markers: Dict[bytes, Tuple[str, "asyncio.Future[None]"]] = {}
+        self._marker_count = 0
         self._tasks: Dict[str, "asyncio.Task[None]"] = {}
         self.enabled: Dict[str, bool] = {}  # node name -> notifications known to be on
         self.restarts = 0
@@ -112,7 +124,8 @@ class EvictionListener:
                 await asyncio.wait_for(pubsub.subscribe(*self._channels), self._timeout_s)
                 # SUBSCRIBE's confirmations: only from them on does the server send this
                 # connection the channels' messages (redis-py does not wait for them).
-                await self._confirmed(pubsub)
+                await self._confirmed(pubsub, name)
+                self._subscribed.add(name)
                 if not ready.done():
                     ready.set_result(None)
                 if not first:
@@ -130,7 +143,7 @@ class EvictionListener:
                         if more is None:
                             break
                         batch.append(more)
-                    self._deliver(batch)
+                    self._deliver(batch, name)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection lost, node down: retry later
@@ -139,6 +152,7 @@ class EvictionListener:
                     ready.set_result(None)  # open() does not wait for a node that is down
                 first = False
             finally:
+                self._subscribed.discard(name)
                 try:
                     await pubsub.aclose()
                     await client.aclose()
@@ -149,7 +163,7 @@ class EvictionListener:
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
 
-    async def _confirmed(self, pubsub: Any) -> None:
+    async def _confirmed(self, pubsub: Any, name: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         confirmed = 0
@@ -164,17 +178,25 @@ class EvictionListener:
             else:
                 early.append(message)
         if early:
-            self._deliver(early)
+            self._deliver(early, name)
 
-    def _deliver(self, messages: List[Dict[str, Any]]) -> None:
-        """Hand one burst over in the node's order: a run of evictions to ``on_keys``, a run of new
-        keys to ``on_new`` (a key written, evicted and written again stays in that order)."""
+    def _deliver(self, messages: List[Dict[str, Any]], name: str) -> None:
+        """Hand one burst from node ``name`` over in the node's order: a run of evictions to
+        ``on_keys``, a run of new keys to ``on_new`` (a key written, evicted and written again stays
+        in that order); a barrier's marker ends the run before it, then releases its barrier."""
         run: List[bytes] = []
         new = False
         for m in messages:
             if m.get("type") != "message":
                 continue
-            is_new = bytes(m.get("channel") or b"") == NEW_KEY_CHANNEL
+            channel = bytes(m.get("channel") or b"")
+            if channel == self._marker_channel:
+                if run:
+                    self._hand(run, new)
+                    run = []
+                self._marker_back(bytes(m["data"]), name)
+                continue
+            is_new = channel == NEW_KEY_CHANNEL
             if run and is_new != new:
                 self._hand(run, new)
                 run = []
@@ -182,6 +204,39 @@ class EvictionListener:
             run.append(bytes(m["data"]))
         if run:
             self._hand(run, new)
+
+    def _marker_back(self, marker: bytes, name: str) -> None:
+        # A cluster forwards a PUBLISH to every node's subscribers: only the copy that came back on
+        # the node it was published on follows that node's own notices.
+        waiting = self._markers.get(marker)
+        if waiting is not None and waiting[0] == name and not waiting[1].done():
+            waiting[1].set_result(None)
+
+    async def barrier(self) -> None:
+        """Return once every notice that each subscribed primary sent before this call has been
+        handed to the callbacks: a marker published on each comes back on its subscription behind
+        them. A primary whose subscription is down, or that does not take the PUBLISH, is skipped
+        (a gap's notices are the listing's, ``on_gap``); at most ``timeout_s`` is waited for the
+        markers. Cancelling it stops the wait only."""
+        loop = asyncio.get_running_loop()
+        nodes = [node for node in self._router.primaries() if node.name in self._subscribed]
+        mine: List[bytes] = []
+        try:
+            for node in nodes:
+                self._marker_count += 1
+                marker = f"{node.name} {self._marker_count}".encode()
+                self._markers[marker] = (node.name, loop.create_future())
+                mine.append(marker)
+            answers = await asyncio.gather(
+                *(node.call([("PUBLISH", self._marker_channel, marker)]) for node, marker in zip(nodes, mine)),
+                return_exceptions=True)
+            waits = [self._markers[marker][1] for marker, answer in zip(mine, answers)
+                     if not isinstance(answer, BaseException) and not isinstance(answer[0], BaseException)]
+            if waits:
+                await asyncio.wait(waits, timeout=self._timeout_s)
+        finally:
+            for marker in mine:
+                self._markers.pop(marker, None)
 
     def _hand(self, names: List[bytes], new: bool) -> None:
         # A delete is handed over as an eviction: either way the record is gone.

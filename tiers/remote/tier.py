@@ -594,6 +594,13 @@ class RemoteTier(ChunkTier):
         Cancelling it: only the wait stops."""
         await self._tasks.wait_all()
 
+    async def sync_removals(self) -> None:
+        """Wait until the eviction and delete notices each primary sent before the call reached this
+        tier and were reported (``EvictionListener.barrier``; a primary whose subscription is down
+        is left to the listing). Cancelling it stops the wait only."""
+        self._check_open()
+        await self._listener.barrier()
+
     async def check(self) -> List[str]:
         """Problems seen now: primaries not answering, breakers open, cluster state, notifications
         off. Empty when healthy. Cancelling it: no effect."""

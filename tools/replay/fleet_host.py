@@ -229,7 +229,7 @@ class FleetHost:
         try:
             await engine.check_disk()
             problems = None
-        except EngineInvariantError as exc:  # with a remote: its evictions reach the index late
+        except EngineInvariantError as exc:  # answered, so the driver reports every host's problems
             problems = str(exc)
         await engine.close()
         return {"closed": True, "verified": self.verified, "wrong_bytes": 0, "check_disk": problems,
