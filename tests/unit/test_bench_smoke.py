@@ -223,3 +223,26 @@ def test_eviction_policy_cost_bench_covers_every_policy(capsys):
         assert row["host_us"] > 0 and ("disk_us" in row) == (name in BYTE_INDEX_NAMES)
     assert main(["--chunks", "100", "--steps", "50", "--rounds", "1", "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)) == set(eviction_policy_names()) | {"seen admission"}
+
+
+def test_write_timeline_times_every_direct_write_of_a_round_and_restores_what_it_wrapped(tmp_path, capsys):
+    """The write timeline probe: each round's direct writes carry exactly the round's records
+    (a head page and the payload each), its shares are shares, and the functions it wrapped are
+    the tier's own again afterwards."""
+    from kvtier.tiers.lmdb import segments
+    from kvtier.tiers.lmdb.writes import WriterSide
+    from kvtier.tools.bench import write_timeline
+
+    before = (segments._pwritev_all, segments._fallocate, os.fdatasync, WriterSide.write)
+    assert write_timeline.main(["--sizes-kib", "256", "--round-mib", "8", "--rounds", "2", "--dir", str(tmp_path),
+                                "--json"]) == 0
+    assert (segments._pwritev_all, segments._fallocate, os.fdatasync, WriterSide.write) == before
+    (line,) = capsys.readouterr().out.splitlines()
+    report = json.loads(line)
+    assert report["chunk"] == "256KiB" and len(report["rounds"]) == 2
+    for row in report["rounds"]:
+        assert row["written_bytes"] == 32 * (256 << 10) + 32 * 4096  # 32 records: a head page each
+        assert row["writes"] >= 1 and 0 < row["first_write_ms"] < row["round_ms"]
+        assert 0 <= row["share_2_in_flight"] <= row["share_1_in_flight"] <= 1 and row["share_1_in_flight"] > 0
+        assert row["allocation_stall_ms"] >= 0 and row["mb_s"] > 0
+    assert os.listdir(tmp_path) == []  # its directory is removed
