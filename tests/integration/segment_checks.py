@@ -4,15 +4,29 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import pytest
+
 from kvtier.tiers.base import ChunkMeta
-from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier, segments
 from kvtier.tiers.lmdb.segments import LIVE, SegmentPointer, is_pointer
 from kvtier.tools.testing.children import chunk_content
 
 Item = Tuple[bytes, ChunkMeta, memoryview]
+
+
+def skip_without_fallocate(directory: Path) -> None:
+    """Skip the test where the filesystem of ``directory`` has no fallocate (segment writes then
+    just extend the file: there is no allocation to check)."""
+    probe = os.open(directory / "fallocate-probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not segments._fallocate(probe, 0, 4096):
+            pytest.skip("this filesystem has no fallocate: segment writes extend the file")
+    finally:
+        os.close(probe)
 
 
 def segment_files(path: Path) -> Dict[str, int]:

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import threading
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
 from kvtier.errors import TierIOError
 from kvtier.tiers.base import IOHook
-from kvtier.tiers.lmdb import LmdbTier
+from kvtier.tiers.lmdb import LmdbTier, segments
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.testing.children import make_batch
 from segment_checks import assert_served
+from segment_checks import ledger as _ledger
+from segment_checks import pointers as _pointers
+from segment_checks import segment_files as _segment_files
+from segment_checks import skip_without_fallocate
 
 THRESHOLD = 16 << 10
 WAIT_S = 10.0
@@ -173,3 +178,101 @@ async def test_a_failed_sync_fails_every_batch_of_its_segment_begun_behind_it(tm
         assert tier._writes.active_segment != segment
         await assert_served(tier, warm + c)
         assert await tier.check() == []
+
+
+class _Hold:
+    """The segment writer's hook: while ``holding`` is set, the next direct write waits at its
+    ``pwritev`` until ``release`` (one write held at a time)."""
+
+    def __init__(self) -> None:
+        self.holding = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def segment(self, op: str) -> None:
+        if op == "write" and self.holding.is_set():
+            self.holding.clear()
+            self.held.set()
+            self.release.wait(WAIT_S)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_begun_behind_another_allocates_the_rest_of_the_segment_and_the_tail_goes_back_after_its_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put begun alone allocates ALLOCATE_AHEAD_BATCHES batches of its size; one begun while
+    another is in flight and past those blocks allocates the rest of its segment (ext4's
+    fallocate waits for every direct write in flight to the file: allocating batch by batch held
+    the writer until the batch before was written); the batches after it allocate nothing; a new
+    segment begun behind a batch in flight is allocated whole at once; and once a segment rotates
+    its unused blocks go back -- only after the writes still in flight to it are done: every
+    segment ends exactly at its committed end."""
+    skip_without_fallocate(tmp_path)
+    max_bytes = 1 << 20
+    ahead = segments.ALLOCATE_AHEAD_BATCHES
+    allocations: List[Tuple[str, int, int]] = []
+    real = segments._fallocate
+
+    def recording(fd: int, offset: int, length: int) -> bool:
+        allocations.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(segments, "_fallocate", recording)
+    path = tmp_path / "c"
+    warm = make_batch(7, 99, [65536])  # one record: its look-ahead covers A's three, not B's
+    batches = [make_batch(7, n, [65536, 65536, 65536]) for n in range(9)]
+    async with await LmdbTier.open(path, codec=CodecConfig(compress=False), segment_threshold_bytes=THRESHOLD,
+                                   segment_max_bytes=max_bytes) as tier:
+        await tier.put_many(warm)  # opens the segment writer: a lone batch
+        writer = tier._writes.segment_writer
+        extent = _pointers(tier)[warm[0][0]].extent
+        batch_extent = 3 * extent
+        (first,) = {name for name, _, _ in allocations}
+        assert allocations == [(first, 0, ahead * extent)]
+        hold = _Hold()
+        writer.hook = hold.segment
+        hold.holding.set()
+        put_a = asyncio.ensure_future(tier.put_many(batches[0]))  # alone, inside the blocks ahead
+        assert await asyncio.to_thread(hold.held.wait, WAIT_S)
+        put_b = asyncio.ensure_future(tier.put_many(batches[1]))  # begun while A's write is held
+        put_c = asyncio.ensure_future(tier.put_many(batches[2]))
+        await _until(lambda: writer._end == extent + 3 * batch_extent, "B and C begun")
+        assert not put_a.done()
+        hold.release.set()
+        await asyncio.wait_for(asyncio.gather(put_a, put_b, put_c), WAIT_S)
+        # B behind A: the rest of the segment and one more of B's size (B and C queued together
+        # are staged as one group: twice the size); A and C: nothing
+        assert len(allocations) == 2
+        name, start, length = allocations[1]
+        assert (name, start) == (first, ahead * extent)
+        group = start + length - max_bytes
+        assert group in (batch_extent, 2 * batch_extent)
+        assert _segment_files(path) == {first: max_bytes + group}  # active: allocated ahead
+        # lone batches fill the allocated blocks without allocating more
+        n = 3
+        while extent + (n + 1) * batch_extent < max_bytes:
+            await tier.put_many(batches[n])
+            n += 1
+        assert len(allocations) == 2
+        # the batch that crosses the segment's size is held in flight; the one after it rotates
+        hold.held.clear()
+        hold.release.clear()
+        hold.holding.set()
+        crossing = asyncio.ensure_future(tier.put_many(batches[n]))
+        assert await asyncio.to_thread(hold.held.wait, WAIT_S)
+        after = asyncio.ensure_future(tier.put_many(batches[n + 1]))
+        await _until(lambda: writer.active not in (None, first), "the rotation")
+        # the old segment keeps its allocated blocks while the crossing batch's write is in flight
+        assert _segment_files(path)[first] == max_bytes + group
+        hold.release.set()
+        await asyncio.wait_for(asyncio.gather(crossing, after), WAIT_S)
+        ends = {name: end for name, (_, _, end) in _ledger(tier).items()}
+        assert ends[first] == extent + (n + 1) * batch_extent
+        await _until(lambda: _segment_files(path)[first] == ends[first], "the old segment's tail given back")
+        second = writer.active
+        # behind the crossing batch: the new file allocated whole at once (nothing in flight to it)
+        assert allocations[2:] == [(second, 0, max_bytes + batch_extent)]
+        await assert_served(tier, warm + [it for batch in batches[: n + 2] for it in batch])
+        assert await tier.check() == []
+    # closed: every segment ends exactly at its committed end
+    assert _segment_files(path) == ends
+

@@ -33,6 +33,7 @@ from segment_checks import ledger as _ledger
 from segment_checks import pointers as _pointers
 from segment_checks import read_items as _read
 from segment_checks import segment_files as _segment_files
+from segment_checks import skip_without_fallocate
 
 THRESHOLD = 16 << 10
 Item = Tuple[bytes, ChunkMeta, memoryview]
@@ -553,16 +554,14 @@ def test_power_cut_order_segment_bytes_and_names_are_synced_before_any_index_wri
 
 
 @pytest.mark.asyncio
-async def test_each_batch_allocates_exactly_its_extents_before_writing(tmp_path: Path) -> None:
+async def test_a_lone_put_allocates_its_blocks_and_the_next_batches_before_writing_and_the_tail_goes_back(
+        tmp_path: Path) -> None:
     """The blocks a batch writes are allocated first (fallocate: the direct writes then land inside
-    the file), and exactly those: while the segment is active it is never longer than its
-    committed records, so no space is held that capacity does not count."""
-    probe = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if not segments._fallocate(probe, 0, 4096):
-            pytest.skip("this filesystem has no fallocate: segment writes extend the file")
-    finally:
-        os.close(probe)
+    the file). A put begun with nothing in flight allocates ALLOCATE_AHEAD_BATCHES batches of its
+    size, so the puts after it allocate nothing (ext4's fallocate waits for the writes in flight
+    to the file); the unused tail is given back when the tier closes: every segment then ends
+    exactly at its committed records."""
+    skip_without_fallocate(tmp_path)
     allocations: List[Tuple[int, int]] = []
     real = segments._fallocate
 
@@ -577,12 +576,17 @@ async def test_each_batch_allocates_exactly_its_extents_before_writing(tmp_path:
                 items = _items(8, batch, [65536, 100_000, 700])
                 await tier.put_many(items)
                 (name, (_, _, end)), = _ledger(tier).items()
-                assert _segment_files(tmp_path / "c") == {name: end}
-            extents = sorted((p.offset, p.extent) for p in _pointers(tier).values())
+                extents = sorted((p.offset, p.extent) for p in _pointers(tier).values())
+                batch_extent = extents[0][1] + extents[1][1]  # its two segment records
+                assert end == (batch + 1) * batch_extent
+                # active: the blocks of ALLOCATE_AHEAD_BATCHES batches, allocated by the first
+                assert _segment_files(tmp_path / "c") == {name: segments.ALLOCATE_AHEAD_BATCHES * batch_extent}
+            items = [it for batch in range(3) for it in _items(8, batch, [65536, 100_000, 700])]
+            await _assert_served(tier, items)
     finally:
         segments._fallocate = real
-    # one allocation per batch, covering exactly its two segment records' extents
-    assert allocations == [(extents[2 * i][0], extents[2 * i][1] + extents[2 * i + 1][1]) for i in range(3)]
+    assert allocations == [(0, segments.ALLOCATE_AHEAD_BATCHES * batch_extent)]
+    assert _segment_files(tmp_path / "c") == {name: 3 * batch_extent}  # closed: its committed end
 
 
 @pytest.mark.asyncio

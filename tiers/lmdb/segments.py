@@ -72,7 +72,7 @@ from kvtier.errors import CorruptRecordError
 
 from ..files.layout import fsync_dir
 from ..record_format import MAX_HEADER_BYTES
-from .segment_files import creation_lock, io_error
+from .segment_files import close_quietly, creation_lock, io_error
 from .segment_records import (  # SegmentRecord .. release_records: re-exported (__all__)
     _ALIGN,
     SegmentRecord,
@@ -138,6 +138,13 @@ DEFAULT_SEGMENT_MAX_BYTES = 256 << 20
 # aligned file write and its fdatasync for small records).
 DEFAULT_SEGMENT_THRESHOLD_BYTES = 128 << 10
 WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (the bench's O_DIRECT limit writes as many)
+# A put batch allocates blocks for the ones after it (``SegmentWriter._allocate_batch``): this many
+# batches of its size when it is begun alone (the spill keeps up to 4 batches in flight), the rest
+# of its segment when it is begun behind another; unless the filesystem has less than
+# PREALLOCATE_FREE_FACTOR times that free (then only its own blocks, so a full disk still fails
+# just the batch that does not fit, before any byte of it is written).
+ALLOCATE_AHEAD_BATCHES = 4
+PREALLOCATE_FREE_FACTOR = 2
 
 
 def _no_hook(_op: str) -> None:
@@ -253,7 +260,12 @@ class SegmentWriter:
         self._counter = -1
         self._fd: Optional[int] = None
         self._end = 0
+        self._allocated = 0  # the active segment's bytes with blocks allocated (from its start)
         self._allocate = True  # False once fallocate is unsupported on the active segment's filesystem
+        # The last batch begun in the active segment: its unused allocated tail is given back once
+        # that batch has ended (truncating waits for the direct writes in flight to the file).
+        self._last: Optional["PendingAppend"] = None
+        self._newest: Optional["PendingAppend"] = None  # the last batch begun in any segment
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
         self._lanes: Optional[ThreadPoolExecutor] = None  # the direct writes' threads (never state)
         # One thread runs each batch's fdatasync once its writes are done, in that order, so the
@@ -297,6 +309,7 @@ class SegmentWriter:
                         os.unlink(path)
                     raise io_error(exc, f"cannot lock and sync new segment {path}") from exc
             self._fd, self._counter, self._end, self._allocate = fd, number, 0, True
+            self._allocated, self._last = 0, None
             return
 
     def _create(self, path: Path) -> Optional[int]:
@@ -318,26 +331,74 @@ class SegmentWriter:
         return fd
 
     def rotate(self) -> None:
-        """Close the active segment (its lock goes with it); the next append starts a new one. Never
-        raises: it runs after commits (``remove_dead``), and a failed ``close`` still releases the
-        descriptor and its lock."""
+        """Close the active segment (its lock goes with it); the next append starts a new one. Blocks
+        allocated past its last batch are given back (the file truncated to its end) once that
+        batch's writes and sync have ended. Never raises: it runs after commits (``remove_dead``),
+        and a failed ``close`` still releases the descriptor and its lock."""
         fd, self._fd = self._fd, None
-        if fd is not None:
+        last, self._last = self._last, None
+        if fd is None:
+            return
+        if self._allocated <= self._end:
             try:
                 os.close(fd)
             except OSError as exc:
                 log.warning("kvtier lmdb: closing segment %s failed: %s", self._dir, exc)
+            return
+        end = self._end
 
-    def _allocate_batch(self, end: int) -> None:
-        """Allocate the batch's blocks ``[self._end, end)`` before writing them (``fallocate``), so
-        the direct writes land inside the file's size: extending direct writes to one file are
-        serialised by the filesystem (ext4 takes the inode lock exclusively for them), writes into
-        allocated blocks run side by side (measured here, 4 in flight: 1.2-1.4 GB/s extending,
-        1.5-1.7 GB/s allocated). A full disk shows here, before any byte of the batch is written.
-        Where the filesystem has no ``fallocate`` the writes just extend the file."""
+        def trim(_done: object = None) -> None:
+            try:
+                os.ftruncate(fd, end)
+            except OSError as exc:  # the next writable open truncates it (bytes past the committed end)
+                log.warning("kvtier lmdb: giving back a segment's unused blocks in %s failed: %s", self._dir, exc)
+            finally:
+                close_quietly(fd)
+
+        if last is None:
+            trim()
+        else:  # on the thread that ends the batch (its sync, or its failed write): no write in flight then
+            last.durable.add_done_callback(trim)
+
+    def _allocate_batch(self, end: int, ahead: bool) -> None:
+        """Allocate blocks up to ``end`` before the batch's direct writes (``fallocate``), so they
+        land inside the file's size: extending direct writes to one file are serialised by the
+        filesystem (ext4 takes the inode lock exclusively for them), writes into allocated blocks
+        run side by side (measured here, 4 in flight: 1.2-1.4 GB/s extending, 1.5-1.7 GB/s
+        allocated). A full disk shows here, before any byte of the batch is written. Where the
+        filesystem has no ``fallocate`` the writes just extend the file.
+
+        ``ahead`` (puts): blocks for the batches after this one are allocated with its own, because
+        ext4's ``fallocate`` first waits for every direct write in flight to the file: allocating
+        batch by batch held the writer thread, and the next batch's writes, until the batch before
+        was written (20-60 ms a 64 MiB batch here; the disk queue drained at every batch). A batch
+        begun with nothing in flight allocates ``ALLOCATE_AHEAD_BATCHES`` batches of its size; one
+        begun while another is in flight (then the wait cannot be avoided) the rest of the segment;
+        either at most the segment's size plus one batch, for the batch that crosses it. So a
+        stream of puts waits at most once a segment. Compaction's moves allocate exactly their
+        extents. The unused tail goes back at ``rotate``."""
         assert self._fd is not None
-        if self._allocate and end > self._end:
-            self._allocate = _fallocate(self._fd, self._end, end - self._end)
+        if not self._allocate or end <= self._allocated:
+            return
+        start = max(self._end, self._allocated)
+        upto = end
+        if ahead:
+            extent = end - self._end
+            limit = max(end, self._max_bytes + extent)
+            streaming = self._newest is not None and not self._newest.durable.done()
+            wanted = limit if streaming else min(limit, self._end + ALLOCATE_AHEAD_BATCHES * extent)
+            if _room_for(self._dir, (wanted - start) * PREALLOCATE_FREE_FACTOR):
+                upto = max(end, wanted)
+        try:
+            self._allocate = _fallocate(self._fd, start, upto - start)
+        except OSError:
+            if upto == end:
+                raise
+            # No room ahead after all: the batch's own blocks, or its TierFullError. The failed
+            # call may have allocated (and grown the file) part of the way: rotate gives it back.
+            self._allocate = _fallocate(self._fd, start, end - start)
+            upto = max(end, os.fstat(self._fd).st_size)
+        self._allocated = upto
 
     def append(self, records: Sequence["SegmentRecord | bytes"]) -> List[SegmentPointer]:
         """Write ``records`` one after another at page-aligned offsets (each record's head page,
@@ -350,9 +411,10 @@ class SegmentWriter:
         finally:
             pending.release()
 
-    def begin(self, records: Sequence["SegmentRecord | bytes"]) -> "PendingAppend":
-        """Lay ``records`` out after everything begun so far, allocate their blocks and start their
-        direct writes on the lane threads; returns at once. ``finish`` waits for them and syncs.
+    def begin(self, records: Sequence["SegmentRecord | bytes"], *, ahead: bool = False) -> "PendingAppend":
+        """Lay ``records`` out after everything begun so far, allocate their blocks (``ahead``: and
+        blocks for the batches after them, ``_allocate_batch``) and start their direct writes on
+        the lane threads; returns at once. ``finish`` waits for them and syncs.
         The batch's range is reserved whatever becomes of it, so a batch begun while this one is
         in flight, or appended after it failed, never overwrites its bytes. The ``PendingAppend``
         holds its own descriptor of the segment (and with it the segment's ``flock``) until
@@ -370,7 +432,7 @@ class SegmentWriter:
             pointers.append(pointer)
             pos += pointer.extent
         try:
-            self._allocate_batch(pos)
+            self._allocate_batch(pos, ahead)
             fd = os.dup(self._fd)
         except OSError as exc:
             self.rotate()
@@ -384,6 +446,7 @@ class SegmentWriter:
         futures = [self._lanes.submit(self._write_runs, fd, placed, pointers, lane) for lane in lanes]
         pending = PendingAppend(fd, pointers, futures)
         pending.when_written(self._queue_sync)
+        self._last = self._newest = pending
         return pending
 
     def _queue_sync(self, pending: "PendingAppend") -> None:
@@ -652,6 +715,16 @@ def _fallocate(fd: int, offset: int, length: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, os.strerror(err))
+
+
+def _room_for(directory: Path, nbytes: int) -> bool:
+    """Whether the filesystem of ``directory`` has ``nbytes`` free for this user (False when it
+    cannot tell)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= nbytes
 
 
 def _pwritev_all(fd: int, views: List[memoryview], offset: int) -> None:

@@ -347,7 +347,7 @@ class WriterSide:
             raise TierFullError(f"a batch of {batch_bytes} bytes exceeds capacity_bytes={cap}")
         threshold = self.segment_threshold
         large = [key for key, record in batch.items() if threshold is not None and len(record) >= threshold]
-        pending = self.begin_append([batch[key] for key in large]) if large else None
+        pending = self.begin_append([batch[key] for key in large], ahead=True) if large else None
         return _StagedPut(batch, batch_bytes, len(encoded), raw_in, batches, large, pending)
 
     def commit_put(self, staged: "_StagedPut") -> int:
@@ -432,14 +432,15 @@ class WriterSide:
         finally:
             pending.release()
 
-    def begin_append(self, records: List[bytes]) -> PendingAppend:
-        """Start appending ``records`` to this writer's segment (``SegmentWriter.begin``); the
-        caller finishes (``finish_append``) and releases it. Failures as ``append_synced``."""
+    def begin_append(self, records: List[bytes], *, ahead: bool = False) -> PendingAppend:
+        """Start appending ``records`` to this writer's segment (``SegmentWriter.begin``; ``ahead``:
+        a put, whose blocks are allocated ahead for the puts after it); the caller finishes
+        (``finish_append``) and releases it. Failures as ``append_synced``."""
         if self.segment_writer is None:
             self.segment_writer = SegmentWriter(self._path, self.segment_max_bytes, numbers=self._take_segment_number)
         self._db.io_hook.before("put")
         with self._segment_step():
-            pending = self.segment_writer.begin(records)
+            pending = self.segment_writer.begin(records, ahead=ahead)
         return pending
 
     def finish_append(self, pending: PendingAppend) -> List[SegmentPointer]:

@@ -57,7 +57,8 @@ __all__ = ["TrialReport", "run_trial", "HELD_DELETED_SLACK_BYTES", "DISK_BOUND_B
 STORED_BOUND_BYTES = 24 << 20
 CRON_GC_AT_BYTES = 16 << 20
 # Disk bytes over what is stored: segment files are compacted when less than half live (so up to
-# twice their live bytes), one 1 MiB active segment per writer, LMDB's page rounding and free pages
+# twice their live bytes), one 1 MiB active segment per writer (with the blocks its puts allocate
+# ahead: up to one batch more, given back when it rotates), LMDB's page rounding and free pages
 # (a reader's snapshot pins pages freed after it). Stated bound on files in the directory plus
 # deleted files the long-lived writer holds open:
 DISK_BOUND_BYTES = 2 * STORED_BOUND_BYTES + (16 << 20)
