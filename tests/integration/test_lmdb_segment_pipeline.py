@@ -276,3 +276,42 @@ async def test_a_batch_begun_behind_another_allocates_the_rest_of_the_segment_an
     # closed: every segment ends exactly at its committed end
     assert _segment_files(path) == ends
 
+
+@pytest.mark.asyncio
+async def test_put_batches_are_encoded_on_their_own_threads_never_more_at_once_than_cores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding (checksums, zstd) is CPU work: four batches put at once are encoded on the encode
+    threads, at most as many slices at a time as this process has cores (and read threads), so
+    the first batch is not encoded only as late as the last; never on the read threads, whose
+    reads then never queue behind an encode."""
+    from kvtier.tiers.lmdb import reads
+
+    running: List[int] = [0]
+    most: List[int] = [0]
+    threads: set = set()
+    lock = threading.Lock()
+    real = reads.encode_for_segments
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            threads.add(threading.current_thread().name)
+        try:
+            threading.Event().wait(0.002)  # long enough for the slices in flight to overlap
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(reads, "encode_for_segments", counted)
+    batches = [make_batch(9, n, [65536] * 8) for n in range(4)]
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
+                                   segment_threshold_bytes=THRESHOLD, read_workers=8) as tier:
+        await asyncio.gather(*(tier.put_many(batch) for batch in batches))
+        await assert_served(tier, [it for batch in batches for it in batch])
+    cores = len(os.sched_getaffinity(0))
+    assert 1 <= most[0] <= min(8, cores)
+    assert threads and all(name.startswith("kvtier-lmdb-encode") for name in threads)
+    assert len(threads) <= min(8, cores)
+    assert reads.encode_threads(8) == min(8, cores) and reads.encode_threads(1) == 1

@@ -1,12 +1,12 @@
 """The LMDB tier's reader side: the read pool and the read path.
 
-``ReaderSide`` owns the read pool (``read_workers`` threads), which encodes put batches (zstd, off
-the loop), runs read transactions, and decodes records straight from ``txn.get(key)``
-(``buffers=True``) into the caller's buffers while the transaction is open; segment records are
-read by the ``SegmentReader`` (direct reads) on the same threads. Its methods are called from any
-thread but the writer (``get_many_into`` and ``in_pool`` on the event-loop thread); they never
-write: a record found corrupt is handed to ``on_corrupt`` (the facade queues its quarantine on the
-writer thread).
+``ReaderSide`` owns the read pool (``read_workers`` threads), which runs read transactions and
+decodes records straight from ``txn.get(key)`` (``buffers=True``) into the caller's buffers while
+the transaction is open (segment records are read by the ``SegmentReader``, direct reads, on the
+same threads), and the encode pool (``encode_threads``), which encodes put batches off the loop
+(zstd, checksums). Its methods are called from any thread but the writer (``get_many_into`` and
+``in_pool`` on the event-loop thread); they never write: a record found corrupt is handed to
+``on_corrupt`` (the facade queues its quarantine on the writer thread).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
@@ -38,6 +39,17 @@ log = logging.getLogger(__name__)
 # Slices a put batch's encode is cut into, at most: encoding is CPU work, where a slice beyond the
 # cores only adds a thread hop (the read threads exist for the I/Os in flight, not for this).
 ENCODE_SLICES = 4
+
+
+def encode_threads(read_workers: int) -> int:
+    """Threads that encode put batches: as many as the read threads, but no more than the cores
+    this process may run on. Sharing the read pool's 8 threads, the slices of every batch in
+    flight ran at once on 2 cores, so the first batch's encode ended only with the others' and its
+    direct writes began that late; on no more threads than cores, taken in order, the first
+    batch is encoded first. Reads never queue behind an encode either."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(read_workers, cores))
+
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -66,6 +78,8 @@ class ReaderSide:
         self.max_raw_bytes = max_raw_bytes
         self._on_corrupt = on_corrupt
         self._pool = ThreadPoolExecutor(max_workers=read_workers, thread_name_prefix="kvtier-lmdb-read")
+        self._encoders = ThreadPoolExecutor(max_workers=encode_threads(read_workers),
+                                            thread_name_prefix="kvtier-lmdb-encode")
 
     def _closed(self) -> ClosedError:
         return ClosedError(f"LmdbTier at {self._db.path} is closed")
@@ -73,6 +87,7 @@ class ReaderSide:
     def shutdown(self) -> None:
         """Wait for the running reads and encodes (closing thread)."""
         self._pool.shutdown(wait=True)
+        self._encoders.shutdown(wait=True)
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the read pool, unawaited (any thread); ``ClosedError`` once closing."""
@@ -105,7 +120,7 @@ class ReaderSide:
         (``segment_records.encode_for_segments``)."""
         try:
             return map_slices(
-                self._pool,
+                self._encoders,
                 lambda part: [(key, encode_record(key, meta, raw, codec) if threshold is None
                                else encode_for_segments(key, meta, raw, codec, threshold)) for key, meta, raw in part],
                 batch,
