@@ -106,6 +106,7 @@ __all__ = [
     "DEFAULT_SEGMENT_MAX_BYTES",
     "DEFAULT_SEGMENT_THRESHOLD_BYTES",
     "check_segment_threshold",
+    "free_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -382,13 +383,14 @@ class SegmentWriter:
             return
         start = max(self._end, self._allocated)
         upto = end
-        if ahead:
+        if ahead:  # (begun below the segment's size: end < max + extent, so wanted >= end)
             extent = end - self._end
-            limit = max(end, self._max_bytes + extent)
             streaming = self._newest is not None and not self._newest.durable.done()
-            wanted = limit if streaming else min(limit, self._end + ALLOCATE_AHEAD_BATCHES * extent)
-            if _room_for(self._dir, (wanted - start) * PREALLOCATE_FREE_FACTOR):
-                upto = max(end, wanted)
+            wanted = self._max_bytes + extent
+            if not streaming:
+                wanted = min(wanted, self._end + ALLOCATE_AHEAD_BATCHES * extent)
+            if (free_bytes(self._dir) or 0) >= (wanted - start) * PREALLOCATE_FREE_FACTOR:
+                upto = wanted
         try:
             self._allocate = _fallocate(self._fd, start, upto - start)
         except OSError:
@@ -717,14 +719,13 @@ def _fallocate(fd: int, offset: int, length: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
-def _room_for(directory: Path, nbytes: int) -> bool:
-    """Whether the filesystem of ``directory`` has ``nbytes`` free for this user (False when it
-    cannot tell)."""
+def free_bytes(directory: Path) -> Optional[int]:
+    """Bytes free for this user on the filesystem of ``directory`` (``None`` when it cannot tell)."""
     try:
         st = os.statvfs(directory)
     except OSError:
-        return False
-    return st.f_bavail * st.f_frsize >= nbytes
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _pwritev_all(fd: int, views: List[memoryview], offset: int) -> None:

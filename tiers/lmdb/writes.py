@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import errno
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from .environment import LmdbEnv
 from .segment_records import codec_of, release_records
 from .segment_reader import SegmentReader
 from .segment_files import remove_dead
-from .segments import Ledger, PendingAppend, SegmentPointer, SegmentWriter, is_pointer, stored_size
+from .segments import Ledger, PendingAppend, SegmentPointer, SegmentWriter, free_bytes, is_pointer, stored_size
 from .tables import ATIME, bump_sequence, take_segment_number
 
 __all__ = ["WriterSide", "PutJob", "SegmentWatcher", "STAGED_GROUPS"]
@@ -228,11 +227,8 @@ class WriterSide:
         full = "No space" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC
         if not full:
             # LMDB reports a short write on a full disk as EIO; look at the filesystem.
-            try:
-                st = os.statvfs(self._path)
-                full = st.f_bavail * st.f_frsize < nbytes + (1 << 20)
-            except OSError:
-                pass
+            free = free_bytes(self._path)
+            full = free is not None and free < nbytes + (1 << 20)
         if isinstance(exc, lmdb.PanicError):
             self._db.reopen()
         if full:
