@@ -370,15 +370,18 @@ class WriterSide:
             ledger = Ledger(txn, self._db.tables.writable_segments)
             self._delete_records(txn, victims, ledger)
             now = time.time_ns()
+            chunks = self._db.tables.chunks
             for key, record in batch.items():
                 self._db.io_hook.before("put")
-                old = txn.get(key, db=self._db.tables.chunks)
-                if old is not None:
-                    ledger.drop(old)
                 value = values[key]
                 if is_pointer(value):
                     ledger.add(SegmentPointer.unpack(value))
-                txn.put(key, value, db=self._db.tables.chunks)
+                # A new key (the common case) is checked and put in one call: every LMDB call
+                # releases the GIL, and each return waits for it behind the serving process's
+                # other threads. Only a key already stored costs the read of its old value.
+                if not txn.put(key, value, db=chunks, overwrite=False):
+                    ledger.drop(txn.get(key, db=chunks))
+                    txn.put(key, value, db=chunks)
                 txn.put(key, ATIME.pack(now, len(record)), db=self._db.tables.atime)
             ledger.commit()
             self.emptied_segments += ledger.emptied
