@@ -19,6 +19,7 @@ thread hashes with a state of its own, freed when the thread ends.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import threading
 from typing import Callable, Optional, Union
@@ -109,8 +110,7 @@ def _self_check(hasher: Callable[..., bytes]) -> bool:
 
 def _bind() -> Optional[_HeldHasher]:
     try:
-        from xxhash import _xxhash as extension
-
+        extension = importlib.import_module("xxhash._xxhash")
         hasher = _HeldHasher(_Functions(ctypes.PyDLL(extension.__file__)))
         if _self_check(hasher):
             return hasher

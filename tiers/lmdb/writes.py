@@ -380,7 +380,9 @@ class WriterSide:
                 # releases the GIL, and each return waits for it behind the serving process's
                 # other threads. Only a key already stored costs the read of its old value.
                 if not txn.put(key, value, db=chunks, overwrite=False):
-                    ledger.drop(txn.get(key, db=chunks))
+                    old = txn.get(key, db=chunks)
+                    assert old is not None, "put refused to overwrite: the key is stored"
+                    ledger.drop(old)
                     txn.put(key, value, db=chunks)
                 txn.put(key, ATIME.pack(now, len(record)), db=self._db.tables.atime)
             ledger.commit()
