@@ -208,7 +208,9 @@ def test_a_map_grown_by_another_process_while_opening_is_adopted(tmp_path, monke
     assert gc_cache(str(cache), 1 << 30)["evicted_records"] == 0
 
     async def start_and_count():
-        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache), fingerprint=FINGERPRINT) as engine:
+        # The whole listing before the count: on a loaded machine it can outlast the default wait.
+        async with OffloadEngine(LAYOUT, make_cpu_device(LAYOUT), config(cache, disk_index_wait_s=None),
+                                 fingerprint=FINGERPRINT) as engine:
             return engine.statistics()["disk"]["records"]
 
     assert asyncio.run(start_and_count()) > 0
