@@ -1,8 +1,7 @@
 """Running the record codec over a batch on a tier's worker threads, and waiting for it honestly.
 
-Encoding runs beside the event loop (zstd of byte planes releases the GIL; checksums hold it for
-the ~25 us a MiB takes, ``tiers.xxh3_held``), so a large batch is cut into contiguous slices of
-roughly equal bytes, one thread hop per slice: never one hop per small chunk (a hop costs
+Encoding (zstd of byte planes, checksums) releases the GIL, so a large batch is cut into contiguous
+slices of roughly equal bytes, one thread hop per slice: never one hop per small chunk (a hop costs
 ~100 us, about what a 64 KiB chunk takes to encode), never more slices than worker threads.
 
 Primitives (shared by the disk tiers):

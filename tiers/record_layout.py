@@ -33,10 +33,11 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
+import xxhash
+
 from kvtier.errors import RecordFormatError
 
 from .base import ChunkMeta
-from .xxh3_held import xxh3_128_digest
 
 __all__ = [
     "RecordHeader", "encode_header", "checksum", "parse_header", "header_end_of", "read_header",
@@ -161,10 +162,15 @@ def encode_header(
 
 
 def checksum(key: BytesLike, prefix: BytesLike, header_body: BytesLike, *payload: BytesLike) -> bytes:
-    """The record's checksum (module docstring); the payload may come in parts, in order. Hashed
-    without releasing the GIL (``tiers.xxh3_held``: each release would wait behind a serving
-    process's other threads)."""
-    return xxh3_128_digest(U32.pack(len(key)), key, prefix, header_body, *payload)
+    """The record's checksum (module docstring); the payload may come in parts, in order."""
+    h = xxhash.xxh3_128()
+    h.update(U32.pack(len(key)))
+    h.update(key)
+    h.update(prefix)
+    h.update(header_body)
+    for part in payload:
+        h.update(part)
+    return h.digest()
 
 
 class _Cursor:

@@ -14,7 +14,7 @@ Primitives, and the thread each runs on:
   workers) and every blocking call on it: the aiofiles file operations (open, write, flush, read,
   close, replace, remove: aiofiles is handed this executor), ``os.fsync`` of files and
   directories, ``mkdir``, the scan at open, and the record codec (``encode_record``/
-  ``decode_record``; zstd releases the GIL, the checksums hold it briefly). The codec runs one hop per slice of
+  ``decode_record``; zstd and the checksums release the GIL). The codec runs one hop per slice of
   a batch (``tiers.codec_pool``: at most one slice per thread, at least 1 MiB each), never one hop
   per small chunk. A get batch under 256 KiB in all decodes on the loop, where the hop would cost
   more than the decode.
