@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import List, Tuple
 
+import lmdb
 import pytest
 
 from kvtier.errors import TierIOError
@@ -315,3 +316,52 @@ async def test_put_batches_are_encoded_on_their_own_threads_never_more_at_once_t
     assert threads and all(name.startswith("kvtier-lmdb-encode") for name in threads)
     assert len(threads) <= min(8, cores)
     assert reads.encode_threads(8) == min(8, cores) and reads.encode_threads(1) == 1
+
+
+class _Commits(IOHook):
+    """The tier's hook: for each write transaction that reached its commit, in order, the "put"
+    operations since the commit before (each record put, and each batch's start of its segment
+    writes: one a batch of segment records); ``fail_first``: the first such commit raises (the
+    transaction aborts)."""
+
+    def __init__(self, fail_first: bool = False) -> None:
+        self.records: List[int] = []
+        self._puts = 0
+        self._fail_first = fail_first
+
+    def before(self, op: str) -> None:
+        if op == "put":
+            self._puts += 1
+        elif op == "commit":
+            self.records.append(self._puts)
+            self._puts = 0
+            if self._fail_first and len(self.records) == 1:
+                raise lmdb.Error("injected commit failure")
+
+
+@pytest.mark.asyncio
+async def test_a_rotation_takes_the_number_its_writer_reserved_in_an_earlier_commit(tmp_path: Path) -> None:
+    """The first segment's number costs a write transaction of its own; every commit of segment
+    records then leaves a number reserved for the next one, so a rotation commits nothing of its
+    own. Numbers still never repeat: the directory's counter is past every one handed out."""
+    path = tmp_path / "c"
+    async with await LmdbTier.open(path, codec=CodecConfig(compress=False), segment_threshold_bytes=THRESHOLD) as tier:
+        commits = _Commits()
+        tier._io_hook = commits
+        first = make_batch(14, 0, [65536])
+        await tier.put_many(first)
+        assert commits.records == [1, 1]  # the number (after the batch's start), then the batch
+        await asyncio.to_thread(tier._writer.call, tier._writes.segment_writer.rotate)
+        second = make_batch(14, 1, [65536, 65536])
+        await tier.put_many(second)
+        assert commits.records == [1, 1, 1 + 2]  # the rotation took the reserved number
+        numbers = {p.counter for p in _pointers(tier).values()}
+        assert numbers == {_pointers(tier)[first[0][0]].counter, _pointers(tier)[first[0][0]].counter + 1}
+        counter = tier._db.read_txn(lambda txn: bytes(txn.get(b"segment_counter", db=tier._db.tables.meta)))
+        assert int.from_bytes(counter, "little") > max(numbers)  # the next one is reserved too
+        tier._io_hook = IOHook()
+    async with await LmdbTier.open(path, codec=CodecConfig(compress=False), segment_threshold_bytes=THRESHOLD) as tier:
+        third = make_batch(14, 2, [65536])
+        await tier.put_many(third)  # a new writer: a number past the one reserved and never used
+        assert _pointers(tier)[third[0][0]].counter == int.from_bytes(counter, "little")
+        await assert_served(tier, first + second + third)

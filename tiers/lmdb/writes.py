@@ -167,6 +167,11 @@ class WriterSide:
         # Segments whose last record the transaction being built removes (deleted after its commit).
         self.emptied_segments: List[str] = []
         self._watcher: SegmentWatcher = _NoWatcher()
+        # The number of the next segment this writer opens, taken from the directory's counter
+        # inside a put's commit: a rotation then needs no write transaction of its own (each one
+        # syncs the environment and, beside the serving process's threads, waits for the GIL
+        # after every one of its LMDB calls).
+        self._next_segment_number: Optional[int] = None
 
     def watch(self, watcher: SegmentWatcher) -> None:
         """Tell ``watcher`` of segment changes from now on (before the writer thread starts)."""
@@ -361,6 +366,7 @@ class WriterSide:
             assert chosen is not None
             victims = [key for key, _ in chosen]
         victim_set = set(victims)
+        reserve = self._next_segment_number is None and bool(staged.large)
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
@@ -388,8 +394,11 @@ class WriterSide:
             ledger.commit()
             self.emptied_segments += ledger.emptied
             self._watcher.segments_changed(ledger)
+            number = take_segment_number(txn, self._db.tables, self._path) if reserve else None
 
             def apply() -> int:
+                if number is not None:
+                    self._next_segment_number = number
                 self.forget(victims, "evicted", evictions=len(victims))
                 for key, record in batch.items():
                     self.lru.put(key, len(record))
@@ -474,8 +483,12 @@ class WriterSide:
 
     def _take_segment_number(self) -> int:
         """Writer thread, before a new segment is created: its number, taken from the directory's
-        counter in a write transaction of its own (committed before the file exists, so no other
-        process or later tier instance ever gets the same one)."""
+        counter (committed before the file exists, so no other process or later tier instance ever
+        gets the same one): the one an earlier put's commit took ahead, else in a write
+        transaction of its own. A number taken ahead and never used is a gap, never a repeat."""
+        number, self._next_segment_number = self._next_segment_number, None
+        if number is not None:
+            return number
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             number = take_segment_number(txn, self._db.tables, self._path)
