@@ -318,6 +318,26 @@ async def test_put_batches_are_encoded_on_their_own_threads_never_more_at_once_t
     assert reads.encode_threads(8) == min(8, cores) and reads.encode_threads(1) == 1
 
 
+class _HoldFirstSync:
+    """The segment writer's hook: the first ``fdatasync`` waits until ``release``."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self._syncs = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str) -> None:
+        if op != "sync":
+            return
+        with self._lock:
+            self._syncs += 1
+            first = self._syncs == 1
+        if first:
+            self.held.set()
+            self.release.wait(WAIT_S)
+
+
 class _Commits(IOHook):
     """The tier's hook: for each write transaction that reached its commit, in order, the "put"
     operations since the commit before (each record put, and each batch's start of its segment
@@ -337,6 +357,100 @@ class _Commits(IOHook):
             self._puts = 0
             if self._fail_first and len(self.records) == 1:
                 raise lmdb.Error("injected commit failure")
+
+
+async def _put_behind_a_held_sync(tier: LmdbTier, head: List, behind: List[List]) -> List[int]:
+    """Put ``head`` (segment records) and hold its sync until each batch of ``behind`` (inline
+    records: nothing of theirs to sync) was staged by the writer behind it; then let it go and
+    return every put's sequence, in order."""
+    hold = _HoldFirstSync()
+    tier._writes.segment_writer.hook = hold
+    staged: List[int] = [0]
+    real_stage = tier._writes._stage_group
+
+    def counting(group):  # type: ignore[no-untyped-def]
+        staged[0] += len(group)
+        return real_stage(group)
+
+    tier._writes._stage_group = counting  # type: ignore[method-assign]
+    put_head = asyncio.ensure_future(tier.put_many(head))
+    assert await asyncio.to_thread(hold.held.wait, WAIT_S)
+    puts = [asyncio.ensure_future(tier.put_many(batch)) for batch in behind]
+    await _until(lambda: staged[0] == 1 + len(behind), "the batches behind staged")
+    assert not put_head.done()
+    hold.release.set()
+    return list(await asyncio.wait_for(asyncio.gather(put_head, *puts), WAIT_S))
+
+
+@pytest.mark.asyncio
+async def test_batches_already_synced_behind_the_one_committing_next_share_its_transaction(tmp_path: Path) -> None:
+    """A group commit: while batch A's payload syncs, B and C are staged behind it with nothing
+    left to sync; once A is durable the three commit in one write transaction (one sequence,
+    one sync of the environment) instead of three."""
+    warm = make_batch(11, 0, [65536])
+    a = make_batch(11, 1, [65536, 65536])
+    b = make_batch(11, 2, [1024, 2048])
+    c = make_batch(11, 3, [4096])
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
+                                   segment_threshold_bytes=THRESHOLD) as tier:
+        await tier.put_many(warm)  # opens the segment writer
+        commits = _Commits()
+        tier._io_hook = commits
+        before = tier.statistics().extra["put_commits"]
+        sequences = await _put_behind_a_held_sync(tier, a, [b, c])
+        assert commits.records == [1 + 5]  # A's segment writes, then the 5 records of A, B and C
+        assert len(set(sequences)) == 1
+        assert tier.statistics().extra["put_commits"] == before + 1
+        tier._io_hook = IOHook()
+        await assert_served(tier, warm + a + b + c)
+        assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_a_failed_group_commit_commits_each_batch_alone(tmp_path: Path) -> None:
+    """The transaction of A, B and C fails: each commits on its own afterwards (its payload is
+    already durable, nothing is written again), every put is acknowledged, in order."""
+    warm = make_batch(12, 0, [65536])
+    a = make_batch(12, 1, [65536, 65536])
+    b = make_batch(12, 2, [1024, 2048])
+    c = make_batch(12, 3, [4096])
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
+                                   segment_threshold_bytes=THRESHOLD) as tier:
+        await tier.put_many(warm)
+        commits = _Commits(fail_first=True)
+        tier._io_hook = commits
+        sequences = await _put_behind_a_held_sync(tier, a, [b, c])
+        # A alone, then B and C (one group when both were queued by the time the writer took B)
+        assert commits.records[:2] == [1 + 5, 2] and commits.records[2:] in ([2, 1], [3])
+        assert sequences[0] < sequences[1] <= sequences[2]  # in the queue's order
+        tier._io_hook = IOHook()
+        await assert_served(tier, warm + a + b + c)
+        assert await tier.check() == []
+
+
+@pytest.mark.asyncio
+async def test_batches_that_fit_the_capacity_only_apart_commit_apart(tmp_path: Path) -> None:
+    """A and B each fit the capacity, together they do not: they are not committed together
+    (the evictions that make room for one batch are chosen among every other record), and both
+    are acknowledged, B evicting what it must."""
+    a = make_batch(13, 1, [65536, 65536])
+    b = make_batch(13, 2, [12000])
+    async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
+                                   segment_threshold_bytes=THRESHOLD, capacity_bytes=135_000) as tier:
+        await tier.put_many(make_batch(13, 0, [65536]))
+        together: List[int] = []
+        real_commit = tier._writes.commit_put
+
+        def recording(*staged):  # type: ignore[no-untyped-def]
+            together.append(len(staged))
+            return real_commit(*staged)
+
+        tier._writes.commit_put = recording  # type: ignore[method-assign]
+        sequences = await _put_behind_a_held_sync(tier, a, [b])
+        assert together == [1, 1] and sequences[0] < sequences[1]
+        await assert_served(tier, b)
+        assert tier.statistics().bytes <= 135_000
+        assert await tier.check() == []
 
 
 @pytest.mark.asyncio

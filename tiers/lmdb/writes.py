@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import itertools
 import logging
 import time
 from collections import deque
@@ -87,6 +88,11 @@ class _StagedGroup:
         if self.put is None or self.error is not None or self.put.pending is None:
             return None
         return self.put.pending.durable
+
+    def synced_now(self) -> bool:
+        """Whether the payload's sync already succeeded (or there is none to wait for)."""
+        synced = self.synced()
+        return synced is None or (synced.done() and not synced.cancelled() and synced.exception() is None)
 
     def durable(self, side: "WriterSide") -> bool:
         """Wait until the payload is synced (True), or record why not (False)."""
@@ -279,8 +285,9 @@ class WriterSide:
         thread), every put group that arrives (``more``) is staged at once -- its direct writes
         begun behind the ones in flight -- up to ``STAGED_GROUPS`` ahead, so the disk's queue never
         drains between batches while this thread waits for a sync or commits. Each group is still
-        acknowledged only after its own payload was synced and its own commit succeeded, and
-        commits keep the queue's order."""
+        acknowledged only after its own payload was synced and the commit of its records
+        succeeded, and commits keep the queue's order; the groups behind the one committing next
+        whose payload is synced by then commit in its transaction (``_synced_behind``)."""
         pipeline: Deque[_StagedGroup] = deque([self._stage_group(group)])
         while pipeline:
             current = pipeline[0]
@@ -291,8 +298,51 @@ class WriterSide:
                     break
                 pipeline.append(self._stage_group(following))
             current.durable(self)
-            self._commit_group(current)
-            pipeline.popleft()
+            together = self._synced_behind(pipeline)
+            self._commit_groups(together)
+            for _ in together:
+                pipeline.popleft()
+
+    def _synced_behind(self, pipeline: Deque["_StagedGroup"]) -> List["_StagedGroup"]:
+        """The pipeline's head (made durable) and the groups right behind it whose payload is
+        already synced (none is waited for), as many as fit the capacity together. Committed in
+        one transaction, they pay once for what every commit costs whatever its size: the
+        sequence, the ledger, the environment's sync, and beside the serving process's threads a
+        wait for the GIL after each of those LMDB calls."""
+        head = pipeline[0]
+        together = [head]
+        if head.put is None or head.error is not None:
+            return together
+        total, cap = head.put.batch_bytes, self.capacity
+        for group in itertools.islice(pipeline, 1, None):
+            if group.put is None or group.error is not None or not group.synced_now():
+                break
+            if cap is not None and total + group.put.batch_bytes > cap:
+                break
+            if not group.durable(self):  # synced: returns at once
+                break
+            total += group.put.batch_bytes
+            together.append(group)
+        return together
+
+    def _commit_groups(self, together: List["_StagedGroup"]) -> None:
+        """Commit durable groups in one transaction (they share its sequence); if that fails, each
+        commits alone and so gets its own outcome."""
+        if len(together) == 1:
+            self._commit_group(together[0])
+            return
+        puts = [group.put for group in together if group.put is not None]
+        assert len(puts) == len(together), "only staged, durable groups are committed together"
+        try:
+            sequence = self.commit_put(*puts)
+        except Exception:  # noqa: BLE001 - each group alone decides its own fate
+            for group in together:
+                self._commit_group(group)
+            return
+        for group, put in zip(together, puts):
+            put.release()
+            for j in group.jobs:
+                j.finish(sequence)
 
     def _stage_group(self, group: List[Job]) -> "_StagedGroup":
         jobs = [j for j in group if isinstance(j, PutJob)]
@@ -351,12 +401,20 @@ class WriterSide:
         pending = self.begin_append([batch[key] for key in large], ahead=True) if large else None
         return _StagedPut(batch, batch_bytes, len(encoded), raw_in, batches, large, pending)
 
-    def commit_put(self, staged: "_StagedPut") -> int:
-        """Writer thread: wait until the staged batch's payload is durable, then commit its records
-        (pointers or inline) in one transaction with the evictions that make room; returns the
-        sequence that made them visible. The caller releases ``staged`` afterwards."""
-        values = self.durable_values(staged)
-        batch, batch_bytes, cap = staged.batch, staged.batch_bytes, self.capacity
+    def commit_put(self, *staged: "_StagedPut") -> int:
+        """Writer thread: wait until each staged batch's payload is durable, then commit their
+        records (pointers or inline) in one transaction with the evictions that make room, a
+        later batch's write of a key winning as sequential commits would; returns the sequence
+        that made them visible. Together they must fit the capacity. The caller releases each
+        ``staged`` afterwards."""
+        assert staged, "commit_put commits at least one staged batch"
+        values: Dict[bytes, bytes] = {}
+        batch: Dict[bytes, bytes] = {}
+        for part in staged:
+            values.update(self.durable_values(part))
+            batch.update(part.batch)
+        batch_bytes = sum(len(r) for r in batch.values())
+        cap = self.capacity
         accesses = self.take_accesses()
         victims: List[bytes] = []
         if cap is not None:
@@ -366,7 +424,7 @@ class WriterSide:
             assert chosen is not None
             victims = [key for key, _ in chosen]
         victim_set = set(victims)
-        reserve = self._next_segment_number is None and bool(staged.large)
+        reserve = self._next_segment_number is None and any(part.large for part in staged)
 
         def body(txn: lmdb.Transaction) -> Callable[[], int]:
             self._put_access_times(txn, accesses, victim_set)
@@ -404,10 +462,10 @@ class WriterSide:
                     self.lru.put(key, len(record))
                 compressed = sum(1 for r in batch.values() if codec_of(r) != "raw")
                 self._count(
-                    puts=staged.records,
-                    put_batches=staged.batches,
+                    puts=sum(part.records for part in staged),
+                    put_batches=sum(part.batches for part in staged),
                     put_commits=1,
-                    raw_bytes_in=staged.raw_in,
+                    raw_bytes_in=sum(part.raw_in for part in staged),
                     stored_bytes_in=batch_bytes,
                     compressed_records=compressed,
                 )
@@ -416,7 +474,8 @@ class WriterSide:
             return apply
 
         sequence = self.write(body, batch_bytes)
-        release_records(batch.values())  # committed: the aligned buffers go back to the pool
+        for part in staged:  # committed: the aligned buffers go back to the pool
+            release_records(part.batch.values())
         return sequence
 
     def durable_values(self, staged: "_StagedPut") -> Dict[bytes, bytes]:
