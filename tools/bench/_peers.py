@@ -166,6 +166,12 @@ class VllmFs(PooledSubject):
         self.paths_of: List[str] = []
         self.o_direct = False
 
+    @staticmethod
+    def preload() -> None:
+        """Import what this subject runs, before any busy round: beside GIL-holding threads
+        vLLM's import (thousands of file reads, each returning behind them) took over 15 minutes."""
+        _probe_vllm()
+
     async def setup(self) -> None:
         from vllm.v1.kv_offload.base import make_offload_key
         from vllm.v1.kv_offload.file_mapper import FileMapper

@@ -189,6 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--busy", choices=BUSY_KINDS, default=None,
                         help="run the rounds beside CPU-bound workers of this kind (as `kvtier bench --busy`)")
     args = parser.parse_args(argv)
+    if args.vllm:
+        VllmFs.preload()
     work = Path(tempfile.mkdtemp(prefix="kvtier-segments-", dir=args.dir))
     try:
         for kib in (int(x) for x in args.sizes_kib.split(",")):
