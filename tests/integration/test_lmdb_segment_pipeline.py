@@ -382,15 +382,19 @@ async def _put_behind_a_held_sync(tier: LmdbTier, head: List, behind: List[List]
     return list(await asyncio.wait_for(asyncio.gather(put_head, *puts), WAIT_S))
 
 
+def _head_and_behind(seed: int) -> Tuple[List, List, List, List]:
+    """A warm-up batch (it opens the segment writer), A (segment records) and B, C (inline
+    records: nothing of theirs to sync)."""
+    return (make_batch(seed, 0, [65536]), make_batch(seed, 1, [65536, 65536]), make_batch(seed, 2, [1024, 2048]),
+            make_batch(seed, 3, [4096]))
+
+
 @pytest.mark.asyncio
 async def test_batches_already_synced_behind_the_one_committing_next_share_its_transaction(tmp_path: Path) -> None:
     """A group commit: while batch A's payload syncs, B and C are staged behind it with nothing
     left to sync; once A is durable the three commit in one write transaction (one sequence,
     one sync of the environment) instead of three."""
-    warm = make_batch(11, 0, [65536])
-    a = make_batch(11, 1, [65536, 65536])
-    b = make_batch(11, 2, [1024, 2048])
-    c = make_batch(11, 3, [4096])
+    warm, a, b, c = _head_and_behind(11)
     async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
                                    segment_threshold_bytes=THRESHOLD) as tier:
         await tier.put_many(warm)  # opens the segment writer
@@ -410,10 +414,7 @@ async def test_batches_already_synced_behind_the_one_committing_next_share_its_t
 async def test_a_failed_group_commit_commits_each_batch_alone(tmp_path: Path) -> None:
     """The transaction of A, B and C fails: each commits on its own afterwards (its payload is
     already durable, nothing is written again), every put is acknowledged, in order."""
-    warm = make_batch(12, 0, [65536])
-    a = make_batch(12, 1, [65536, 65536])
-    b = make_batch(12, 2, [1024, 2048])
-    c = make_batch(12, 3, [4096])
+    warm, a, b, c = _head_and_behind(12)
     async with await LmdbTier.open(tmp_path / "c", codec=CodecConfig(compress=False),
                                    segment_threshold_bytes=THRESHOLD) as tier:
         await tier.put_many(warm)
