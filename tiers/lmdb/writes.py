@@ -90,7 +90,10 @@ class _StagedGroup:
         return self.put.pending.durable
 
     def synced_now(self) -> bool:
-        """Whether the payload's sync already succeeded (or there is none to wait for)."""
+        """Whether the group is staged and its payload's sync already succeeded (or it has none
+        to wait for)."""
+        if self.put is None or self.error is not None:
+            return False
         synced = self.synced()
         return synced is None or (synced.done() and not synced.cancelled() and synced.exception() is None)
 
@@ -297,26 +300,25 @@ class WriterSide:
                 if not following:
                     break
                 pipeline.append(self._stage_group(following))
-            current.durable(self)
-            together = self._synced_behind(pipeline)
+            together = self._synced_behind(pipeline) if current.durable(self) else [current]
             self._commit_groups(together)
             for _ in together:
                 pipeline.popleft()
 
     def _synced_behind(self, pipeline: Deque["_StagedGroup"]) -> List["_StagedGroup"]:
-        """The pipeline's head (made durable) and the groups right behind it whose payload is
+        """The pipeline's head (durable) and the groups right behind it whose payload is
         already synced (none is waited for), as many as fit the capacity together. Committed in
         one transaction, they pay once for what every commit costs whatever its size: the
         sequence, the ledger, the environment's sync, and beside the serving process's threads a
         wait for the GIL after each of those LMDB calls."""
         head = pipeline[0]
+        assert head.put is not None, "a durable group is staged"
         together = [head]
-        if head.put is None or head.error is not None:
-            return together
         total, cap = head.put.batch_bytes, self.capacity
         for group in itertools.islice(pipeline, 1, None):
-            if group.put is None or group.error is not None or not group.synced_now():
+            if not group.synced_now():
                 break
+            assert group.put is not None, "a synced group is staged"
             if cap is not None and total + group.put.batch_bytes > cap:
                 break
             if not group.durable(self):  # synced: returns at once
@@ -408,12 +410,14 @@ class WriterSide:
         that made them visible. Together they must fit the capacity. The caller releases each
         ``staged`` afterwards."""
         assert staged, "commit_put commits at least one staged batch"
-        values: Dict[bytes, bytes] = {}
-        batch: Dict[bytes, bytes] = {}
-        for part in staged:
-            values.update(self.durable_values(part))
-            batch.update(part.batch)
-        batch_bytes = sum(len(r) for r in batch.values())
+        if len(staged) == 1:  # the common case: the batch's own maps, no copies
+            values, batch, batch_bytes = self.durable_values(staged[0]), staged[0].batch, staged[0].batch_bytes
+        else:
+            values, batch = {}, {}
+            for part in staged:
+                values.update(self.durable_values(part))
+                batch.update(part.batch)
+            batch_bytes = sum(len(r) for r in batch.values())
         cap = self.capacity
         accesses = self.take_accesses()
         victims: List[bytes] = []
