@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import CorruptRecordError, KvtierError
+from kvtier.tiers import record_layout
 from kvtier.tiers.base import ChunkMeta
 from kvtier.tiers.record_format import (
     CODEC_RAW,
@@ -439,3 +440,35 @@ def test_plane_split_matches_numpy_reference() -> None:
     h = read_header(rec)
     assert h.codec == CODEC_ZSTD_PLANES and len(h.planes) == 4
     assert bytes(decode_record(KEY, rec)[1]) == raw.tobytes()
+
+
+class _RecordingXxh3:
+    """xxhash.xxh3_128 that remembers the size of every update (python-xxhash releases the GIL
+    for an update above 64 KiB, which beside busy threads costs milliseconds a return)."""
+
+    def __init__(self, sizes: list) -> None:
+        self._hasher = xxhash.xxh3_128()
+        self._sizes = sizes
+
+    def update(self, data) -> None:
+        self._sizes.append(memoryview(data).nbytes)
+        self._hasher.update(data)
+
+    def digest(self) -> bytes:
+        return self._hasher.digest()
+
+
+@pytest.mark.parametrize("part_sizes", [(), (0,), (1,), (65535, 65536, 65537), (1 << 20, 3, (4 << 20) + 7)])
+def test_checksum_in_slices_equals_one_pass_and_no_update_releases_the_gil(part_sizes: tuple, monkeypatch) -> None:
+    rng = np.random.default_rng(len(part_sizes))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in part_sizes]
+    # The same bytes as other buffer shapes: a 2-D float16 tensor view and a bytearray.
+    shaped = [memoryview(torch.from_numpy(p[: p.size // 4 * 4].copy()).view(torch.float16).view(-1, 2).numpy())
+              if p.size >= 8 else bytearray(p.tobytes()) for p in parts]
+    whole = b"".join(bytes(memoryview(s).cast("B")) for s in shaped)
+    expected = xxhash.xxh3_128(struct.pack("<I", len(KEY)) + KEY + b"prefix" + b"body" + whole).digest()
+    sizes: list = []
+    monkeypatch.setattr(record_layout, "xxhash", type("xxhash", (), {"xxh3_128": lambda: _RecordingXxh3(sizes)}))
+    assert record_layout.checksum(KEY, b"prefix", b"body", *shaped) == expected
+    assert max(sizes) <= record_layout.HASH_SLICE_BYTES == 64 << 10
+    assert sum(sizes) == 4 + len(KEY) + len(b"prefixbody") + len(whole)
