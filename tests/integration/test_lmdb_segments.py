@@ -121,6 +121,43 @@ async def test_overwrite_delete_and_eviction_free_segments(tmp_path: Path) -> No
 
 
 @pytest.mark.asyncio
+async def test_one_batch_of_new_keys_and_every_kind_of_rewrite_keeps_the_ledger_exact(tmp_path: Path) -> None:
+    """A batch mixing new keys with keys stored before (inline stored again as it was, inline
+    becoming a pointer, a pointer becoming inline, a pointer replaced by another) leaves exactly the
+    second values served, pointers only where the second value is large, and the ledger equal to
+    the pointers: each replaced pointer's bytes dead, no new one counted twice."""
+    small, large = THRESHOLD // 4, THRESHOLD * 3
+    first = {"same": small, "grows": small, "shrinks": large, "moves": large}
+    second = dict(first, grows=large, shrinks=small, new_large=large, new_small=small)
+
+    def batch(sizes: Dict[str, int], generation: int) -> List[Item]:
+        items = []
+        for index, (name, nbytes) in enumerate(sizes.items()):
+            key = make_batch(7, 0, [1] * 8)[index][0]
+            payload = name.encode() + bytes([generation if name != "same" else 0]) * (nbytes - len(name))
+            meta = ChunkMeta(b"f" * 16, 0, index, "uint8", (nbytes,))
+            items.append((key, meta, memoryview(payload)))
+        return items
+
+    path = tmp_path / "c"
+    async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, codec=CodecConfig(compress=False)) as tier:
+        await tier.put_many(batch(first, 1))
+        _assert_ledger_matches(tier)
+        rewritten = batch(second, 2)
+        await tier.put_many(rewritten)
+        _assert_ledger_matches(tier)
+        large_keys = {key for key, meta, _ in rewritten if meta.shape[0] == large}
+        assert set(_pointers(tier)) == large_keys and len(large_keys) == 3
+        assert tier.statistics().records == len(second)
+        read = await _read(tier, rewritten)
+        assert [(meta, data) for meta, data in read] == [(meta, bytes(view)) for _, meta, view in rewritten]
+        assert sum(recs for _, recs, _ in _ledger(tier).values()) == 3
+    async with await LmdbTier.open(path) as tier:
+        _assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
+@pytest.mark.asyncio
 async def test_corrupt_segment_bytes_are_a_miss_quarantined_and_reported(tmp_path: Path) -> None:
     items = _items(3, 0, [65536, 65536, 700])
     async with await LmdbTier.open(tmp_path / "c", segment_threshold_bytes=THRESHOLD) as tier:

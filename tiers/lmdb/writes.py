@@ -438,21 +438,16 @@ class WriterSide:
             ledger = Ledger(txn, self._db.tables.writable_segments)
             self._delete_records(txn, victims, ledger)
             now = time.time_ns()
-            chunks = self._db.tables.chunks
+            puts, times = [], []
             for key, record in batch.items():
                 self._db.io_hook.before("put")
                 value = values[key]
                 if is_pointer(value):
                     ledger.add(SegmentPointer.unpack(value))
-                # A new key (the common case) is checked and put in one call: every LMDB call
-                # releases the GIL, and each return waits for it behind the serving process's
-                # other threads. Only a key already stored costs the read of its old value.
-                if not txn.put(key, value, db=chunks, overwrite=False):
-                    old = txn.get(key, db=chunks)
-                    assert old is not None, "put refused to overwrite: the key is stored"
-                    ledger.drop(old)
-                    txn.put(key, value, db=chunks)
-                txn.put(key, ATIME.pack(now, len(record)), db=self._db.tables.atime)
+                puts.append((key, value))
+                times.append((key, ATIME.pack(now, len(record))))
+            self._put_new_records(txn, puts, ledger)
+            txn.cursor(db=self._db.tables.atime).putmulti(times)
             ledger.commit()
             self.emptied_segments += ledger.emptied
             self._watcher.segments_changed(ledger)
@@ -481,6 +476,25 @@ class WriterSide:
         for part in staged:  # committed: the aligned buffers go back to the pool
             release_records(part.batch.values())
         return sequence
+
+    def _put_new_records(self, txn: lmdb.Transaction, puts: List[Tuple[bytes, bytes]], ledger: Ledger) -> None:
+        """Put ``chunks`` values, each key's old value (if any) dropped from ``ledger``. Every
+        LMDB call releases the GIL and each return waits for it behind the serving process's
+        other threads, so new keys (the common case) go in one ``putmulti`` that neither reads
+        nor overwrites; only when some key was stored already is each one read back."""
+        chunks = self._db.tables.chunks
+        consumed, added = txn.cursor(db=chunks).putmulti(puts, overwrite=False)
+        assert consumed == len(puts)
+        if added == consumed:
+            return
+        for key, value in puts:
+            old = txn.get(key, db=chunks)
+            assert old is not None, "every key was just put"
+            # The value a refused put left in place; an equal one (the same inline record
+            # stored again) needs neither the ledger nor an overwrite.
+            if old != value:
+                ledger.drop(old)
+                txn.put(key, value, db=chunks)
 
     def durable_values(self, staged: "_StagedPut") -> Dict[bytes, bytes]:
         """key -> the ``chunks`` value of each record (a pointer, or the record itself), once the
