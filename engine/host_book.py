@@ -124,17 +124,18 @@ class HostBook:
         the copy that is about to fill them; a (group, chunk) in ``speculative`` is told to the
         host pool's policy as such (stored only for partial-prefix hits)."""
         iters = {g: iter(s) for g, s in slots.items()}
-        pools, index = self.pools, self.entries
+        index = self.entries
         any_speculative = bool(speculative)
         entries = []
+        claims: Dict[int, List[Tuple[int, ChunkEntry, bytes, bool]]] = {g: [] for g in slots}
         for gi, chunk, key in wanted:
             slot = next(iters[gi])
             entry = ChunkEntry(key, gi, chunk, state, slot)
-            pool = pools[gi]
-            pool.set_owner(slot, entry, key=key, speculative=any_speculative and (gi, chunk) in speculative)
-            pool.pin(slot)
+            claims[gi].append((slot, entry, key, any_speculative and (gi, chunk) in speculative))
             index[key] = entry
             entries.append(entry)
+        for gi, items in claims.items():
+            self.pools[gi].claim_many(items)
         return entries
 
     def evicted(self, group_index: int, evicted: Sequence[Tuple[int, Any]]) -> None:

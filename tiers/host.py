@@ -365,6 +365,30 @@ class HostSlabPool:
                 self._num_evictable += 1
         return pins
 
+    def claim_many(self, items: Iterable[Tuple[int, object, Hashable, bool]]) -> None:
+        """``set_owner(slot, tag, key=key, speculative=speculative)`` then ``pin(slot)`` for each
+        ``(slot, tag, key, speculative)`` of ``items``, in order: a store takes its batch of fresh
+        slots for the copy that is about to fill them. A slot either call would refuse raises its
+        error, the items before it already claimed."""
+        owners, keys, pins, flags = self._owners, self._keys, self._pins, self._evictable_flag
+        allocated, num_slots, policy = self._allocated, self._num_slots, self._policy
+        for slot, tag, key, speculative in items:
+            if not (type(slot) is int and 0 <= slot < num_slots and allocated[slot]) or key is None:
+                self.set_owner(slot, tag, key=key, speculative=speculative)  # its checks and errors
+                self.pin(slot)
+                continue
+            if owners[slot] is not tag or keys[slot] != key:
+                owners[slot] = tag
+                keys[slot] = key
+                policy.remove(slot)
+                policy.insert(slot, key=key, speculative=speculative)
+            count = pins[slot]
+            if count == 0:
+                self._num_pinned += 1
+                if flags[slot]:
+                    self._num_evictable -= 1
+            pins[slot] = count + 1
+
     def unpin_many(self, slots: Iterable[int]) -> None:
         """``unpin`` each of ``slots`` in order (a slot listed twice loses two pins): a store's
         completion unpins a batch of slots at once. A slot ``unpin`` would refuse raises its error,

@@ -466,3 +466,43 @@ def test_batch_unpin_and_mark_evictable_keep_the_counts_of_one_call_each() -> No
     with pytest.raises(SlotStateError, match=f"cannot mark slot {free}: it is free"):
         pool.mark_evictable_many([free])
     pool.check()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfuda", "arc-lfuda"])
+def test_batch_claim_keeps_the_owners_pins_and_eviction_order_of_set_owner_then_pin(eviction) -> None:
+    # A store takes its fresh slots for the copy in one call: owner, key, speculative flag, one pin.
+    pool, twin = make_pool(4, eviction), make_pool(4, eviction)
+    slots, twin_slots = pool.allocate(3).slots, twin.allocate(3).slots
+    tags = [object(), object(), object()]
+    keys = [b"k0", b"k1", b"k2"]
+    speculative = [False, True, False]
+    for p in (pool, twin):  # a slot pinned by a reader (the claim adds a second pin), one evictable
+        ss = slots if p is pool else twin_slots
+        p.pin(ss[2])
+        p.mark_evictable(ss[1])
+    pool.claim_many(zip(slots, tags, keys, speculative))
+    for s, tag, key, spec in zip(twin_slots, tags, keys, speculative):
+        twin.set_owner(s, tag, key=key, speculative=spec)
+        twin.pin(s)
+    assert [pool.owner(s) for s in slots] == tags
+    assert [pool.pin_count(s) for s in slots] == [1, 1, 2]
+    assert pool.statistics() == twin.statistics()
+    assert pool.statistics()["pinned_slots"] == 3
+    # The policy saw the same insertions: released and refilled, both evict in the same order.
+    for p, ss in ((pool, slots), (twin, twin_slots)):
+        p.unpin_many(ss)
+        p.unpin(ss[2])
+        p.mark_evictable_many(ss)
+        p.set_owner(p.allocate().slots[0], "newcomer", key=b"k3")
+    order = [[tag for _, tag in p.allocate(3).evicted] for p in (pool, twin)]
+    assert order[0] == order[1] and len(order[0]) == 3
+    # A slot set_owner or pin would refuse raises its error; the items before it were claimed.
+    # An item without a key takes set_owner's own path (the tag names the content).
+    fresh = make_pool(3, eviction)
+    slot, unkeyed = fresh.allocate(2).slots
+    (free,) = {0, 1, 2} - {slot, unkeyed}
+    with pytest.raises(SlotStateError, match=f"cannot set the owner of slot {free}: it is free"):
+        fresh.claim_many([(slot, "a", b"a", False), (unkeyed, "u", None, False), (free, "b", b"b", False)])
+    assert [fresh.owner(s) for s in (slot, unkeyed)] == ["a", "u"]
+    assert [fresh.pin_count(s) for s in (slot, unkeyed, free)] == [1, 1, 0]
+    pool.check(), twin.check(), fresh.check()
