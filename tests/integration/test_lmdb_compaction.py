@@ -85,6 +85,8 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         report = await tier.compact_segments()
 
         after_files = segment_files(path)
+        # the moves filled a new segment past half: its successor may be made ahead, empty
+        assert after_files.pop(tier._writes.segment_writer.spare, 0) == 0
         assert (report.segments, report.records, report.bytes, report.files_freed) == (2, 6, 6 * record, 2)
         assert report.bytes_freed == sum(size for name, size in before_files.items() if name != survivor)
         assert (report.quarantined, report.superseded, report.skipped_locked) == (0, 0, 0)
@@ -108,7 +110,9 @@ async def test_compaction_frees_mostly_dead_segments_down_to_the_exact_live_byte
         assert tier.verify().corrupt == []
         # a second pass finds nothing below the threshold
         again = await tier.compact_segments()
-        assert (again.segments, again.records) == (0, 0) and segment_files(path) == after_files
+        spare = tier._writes.segment_writer.spare
+        assert (again.segments, again.records) == (0, 0)
+        assert {name: size for name, size in segment_files(path).items() if name != spare} == after_files
     with pytest.raises(ClosedError, match="is closed"):
         await tier.compact_segments()
     async with await LmdbTier.open(path, readonly=True) as tier:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -27,6 +28,7 @@ from kvtier.tiers.base import Removal
 from kvtier.tiers.lmdb import LmdbTier, quarantine_cache_dir
 from kvtier.tiers.lmdb import segments
 from kvtier.tiers.lmdb.segment_reader import SegmentReader
+from kvtier.tiers.lmdb.segment_files import held_by_writer
 from kvtier.tiers.lmdb.segments import SegmentWriter, committed_ends
 from kvtier.tiers.record_format import CodecConfig
 from kvtier.tools.cli import main
@@ -38,6 +40,7 @@ RAW = CodecConfig(compress=False)
 CHILD = Path(__file__).with_name("segment_child.py")
 # 4 records of this size fill a 1 MiB segment past its end, so the next batch starts a new one
 RECORD = 300_000
+WAIT_S = 10.0
 
 
 class Child:
@@ -476,3 +479,121 @@ def test_a_reclaim_leaves_a_segment_another_process_deleted_between_its_open_and
     monkeypatch.setattr(files, "_locked_elsewhere", removed_meanwhile)
     assert files.reclaim_orphans(tmp_path, lambda: {}) == (0, 0)
     assert files.segment_files(tmp_path) == []
+
+
+def _record_fsync_dir(monkeypatch: pytest.MonkeyPatch, fail_on: Optional[str] = None) -> List[str]:
+    """Make ``segments.fsync_dir`` record the thread that calls it, "writer" or "opener" (and fail
+    on the thread ``fail_on`` names, as a disk that cannot sync the directory)."""
+    calls: List[str] = []
+    real = segments.fsync_dir
+
+    def recording(directory: str) -> None:
+        name = threading.current_thread().name
+        calls.append("opener" if name.startswith("kvtier-segment-open") else
+                     "writer" if name.startswith("kvtier-lmdb-writer") else name)
+        if fail_on is not None and calls[-1] == fail_on:
+            raise OSError(errno.EIO, "Input/output error")
+        real(directory)
+
+    monkeypatch.setattr(segments, "fsync_dir", recording)
+    return calls
+
+
+@pytest.mark.asyncio
+async def test_the_next_segment_is_made_ahead_off_the_writer_and_the_rotation_only_switches_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past half its segment the writer has its successor created, locked and name-synced on the
+    opener thread; the rotation then makes that file the active one without a create, lock or sync
+    of its own. The spare is locked (an open of another process leaves it), has no entry in the
+    ledger, is never written before it is active, and a closing tier removes it: the files left
+    are exactly the committed ends. Its number stays a gap: names never repeat."""
+    path = tmp_path / "c"
+    calls = _record_fsync_dir(monkeypatch)
+    batches = [make_batch(9, b, [RECORD] * 2) for b in range(3)]
+    async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20,
+                                   codec=RAW) as tier:
+        await tier.put_many(batches[0])  # 600 KB: past half of the first segment
+        writer = tier._writes.segment_writer
+        first, spare = writer.active, writer.spare
+        assert first is not None and spare is not None and spare != first
+        await asyncio.to_thread(lambda: writer._spare[1].result(WAIT_S))
+        assert calls == ["writer", "opener"]  # the first segment, then the spare
+        assert segment_files(path)[spare] == 0 and held_by_writer(path, spare) is True
+        assert spare not in tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
+        await tier.put_many(batches[1])  # the first segment past its size
+        await tier.put_many(batches[2])  # rotates: into the spare
+        assert writer.active == spare and writer.spare not in (None, first, spare)  # and the next one ahead
+        assert calls[:2] == ["writer", "opener"] and "writer" not in calls[1:]  # the rotation synced nothing
+        assert {p.name for p in pointers(tier).values()} == {first, spare}
+        await assert_served(tier, [it for b in batches for it in b])
+        names = {first, spare}
+    assert calls.count("writer") == 1
+    assert set(segment_files(path)) == names  # closed: the spare made in the second one removed
+    async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20,
+                                   codec=RAW) as tier:
+        more = [make_batch(9, b, [RECORD] * 2) for b in range(3, 5)]
+        for batch in more:
+            await tier.put_many(batch)
+        spare_after_restart = tier._writes.segment_writer.spare
+        assert spare_after_restart is not None
+        new = {p.name for p in pointers(tier).values()} - names
+        await assert_served(tier, [it for b in batches + more for it in b])
+    assert len(new) == 1 and not new & names and spare_after_restart not in names | new
+    assert set(segment_files(path)) == names | new  # the second spare removed at close too
+
+
+@pytest.mark.asyncio
+async def test_a_spare_whose_name_cannot_be_synced_fails_the_rotation_and_is_never_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spare's directory sync fails on the opener thread: the batch that needs it gets that
+    error (``TierIOError``, the tier degraded), nothing of it is visible, the file is gone; the next
+    rotation creates a segment itself, and once syncing works puts land there."""
+    path = tmp_path / "c"
+    calls = _record_fsync_dir(monkeypatch, fail_on="opener")
+    batches = [make_batch(10, b, [RECORD] * 2) for b in range(4)]
+    async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20,
+                                   codec=RAW) as tier:
+        await tier.put_many(batches[0])
+        await tier.put_many(batches[1])
+        spare = tier._writes.segment_writer.spare
+        assert spare is not None
+        with pytest.raises(TierIOError, match="cannot lock and sync new segment .*Input/output error"):
+            await tier.put_many(batches[2])
+        assert tier.statistics().degraded
+        assert await tier.contains_many([it[0] for it in batches[2]]) == [False, False]
+        assert spare not in segment_files(path)
+        assert calls == ["writer", "opener"]
+        calls = _record_fsync_dir(monkeypatch)  # syncing works again
+        await tier.put_many(batches[3])  # a segment of its own, created and synced on the writer
+        assert not tier.statistics().degraded
+        assert calls[0] == "writer" and set(calls[1:]) <= {"opener"}  # then perhaps its own spare
+        await assert_served(tier, batches[0] + batches[1] + batches[3])
+        assert_ledger_matches(tier)
+        assert await tier.check() == []
+
+
+def test_a_writer_killed_with_a_spare_leaves_an_orphan_the_next_open_removes(tmp_path: Path) -> None:
+    """kill -9 of a process whose next segment was made ahead: the spare (empty, no ledger entry)
+    is an orphan the next writable open deletes; every record the process acknowledged reads back
+    bitwise and the files are exactly their committed ends."""
+    path = tmp_path / "c"
+    child = Child(path, segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20, codec="raw")
+    try:
+        child.send(op="put", seed=11, batch=0, sizes=[RECORD] * 2)
+        child.send(op="put", seed=11, batch=1, sizes=[RECORD] * 2)  # past the size: a spare made ahead
+        deadline = time.monotonic() + WAIT_S
+        while len(segment_files(path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        child.kill()
+    files = segment_files(path)
+    assert len(files) == 2 and sorted(files.values())[0] == 0  # the spare, empty
+
+    async def check() -> None:
+        async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD) as tier:
+            await assert_served(tier, make_batch(11, 0, [RECORD] * 2) + make_batch(11, 1, [RECORD] * 2))
+            assert tier.quarantined_keys() == []
+            ends = tier._db.read_txn(lambda txn: committed_ends(txn, tier._db.tables.segments))
+            assert segment_files(path) == ends and len(ends) == 1
+
+    asyncio.run(check())

@@ -108,14 +108,17 @@ async def test_overwrite_delete_and_eviction_free_segments(tmp_path: Path) -> No
         _assert_ledger_matches(tier)
         live = {p.name for p in _pointers(tier).values()}
         files = set(_segment_files(path))
-        # every file is live or this writer's active segment; emptied ones were deleted
-        assert files - live <= {tier._writes.segment_writer.active}
+        # every file is live, this writer's active segment or the next one made ahead; emptied
+        # ones were deleted
+        writer = tier._writes.segment_writer
+        assert files - live <= {writer.active, writer.spare}
         assert not (first_segments & files) - live
         served = [it for b in batches for it in b if it[0] in set(_pointers(tier))]
         await _assert_served(tier, served)
         assert tier.gc(0) == len(served)
         assert _pointers(tier) == {} and _ledger(tier) == {}
-        assert set(_segment_files(path)) <= {tier._writes.segment_writer.active}
+        assert set(_segment_files(path)) <= {writer.active, writer.spare}
+    assert _segment_files(path) == {}  # closed: the active segment emptied, the spare removed
     async with await LmdbTier.open(path) as tier:
         assert _segment_files(path) == {} or all(size == 0 for size in _segment_files(path).values())
 
@@ -524,10 +527,11 @@ _SYSCALL = re.compile(r"^(\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\((\d+)<([^>]*)>
 
 
 def _durability_violations(trace: str, cache: Path) -> Tuple[List[str], Dict[str, int]]:
-    """Replay an ``strace -f -y`` log: a segment write or a new segment's name must be synced
-    (``fdatasync`` of the segment, ``fsync`` of the cache directory) before any write to
-    ``data.mdb`` starts -- the order that keeps a power cut from leaving a committed pointer to
-    bytes the disk never got."""
+    """Replay an ``strace -f -y`` log: a new segment's name must be synced (``fsync`` of the cache
+    directory) before any write to the segment, and every segment write synced (``fdatasync``)
+    before any write to ``data.mdb`` starts -- the order that keeps a power cut from leaving a
+    committed pointer to bytes the disk never got. (A segment created ahead and not yet written
+    holds no byte a pointer could name, so a commit may run while its name is being synced.)"""
     dirty: Set[str] = set()  # segments with completed writes not yet synced
     unnamed: Set[str] = set()  # segments created since the last directory fsync
     pending: Dict[str, Tuple[str, str]] = {}  # pid -> (syscall, path) of an unfinished call
@@ -548,11 +552,13 @@ def _durability_violations(trace: str, cache: Path) -> Tuple[List[str], Dict[str
             pending[pid] = (call, path)
             if path.endswith("data.mdb") and call.startswith(("pwrite", "write")):
                 counts["lmdb writes"] += 1
-                if dirty or unnamed:
-                    violations.append(f"data.mdb write while {sorted(dirty)} unsynced / {sorted(unnamed)} unnamed")
+                if dirty:
+                    violations.append(f"data.mdb write while {sorted(dirty)} unsynced")
             continue
         name = path.rsplit("/", 1)[-1]
         if name.endswith(".kvs") and call.startswith("pwrite"):
+            if name in unnamed:
+                violations.append(f"write to {name} before its name was synced")
             dirty.add(name)
             counts["segment writes"] += 1
         elif name.endswith(".kvs") and call in ("fdatasync", "fsync"):
@@ -562,8 +568,8 @@ def _durability_violations(trace: str, cache: Path) -> Tuple[List[str], Dict[str
             unnamed.clear()
         elif name == "data.mdb" and call.startswith(("pwrite", "write")) and not resumed:
             counts["lmdb writes"] += 1
-            if dirty or unnamed:
-                violations.append(f"data.mdb write while {sorted(dirty)} unsynced / {sorted(unnamed)} unnamed")
+            if dirty:
+                violations.append(f"data.mdb write while {sorted(dirty)} unsynced")
     return violations, counts
 
 

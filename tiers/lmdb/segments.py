@@ -68,7 +68,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 
 import lmdb
 
-from kvtier.errors import CorruptRecordError
+from kvtier.errors import CorruptRecordError, TierFullError, TierIOError
 
 from ..files.layout import fsync_dir
 from ..record_format import MAX_HEADER_BYTES
@@ -146,6 +146,10 @@ WRITES_IN_FLIGHT = 4  # direct writes in flight per batch (the bench's O_DIRECT 
 # just the batch that does not fit, before any byte of it is written).
 ALLOCATE_AHEAD_BATCHES = 4
 PREALLOCATE_FREE_FACTOR = 2
+# Once the active segment is this full, its successor is created ahead (``SegmentWriter``'s spare):
+# by then a put's commit has usually taken its number already, so preparing it costs the writer
+# thread no transaction of its own.
+SPARE_AT_FRACTION = 0.5
 
 
 def _no_hook(_op: str) -> None:
@@ -250,7 +254,11 @@ class SegmentWriter:
     from a counter in its ``meta`` table, bumped in a write transaction of their own): a name is
     never reused, so a reader that keeps a file open by name never meets a new file under an old
     name. Without it (tools and tests driving a writer by hand) numbers count up from 0 in this
-    writer, skipping names that exist."""
+    writer, skipping names that exist.
+
+    Once the active segment is half full its successor (the *spare*) is created, locked and
+    name-synced on an opener thread of its own, so a rotation only switches to it; the spare is
+    empty until then (no pointer can name it), and ``close`` removes one never used."""
 
     def __init__(self, directory: Path, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
                  numbers: Optional[Callable[[], int]] = None) -> None:
@@ -268,6 +276,10 @@ class SegmentWriter:
         self._last: Optional["PendingAppend"] = None
         self._newest: Optional["PendingAppend"] = None  # the last batch begun in any segment
         self.direct: Optional[bool] = None  # whether the active segment took O_DIRECT
+        # The next segment, created, locked and name-synced on the opener thread while this one
+        # fills: (its number, the future of its (fd, direct), None where the name existed).
+        self._spare: Optional[Tuple[int, "Future[Optional[Tuple[int, bool]]]"]] = None
+        self._opener: Optional[ThreadPoolExecutor] = None  # runs only _create_locked
         self._lanes: Optional[ThreadPoolExecutor] = None  # the direct writes' threads (never state)
         # One thread runs each batch's fdatasync once its writes are done, in that order, so the
         # writer thread meanwhile begins the next batches and commits the ones already synced.
@@ -284,52 +296,104 @@ class SegmentWriter:
     def active(self) -> Optional[str]:
         return segment_name(self._pid, self._counter) if self._fd is not None else None
 
+    @property
+    def spare(self) -> Optional[str]:
+        """The name of the next segment, when it is being created or was created ahead (empty,
+        locked by this writer, no pointer names it): the next rotation makes it the active one."""
+        return segment_name(self._pid, self._spare[0]) if self._spare is not None else None
+
     def _next_number(self) -> int:
         return self._numbers() if self._numbers is not None else self._counter + 1
 
     def _open_next(self) -> None:
-        """Create, lock and name-sync the next segment; only then is it the active one. Any failure
-        is ``TierIOError`` / ``TierFullError`` and leaves no active segment: a file whose directory
-        entry was not synced is never appended to (a power cut could lose its name while LMDB kept
-        pointers into it), it is removed (or, failing that, left without an entry in ``segments``:
-        an orphan the next writable open deletes)."""
+        """Make the next segment the active one: the spare prepared ahead when there is one (its
+        errors raised now), else created, locked and name-synced here. Any failure is
+        ``TierIOError`` / ``TierFullError`` and leaves no active segment (``_create_locked``)."""
         while True:
-            number = self._next_number()  # an LMDB write: never under segments.lock
-            path = self._dir / segment_name(self._pid, number)
-            with creation_lock(self._dir, fcntl.LOCK_SH):
-                fd = self._create(path)
-                if fd is None:
-                    self._counter = number
-                    continue  # a file the numbering did not know of (a reused pid): the next number
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
-                    fsync_dir(str(self._dir))  # the name survives a power cut before any pointer to it commits
-                except OSError as exc:
-                    os.close(fd)
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                    raise io_error(exc, f"cannot lock and sync new segment {path}") from exc
+            spare, self._spare = self._spare, None
+            if spare is not None:
+                number, created = spare
+                opened = created.result()
+            else:
+                number = self._next_number()  # an LMDB write: never under segments.lock
+                opened = self._create_locked(number)
+            if opened is None:
+                self._counter = number
+                continue  # a file the numbering did not know of (a reused pid): the next number
+            fd, self.direct = opened
             self._fd, self._counter, self._end, self._allocate = fd, number, 0, True
             self._allocated, self._last = 0, None
             return
 
-    def _create(self, path: Path) -> Optional[int]:
-        """``O_EXCL`` create (O_DIRECT where the filesystem takes it); ``None`` when the name exists."""
+    def _create_locked(self, number: int) -> Optional[Tuple[int, bool]]:
+        """Create, lock and name-sync segment ``number``: (fd, whether it took O_DIRECT), or None
+        when the name exists. A file whose directory entry was not synced is never appended to (a
+        power cut could lose its name while LMDB kept pointers into it): a failed lock or sync
+        removes it and raises ``TierIOError`` (or, failing the removal, leaves it without an entry
+        in ``segments``: an orphan the next writable open deletes). Any thread: it touches no
+        state of the writer."""
+        path = self._dir / segment_name(self._pid, number)
+        with creation_lock(self._dir, fcntl.LOCK_SH):
+            created = self._create(path)
+            if created is None:
+                return None
+            fd = created[0]
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # "still being appended": nobody deletes or truncates it
+                fsync_dir(str(self._dir))  # the name survives a power cut before any pointer to it commits
+            except OSError as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise io_error(exc, f"cannot lock and sync new segment {path}") from exc
+        return created
+
+    def _prepare_spare(self) -> None:
+        """Writer thread: take the next segment's number and create its file on the opener thread,
+        so the rotation that needs it makes none of those calls. Beside a serving process's
+        CPU-bound threads each of them (the create, the lock, the directory's fsync) returns
+        behind the GIL, and the rotation held the writer, and the first direct writes of the
+        batch that rotated, for 80-220 ms. A numbering that fails here is left to the rotation,
+        which takes its number itself and raises then."""
+        try:
+            number = self._next_number()
+        except (TierIOError, TierFullError):
+            return
+        if self._opener is None:
+            self._opener = ThreadPoolExecutor(1, thread_name_prefix="kvtier-segment-open")
+        self._spare = (number, self._opener.submit(self._create_locked, number))
+
+    def _drop_spare(self) -> None:
+        """Remove the spare's file (empty, locked by this writer: no pointer ever named it); its
+        number stays unused, a gap. A spare whose creation failed has nothing to remove."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        number, created = spare
+        try:
+            opened = created.result()
+        except Exception:  # noqa: BLE001 - a creation that failed removed its file or left an orphan
+            return
+        if opened is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._dir / segment_name(self._pid, number))
+            close_quietly(opened[0])
+
+    def _create(self, path: Path) -> Optional[Tuple[int, bool]]:
+        """``O_EXCL`` create (O_DIRECT where the filesystem takes it): (fd, whether it took
+        O_DIRECT); ``None`` when the name exists."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
-                fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-                self.direct = hasattr(os, "O_DIRECT")
+                return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600), hasattr(os, "O_DIRECT")
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                fd = os.open(path, flags, 0o600)  # tmpfs and others refuse O_DIRECT
-                self.direct = False
+                return os.open(path, flags, 0o600), False  # tmpfs and others refuse O_DIRECT
         except FileExistsError:
             return None
         except OSError as exc:
             raise io_error(exc, f"cannot create segment {path}") from exc
-        return fd
 
     def rotate(self) -> None:
         """Close the active segment (its lock goes with it); the next append starts a new one. Blocks
@@ -440,6 +504,10 @@ class SegmentWriter:
             self.rotate()
             raise io_error(exc, f"segment write under {self._dir} failed") from exc
         self._end = pos
+        if self._spare is None and pos >= self._max_bytes * SPARE_AT_FRACTION:
+            # Before this batch's writes: a number taken in a transaction of its own then commits
+            # while no byte of the batch is in flight.
+            self._prepare_spare()
         runs = write_runs([p.extent for p in pointers], lanes=WRITES_IN_FLIGHT)
         if self._lanes is None:
             self._lanes = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvtier-segment-write")
@@ -506,6 +574,10 @@ class SegmentWriter:
 
     def close(self) -> None:
         self.rotate()
+        self._drop_spare()
+        if self._opener is not None:
+            self._opener.shutdown(wait=True)
+            self._opener = None
         if self._lanes is not None:
             self._lanes.shutdown(wait=True)  # the last writes queue their syncs first
             self._lanes = None
