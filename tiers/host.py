@@ -370,6 +370,8 @@ class HostSlabPool:
         ``(slot, tag, key, speculative)`` of ``items``, in order: a store takes its batch of fresh
         slots for the copy that is about to fill them. A slot either call would refuse raises its
         error, the items before it already claimed."""
+        # set_owner's and pin's bookkeeping inline: a store claims hundreds of slots on the event
+        # loop in one call, where two checked calls a slot kept the copy thread off the GIL longer.
         owners, keys, pins, flags = self._owners, self._keys, self._pins, self._evictable_flag
         allocated, num_slots, policy = self._allocated, self._num_slots, self._policy
         for slot, tag, key, speculative in items:

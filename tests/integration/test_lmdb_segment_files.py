@@ -528,7 +528,7 @@ async def test_the_next_segment_is_made_ahead_off_the_writer_and_the_rotation_on
         await assert_served(tier, [it for b in batches for it in b])
         names = {first, spare}
     assert calls.count("writer") == 1
-    assert set(segment_files(path)) == names  # closed: the spare made in the second one removed
+    assert set(segment_files(path)) == names  # closed: the spare made ahead of the second segment removed
     async with await LmdbTier.open(path, segment_threshold_bytes=THRESHOLD, segment_max_bytes=1 << 20,
                                    codec=RAW) as tier:
         more = [make_batch(9, b, [RECORD] * 2) for b in range(3, 5)]

@@ -505,4 +505,5 @@ def test_batch_claim_keeps_the_owners_pins_and_eviction_order_of_set_owner_then_
         fresh.claim_many([(slot, "a", b"a", False), (unkeyed, "u", None, False), (free, "b", b"b", False)])
     assert [fresh.owner(s) for s in (slot, unkeyed)] == ["a", "u"]
     assert [fresh.pin_count(s) for s in (slot, unkeyed, free)] == [1, 1, 0]
-    pool.check(), twin.check(), fresh.check()
+    for p in (pool, twin, fresh):
+        p.check()

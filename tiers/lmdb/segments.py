@@ -372,7 +372,7 @@ class SegmentWriter:
         number, created = spare
         try:
             opened = created.result()
-        except Exception:  # noqa: BLE001 - a creation that failed removed its file or left an orphan
+        except (TierIOError, TierFullError):  # a failed creation removed its file or left an orphan
             return
         if opened is not None:
             with contextlib.suppress(OSError):
